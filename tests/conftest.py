@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random HF model directories (built once per session) and the gpu marker."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """{"llama": dir (tied embeddings), "qwen2": dir (QKV bias), "qwen3": dir (QK-norm)}."""
+    from tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        "llama": make_tiny_model("llama", root / "llama", tie=True),
+        "qwen2": make_tiny_model("qwen2", root / "qwen2"),
+        "qwen3": make_tiny_model("qwen3", root / "qwen3"),
+    }

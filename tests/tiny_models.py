@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face models built from real configs (Llama, Qwen2, Qwen3), saved as real
+HF directories (config.json + safetensors + tokenizer with a ChatML template), for tests.
+
+Every parameter is perturbed (biases and norm weights included) so a wrong mapping cannot hide
+behind zeros or ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer():
+    """A byte-level BPE with no merges (every UTF-8 byte is a token) plus ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def tiny_config(kind: str, vocab_size: int = 264, tie: bool = False):
+    """A 2-layer config of the given family with GQA (4 query heads, 2 KV heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=256,
+        eos_token_id=258,
+        pad_token_id=256,
+    )
+    if kind == "llama":
+        return LlamaConfig(rope_theta=10000.0, rms_norm_eps=1e-5, **common)
+    if kind == "qwen2":
+        return Qwen2Config(rope_theta=1000000.0, rms_norm_eps=1e-6, **common)
+    if kind == "qwen3":
+        return Qwen3Config(rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=16, **common)
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected llama, qwen2 or qwen3")
+
+
+def make_tiny_model(kind: str, out_dir: str | Path, *, tie: bool = False, seed: int = 0) -> Path:
+    """Build, perturb and save a tiny random model with its tokenizer; returns the directory."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    tokenizer = make_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, vocab_size=len(tokenizer) + 5, tie=tie))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.05 * torch.randn_like(param))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
