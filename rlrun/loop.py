@@ -1,0 +1,235 @@
+"""The synchronous RL loop: every rank runs this, step by step, in lockstep.
+
+One step:
+  1. rollout    rank 0 draws prompts and scatters whole groups to ranks; each rank's engine
+                generates ``samples_per_prompt`` responses with log-probs; rewards are scored on
+                the rank; samples are gathered to rank 0
+  2. engine sleeps (release_memory_occupation), trainer wakes
+  3. advantages rank 0 computes GRPO group advantages and drops tied groups
+  4. scatter    rank 0 packs samples into micro-batches under a token budget, balances them over
+                DP ranks and scatters them (TP peers of a DP rank receive the same micro-batches)
+  5. log-probs  the trainer recomputes the old-policy log-probs (and the gap to the engine's)
+  6. train      Megatron forward/backward with the PPO-clip loss, optimizer step
+  7. trainer sleeps; engine wakes for weights; weight sync (Megatron -> HF names -> flattened
+                buckets -> ZMQ); engine wakes its KV cache
+  8. log        metrics.jsonl + console line on rank 0
+
+    torchrun ─┬─ rank 0: Megatron shard + loop ──ZMQ──> engine worker 0
+              └─ rank 1: Megatron shard + loop ──ZMQ──> engine worker 1
+                 (rollout data and gradients move with torch.distributed)
+
+Launch:  torchrun --standalone --nproc-per-node 2 -m rlrun train configs/quickstart.yaml
+Slurm:   see launch/ (srun + torchrun with a c10d rendezvous on the first node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlrun.algo.advantages import grpo_advantages, tied_groups
+from rlrun.algo.policy_loss import ppo_clip_loss
+from rlrun.config.load import dump_config
+from rlrun.config.schema import RunConfig
+from rlrun.data.batch import MicroBatch, schedule_micro_batches
+from rlrun.data.sample import Sample
+from rlrun.data.transfer import all_gather, gather_to_rank0, scatter_from_rank0
+from rlrun.metrics import MetricsLogger, PhaseTimer
+from rlrun.offload import Offloader
+from rlrun.rollout.driver import generate_samples, group_samples, split_groups
+from rlrun.rollout.rewards import load_reward_fn, score_samples
+
+
+@dataclass
+class RunState:
+    """Everything that changes as the run goes and must survive a restart."""
+
+    step: int = 0
+    weight_version: int = 0
+    sampler: dict = field(default_factory=dict)
+
+
+@dataclass
+class Components:
+    """What one rank holds for the whole run (built once by :func:`setup`)."""
+
+    cfg: RunConfig
+    parallel: object
+    model: object
+    optimizer: object
+    engine: object
+    offloader: Offloader
+    tokenizer: object
+    sampler: object | None  # rank 0 only
+    reward_fn: object
+    dp_rank_of: list[int]
+    logger: MetricsLogger | None  # rank 0 only
+
+
+def run(cfg: RunConfig) -> None:
+    """Train for ``cfg.train.num_steps`` steps; the engine worker never outlives this call."""
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    parallel = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed)
+    engine = None
+    try:
+        parts = setup(cfg, parallel)
+        engine = parts.engine
+        state = RunState()
+        while state.step < cfg.train.num_steps:
+            train_one_step(parts, state)
+            state.step += 1
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        destroy_distributed()
+
+
+def setup(cfg: RunConfig, parallel) -> Components:
+    from transformers import AutoTokenizer
+
+    from rlrun.data.prompts import PromptDataset, PromptSampler
+    from rlrun.engine.client import EngineClient
+    from rlrun.megatron import build_model, make_optimizer
+
+    run_dir = Path(cfg.logging.run_dir)
+    if parallel.is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    dist.barrier(group=parallel.cpu_group)
+    # The engine starts before Megatron allocates (SGLang sizes its KV cache from free memory).
+    engine = EngineClient.spawn(
+        backend=cfg.engine.backend, model_path=cfg.model.path, run_dir=run_dir, rank=parallel.rank,
+        seed=cfg.train.seed + parallel.rank, dtype=cfg.model.dtype,
+        startup_timeout_s=cfg.engine.startup_timeout_s, request_timeout_s=cfg.engine.request_timeout_s,
+    )
+    model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype)
+    opt = cfg.optimizer
+    optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    sampler = None
+    if parallel.is_rank0:
+        dataset = PromptDataset(cfg.data, tokenizer)
+        sampler = PromptSampler(dataset, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    return Components(
+        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, engine=engine,
+        offloader=Offloader(cfg.offload, engine, parallel.device), tokenizer=tokenizer, sampler=sampler,
+        reward_fn=load_reward_fn(cfg.rollout.reward), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
+        logger=MetricsLogger(run_dir, cfg.logging.console, cfg.train.num_steps) if parallel.is_rank0 else None,
+    )
+
+
+def train_one_step(parts: Components, state: RunState) -> None:
+    timer = PhaseTimer()
+    metrics: dict[str, float] = {}
+    with timer("rollout"):
+        samples = rollout(parts, state.step)
+    with timer("offload"):
+        parts.offloader.engine_sleep()
+        parts.offloader.trainer_wake()
+    with timer("scatter"):
+        work = rank0_schedule(parts, samples, metrics) if parts.parallel.is_rank0 else None
+        micro_batches, num_global_tokens = scatter_from_rank0(work, parts.parallel.cpu_group)
+    if micro_batches:
+        with timer("logprobs"):
+            metrics.update(compute_old_logprobs(parts, micro_batches))
+        with timer("train"):
+            metrics.update(train(parts, micro_batches, num_global_tokens))
+    with timer("offload"):
+        parts.offloader.trainer_sleep()
+        parts.offloader.engine_wake_for_sync()
+    if micro_batches:
+        with timer("sync"):
+            state.weight_version += 1
+            sync_weights(parts, state.weight_version)
+    parts.offloader.engine_wake_for_rollout()
+    if parts.logger is not None:
+        parts.logger.log(state.step, {**metrics, **timer.as_metrics()})
+
+
+def rollout(parts: Components, step: int) -> list[Sample] | None:
+    """Generate and score on every rank; rank 0 returns all samples in prompt-major order."""
+    parallel, cfg = parts.parallel, parts.cfg
+    chunks = split_groups(parts.sampler.next_batch(cfg.rollout.prompts_per_step), parallel.world_size) if parallel.is_rank0 else None
+    prompts = scatter_from_rank0(chunks, parallel.cpu_group)
+    seed = cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank
+    decode = lambda ids: parts.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    samples = generate_samples(parts.engine, prompts, cfg.rollout, seed, decode)
+    score_samples(samples, parts.reward_fn)
+    gathered = gather_to_rank0(samples, parallel.cpu_group)
+    return [s for rank_samples in gathered for s in rank_samples] if gathered is not None else None
+
+
+def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> list:
+    """Advantages, tied-group filtering, packing and DP balancing; one payload per global rank."""
+    cfg = parts.cfg
+    groups = group_samples(samples, cfg.rollout.samples_per_prompt)
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
+    advantages = grpo_advantages(rewards, normalize_std=cfg.algorithm.normalize_std)
+    keep = ~tied_groups(rewards) if cfg.algorithm.skip_tied_groups else torch.ones(len(groups), dtype=torch.bool)
+    metrics.update(rollout_metrics(samples, keep))
+    kept = [(s, float(a)) for g, adv, k in zip(groups, advantages, keep) if k for s, a in zip(g, adv)]
+    if not kept:
+        return [([], 0)] * parts.parallel.world_size
+    per_dp = schedule_micro_batches(
+        [s for s, _ in kept], [a for _, a in kept], dp_size=parts.parallel.dp_size,
+        max_tokens=cfg.train.max_tokens_per_micro_batch, pad_token_id=parts.tokenizer.pad_token_id or 0,
+    )
+    num_global_tokens = sum(len(s.response_ids) for s, _ in kept)
+    return [(per_dp[dp_rank], num_global_tokens) for dp_rank in parts.dp_rank_of]
+
+
+def rollout_metrics(samples: list[Sample], kept_groups: torch.Tensor) -> dict[str, float]:
+    lengths = [len(s.response_ids) for s in samples]
+    return {
+        "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
+        "rollout/reward_errors": sum(s.reward_error is not None for s in samples),
+        "rollout/response_len_mean": sum(lengths) / len(lengths),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/tied_group_frac": 1.0 - kept_groups.float().mean().item(),
+    }
+
+
+def compute_old_logprobs(parts: Components, micro_batches: list[MicroBatch]) -> dict[str, float]:
+    """Old-policy log-probs from the trainer (before the update), and their gap to the engine's."""
+    from rlrun.megatron import compute_logprobs
+
+    gap_sum = torch.zeros(2)
+    with torch.no_grad():
+        for mb in micro_batches:
+            mb.old_logprobs = compute_logprobs(parts.model, mb.tokens, mb.position_ids, parts.cfg.rollout.temperature).float().cpu()
+            if parts.parallel.tp_rank == 0:  # TP peers hold the same batch: count it once
+                gap_sum[0] += ((mb.old_logprobs - mb.rollout_logprobs).abs() * mb.loss_mask).sum()
+                gap_sum[1] += mb.loss_mask.sum()
+    dist.all_reduce(gap_sum, group=parts.parallel.cpu_group)
+    return {"train/logprob_gap": (gap_sum[0] / gap_sum[1].clamp(min=1)).item()}
+
+
+def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens: int) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches with the token-mean PPO-clip loss."""
+    from rlrun.megatron import train_step
+
+    alg = parts.cfg.algorithm
+
+    def loss_fn(mb: MicroBatch, logprobs: torch.Tensor):
+        mask = mb.loss_mask.to(logprobs.device)
+        terms = ppo_clip_loss(logprobs, mb.old_logprobs.to(logprobs.device), mb.advantages.to(logprobs.device), alg.eps_clip, alg.clip_high)
+        sums = {"policy_loss": (terms.loss * mask).sum(), "clip_frac": (terms.clipped * mask).sum(), "approx_kl": (terms.approx_kl * mask).sum()}
+        return sums["policy_loss"], {k: v.detach() for k, v in sums.items()}
+
+    out = train_step(parts.model, parts.optimizer, micro_batches, loss_fn, num_global_tokens=num_global_tokens, temperature=parts.cfg.rollout.temperature)
+    metrics = {f"train/{k}": float(v) / num_global_tokens for k, v in out["metrics"].items()}
+    metrics["train/grad_norm"] = float(out["grad_norm"])
+    metrics["train/num_loss_tokens"] = num_global_tokens
+    return metrics
+
+
+def sync_weights(parts: Components, version: int) -> None:
+    """Push the trainer's weights to this rank's engine as HF-named flattened buckets."""
+    from rlrun.megatron import export_hf_weights
+
+    parts.engine.update_weights(export_hf_weights(parts.model), weight_version=str(version), bucket_bytes=parts.cfg.engine.bucket_bytes)

@@ -1,0 +1,71 @@
+"""Generate one step's responses on this rank's engine and score them.
+
+Rank 0 assigns whole groups (a prompt and its ``samples_per_prompt`` responses) to ranks, so group
+statistics (GRPO advantages) can be computed from gathered groups without ever merging partial ones.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rlrun.config.schema import RolloutConfig
+from rlrun.data.sample import Prompt, Sample
+
+
+def split_groups(prompts: list[Prompt], num_ranks: int) -> list[list[Prompt]]:
+    """Contiguous, near-equal chunks of prompts, one per rank (a rank may get none)."""
+    base, extra = divmod(len(prompts), num_ranks)
+    chunks, start = [], 0
+    for rank in range(num_ranks):
+        end = start + base + (1 if rank < extra else 0)
+        chunks.append(prompts[start:end])
+        start = end
+    return chunks
+
+
+def sampling_params(cfg: RolloutConfig, seed: int) -> dict:
+    """The engine-contract sampling params for one step (``sampling_seed`` makes it reproducible)."""
+    return {
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "n": cfg.samples_per_prompt,
+        "sampling_seed": seed,
+    }
+
+
+def generate_samples(engine, prompts: list[Prompt], cfg: RolloutConfig, seed: int, decode: Callable[[list[int]], str]) -> list[Sample]:
+    """Ask the engine for ``samples_per_prompt`` responses per prompt; results are prompt-major."""
+    if not prompts:
+        return []
+    results = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg, seed), return_logprob=True)
+    n = cfg.samples_per_prompt
+    if len(results) != len(prompts) * n:
+        raise RuntimeError(f"engine returned {len(results)} results for {len(prompts)} prompts x n={n}")
+    samples = []
+    for i, result in enumerate(results):
+        prompt = prompts[i // n]
+        samples.append(
+            Sample(
+                group_index=prompt.index,
+                prompt=prompt,
+                response_ids=list(result["output_ids"]),
+                response_text=decode(result["output_ids"]),
+                rollout_logprobs=list(result["output_logprobs"]),
+                finish_reason=result["finish_reason"]["type"],
+                weight_version=str(result.get("weight_version", "")),
+            )
+        )
+    return samples
+
+
+def group_samples(samples: list[Sample], group_size: int) -> list[list[Sample]]:
+    """Split a prompt-major sample list into its groups, checking each group is whole."""
+    if len(samples) % group_size:
+        raise RuntimeError(f"{len(samples)} samples do not form whole groups of {group_size}")
+    groups = [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+    for group in groups:
+        if len({s.group_index for s in group}) != 1:
+            raise RuntimeError("a group mixes samples of different prompts; rollout order was broken")
+    return groups

@@ -1,0 +1,51 @@
+"""Micro-batch collation, packing under a token budget, and DP balancing."""
+
+import torch
+
+from rlrun.data.batch import balance_across_ranks, collate, pack_micro_batches, schedule_micro_batches
+from rlrun.data.sample import Prompt, Sample
+
+
+def make_sample(prompt_len: int, resp_len: int, index: int = 0) -> Sample:
+    prompt = Prompt(index=index, prompt_ids=list(range(10, 10 + prompt_len)), prompt_text="p")
+    return Sample(
+        group_index=index, prompt=prompt, response_ids=list(range(100, 100 + resp_len)), response_text="r",
+        rollout_logprobs=[-0.1 * (j + 1) for j in range(resp_len)], finish_reason="stop",
+    )
+
+
+def test_collate_aligns_response_targets():
+    samples = [make_sample(3, 2), make_sample(2, 4)]
+    mb = collate(samples, [0.5, -1.0], pad_token_id=0)
+    assert mb.tokens.shape == (2, 6)
+    # loss positions t predict tokens[t+1]; they must be exactly the response tokens
+    for i, s in enumerate(samples):
+        targets = mb.tokens[i, 1:][mb.loss_mask[i].bool()].tolist()
+        assert targets == s.response_ids
+        assert mb.rollout_logprobs[i][mb.loss_mask[i].bool()].tolist() == torch.tensor(s.rollout_logprobs).tolist()
+    assert mb.advantages[0].sum().item() == 0.5 * 2
+    assert mb.num_loss_tokens == 6
+    assert mb.tokens[0, 5].item() == 0  # right padding
+
+
+def test_pack_respects_budget_and_keeps_every_item():
+    lengths = [5, 9, 3, 12, 7, 7, 30]
+    batches = pack_micro_batches(lengths, max_tokens=24)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 24
+
+
+def test_balance_is_within_one_item():
+    lengths = [9, 8, 7, 6, 5, 4, 3, 2, 1, 1]
+    assignment = balance_across_ranks(lengths, 3)
+    loads = [sum(lengths[i] for i in r) for r in assignment]
+    assert sorted(i for r in assignment for i in r) == list(range(len(lengths)))
+    assert max(loads) - min(loads) <= max(lengths)
+
+
+def test_schedule_gives_every_rank_work():
+    per_rank = schedule_micro_batches([make_sample(3, 2)], [1.0], dp_size=2, max_tokens=64, pad_token_id=0)
+    assert len(per_rank) == 2 and all(per_rank)
+    total_loss_tokens = sum(mb.num_loss_tokens for mbs in per_rank for mb in mbs)
+    assert total_loss_tokens == 2  # the filler micro-batch carries no loss
