@@ -67,7 +67,8 @@ class RolloutConfig(Section):
     """Top-k sampling; -1 (or 0) keeps the whole vocabulary."""
     reward: str = "first_number"
     """Reward function: a built-in name (first_number, exact_match) or ``module:function`` /
-    ``path/to/file.py:function`` taking (response_text, label) and returning a float."""
+    ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> float`` (the sample carries
+    the response text, finish_reason and the prompt's label). Resolved when the config is loaded."""
 
 
 class EngineConfig(Section):

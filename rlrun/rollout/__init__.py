@@ -1,0 +1,1 @@
+"""Rollout: drawing prompts, generating responses through the engines, scoring them (``rewards``)."""

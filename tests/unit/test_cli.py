@@ -1,0 +1,80 @@
+"""The rlrun CLI as users run it (``python -m rlrun``, real subprocesses): clean one-line config
+errors without tracebacks, resolved config output, and no torch/Megatron imports on the light paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlrun.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "megatron", "transformers")
+
+
+def rlrun(*args: str, importtime: bool = False) -> subprocess.CompletedProcess:
+    flags = ["-X", "importtime"] if importtime else []
+    return subprocess.run([sys.executable, *flags, "-m", "rlrun", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def imported_modules(stderr: str) -> set[str]:
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.fixture
+def good_config(tmp_path, tiny_model_dirs) -> Path:
+    path = tmp_path / "good.yaml"
+    path.write_text(f"model:\n  path: {tiny_model_dirs['llama']}\nrollout:\n  temperature: 0.5\n")
+    return path
+
+
+@pytest.mark.parametrize("command", ["validate", "show"])
+def test_bad_config_is_one_line_on_stderr_without_traceback(tmp_path, command):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  temperature: 0.5\n  temprature: 2\n")
+    result = rlrun("config", command, str(path))
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == f"{path}:3: unknown key 'rollout.temprature' (did you mean 'temperature'?)\n"
+
+
+def test_train_with_a_bad_override_exits_cleanly(good_config):
+    result = rlrun("train", str(good_config), "--set", "rollout.max_new_tokens=0")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr == "--set rollout.max_new_tokens=0: rollout.max_new_tokens (0) must be greater than or equal to 1\n"
+
+
+def test_validate_checks_model_dir_and_prompt_rows(tmp_path, good_config):
+    missing_model = rlrun("config", "validate", str(good_config), "--set", f"model.path={tmp_path}/none")
+    assert missing_model.returncode == 1
+    assert missing_model.stderr.startswith(f"model.path ('{tmp_path}/none') must be a Hugging Face model directory")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "label": 1}\n{"prompt": "b"}\n')
+    bad_rows = rlrun("config", "validate", str(good_config), "--set", f"data.path={rows}")
+    assert bad_rows.returncode == 1 and bad_rows.stderr.startswith(f"{rows}:2: missing key 'label'")
+
+
+def test_validate_ok_and_show_without_heavy_imports(good_config):
+    result = rlrun("config", "validate", str(good_config), "--set", "train.num_steps=3", importtime=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"ok: {good_config}: model ") and "3 steps of 4 prompts x 8 samples" in result.stdout
+    modules = imported_modules(result.stderr)
+    assert {"rlrun.config.load", "rlrun.data.prompts", "typer"} <= modules  # the probe sees imports
+    assert not [m for m in modules if m.split(".")[0] in HEAVY]
+
+    shown = rlrun("config", "show", str(good_config), "--set", "optimizer.lr=3e-6")
+    assert shown.returncode == 0
+    expected = load_config(good_config, ["optimizer.lr=3e-6"]).model_dump(mode="json")
+    assert yaml.safe_load(shown.stdout) == expected
+
+
+def test_help_is_light():
+    result = rlrun("--help", importtime=True)
+    assert result.returncode == 0
+    assert all(name in result.stdout for name in ("train", "config", "prepare"))
+    modules = imported_modules(result.stderr)
+    assert "rlrun.cli" in modules and not [m for m in modules if m.split(".")[0] in HEAVY]

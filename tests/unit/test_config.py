@@ -1,0 +1,126 @@
+"""load_config: YAML + --set overrides -> RunConfig, and one-line errors that name file:line and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlrun.config import ConfigError, RunConfig, dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("# c\nrollout:\n  max_new_tokens: lots\n",
+         ":3: rollout.max_new_tokens ('lots') must be a valid integer, unable to parse string as an integer"),
+        ("rollout:\n  top_p: 1\n  temperature: -1\n", ":3: rollout.temperature (-1) must be greater than 0"),
+        ("model:\n  dtype: fp16\n", ":2: model.dtype ('fp16') must be 'float32' or 'bfloat16'"),
+        ("rollout:\n  temprature: 0.5\n", ":2: unknown key 'rollout.temprature' (did you mean 'temperature'?)"),
+        ("modle:\n  path: x\n", ":1: unknown key 'modle' (did you mean 'model'?)"),
+        ("data:\n  zzz: 1\n", ":2: unknown key 'data.zzz' (allowed: path, prompt_key, label_key,"),
+        ("train: 5\n", ":1: train (5) must be a valid dictionary or instance of TrainConfig"),
+        # cross-field (model validator): points at the key the validator names, not just the section
+        ("parallel:\n  tp: 1\n  pp: 2\n", ":3: parallel.pp must be 1: pipeline-parallel training is not supported"),
+        ("rollout:\n  temperature: 1\n  temperature: 2\n", ":3: duplicate key 'rollout.temperature' (first set on line 2)"),
+        ("model:\n  path: x\nrollout:\n\ttemperature: 1\n", ":4: invalid YAML: found character '\\t' that cannot"),
+        ("- 1\n", ":1: the config must be a mapping of sections"),
+    ],
+)
+def test_file_errors_are_one_line_with_file_and_line(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    message = error_of(path)
+    assert "\n" not in message
+    assert message.startswith(f"{path}{expected}")
+
+
+def test_every_problem_is_reported_once_per_line_in_file_order(tmp_path):
+    path = write(tmp_path, "rollout:\n  temprature: 0.5\n  max_new_tokens: 0\nmodel:\n  dtype: fp16\n")
+    lines = error_of(path).splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == [f"{path}:2", f"{path}:3", f"{path}:5"]
+
+
+def test_reward_spec_is_checked_at_load_time(tmp_path):
+    path = write(tmp_path, "rollout:\n  reward: no_such_module_xyz:score\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}:2: rollout.reward: reward 'no_such_module_xyz:score': module")
+    assert "fn(sample: Sample) -> float" in message
+
+
+def test_missing_file(tmp_path):
+    message = error_of(tmp_path / "nope.yaml")
+    assert message.startswith(f"{tmp_path / 'nope.yaml'}: config file not found")
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.temperature=0.5", ("rollout", "temperature", 0.5)),
+        ("rollout.max_new_tokens=16", ("rollout", "max_new_tokens", 16)),
+        ("optimizer.lr=3e-6", ("optimizer", "lr", 3e-6)),
+        ("data.shuffle=false", ("data", "shuffle", False)),
+        ("data.system_prompt=null", ("data", "system_prompt", None)),
+        ("data.system_prompt=Be brief: answer.", ("data", "system_prompt", "Be brief: answer.")),
+        ("model.path=/models/x", ("model", "path", "/models/x")),
+        ("checkpoint.dir=", ("checkpoint", "dir", None)),
+    ],
+)
+def test_overrides_parse_yaml_scalars(tmp_path, override, expected):
+    cfg = load_config(write(tmp_path, "data:\n  system_prompt: hello\n"), [override])
+    section, field, value = expected
+    assert getattr(getattr(cfg, section), field) == value
+
+
+def test_override_wins_over_file_and_is_named_in_errors(tmp_path):
+    path = write(tmp_path, "rollout:\n  temperature: 0.5\n")
+    assert load_config(path, ["rollout.temperature=0.9"]).rollout.temperature == 0.9
+    message = error_of(path, ("rollout.temperature=-2",))
+    assert message == "--set rollout.temperature=-2: rollout.temperature (-2) must be greater than 0"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.temprature=1", "--set rollout.temprature=1: unknown key 'rollout.temprature' (did you mean 'temperature'?)"),
+        ("roll.temperature=1", "--set roll.temperature=1: unknown key 'roll' (did you mean 'rollout'?)"),
+        ("model.path.x=1", "--set model.path.x=1: 'model.path' is a value, not a section; set 'model.path=...'"),
+        ("rollout.temperature", "--set rollout.temperature: expected dotted.key=value, e.g. --set rollout.temperature=0.7"),
+        ("parallel.pp=2", "--set parallel.pp=2: parallel.pp must be 1: pipeline-parallel training is not supported yet; use tp and data parallelism"),
+    ],
+)
+def test_bad_overrides(tmp_path, override, expected):
+    assert error_of(write(tmp_path, "rollout:\n  top_p: 1\n"), (override,)) == expected
+
+
+def test_empty_file_gives_defaults_and_dump_round_trips(tmp_path):
+    assert load_config(write(tmp_path, "")) == RunConfig()
+    cfg = load_config(write(tmp_path, "rollout:\n  temperature: 0.7\noptimizer:\n  lr: 1.0e-6\n"),
+                      ["data.system_prompt=Be brief.", "train.num_steps=3"])
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(dump_config(cfg))
+    assert load_config(dumped) == cfg
+    assert cfg != RunConfig()
+
+
+def test_quickstart_config_matches_the_measured_recipe():
+    cfg = load_config(REPO / "configs" / "quickstart.yaml")
+    r = cfg.rollout
+    assert (r.prompts_per_step, r.samples_per_prompt, r.max_new_tokens, r.temperature) == (4, 8, 8, 1.0)
+    assert (cfg.optimizer.lr, cfg.optimizer.clip_grad, r.reward) == (1e-5, 1.0, "first_number")
+    assert 40 <= cfg.train.num_steps <= 60
+    assert cfg.data.system_prompt is None and cfg.model.path == ".cache/models/SmolLM2-135M-Instruct"
+    assert cfg.logging.run_dir == "runs/quickstart"
