@@ -1,0 +1,216 @@
+"""The trainer rank's handle on its engine worker: spawn it, call the contract, shut it down.
+
+Usage::
+
+    with EngineClient.spawn(backend="embedded", model_path=hf_dir, run_dir=run_dir, rank=rank, seed=seed) as engine:
+        results = engine.generate(prompt_ids, {"max_new_tokens": 8, "n": 8, "temperature": 1.0})
+        engine.update_weights(hf_named_tensors, weight_version="1", bucket_bytes=512 * 2**20)
+
+The worker is a child process (``python -m rlrun.engine.worker``) with a clean environment (no
+torchrun rendezvous variables, one thread), its output in ``<run_dir>/engine-<rank>.log``, and it
+dies with this process. Every call fails loudly: with the engine's message when it refuses, with
+the worker's exit code and log tail when it died, or after ``request_timeout_s`` when it hangs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import rlrun
+from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket
+from rlrun.engine.rpc import Endpoint, RpcClient, RpcError, choose_endpoint
+from rlrun.engine.types import EngineStatus, GenResult, OpResult
+from rlrun.engine.worker import AUTHKEY_ENV
+
+log = logging.getLogger(__name__)
+
+# torchrun's rendezvous variables: a worker that inherits them could join the trainer's process group
+# by accident. PYTORCH_CUDA_ALLOC_CONF is dropped as slime does for SGLang (it breaks its memory saver).
+_DROPPED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "PYTORCH_CUDA_ALLOC_CONF")
+SHUTDOWN_GRACE_S = 5.0
+LOG_TAIL_LINES = 20
+
+
+class EngineOpError(RuntimeError):
+    """The engine answered ``success=False``; the message is the engine's."""
+
+
+def _worker_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith("TORCHELASTIC_")}
+    package_root = str(Path(rlrun.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env[AUTHKEY_ENV] = multiprocessing.current_process().authkey.hex()
+    return env
+
+
+def _tail(path: Path, num_lines: int) -> str:
+    if not path.exists():
+        return "(no log file)"
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - 16384))
+        lines = f.read().decode(errors="replace").splitlines()
+    return "\n".join(lines[-num_lines:]) or "(empty log)"
+
+
+class EngineClient:
+    """RPC stub for one engine worker process; see the module docstring."""
+
+    def __init__(self, *, rank: int, endpoint: Endpoint, process: subprocess.Popen, log_path: Path,
+                 request_timeout_s: float) -> None:
+        self.rank = rank
+        self.endpoint = endpoint
+        self.process = process
+        self.log_path = log_path
+        self.rpc = RpcClient(endpoint.address, timeout_s=request_timeout_s, peer_status=self._death_note)
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    @classmethod
+    def spawn(cls, *, backend: str, model_path: str | Path, run_dir: Path, rank: int, seed: int,
+              dtype: str = "float32", startup_timeout_s: float = 300, request_timeout_s: float = 600) -> EngineClient:
+        """Start a worker and wait (up to ``startup_timeout_s``) until it answers ``health``."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        endpoint = choose_endpoint(run_dir, f"engine-{rank}")
+        log_path = run_dir / f"engine-{rank}.log"
+        command = [sys.executable, "-m", "rlrun.engine.worker", "--endpoint", endpoint.address, "--backend", backend,
+                   "--model", str(model_path), "--seed", str(seed), "--parent-pid", str(os.getpid()),
+                   "--dtype", dtype]
+        with log_path.open("wb") as log_file:
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                       env=_worker_env())
+        client = cls(rank=rank, endpoint=endpoint, process=process, log_path=log_path,
+                     request_timeout_s=request_timeout_s)
+        try:
+            client.rpc.call("health", timeout_s=startup_timeout_s)
+        except RpcError as exc:
+            client.shutdown()
+            raise type(exc)(f"engine worker for rank {rank} ({backend} backend, model {model_path}) did not start: "
+                            f"{exc}") from None
+        log.info("engine worker for rank %d up (pid %d, %s)", rank, process.pid, endpoint.address)
+        return client
+
+    def _death_note(self) -> str | None:
+        """None while the worker runs, else its exit code and the end of its log."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+        return (f"engine worker for rank {self.rank} (pid {self.process.pid}) exited with code {code}{how}; "
+                f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}")
+
+    # ---- the contract ------------------------------------------------------------------------------
+
+    def health(self) -> EngineStatus:
+        return self.rpc.call("health")
+
+    def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict],
+                 return_logprob: bool = True, rids: list[str] | None = None) -> list[GenResult]:
+        return self.rpc.call("generate", input_ids=input_ids, sampling_params=sampling_params,
+                             return_logprob=return_logprob, rids=rids)
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        self.rpc.call("abort", rid=rid, abort_all=abort_all)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.rpc.call("pause_generation", mode=mode)
+
+    def continue_generation(self) -> None:
+        self.rpc.call("continue_generation")
+
+    def flush_cache(self) -> OpResult:
+        return self.rpc.call("flush_cache")
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.rpc.call("release_memory_occupation", tags=tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.rpc.call("resume_memory_occupation", tags=tags)
+
+    def begin_weight_update(self) -> OpResult:
+        return self.rpc.call("begin_weight_update")
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], load_format: str = "flattened_bucket",
+                                   flush_cache: bool = False, weight_version: str | None = None) -> OpResult:
+        return self.rpc.call("update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors,
+                             load_format=load_format, flush_cache=flush_cache, weight_version=weight_version)
+
+    def end_weight_update(self) -> OpResult:
+        return self.rpc.call("end_weight_update")
+
+    def get_weight_version(self) -> str:
+        return self.rpc.call("get_weight_version")
+
+    # ---- conveniences ------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
+                       bucket_bytes: int) -> dict[str, Any]:
+        """Push full HF-named tensors in flattened buckets inside one update session.
+
+        Each bucket call carries ``weight_version`` (as slime does), so the version flips with the
+        first bucket; nothing generates until the session ends. The session is closed even when a
+        bucket fails, so the next sync can begin again. Returns {num_buckets, num_bytes, seconds}.
+        """
+        start = time.perf_counter()
+        num_buckets = num_bytes = 0
+        self._expect_success("begin_weight_update", self.begin_weight_update())
+        try:
+            for bucket in iter_buckets(named_tensors, bucket_bytes):
+                # A fresh payload per bucket; its shared memory is released once the worker has loaded it.
+                payload = serialize_flattened_bucket(bucket)
+                result = self.update_weights_from_tensor([payload], flush_cache=False, weight_version=weight_version)
+                self._expect_success("update_weights_from_tensor", result)
+                num_buckets += 1
+                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            ended = self.end_weight_update()
+        self._expect_success("end_weight_update", ended)
+        if num_buckets == 0:
+            raise ValueError("named_tensors (empty) must hold at least one tensor because a weight sync with nothing "
+                             "to send is a bug in the exporter")
+        return {"num_buckets": num_buckets, "num_bytes": num_bytes, "seconds": time.perf_counter() - start}
+
+    def _expect_success(self, method: str, result: OpResult) -> None:
+        if not result["success"]:
+            raise EngineOpError(f"{method} on engine rank {self.rank} ({self.endpoint.address}) returned "
+                                f"success=False: {result['message']}")
+
+    def shutdown(self) -> None:
+        """Ask the worker to exit, kill it if it has not within a few seconds; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        try:
+            if self.process.poll() is None:
+                try:
+                    self.rpc.call("shutdown", timeout_s=SHUTDOWN_GRACE_S)
+                    self.process.wait(timeout=SHUTDOWN_GRACE_S)
+                except (RpcError, subprocess.TimeoutExpired) as exc:
+                    log.warning("engine worker for rank %d did not exit cleanly (%s); killing pid %d",
+                                self.rank, exc, self.process.pid)
+                    self.process.kill()
+                    self.process.wait()
+        finally:
+            self.rpc.close()
+            self.endpoint.cleanup()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

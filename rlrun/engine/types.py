@@ -1,0 +1,61 @@
+"""Wire types of the engine RPC (shared/reference/sglang-contract.md, section 5).
+
+They are ``TypedDict``s rather than dataclasses because they cross a msgpack boundary as plain maps
+and must stay field-for-field identical to the contract that the SGLang worker also serves; the
+types document the fields and let a type checker hold callers to them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict
+
+from typing_extensions import NotRequired
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""SGLang's memory tags; ``None`` in release/resume means all of them."""
+
+DEFAULT_WEIGHT_VERSION = "default"
+"""SGLang's ``weight_version`` before the first update (ServerArgs default)."""
+
+
+class FinishReason(TypedDict):
+    """Why a response ended, in SGLang's shape.
+
+    ``stop`` carries ``matched`` (the EOS or stop token id, which is the last entry of
+    ``output_ids``); ``length`` carries ``length`` (= max_new_tokens); ``abort`` carries ``message``.
+    """
+
+    type: Literal["stop", "length", "abort"]
+    matched: NotRequired[int]
+    length: NotRequired[int]
+    message: NotRequired[str]
+
+
+class GenResult(TypedDict):
+    """One sampled response. ``output_logprobs[i]`` is log_softmax(logits / T) of ``output_ids[i]``,
+    taken before top-p/top-k filtering, in fp32; None when the caller did not ask for log-probs."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+
+
+class OpResult(TypedDict):
+    """SGLang's ``(success, message)`` pair for weight updates and cache flushes."""
+
+    success: bool
+    message: str
+
+
+class EngineStatus(TypedDict):
+    """What ``health`` reports. ``num_inflight`` counts generate requests being served."""
+
+    state: Literal["starting", "ready", "paused", "dead"]
+    released_tags: list[str]
+    in_update_session: bool
+    num_inflight: int
+    weight_version: str
