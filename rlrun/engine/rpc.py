@@ -141,9 +141,9 @@ class RpcServer:
             if not self._socket.poll(int(_POLL_SLICE_S * 1000)):
                 continue
             identity, frame = self._socket.recv_multipart()
-            self._socket.send_multipart([identity, _pack(self._answer(frame))])
+            self._socket.send_multipart([identity, self._answer(frame)])
 
-    def _answer(self, frame: bytes) -> dict[str, Any]:
+    def _answer(self, frame: bytes) -> bytes:
         request_id = None
         try:
             request = _unpack(frame)
@@ -155,10 +155,10 @@ class RpcServer:
                 raise PermissionError(
                     f"method ({method}) carries pickled tensor handles and must arrive over ipc:// or loopback "
                     f"tcp because handles only mean something on this host; {self.endpoint} is neither")
-            return {"id": request_id, "ok": True, "result": handler(**request.get("kwargs", {}))}
+            return _pack({"id": request_id, "ok": True, "result": handler(**request.get("kwargs", {}))})
         except Exception as exc:  # reported to the caller, which raises it as RpcRemoteError
-            return {"id": request_id, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()}
+            return _pack({"id": request_id, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                          "traceback": traceback.format_exc()})
 
     def close(self) -> None:
         self._socket.close(linger=0)

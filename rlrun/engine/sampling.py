@@ -8,6 +8,8 @@ must not leak into it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,7 +35,9 @@ class SamplingParams:
     n: int = 1
     sampling_seed: int | None = None
     """Makes the prompt's samples reproducible: sample j draws from a generator seeded with
-    (sampling_seed, j), independent of the rest of the batch."""
+    (sampling_seed, prompt tokens, j), independent of the rest of the batch. The prompt tokens are
+    mixed in so that prompts sharing one seed do not share random draws; identical prompts with the
+    same seed give identical samples (as in SGLang), so ask for a group with ``n``, not duplicates."""
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> SamplingParams:
@@ -66,10 +70,12 @@ class SamplingParams:
     def needs_filter(self) -> bool:
         return 0 < self.top_k or self.top_p < 1 or self.min_p > 0
 
-    def sample_seed(self, sample_index: int) -> int:
-        """Seed of sample ``sample_index``'s generator; only meaningful with ``sampling_seed``."""
+    def sample_seed(self, prompt: Sequence[int], sample_index: int) -> int:
+        """Seed of the generator of sample ``sample_index`` of ``prompt`` (needs ``sampling_seed``)."""
         assert self.sampling_seed is not None
-        return (self.sampling_seed + (sample_index + 1) * _GOLDEN) % 2**64
+        digest = hashlib.blake2b(struct.pack(f"<{len(prompt)}q", *prompt), digest_size=8).digest()
+        prompt_key = int.from_bytes(digest, "little")
+        return (self.sampling_seed + prompt_key + (sample_index + 1) * _GOLDEN) % 2**64
 
 
 def filter_probs(probs: torch.Tensor, rows: Sequence[SamplingParams]) -> torch.Tensor:

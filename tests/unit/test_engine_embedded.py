@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # loads models
 
@@ -90,6 +91,8 @@ def test_seeded_samples_are_reproducible_distinct_and_batch_independent(tiny_mod
     assert alone == again == batched
     assert len({tuple(ids) for ids in alone}) > 1  # the n samples of a group are not copies
     assert other_seed != alone
+    seeds = SamplingParams(sampling_seed=1234)
+    assert seeds.sample_seed(PROMPTS[0], 0) != seeds.sample_seed(PROMPTS[1], 0)  # prompts do not share draws
 
 
 def test_load_weights_checks_every_name_and_shape_before_copying(tiny_model_dirs):

@@ -25,7 +25,8 @@ def _handlers() -> dict:
     def fail(message: str) -> None:
         raise ValueError(message)
 
-    return {"echo": lambda **kw: kw, "fail": fail, "sleep": lambda seconds: time.sleep(seconds) or seconds}
+    return {"echo": lambda **kw: kw, "fail": fail, "sleep": lambda seconds: time.sleep(seconds) or seconds,
+            "unpackable": lambda: object()}
 
 
 @contextmanager
@@ -57,8 +58,11 @@ def test_remote_exception_names_method_endpoint_and_error(tmp_path):
         client = RpcClient(endpoint, timeout_s=10)
         with pytest.raises(RpcRemoteError, match=rf"fail on {endpoint} failed in the worker: ValueError: boom"):
             client.call("fail", message="boom")
-        with pytest.raises(RpcRemoteError, match=r"method \('nope'\) must be one of \['echo', 'fail', 'sleep'\]"):
+        with pytest.raises(RpcRemoteError, match=r"method \('nope'\) must be one of \['echo', 'fail', 'sleep', "):
             client.call("nope")
+        with pytest.raises(RpcRemoteError, match="TypeError: can not serialize 'object' object"):
+            client.call("unpackable")  # a result msgpack cannot carry is an error reply, not a dead server
+        assert client.call("echo", alive=True) == {"alive": True}
         client.close()
 
 

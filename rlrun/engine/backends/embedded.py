@@ -66,10 +66,9 @@ class EmbeddedEngine:
         self.max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._params = dict(self.model.named_parameters())
         # Names that alias a parameter listed under another name (tied lm_head -> embed_tokens).
-        self._aliases = {name: next(p for p, t in self._params.items() if t.data_ptr() == tensor.data_ptr())
-                         for name, tensor in self.model.state_dict().items()
-                         if name not in self._params and any(t.data_ptr() == tensor.data_ptr()
-                                                             for t in self._params.values())}
+        param_at = {t.data_ptr(): name for name, t in self._params.items()}
+        self._aliases = {name: param_at[t.data_ptr()] for name, t in self.model.state_dict().items()
+                         if name not in self._params and t.data_ptr() in param_at}
         # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40).
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -122,9 +121,9 @@ class EmbeddedEngine:
                                  "shorten the prompt or lower max_new_tokens")
         return params
 
-    def _generator(self, params: SamplingParams, sample_index: int) -> torch.Generator:
+    def _generator(self, params: SamplingParams, prompt: list[int], sample_index: int) -> torch.Generator:
         if params.sampling_seed is not None:
-            seed = params.sample_seed(sample_index)
+            seed = params.sample_seed(prompt, sample_index)
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         return torch.Generator().manual_seed(seed)
@@ -138,7 +137,7 @@ class EmbeddedEngine:
                 rows: Sequence[tuple[int, int]]) -> _Decoded:
         num_rows, max_steps = len(rows), max(p.max_new_tokens for p in params)
         row_params = [params[i] for i, _ in rows]
-        generators = [self._generator(params[i], j) for i, j in rows]
+        generators = [self._generator(params[i], prompts[i], j) for i, j in rows]
         prompt_of_row = torch.tensor([i for i, _ in rows])
 
         # Prefill distinct prompts once, left-padded so every prompt ends at the last column.
