@@ -142,6 +142,16 @@ def test_killed_worker_fails_the_next_call_with_its_exit_code(tiny_model_dirs, t
     client.shutdown()  # idempotent
 
 
+def test_worker_dying_at_startup_is_reported_with_exit_code_and_log_tail(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(RpcPeerDiedError) as failure:
+        EngineClient.spawn(backend="embedded", model_path=missing, run_dir=tmp_path, rank=2, seed=0,
+                           startup_timeout_s=120)
+    message = str(failure.value)
+    assert "engine worker for rank 2 (embedded backend" in message and "did not start" in message
+    assert "exited with code 1" in message and str(missing) in message.split("last lines of", 1)[1]
+
+
 PACKAGE_ROOT = str(Path(rlrun.__file__).resolve().parents[1])
 PARENT = textwrap.dedent("""
     import sys, time
