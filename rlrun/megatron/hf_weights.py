@@ -1,0 +1,131 @@
+"""The map between HF parameter names and Megatron ``GPTModel`` parameters, on full (unsharded) tensors.
+
+One table (``weight_mappings``) drives both directions, so loading and export cannot disagree:
+
+==========================================  ==============================================  ========
+Megatron (local layer spec)                  HF                                              how
+==========================================  ==============================================  ========
+embedding.word_embeddings.weight             model.embed_tokens.weight                       vocab
+decoder.layers.i.input_layernorm.weight      model.layers.i.input_layernorm.weight           copy
+decoder.layers.i.self_attention.linear_qkv   model.layers.i.self_attn.{q,k,v}_proj           qkv
+decoder.layers.i.self_attention.q_layernorm  model.layers.i.self_attn.q_norm (Qwen3)         copy
+decoder.layers.i.self_attention.linear_proj  model.layers.i.self_attn.o_proj                 copy
+decoder.layers.i.pre_mlp_layernorm.weight    model.layers.i.post_attention_layernorm.weight  copy
+decoder.layers.i.mlp.linear_fc1.weight       model.layers.i.mlp.{gate,up}_proj.weight        concat
+decoder.layers.i.mlp.linear_fc2.weight       model.layers.i.mlp.down_proj.weight             copy
+decoder.final_layernorm.weight               model.norm.weight                               copy
+output_layer.weight (untied only)            lm_head.weight                                  vocab
+==========================================  ==============================================  ========
+
+Layouts: ``linear_qkv`` is ``[num_kv_heads, (heads_per_group + 2) * head_dim, hidden]`` flattened, i.e.
+each query group's q heads, then its k head, then its v head (biases alike), so a TP shard is whole
+query groups. ``linear_fc1`` is ``[gate; up]``. Vocabulary tensors are padded with zero rows up to the
+padded vocab size (see ``ModelArch.padded_vocab_size``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+
+from rlrun.megatron.hf_config import ModelArch
+
+Kind = Literal["copy", "vocab", "qkv", "concat"]
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """One Megatron parameter and the HF tensors it is made of."""
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    kind: Kind
+
+
+def weight_mappings(arch: ModelArch) -> list[WeightMapping]:
+    """Every parameter of the Megatron model of ``arch`` (PP=1), in HF checkpoint order."""
+    maps = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    for i in range(arch.num_layers):
+        mc, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = f"{hf}self_attn."
+        maps.append(WeightMapping(f"{mc}input_layernorm.weight", (f"{hf}input_layernorm.weight",), "copy"))
+        maps.append(WeightMapping(f"{mc}self_attention.linear_qkv.weight",
+                                  tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"))
+        if arch.qkv_bias:
+            maps.append(WeightMapping(f"{mc}self_attention.linear_qkv.bias",
+                                      tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"))
+        if arch.qk_norm:
+            maps.append(WeightMapping(f"{mc}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "copy"))
+            maps.append(WeightMapping(f"{mc}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy"))
+        maps.append(WeightMapping(f"{mc}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "copy"))
+        maps.append(WeightMapping(f"{mc}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",), "copy"))
+        maps.append(WeightMapping(f"{mc}mlp.linear_fc1.weight",
+                                  (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"), "concat"))
+        maps.append(WeightMapping(f"{mc}mlp.linear_fc2.weight", (f"{hf}mlp.down_proj.weight",), "copy"))
+    maps.append(WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
+    if not arch.tie_embeddings:
+        maps.append(WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return maps
+
+
+def to_megatron(arch: ModelArch, mapping: WeightMapping, hf_tensors: list[torch.Tensor],
+                padded_vocab_size: int) -> torch.Tensor:
+    """Build the full Megatron tensor of ``mapping`` from its HF tensors (in ``hf_names`` order)."""
+    if mapping.kind == "copy":
+        return hf_tensors[0]
+    if mapping.kind == "concat":
+        return torch.cat(hf_tensors, dim=0)
+    if mapping.kind == "vocab":
+        (table,) = hf_tensors
+        return torch.cat([table, table.new_zeros(padded_vocab_size - table.shape[0], *table.shape[1:])])
+    q, k, v = (t.reshape(arch.num_kv_heads, -1, *t.shape[1:]) for t in hf_tensors)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+
+
+def to_hf(arch: ModelArch, mapping: WeightMapping, full: torch.Tensor) -> list[torch.Tensor]:
+    """Split a full Megatron tensor back into its HF tensors (inverse of ``to_megatron``)."""
+    if mapping.kind == "copy":
+        return [full]
+    if mapping.kind == "concat":
+        return list(full.chunk(len(mapping.hf_names), dim=0))
+    if mapping.kind == "vocab":
+        return [full[: arch.vocab_size]]
+    groups = full.reshape(arch.num_kv_heads, -1, *full.shape[1:])
+    q_rows = arch.num_heads // arch.num_kv_heads * arch.head_dim
+    q, k, v = groups.split([q_rows, arch.head_dim, arch.head_dim], dim=1)
+    return [t.reshape(-1, *full.shape[1:]) for t in (q, k, v)]
+
+
+class HFCheckpoint:
+    """Lazy reader of the safetensors files of an HF directory (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str | Path):
+        hf_dir = Path(hf_dir)
+        index = hf_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._file_of = {name: hf_dir / file for name, file in weight_map.items()}
+        else:
+            files = sorted(hf_dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"model.path ({hf_dir}) must contain *.safetensors weights; "
+                                        f"save the model with save_pretrained(safe_serialization=True)")
+            self._file_of = {}
+            for file in files:
+                with safe_open(file, "pt") as handle:
+                    self._file_of.update({name: file for name in handle.keys()})
+        self.hf_dir = hf_dir
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file_of:
+            raise KeyError(f"{self.hf_dir}: tensor {name!r} is missing from the safetensors files")
+        with safe_open(self._file_of[name], "pt") as handle:
+            return handle.get_tensor(name)

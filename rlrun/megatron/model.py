@@ -1,0 +1,94 @@
+"""Build this rank's shard of a Megatron ``GPTModel`` from an HF directory, wrapped in Megatron DDP.
+
+The model uses Megatron's local layer spec (plain PyTorch modules, no TransformerEngine), so the same
+code runs on CPU with gloo and on GPU. Weights are loaded before the DDP wrap and before any optimizer
+exists: the bf16 optimizer copies its fp32 master weights from the parameters when it is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlrun.megatron.hf_config import ModelArch, transformer_config
+from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
+from rlrun.megatron.tp_layout import Partition
+from rlrun.runtime.dist import Parallel
+
+
+@dataclass
+class MegatronModel:
+    """This rank's model: the DDP wrapper (call it for forward/backward), its architecture and layout.
+
+    ``ddp.module`` is the bare ``GPTModel`` whose ``named_parameters`` are the Megatron names of
+    ``hf_weights.weight_mappings``.
+    """
+
+    ddp: torch.nn.Module
+    arch: ModelArch
+    parallel: Parallel
+    dtype: str
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ddp.module
+
+
+def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32") -> MegatronModel:
+    """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards, in Megatron DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if parallel.pp_size != 1:
+        raise ValueError(f"parallel.pp ({parallel.pp_size}) must be 1 because pipeline stages are not "
+                         f"loaded or exported yet; set parallel.pp=1")
+    arch = ModelArch.from_hf_dir(hf_dir)
+    config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+        vocab_size=arch.padded_vocab_size(parallel.tp_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+    )
+    # The local spec's torch RMSNorm ignores params_dtype; cast the whole model like Megatron's
+    # Float16Module does (RoPE's inv_freq is a plain attribute and stays fp32).
+    gpt = gpt.to(device=parallel.device, dtype=config.params_dtype)
+    load_hf_weights(gpt, arch, HFCheckpoint(hf_dir), parallel)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    return MegatronModel(ddp=ddp, arch=arch, parallel=parallel, dtype=dtype)
+
+
+@torch.no_grad()
+def load_hf_weights(gpt: torch.nn.Module, arch: ModelArch, checkpoint: HFCheckpoint, parallel: Parallel) -> None:
+    """Copy every HF tensor into this rank's shard of the matching Megatron parameter."""
+    params = dict(gpt.named_parameters())
+    mappings = weight_mappings(arch)
+    unmapped = set(params) - {m.megatron_name for m in mappings}
+    if unmapped:
+        raise RuntimeError(f"Megatron parameters without an HF source: {sorted(unmapped)}; "
+                           f"rlrun/megatron/hf_weights.py must map them")
+    padded_vocab = arch.padded_vocab_size(parallel.tp_size)
+    for mapping in mappings:
+        param = params[mapping.megatron_name]
+        hf_tensors = [checkpoint.get(name) for name in mapping.hf_names]
+        full = to_megatron(arch, mapping, hf_tensors, padded_vocab)
+        shard = Partition.of(param).shard(full, parallel.tp_rank, parallel.tp_size)
+        if shard.shape != param.shape:
+            raise RuntimeError(
+                f"{Path(checkpoint.hf_dir)}: {mapping.hf_names} give {mapping.megatron_name} a shard of "
+                f"shape {tuple(shard.shape)} but the model expects {tuple(param.shape)}; config.json "
+                f"does not describe these weights"
+            )
+        param.copy_(shard)

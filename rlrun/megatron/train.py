@@ -1,0 +1,122 @@
+"""The Megatron optimizer and one optimizer step over a list of micro-batches.
+
+Gradient scale, independent of TP/DP layout and of how the batch is cut into micro-batches::
+
+    grad = d/dθ [ sum over DP ranks r, micro-batches b of loss_sum(r, b) ] / num_global_tokens
+
+Each micro-batch's loss is ``loss_sum / num_global_tokens``. The model config sets
+``calculate_per_token_loss=True``, under which Megatron DDP *sums* (not averages) gradients over DP
+ranks and the schedule does not divide by the number of micro-batches; ``_sync_grads`` then skips the
+schedule's own division by its token count, because the caller's ``num_global_tokens`` already did it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from rlrun.megatron.logprobs import forward_logits, vocab_parallel_token_stats
+from rlrun.megatron.model import MegatronModel
+
+
+class MicroBatch(Protocol):
+    """What ``train_step`` reads of a micro-batch; ``loss_fn`` reads the rest (masks, advantages...)."""
+
+    tokens: torch.Tensor
+    """[B, S] token ids, right-padded."""
+    position_ids: torch.Tensor
+    """[B, S], 0..S-1 in every row."""
+
+
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro_batch, logprobs [B, S-1]) -> (loss summed over loss-masked tokens, {metric: summed tensor})."""
+
+
+def make_optimizer(model: MegatronModel, lr: float, weight_decay: float, betas: tuple[float, float],
+                   eps: float, clip_grad: float):
+    """Megatron's Adam(W) over the DDP model: fp32 main weights for bf16 models, global-norm clipping.
+
+    Megatron keeps per-group ``lr_mult``/``wd_mult`` (no weight decay on biases and norms) for its LR
+    scheduler to apply; with a constant LR there is no scheduler, so they are applied here once.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    bf16 = model.dtype == "bfloat16"
+    config = OptimizerConfig(
+        optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
+        adam_beta2=betas[1], adam_eps=eps, clip_grad=clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
+    )
+    optimizer = get_megatron_optimizer(config, [model.ddp])
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group["lr_mult"]
+        group["weight_decay"] = weight_decay * group["wd_mult"]
+    return optimizer
+
+
+def _sync_grads(model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
+    """Megatron's ``finalize_model_grads`` (DP all-reduce of the grad buffers) without token division."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model_chunks, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def train_step(model: MegatronModel, optimizer, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
+               num_global_tokens: int, temperature: float) -> dict[str, float]:
+    """Forward/backward every micro-batch, sync gradients over DP, clip and step.
+
+    Returns ``loss`` (sum of ``loss_sum`` over all DP ranks and micro-batches / ``num_global_tokens``),
+    ``grad_norm`` (before clipping) and every metric of ``loss_fn`` summed over micro-batches and DP ranks.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if num_global_tokens <= 0:
+        raise ValueError(f"num_global_tokens ({num_global_tokens}) must be positive because it divides the "
+                         f"loss; count the loss-masked tokens of the whole step across DP ranks")
+    config = model.module.config
+    config.no_sync_func = model.ddp.no_sync
+    config.finalize_model_grads_func = _sync_grads
+    model.ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    def forward_step(data_iterator, ddp_model):
+        micro_batch = next(data_iterator)
+        logits = forward_logits(model, micro_batch.tokens, micro_batch.position_ids)
+
+        def loss_func(output):
+            logprobs, _ = vocab_parallel_token_stats(output[:, :-1], micro_batch.tokens[:, 1:], temperature,
+                                                     model.arch.vocab_size, with_entropy=False)
+            loss_sum, metrics = loss_fn(micro_batch, logprobs)
+            no_token_count = torch.zeros([], dtype=torch.int, device=output.device)
+            return loss_sum / num_global_tokens, no_token_count, {"loss_sum": loss_sum.detach(), **metrics}
+
+        return logits, loss_func
+
+    first = micro_batches[0].tokens
+    per_micro_batch = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model.ddp,
+        num_microbatches=len(micro_batches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
+        forward_only=False,
+    )
+    sums = _sum_over_dp(per_micro_batch)
+    update_ok, grad_norm, _ = optimizer.step()
+    if not update_ok:
+        raise RuntimeError("the Megatron optimizer skipped the update (non-finite gradients)")
+    loss = sums.pop("loss_sum") / num_global_tokens
+    return {"loss": loss, "grad_norm": float(grad_norm), **sums}
+
+
+def _sum_over_dp(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Sum each metric over this rank's micro-batches, then over DP ranks (TP ranks hold copies)."""
+    from megatron.core import parallel_state as mpu
+
+    names = sorted(per_micro_batch[0])
+    if any(sorted(metrics) != names for metrics in per_micro_batch):
+        raise ValueError(f"loss_fn must return the same metric names for every micro-batch; got "
+                         f"{[sorted(m) for m in per_micro_batch]}")
+    totals = torch.stack([sum(m[name].detach().float().reshape(()) for m in per_micro_batch) for name in names])
+    dist.all_reduce(totals, group=mpu.get_data_parallel_group())
+    return dict(zip(names, totals.tolist()))

@@ -1,0 +1,1 @@
+"""Per-rank runtime: torchrun environment, process groups, devices, seeding, Megatron on CPU."""

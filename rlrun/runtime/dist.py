@@ -1,0 +1,137 @@
+"""The torchrun environment, process groups and Megatron model-parallel state of one rank.
+
+Rank layout is Megatron's (order ``tp-cp-ep-dp-pp``): the ``tp`` ranks of one tensor-parallel group are
+consecutive, so a TP group never spans two nodes when ``tp`` divides the GPUs per node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, as torchrun describes it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls) -> DistEnv:
+        """Read torchrun's variables; without them (plain ``python``), a single process on a free port."""
+        if "RANK" not in os.environ:
+            return cls(0, 0, 1, 1, "127.0.0.1", free_port())
+        world_size = int(os.environ["WORLD_SIZE"])
+        return cls(
+            rank=int(os.environ["RANK"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+            world_size=world_size,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ["MASTER_PORT"]),
+        )
+
+
+@dataclass
+class Parallel:
+    """This rank's coordinates in the TP x DP x PP mesh, its device, and a gloo group for control.
+
+    ``cpu_group`` spans all ranks on gloo whatever the device: object collectives (samples, metrics,
+    configs) and barriers go there so they never touch NCCL or GPU memory.
+    """
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+    cpu_group: dist.ProcessGroup
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600) -> Parallel:
+    """Start torch.distributed and Megatron's model-parallel groups for this rank; seed its RNGs.
+
+    CPU (no CUDA): gloo and the Megatron CPU patches. GPU: NCCL with ``device = cuda:local_rank``.
+    """
+    env = DistEnv.from_env()
+    if env.world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world_size ({env.world_size}) must be divisible by tp*pp ({tp}*{pp}) because every "
+            f"data-parallel replica holds one full tp x pp model; set parallel.tp and parallel.pp so "
+            f"that their product divides the number of processes"
+        )
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        from rlrun.runtime.megatron_cpu import apply_cpu_patches
+
+        apply_cpu_patches()
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=max(1, round(timeout_s / 60)),
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return Parallel(
+        rank=env.rank,
+        world_size=env.world_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        tp_size=tp,
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        pp_size=pp,
+        dp_rank=mpu.get_data_parallel_rank(),
+        dp_size=mpu.get_data_parallel_world_size(),
+        device=device,
+        cpu_group=cpu_group,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default process group (safe to call when never started)."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

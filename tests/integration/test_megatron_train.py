@@ -1,0 +1,156 @@
+"""One Megatron train step: layout invariance (TP, DP, micro-batch split) and an HF + torch AdamW reference.
+
+All runs take the same global batch and the same loss, -(logprobs * advantages * mask).sum() over the
+global token count; gradient clipping is active (clip below the gradient norm) so a wrong gradient
+scale shows in the updated weights as well as in the reported norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_utils import run_distributed
+
+TEMPERATURE = 0.8
+OPTIM = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-6, clip_grad=0.5)
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+
+    def rows(self, start: int, stop: int, device: torch.device | None = None) -> MicroBatch:
+        fields = (self.tokens, self.position_ids, self.loss_mask, self.advantages)
+        return MicroBatch(*(t[start:stop].to(device) for t in fields))
+
+
+def pg_loss(batch: MicroBatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss_sum = -(logprobs * batch.advantages * batch.loss_mask).sum()
+    return loss_sum, {"tokens": batch.loss_mask.sum(), "logprob_sum": (logprobs * batch.loss_mask).sum().detach()}
+
+
+def make_batch(vocab_size: int, rows: int = 4, seq: int = 12) -> MicroBatch:
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, vocab_size, (rows, seq), generator=gen)
+    mask = (torch.rand(rows, seq - 1, generator=gen) < 0.7).float()
+    mask[:, :3] = 0  # a "prompt" that is never trained on
+    advantages = torch.randn(rows, 1, generator=gen).expand(rows, seq - 1).contiguous()
+    return MicroBatch(tokens, torch.arange(seq).expand(rows, seq), mask, advantages)
+
+
+def _train_worker(hf_dir: str, tp: int, batch: MicroBatch, micro_batch_counts: list[int], dtype: str) -> list[dict]:
+    """For each entry of ``micro_batch_counts``: a fresh model, one train_step over this DP rank's rows
+    cut into that many micro-batches, then the exported weights."""
+    from rlrun.megatron import build_model, export_hf_weights, make_optimizer, train_step
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    parallel = init_distributed(tp=tp, pp=1, seed=0)
+    rows = batch.tokens.shape[0] // parallel.dp_size
+    local = batch.rows(parallel.dp_rank * rows, (parallel.dp_rank + 1) * rows, parallel.device)
+    num_global_tokens = int(batch.loss_mask.sum())
+    results = []
+    for count in micro_batch_counts:
+        model = build_model(hf_dir, parallel, dtype=dtype)
+        optimizer = make_optimizer(model, **OPTIM)
+        step = rows // count
+        micro_batches = [local.rows(i * step, (i + 1) * step) for i in range(count)]
+        stats = train_step(model, optimizer, micro_batches, pg_loss, num_global_tokens, TEMPERATURE)
+        results.append({"stats": stats, "weights": {k: v.cpu() for k, v in export_hf_weights(model)}})
+    destroy_distributed()
+    return results
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dirs) -> str:
+    return str(tiny_model_dirs["llama"])
+
+
+@pytest.fixture(scope="module")
+def batch(llama_dir) -> MicroBatch:
+    from rlrun.megatron.hf_config import ModelArch
+
+    return make_batch(ModelArch.from_hf_dir(llama_dir).vocab_size)
+
+
+@pytest.fixture(scope="module")
+def single_rank(llama_dir, batch) -> list[dict]:
+    """TP=1, DP=1: one micro-batch, then two."""
+    return run_distributed(_train_worker, 1, llama_dir, 1, batch, [1, 2], "float32")
+
+
+def _assert_same_step(got: dict, want: dict, weight_atol: float = 2e-6) -> None:
+    for key, value in want["stats"].items():
+        assert got["stats"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert set(got["weights"]) == set(want["weights"])
+    for name, tensor in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=weight_atol, msg=name)
+
+
+def test_step_matches_hf_and_torch_adamw(single_rank, llama_dir, batch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    logp = torch.log_softmax(model(batch.tokens).logits[:, :-1] / TEMPERATURE, dim=-1)
+    logprobs = logp.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    loss_sum, metrics = pg_loss(batch, logprobs)
+    num_tokens = batch.loss_mask.sum()
+    (loss_sum / num_tokens).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["clip_grad"])
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
+    ).step()
+
+    got = single_rank[0]
+    assert grad_norm > OPTIM["clip_grad"]  # clipping is active, so its scale is tested too
+    assert got["stats"]["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
+    assert got["stats"]["loss"] == pytest.approx((loss_sum / num_tokens).item(), rel=1e-5)
+    assert got["stats"]["tokens"] == num_tokens.item()
+    assert got["stats"]["logprob_sum"] == pytest.approx(metrics["logprob_sum"].item(), rel=1e-5)
+    reference = model.state_dict()
+    assert set(got["weights"]) == {n for n in reference if n != "lm_head.weight"}  # tied
+    for name, tensor in got["weights"].items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=2e-6, msg=name)
+
+
+def test_two_micro_batches_match_one(single_rank):
+    one, two = single_rank
+    _assert_same_step(two, one)
+
+
+@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
+def test_two_ranks_match_one(tp, single_rank, llama_dir, batch):
+    """TP=2 (same rows, sharded model) and DP=2 (rows split, replicated model) vs TP=1, DP=1."""
+    for rank_result in run_distributed(_train_worker, 2, llama_dir, tp, batch, [1], "float32", all_ranks=True):
+        _assert_same_step(rank_result[0], single_rank[0])
+
+
+def test_bf16_step_tracks_fp32(single_rank, llama_dir, batch):
+    """bf16 parameters with fp32 main weights (Megatron's Float16Optimizer) take nearly the fp32 step.
+
+    Only matrices are compared by update direction: a 1e-3 step on a norm weight near 1.0 is below
+    bf16's resolution there (2**-7), so the bf16 copy of a norm does not move.
+    """
+    (bf16,) = run_distributed(_train_worker, 1, llama_dir, 1, batch, [1], "bfloat16")
+    fp32 = single_rank[0]
+    assert bf16["stats"]["grad_norm"] == pytest.approx(fp32["stats"]["grad_norm"], rel=0.02)
+    assert bf16["stats"]["loss"] == pytest.approx(fp32["stats"]["loss"], abs=0.02)
+    initial = load_file(Path(llama_dir) / "model.safetensors")
+    for name, tensor in fp32["weights"].items():
+        assert bf16["weights"][name].dtype == torch.bfloat16
+        torch.testing.assert_close(bf16["weights"][name].float(), tensor, rtol=0.02, atol=2e-3, msg=name)
+        if tensor.ndim == 2:
+            fp32_step = (tensor - initial[name]).flatten()
+            bf16_step = (bf16["weights"][name].float() - initial[name].bfloat16().float()).flatten()
+            assert torch.cosine_similarity(fp32_step, bf16_step, dim=0) > 0.95, name

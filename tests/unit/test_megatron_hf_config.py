@@ -1,0 +1,75 @@
+"""HF config.json -> ModelArch / TransformerConfig, including a SmolLM2-135M-shaped config (no weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlrun.megatron.hf_config import ModelArch, transformer_config
+
+# SmolLM2-135M-Instruct's config.json fields that matter (9 heads / 3 KV heads, tied, rope_theta 1e5).
+SMOLLM2 = {
+    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "rope_scaling": None,
+    "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+}
+
+
+def test_tiny_families_are_read_from_disk(tiny_model_dirs):
+    llama, qwen2, qwen3 = (ModelArch.from_hf_dir(tiny_model_dirs[k]) for k in ("llama", "qwen2", "qwen3"))
+    raw = {k: json.loads((tiny_model_dirs[k] / "config.json").read_text()) for k in tiny_model_dirs}
+    assert (llama.tie_embeddings, llama.qkv_bias, llama.qk_norm) == (True, False, False)
+    assert (qwen2.tie_embeddings, qwen2.qkv_bias, qwen2.qk_norm) == (False, True, False)
+    assert (qwen3.tie_embeddings, qwen3.qkv_bias, qwen3.qk_norm) == (False, False, True)
+    for kind, arch in (("llama", llama), ("qwen2", qwen2), ("qwen3", qwen3)):
+        assert arch.rope_theta == raw[kind]["rope_parameters"]["rope_theta"]
+        assert arch.rms_norm_eps == raw[kind]["rms_norm_eps"]
+        assert arch.vocab_size == raw[kind]["vocab_size"]
+        assert arch.num_kv_heads == raw[kind]["num_key_value_heads"]
+
+
+def test_smollm2_shapes_at_tp1_and_tp3():
+    arch = ModelArch.from_dict(SMOLLM2)
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rope_theta) == (9, 3, 64, 1e5)
+    assert arch.tie_embeddings
+    for tp in (1, 3):
+        config = transformer_config(arch, tp=tp, pp=1, dtype="bfloat16")
+        assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (9, 3, 64)
+        assert config.ffn_hidden_size == 1536 and config.gated_linear_unit and config.normalization == "RMSNorm"
+        assert config.hidden_dropout == 0 and config.attention_dropout == 0
+        padded = arch.padded_vocab_size(tp)
+        assert padded >= 49152 and padded % (128 * tp) == 0 and padded - 49152 < 128 * tp
+
+
+def test_tp_that_splits_heads_is_refused():
+    with pytest.raises(ValueError, match=r"parallel.tp \(2\) must divide config.json num_attention_heads \(9\)"):
+        transformer_config(ModelArch.from_dict(SMOLLM2), tp=2, pp=1, dtype="float32")
+
+
+def test_vocab_padding_is_minimal_multiple():
+    arch = ModelArch.from_dict({**SMOLLM2, "vocab_size": 264})
+    assert [arch.padded_vocab_size(tp) for tp in (1, 2, 3)] == [384, 512, 384]
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"model_type": "mistral"}, "model_type"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+    ],
+)
+def test_unsupported_configs_name_the_field(override, field):
+    with pytest.raises(ValueError, match=f"config.json: {field} "):
+        ModelArch.from_dict({**SMOLLM2, **override})
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="model.dtype"):
+        transformer_config(ModelArch.from_dict(SMOLLM2), tp=1, pp=1, dtype="float16")
