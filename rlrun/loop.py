@@ -218,12 +218,16 @@ def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens:
     def loss_fn(mb: MicroBatch, logprobs: torch.Tensor):
         mask = mb.loss_mask.to(logprobs.device)
         terms = ppo_clip_loss(logprobs, mb.old_logprobs.to(logprobs.device), mb.advantages.to(logprobs.device), alg.eps_clip, alg.clip_high)
-        sums = {"policy_loss": (terms.loss * mask).sum(), "clip_frac": (terms.clipped * mask).sum(), "approx_kl": (terms.approx_kl * mask).sum()}
-        return sums["policy_loss"], {k: v.detach() for k, v in sums.items()}
+        loss_sum = (terms.loss * mask).sum()
+        return loss_sum, {"clip_frac": (terms.clipped * mask).sum().detach(), "approx_kl": (terms.approx_kl * mask).sum().detach()}
 
     out = train_step(parts.model, parts.optimizer, micro_batches, loss_fn, num_global_tokens=num_global_tokens, temperature=parts.cfg.rollout.temperature)
-    metrics = {f"train/{k}": float(v) / num_global_tokens for k, v in out["metrics"].items()}
-    metrics["train/grad_norm"] = float(out["grad_norm"])
+    metrics = {
+        "train/policy_loss": out["loss"],
+        "train/clip_frac": out["clip_frac"] / num_global_tokens,
+        "train/approx_kl": out["approx_kl"] / num_global_tokens,
+        "train/grad_norm": out["grad_norm"],
+    }
     metrics["train/num_loss_tokens"] = num_global_tokens
     return metrics
 

@@ -1,0 +1,1 @@
+"""Prompt data, rollout samples, training micro-batches and their movement between ranks."""
