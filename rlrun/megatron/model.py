@@ -8,7 +8,7 @@ exists: the bf16 optimizer copies its fp32 master weights from the parameters wh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +16,10 @@ from rlrun.megatron.hf_config import ModelArch, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
 
 
 @dataclass
@@ -26,13 +30,13 @@ class MegatronModel:
     ``hf_weights.weight_mappings``.
     """
 
-    ddp: torch.nn.Module
+    ddp: DistributedDataParallel
     arch: ModelArch
     parallel: Parallel
     dtype: str
 
     @property
-    def module(self) -> torch.nn.Module:
+    def module(self) -> GPTModel:
         return self.ddp.module
 
 
@@ -71,7 +75,7 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32") -> Mega
 
 
 @torch.no_grad()
-def load_hf_weights(gpt: torch.nn.Module, arch: ModelArch, checkpoint: HFCheckpoint, parallel: Parallel) -> None:
+def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, parallel: Parallel) -> None:
     """Copy every HF tensor into this rank's shard of the matching Megatron parameter."""
     params = dict(gpt.named_parameters())
     mappings = weight_mappings(arch)
@@ -87,7 +91,7 @@ def load_hf_weights(gpt: torch.nn.Module, arch: ModelArch, checkpoint: HFCheckpo
         shard = Partition.of(param).shard(full, parallel.tp_rank, parallel.tp_size)
         if shard.shape != param.shape:
             raise RuntimeError(
-                f"{Path(checkpoint.hf_dir)}: {mapping.hf_names} give {mapping.megatron_name} a shard of "
+                f"{checkpoint.hf_dir}: {mapping.hf_names} give {mapping.megatron_name} a shard of "
                 f"shape {tuple(shard.shape)} but the model expects {tuple(param.shape)}; config.json "
                 f"does not describe these weights"
             )

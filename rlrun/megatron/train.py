@@ -13,13 +13,18 @@ schedule's own division by its token count, because the caller's ``num_global_to
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
 from rlrun.megatron.logprobs import forward_logits, vocab_parallel_token_stats
 from rlrun.megatron.model import MegatronModel
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+
+RESERVED_METRICS = ("loss", "grad_norm")
 
 
 class MicroBatch(Protocol):
@@ -32,11 +37,14 @@ class MicroBatch(Protocol):
 
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""(micro_batch, logprobs [B, S-1]) -> (loss summed over loss-masked tokens, {metric: summed tensor})."""
+"""(micro_batch, logprobs [B, S-1]) -> (loss summed over loss-masked tokens, {metric: summed tensor}).
+
+Every call on every rank must return the same metric names (they are summed by one all-reduce), and
+none of ``RESERVED_METRICS``."""
 
 
 def make_optimizer(model: MegatronModel, lr: float, weight_decay: float, betas: tuple[float, float],
-                   eps: float, clip_grad: float):
+                   eps: float, clip_grad: float) -> MegatronOptimizer:
     """Megatron's Adam(W) over the DDP model: fp32 main weights for bf16 models, global-norm clipping.
 
     Megatron keeps per-group ``lr_mult``/``wd_mult`` (no weight decay on biases and norms) for its LR
@@ -64,12 +72,13 @@ def _sync_grads(model_chunks, num_tokens, pg_collection=None, force_all_reduce=F
     finalize_model_grads(model_chunks, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
-def train_step(model: MegatronModel, optimizer, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
-               num_global_tokens: int, temperature: float) -> dict[str, float]:
+def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence[MicroBatch],
+               loss_fn: LossFn, num_global_tokens: int, temperature: float) -> dict[str, float]:
     """Forward/backward every micro-batch, sync gradients over DP, clip and step.
 
     Returns ``loss`` (sum of ``loss_sum`` over all DP ranks and micro-batches / ``num_global_tokens``),
     ``grad_norm`` (before clipping) and every metric of ``loss_fn`` summed over micro-batches and DP ranks.
+    Micro-batches may differ in shape (no pipeline parallelism, so no fixed p2p tensor shape).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -82,7 +91,7 @@ def train_step(model: MegatronModel, optimizer, micro_batches: Sequence[MicroBat
     model.ddp.zero_grad_buffer()
     optimizer.zero_grad()
 
-    def forward_step(data_iterator, ddp_model):
+    def forward_step(data_iterator, _ddp_model):
         micro_batch = next(data_iterator)
         logits = forward_logits(model, micro_batch.tokens, micro_batch.position_ids)
 
@@ -90,8 +99,12 @@ def train_step(model: MegatronModel, optimizer, micro_batches: Sequence[MicroBat
             logprobs, _ = vocab_parallel_token_stats(output[:, :-1], micro_batch.tokens[:, 1:], temperature,
                                                      model.arch.vocab_size, with_entropy=False)
             loss_sum, metrics = loss_fn(micro_batch, logprobs)
+            reserved = set(RESERVED_METRICS) & set(metrics)
+            if reserved:
+                raise ValueError(f"loss_fn metric names {sorted(reserved)} are reserved by train_step; rename them")
+            loss = loss_sum / num_global_tokens
             no_token_count = torch.zeros([], dtype=torch.int, device=output.device)
-            return loss_sum / num_global_tokens, no_token_count, {"loss_sum": loss_sum.detach(), **metrics}
+            return loss, no_token_count, {**metrics, "loss": loss.detach()}
 
         return logits, loss_func
 
@@ -105,8 +118,7 @@ def train_step(model: MegatronModel, optimizer, micro_batches: Sequence[MicroBat
     update_ok, grad_norm, _ = optimizer.step()
     if not update_ok:
         raise RuntimeError("the Megatron optimizer skipped the update (non-finite gradients)")
-    loss = sums.pop("loss_sum") / num_global_tokens
-    return {"loss": loss, "grad_norm": float(grad_norm), **sums}
+    return {**sums, "grad_norm": float(grad_norm)}
 
 
 def _sum_over_dp(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
