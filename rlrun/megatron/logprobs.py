@@ -53,9 +53,12 @@ def vocab_parallel_token_stats(
 def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """The model's local vocab-parallel logits ``[B, S, V_local]`` under a causal mask.
 
+    Inputs may live on the CPU; they are moved to the model's device.
+
     Megatron's RoPE always uses positions ``0..S-1`` (``position_ids`` only feed learned absolute
     embeddings), so packed sequences with restarting positions would be silently wrong: refuse them.
     """
+    tokens, position_ids = tokens.to(model.parallel.device), position_ids.to(model.parallel.device)
     expected = torch.arange(tokens.shape[1], device=position_ids.device).expand_as(position_ids)
     if not torch.equal(position_ids, expected):
         raise ValueError(
@@ -67,12 +70,13 @@ def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
 
 def compute_logprobs(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor,
                      temperature: float) -> torch.Tensor:
-    """``log p(tokens[:, 1:] | prefix)`` as ``[B, S-1]`` float32, logits divided by ``temperature``.
+    """``log p(tokens[:, 1:] | prefix)`` as ``[B, S-1]`` float32 on the model's device, logits divided
+    by ``temperature``.
 
     Differentiable; wrap in ``torch.no_grad()`` for forward-only passes (old, reference log-probs).
     """
     logits = forward_logits(model, tokens, position_ids)
-    logprobs, _ = vocab_parallel_token_stats(logits[:, :-1], tokens[:, 1:], temperature,
+    logprobs, _ = vocab_parallel_token_stats(logits[:, :-1], tokens[:, 1:].to(logits.device), temperature,
                                              model.arch.vocab_size, with_entropy=False)
     return logprobs
 
@@ -81,6 +85,6 @@ def compute_logprobs_and_entropy(model: MegatronModel, tokens: torch.Tensor, pos
                                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``compute_logprobs`` plus the entropy ``[B, S-1]`` of each predictive distribution."""
     logits = forward_logits(model, tokens, position_ids)
-    logprobs, entropy = vocab_parallel_token_stats(logits[:, :-1], tokens[:, 1:], temperature,
-                                                   model.arch.vocab_size, with_entropy=True)
+    logprobs, entropy = vocab_parallel_token_stats(logits[:, :-1], tokens[:, 1:].to(logits.device),
+                                                   temperature, model.arch.vocab_size, with_entropy=True)
     return logprobs, entropy

@@ -28,7 +28,10 @@ RESERVED_METRICS = ("loss", "grad_norm")
 
 
 class MicroBatch(Protocol):
-    """What ``train_step`` reads of a micro-batch; ``loss_fn`` reads the rest (masks, advantages...)."""
+    """What ``train_step`` reads of a micro-batch; ``loss_fn`` reads the rest (masks, advantages...).
+
+    The tensors may live on the CPU (they are moved to the model's device); ``loss_fn`` gets log-probs
+    on the model's device and must move what it reads from the micro-batch there itself."""
 
     tokens: torch.Tensor
     """[B, S] token ids, right-padded."""
@@ -96,7 +99,8 @@ def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches
         logits = forward_logits(model, micro_batch.tokens, micro_batch.position_ids)
 
         def loss_func(output):
-            logprobs, _ = vocab_parallel_token_stats(output[:, :-1], micro_batch.tokens[:, 1:], temperature,
+            targets = micro_batch.tokens[:, 1:].to(output.device)
+            logprobs, _ = vocab_parallel_token_stats(output[:, :-1], targets, temperature,
                                                      model.arch.vocab_size, with_entropy=False)
             loss_sum, metrics = loss_fn(micro_batch, logprobs)
             reserved = set(RESERVED_METRICS) & set(metrics)

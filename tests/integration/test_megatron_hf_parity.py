@@ -25,8 +25,7 @@ def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor) ->
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
     parallel = init_distributed(tp=tp, pp=1, seed=0)
-    tokens = tokens.to(parallel.device)
-    position_ids = torch.arange(tokens.shape[1], device=parallel.device).expand_as(tokens)
+    position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)  # CPU inputs: moved by the model
     out = {}
     for kind, hf_dir in model_dirs.items():
         model = build_model(hf_dir, parallel)
