@@ -7,7 +7,7 @@ Derived values are properties; the config is never mutated after loading.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -38,13 +38,23 @@ class ParallelConfig(Section):
 
 class DataConfig(Section):
     path: str = "configs/data/addition_train.jsonl"
-    """jsonl prompt file, one JSON object per line."""
+    """Prompt file: ``.jsonl`` (one JSON object per line) or ``.parquet`` (one row per prompt),
+    optionally sliced as ``path@[start:end]`` (Python slice of the rows, e.g. ``@[:1000]``, ``@[-50:]``)."""
     prompt_key: str = "prompt"
     """Key of the prompt text (or a list of chat messages) in each row."""
-    label_key: str = "label"
-    """Key of the reference answer passed to the reward function."""
+    label_key: str | None = "label"
+    """Key of the reference answer passed to the reward function; None when rows have no label."""
+    metadata_key: str | None = None
+    """Key of a per-row object handed to rewards and generate hooks as ``prompt.metadata``; None makes
+    every other key of the row the metadata."""
+    tools_key: str | None = None
+    """Key of the row's tool schemas (a list of objects, or a JSON string of one), passed to the chat
+    template as ``tools=`` and to generate hooks as ``prompt.tools``; None: no tools."""
     apply_chat_template: bool = True
-    """Wrap the prompt as a user turn and apply the tokenizer's chat template."""
+    """Wrap the prompt as a user turn and apply the tokenizer's chat template; false tokenizes the
+    prompt text as is (rows must then hold strings)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for ``apply_chat_template``, e.g. ``{enable_thinking: false}``."""
     system_prompt: str | None = None
     """System turn to prepend when applying the chat template. None adds no system turn
     (and suppresses templates that would insert a default one)."""

@@ -19,7 +19,8 @@ class MicroBatch:
     """One forward/backward unit on one DP rank.
 
     tokens, position_ids: ``[B, S]`` int64; padding is ``pad_token_id`` after the real tokens.
-    loss_mask: ``[B, S-1]`` float, 1.0 where the target is a response token.
+    loss_mask: ``[B, S-1]`` float, 1.0 where the target is a response token the model generated
+    (``Sample.loss_mask``; tool / environment tokens of multi-turn samples are 0).
     advantages, rollout_logprobs: ``[B, S-1]`` float, zero outside the loss mask.
     old_logprobs: ``[B, S-1]``, filled by the trainer's forward before training (None until then).
     """
@@ -47,7 +48,8 @@ class MicroBatch:
 
 
 def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -> MicroBatch:
-    """Right-pad ``samples`` into one micro-batch; ``advantages[i]`` applies to every token of sample i."""
+    """Right-pad ``samples`` into one micro-batch; ``advantages[i]`` applies to every token of sample i
+    that its ``loss_mask`` keeps (all response tokens when it has none)."""
     seq_len = max(s.total_length for s in samples)
     batch = len(samples)
     tokens = torch.full((batch, seq_len), pad_token_id, dtype=torch.long)
@@ -58,9 +60,10 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
         prompt_len, resp_len = len(sample.prompt.prompt_ids), len(sample.response_ids)
         tokens[i, : prompt_len + resp_len] = torch.tensor(sample.prompt.prompt_ids + sample.response_ids)
         span = slice(prompt_len - 1, prompt_len - 1 + resp_len)
-        loss_mask[i, span] = 1.0
-        adv[i, span] = advantage
-        rollout_lp[i, span] = torch.tensor(sample.rollout_logprobs)
+        mask = torch.ones(resp_len) if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
+        loss_mask[i, span] = mask
+        adv[i, span] = advantage * mask
+        rollout_lp[i, span] = torch.tensor(sample.rollout_logprobs) * mask
     position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch, -1).contiguous()
     return MicroBatch(tokens, position_ids, loss_mask, adv, rollout_lp)
 

@@ -1,125 +1,41 @@
-"""jsonl prompt datasets and the deterministic, resumable sampler that draws from them.
+"""Prompt datasets (jsonl or parquet rows, tokenized) and the deterministic, resumable sampler.
 
-Each line is a JSON object with ``data.prompt_key`` (a string, or a list of ``{"role", "content"}``
-chat messages) and ``data.label_key`` (any JSON value, handed to the reward). Other keys are kept as
-``Prompt.metadata``. Every row is parsed, checked and tokenized when the dataset is loaded, so a
-malformed line fails before training with ``file:line`` in the message.
+Rows are read and checked by :mod:`rlrun.data.prompt_files` (keys, ``path@[start:end]`` slices,
+``file:line`` errors); this module turns them into tokenized :class:`Prompt` s when the dataset is
+built, so a malformed row fails before training.
 
 Chat templates and system turns: ``data.system_prompt`` None means *no* system turn. Some templates
 (SmolLM2's, Qwen2.5's) insert a default system turn when the conversation has none, which would
 change the prompt the user asked for (SmolLM2: 45 tokens instead of 24). When the template does
 that and it is ChatML (checked by rendering a conversation *with* a system turn both ways and
 comparing), the turns are rendered here as ChatML instead; other templates that insert a default
-system turn are refused with an error asking for an explicit ``data.system_prompt``.
+system turn are refused with an error asking for an explicit ``data.system_prompt``. Rows with tools
+always go through the template (only it knows how to render tool schemas).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import random
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rlrun.config.schema import DataConfig
+from rlrun.data.prompt_files import Messages, PromptDataError, PromptRow, read_rows
 from rlrun.data.sample import Prompt
 
-Messages = list[dict[str, str]]
+__all__ = ["ChatRenderer", "PromptDataError", "PromptDataset", "PromptSampler", "read_rows", "render_chatml"]
 _PROBE = "\x00rlrun-probe\x00"
 
 
-class PromptDataError(ValueError):
-    """A prompt file or row the user must fix; the message names the file and line."""
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """One checked jsonl row before tokenization. ``line`` is 1-based, for error messages."""
-
-    index: int
-    line: int
-    prompt: str | Messages
-    label: Any
-    metadata: dict[str, Any]
-
-
-def read_rows(path: str | Path, prompt_key: str = "prompt", label_key: str = "label") -> list[PromptRow]:
-    """Parse and check every row of a jsonl prompt file (no tokenizer needed; cheap)."""
-    path = Path(path)
-    if not path.is_file():
-        raise PromptDataError(f"{path}: prompt file not found (cwd {Path.cwd()}); set data.path")
-    rows: list[PromptRow] = []
-    with path.open(encoding="utf-8") as lines:
-        for line_no, text in enumerate(lines, start=1):
-            if not text.strip():
-                continue
-            rows.append(_parse_row(path, line_no, text, len(rows), prompt_key, label_key))
-    if not rows:
-        raise PromptDataError(f"{path}: no prompts (the file is empty); set data.path to a jsonl file with rows")
-    return rows
-
-
-def _parse_row(path: Path, line_no: int, text: str, index: int, prompt_key: str, label_key: str) -> PromptRow:
-    where = f"{path}:{line_no}"
-    try:
-        row = json.loads(text.rstrip())
-    except json.JSONDecodeError as err:
-        raise PromptDataError(f"{where}: invalid JSON ({err.msg} at column {err.pos + 1})") from None
-    if not isinstance(row, dict):
-        raise PromptDataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    for key, field in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
-        if key not in row:
-            raise PromptDataError(f"{where}: missing key '{key}' ({field}); the row has keys {sorted(row)}")
-    prompt = row[prompt_key]
-    if not _is_prompt(prompt):
-        raise PromptDataError(
-            f"{where}: '{prompt_key}' ({_short(prompt)}) must be a non-empty string or a non-empty list of "
-            '{"role": str, "content": str} messages'
-        )
-    metadata = {k: v for k, v in row.items() if k not in (prompt_key, label_key)}
-    return PromptRow(index=index, line=line_no, prompt=prompt, label=row[label_key], metadata=metadata)
-
-
-def _is_prompt(value: Any) -> bool:
-    if isinstance(value, str):
-        return bool(value)
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(
-            isinstance(m, dict) and set(m) >= {"role", "content"}
-            and isinstance(m["role"], str) and isinstance(m["content"], str)
-            for m in value
-        )
-    )
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 class PromptDataset:
-    """All rows of ``cfg.path``, tokenized once when constructed (a bad row fails here, before training)."""
+    """The rows ``cfg.path`` selects, tokenized once when constructed (a bad row fails here, before training)."""
 
     def __init__(self, cfg: DataConfig, tokenizer):
-        rows = read_rows(cfg.path, cfg.prompt_key, cfg.label_key)
-        render = ChatRenderer(tokenizer, cfg.system_prompt) if cfg.apply_chat_template else None
-        self.prompts: list[Prompt] = []
-        for row in rows:
-            if render is not None:
-                text = render(row.prompt)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template placed BOS
-            elif isinstance(row.prompt, str):
-                text = row.prompt
-                ids = tokenizer(text)["input_ids"]
-            else:
-                raise PromptDataError(
-                    f"{cfg.path}:{row.line}: '{cfg.prompt_key}' is a list of chat messages but "
-                    "data.apply_chat_template is false; set data.apply_chat_template: true"
-                )
-            self.prompts.append(Prompt(index=row.index, prompt_ids=list(ids), prompt_text=text,
-                                       label=row.label, metadata=row.metadata))
+        rows = read_rows(cfg.path, cfg.prompt_key, cfg.label_key, cfg.metadata_key, cfg.tools_key)
+        render = ChatRenderer(tokenizer, cfg.system_prompt, cfg.chat_template_kwargs) if cfg.apply_chat_template else None
+        self.source = cfg.path
+        self.prompts = [_tokenize(row, render, tokenizer, cfg.prompt_key) for row in rows]
+        self.fingerprint = _fingerprint(self.prompts)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -128,28 +44,56 @@ class PromptDataset:
         return self.prompts[index]
 
 
-class ChatRenderer:
-    """Renders a prompt (text or messages) as the text the model sees, ending with the assistant header."""
+def _fingerprint(prompts: list[Prompt]) -> str:
+    """A short hash of every prompt's token ids and label: equal iff the data the run sees is equal."""
+    digest = hashlib.blake2b(digest_size=8)
+    for prompt in prompts:
+        digest.update(repr((prompt.prompt_ids, prompt.label)).encode())
+    return digest.hexdigest()
 
-    def __init__(self, tokenizer, system_prompt: str | None):
+
+def _tokenize(row: PromptRow, render: ChatRenderer | None, tokenizer, prompt_key: str) -> Prompt:
+    if render is not None:
+        text = render(row.prompt, row.tools)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template placed BOS
+    elif isinstance(row.prompt, str):
+        text = row.prompt
+        ids = tokenizer(text)["input_ids"]
+    else:
+        raise PromptDataError(
+            f"{row.where}: '{prompt_key}' is a list of chat messages but "
+            "data.apply_chat_template is false; set data.apply_chat_template: true"
+        )
+    return Prompt(index=row.index, prompt_ids=list(ids), prompt_text=text, label=row.label,
+                  metadata=row.metadata, tools=row.tools)
+
+
+class ChatRenderer:
+    """Renders a prompt (text or messages) as the text the model sees, ending with the assistant header.
+
+    ``template_kwargs`` go to every ``apply_chat_template`` call (e.g. ``enable_thinking: false``).
+    """
+
+    def __init__(self, tokenizer, system_prompt: str | None, template_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        self.own_chatml = system_prompt is None and _injects_default_system(tokenizer)
-        if self.own_chatml and not _is_chatml(tokenizer):
+        self.template_kwargs = dict(template_kwargs or {})
+        self.own_chatml = system_prompt is None and _injects_default_system(tokenizer, self.template_kwargs)
+        if self.own_chatml and not _is_chatml(tokenizer, self.template_kwargs):
             raise PromptDataError(
                 f"data.system_prompt (None) must be set for {type(tokenizer).__name__} "
                 f"'{getattr(tokenizer, 'name_or_path', '')}' because its chat template inserts a default "
                 "system turn that rlrun can only leave out for ChatML templates; set data.system_prompt"
             )
 
-    def __call__(self, prompt: str | Messages) -> str:
+    def __call__(self, prompt: str | Messages, tools: list[dict] | None = None) -> str:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         has_system = messages[0]["role"] == "system"
         if self.system_prompt is not None and not has_system:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        if self.own_chatml and not has_system:
+        if self.own_chatml and not has_system and not tools:
             return render_chatml(messages)
-        return _apply_template(self.tokenizer, messages)
+        return _apply_template(self.tokenizer, messages, self.template_kwargs, tools)
 
 
 def render_chatml(messages: Messages) -> str:
@@ -158,20 +102,22 @@ def render_chatml(messages: Messages) -> str:
     return turns + "<|im_start|>assistant\n"
 
 
-def _apply_template(tokenizer, messages: Messages) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _apply_template(tokenizer, messages: Messages, kwargs: dict[str, Any], tools: list[dict] | None = None) -> str:
+    if tools:
+        kwargs = {**kwargs, "tools": tools}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
 
-def _injects_default_system(tokenizer) -> bool:
+def _injects_default_system(tokenizer, kwargs: dict[str, Any]) -> bool:
     """True when a user-only conversation renders with a system turn the user did not write."""
-    rendered = _apply_template(tokenizer, [{"role": "user", "content": _PROBE}])
+    rendered = _apply_template(tokenizer, [{"role": "user", "content": _PROBE}], kwargs)
     return "system" in rendered.replace(_PROBE, "")
 
 
-def _is_chatml(tokenizer) -> bool:
+def _is_chatml(tokenizer, kwargs: dict[str, Any]) -> bool:
     """True when the template renders an explicit system + user conversation exactly as ChatML."""
     messages = [{"role": "system", "content": _PROBE + "s"}, {"role": "user", "content": _PROBE + "u"}]
-    return _apply_template(tokenizer, messages) == render_chatml(messages)
+    return _apply_template(tokenizer, messages, kwargs) == render_chatml(messages)
 
 
 class PromptSampler:
@@ -201,14 +147,22 @@ class PromptSampler:
             self.position += len(take)
         return batch
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "num_prompts": len(self.dataset)}
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor (epoch, position) plus what identifies the data, for checkpoints (JSON-safe)."""
+        return {"epoch": self.epoch, "position": self.position, "num_prompts": len(self.dataset),
+                "fingerprint": self.dataset.fingerprint}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_prompts"] != len(self.dataset):
             raise ValueError(
                 f"sampler state has num_prompts ({state['num_prompts']}) but the dataset has {len(self.dataset)} "
                 "rows; resuming needs the same prompt file (data.path) as the checkpointed run"
+            )
+        if state["fingerprint"] != self.dataset.fingerprint:
+            raise ValueError(
+                f"sampler state fingerprint ({state['fingerprint']}) must match the dataset's "
+                f"({self.dataset.fingerprint}) because resuming on changed rows would skip or repeat prompts; "
+                "set data.path (and its tokenizer / template settings) as in the checkpointed run"
             )
         if not 0 <= state["position"] <= len(self.dataset):
             raise ValueError(f"sampler position ({state['position']}) must be in [0, {len(self.dataset)}]")

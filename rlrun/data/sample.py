@@ -18,14 +18,18 @@ class Prompt:
     prompt_text: str
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    """Tool schemas of the row (``data.tools_key``), already rendered into the prompt by the chat
+    template; generate hooks read them to know which tools exist."""
 
 
 @dataclass
 class Sample:
     """One response to a prompt.
 
-    Invariants: ``len(rollout_logprobs) == len(response_ids)``; samples of one group share
-    ``group_index`` and ``prompt_ids`` and travel together (never split across DP ranks' steps).
+    Invariants: ``len(rollout_logprobs) == len(response_ids)``, and ``len(loss_mask) ==
+    len(response_ids)`` when there is a mask; samples of one group share ``group_index`` and
+    ``prompt_ids`` and travel together (never split across DP ranks' steps).
     """
 
     group_index: int
@@ -39,6 +43,15 @@ class Sample:
     reward: float = 0.0
     reward_error: str | None = None
     """The reward function's exception message when it raised (the reward is then 0)."""
+    loss_mask: list[int] | None = None
+    """Per response token: 1 if the model generated it (trained on), 0 if it was inserted by a tool
+    or the environment in a multi-turn rollout (context only: no loss, and its ``rollout_logprobs``
+    entry is 0). None means every response token is the model's (single-turn generation)."""
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Response tokens the loss covers (the denominator of a token-mean loss)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def total_length(self) -> int:
