@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -67,6 +68,8 @@ class Parallel:
     dp_size: int
     device: torch.device
     cpu_group: dist.ProcessGroup
+    env: DistEnv
+    """The launcher's view; ``master_addr:master_port`` is the rendezvous store (rlrun/runtime/watchdog.py)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -79,6 +82,9 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600) -> Par
     CPU (no CUDA): gloo and the Megatron CPU patches. GPU: NCCL with ``device = cuda:local_rank``.
     """
     env = DistEnv.from_env()
+    # Megatron warns on import, once per module, that TE/Apex are missing; the local spec is our choice.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
     if env.world_size % (tp * pp) != 0:
         raise ValueError(
             f"world_size ({env.world_size}) must be divisible by tp*pp ({tp}*{pp}) because every "
@@ -125,6 +131,7 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600) -> Par
         dp_size=mpu.get_data_parallel_world_size(),
         device=device,
         cpu_group=cpu_group,
+        env=env,
     )
 
 

@@ -45,7 +45,7 @@ def _engine_vs_trainer(model_dir: str, run_dir: str, tp: int):
 
         def loss_fn(batch, logprobs):
             loss = -(logprobs * batch.advantages * batch.loss_mask).sum()
-            return loss, {"loss": loss.detach()}
+            return loss, {"loss_sum_check": loss.detach()}
 
         train_step(model, optimizer, [mb], loss_fn, num_global_tokens=int(mb.loss_mask.sum()), temperature=0.8)
         with torch.no_grad():
