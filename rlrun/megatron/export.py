@@ -18,7 +18,8 @@ from rlrun.megatron.tp_layout import Partition
 
 @torch.no_grad()
 def export_hf_weights(model: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` in HF checkpoint order, vocab unpadded, in the model's dtype.
+    """Yield ``(hf_name, full tensor)`` in HF checkpoint order, in the model's dtype, with the vocabulary
+    and attention-head padding cut off: names and shapes are exactly the HF checkpoint's.
 
     Tied models yield ``model.embed_tokens.weight`` only (no ``lm_head.weight``), like their safetensors.
     The tensors are fresh copies on the model's device; the caller may keep or move them.

@@ -9,6 +9,24 @@ Supported families (``model_type``) and what distinguishes them:
 All three are pre-norm decoders with RMSNorm, SwiGLU MLPs, grouped-query attention and RoPE; a
 config that asks for anything else (rope scaling, sliding windows, MLP biases) is refused with the
 ``config.json`` field to blame, rather than converted into a model that computes something different.
+
+Head padding. Megatron gives each TP rank whole key/value groups, so ``tp`` must divide the number of
+groups ``G`` (and then the number of query heads ``H = G * heads_per_group`` too). When it does not
+(SmolLM2: 3 groups at TP=2), the Megatron model gets ``G' = ceil(G / tp) * tp`` groups: the original
+ones, then ``G' - G`` inert groups of ``heads_per_group`` query heads each whose q/k/v rows (and biases)
+are zero and whose ``linear_proj`` (o_proj) input columns are zero. They change nothing, ever:
+
+* forward: an inert head's values are ``v = x W_v^T = 0``, so its output ``softmax(q k^T) v = 0`` (q = k = 0
+  give a uniform softmax, no NaN), and zero o_proj columns add nothing to the layer output either way;
+* backward: o_proj's inert columns get ``grad_out^T @ 0 = 0``; the heads' outputs get ``grad_out @ 0 = 0``,
+  so ``dv = P^T 0 = 0`` and ``dP = 0 v^T = 0``, hence ``dq = dk = 0`` and every inert q/k/v row and bias
+  gets a zero gradient. QK-norm weights (one per head_dim channel, shared by all heads) get nothing from
+  inert heads because their normalized inputs ``q = k = 0`` are zero;
+* update: Adam(W) maps ``p = m = v = grad = 0`` to ``0`` (weight decay ``lr * wd * p = 0``), and zero
+  gradients add nothing to the global grad norm, so clipping is unchanged.
+
+``hf_weights`` adds the padding on load and strips it on export: HF names and shapes never change and
+the engine never sees it. The cost is compute: see ``head_padding_note``.
 """
 
 from __future__ import annotations
@@ -67,13 +85,20 @@ class ModelArch:
         _check_supported_features(cfg, path)
         rope = cfg.get("rope_parameters") or {}
         num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"{path}: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
+                f"({num_kv_heads}) because every key/value head serves the same number of query heads; "
+                f"this config.json does not describe a grouped-query attention model"
+            )
         return cls(
             model_type=model_type,
             num_layers=cfg["num_hidden_layers"],
             hidden_size=cfg["hidden_size"],
             ffn_hidden_size=cfg["intermediate_size"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg["max_position_embeddings"],
@@ -88,14 +113,42 @@ class ModelArch:
         multiple = VOCAB_PAD_MULTIPLE * tp
         return -(-self.vocab_size // multiple) * multiple
 
-    def check_tp(self, tp: int) -> None:
-        """Refuse a TP size that cannot split the attention heads evenly."""
-        for field, value in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)):
-            if value % tp != 0:
-                raise ValueError(
-                    f"parallel.tp ({tp}) must divide config.json {field} ({value}) because each "
-                    f"tensor-parallel rank holds whole heads; set parallel.tp to a divisor of {value}"
-                )
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def padded_num_kv_heads(self, tp: int) -> int:
+        """Key/value groups of the Megatron model: ``num_kv_heads`` rounded up to a multiple of ``tp``
+        (the inert groups of "Head padding" above; none when ``tp`` divides ``num_kv_heads``)."""
+        return -(-self.num_kv_heads // tp) * tp
+
+    def padded_num_heads(self, tp: int) -> int:
+        """Query heads of the Megatron model: every group, inert ones included, has ``heads_per_group``."""
+        return self.padded_num_kv_heads(tp) * self.heads_per_group
+
+
+def head_padding_note(arch: ModelArch, tp: int) -> str | None:
+    """What head padding at ``tp`` adds and costs, for the log; ``None`` when there is no padding.
+
+    The matmul cost is the inert heads' q/k/v rows and o_proj columns over one layer's weights (the
+    per-token work of the decoder layers); attention scores and values grow with the head count.
+    """
+    groups, heads = arch.padded_num_kv_heads(tp), arch.padded_num_heads(tp)
+    if groups == arch.num_kv_heads:
+        return None
+
+    def layer_weights(num_heads: int, num_groups: int) -> int:
+        qkv_and_o = (2 * num_heads + 2 * num_groups) * arch.head_dim * arch.hidden_size
+        return qkv_and_o + 3 * arch.hidden_size * arch.ffn_hidden_size
+
+    extra = layer_weights(heads, groups) / layer_weights(arch.num_heads, arch.num_kv_heads) - 1
+    return (
+        f"parallel.tp ({tp}) does not divide the {arch.num_kv_heads} key/value groups, so each layer gets "
+        f"{groups - arch.num_kv_heads} inert zero group(s): {arch.num_heads} -> {heads} query heads, "
+        f"{arch.num_kv_heads} -> {groups} key/value heads (exact: they stay zero and are stripped on export); "
+        f"cost: +{extra:.1%} decoder-layer matmul work and +{heads / arch.num_heads - 1:.0%} attention-score "
+        f"work. A parallel.tp that divides {arch.num_kv_heads} avoids it"
+    )
 
 
 def _check_supported_features(cfg: dict, path: Path) -> None:
@@ -126,7 +179,6 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: str):
     """
     from megatron.core.transformer import TransformerConfig
 
-    arch.check_tp(tp)
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"model.dtype ({dtype!r}) must be 'float32' or 'bfloat16'; set model.dtype to one of them")
     if arch.num_layers % pp != 0:
@@ -139,9 +191,9 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: str):
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
+        num_attention_heads=arch.padded_num_heads(tp),
+        num_query_groups=arch.padded_num_kv_heads(tp),
+        kv_channels=arch.head_dim,  # explicit: hidden_size / num_attention_heads is wrong once heads are padded
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,

@@ -9,7 +9,7 @@ embedding.word_embeddings.weight             model.embed_tokens.weight          
 decoder.layers.i.input_layernorm.weight      model.layers.i.input_layernorm.weight           copy
 decoder.layers.i.self_attention.linear_qkv   model.layers.i.self_attn.{q,k,v}_proj           qkv
 decoder.layers.i.self_attention.q_layernorm  model.layers.i.self_attn.q_norm (Qwen3)         copy
-decoder.layers.i.self_attention.linear_proj  model.layers.i.self_attn.o_proj                 copy
+decoder.layers.i.self_attention.linear_proj  model.layers.i.self_attn.o_proj                 o_proj
 decoder.layers.i.pre_mlp_layernorm.weight    model.layers.i.post_attention_layernorm.weight  copy
 decoder.layers.i.mlp.linear_fc1.weight       model.layers.i.mlp.{gate,up}_proj.weight        concat
 decoder.layers.i.mlp.linear_fc2.weight       model.layers.i.mlp.down_proj.weight             copy
@@ -17,10 +17,16 @@ decoder.final_layernorm.weight               model.norm.weight                  
 output_layer.weight (untied only)            lm_head.weight                                  vocab
 ==========================================  ==============================================  ========
 
-Layouts: ``linear_qkv`` is ``[num_kv_heads, (heads_per_group + 2) * head_dim, hidden]`` flattened, i.e.
+Layouts: ``linear_qkv`` is ``[num_groups, (heads_per_group + 2) * head_dim, hidden]`` flattened, i.e.
 each query group's q heads, then its k head, then its v head (biases alike), so a TP shard is whole
-query groups. ``linear_fc1`` is ``[gate; up]``. Vocabulary tensors are padded with zero rows up to the
-padded vocab size (see ``ModelArch.padded_vocab_size``).
+query groups. ``linear_proj`` is o_proj, ``[hidden, num_heads * head_dim]``. ``linear_fc1`` is
+``[gate; up]``.
+
+Padding, all with zeros, added by ``to_megatron`` for a TP size and cut off by ``to_hf`` (which reads the
+padded sizes from the tensor, so it needs no TP size): vocabulary rows up to
+``ModelArch.padded_vocab_size``, and inert key/value groups appended after the real ones up to
+``ModelArch.padded_num_kv_heads`` (``linear_qkv`` rows, ``linear_proj`` columns; see "Head padding" in
+``hf_config``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from safetensors import safe_open
 
 from rlrun.megatron.hf_config import ModelArch
 
-Kind = Literal["copy", "vocab", "qkv", "concat"]
+Kind = Literal["copy", "vocab", "qkv", "o_proj", "concat"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ def weight_mappings(arch: ModelArch) -> list[WeightMapping]:
         if arch.qk_norm:
             maps.append(WeightMapping(f"{mc}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "copy"))
             maps.append(WeightMapping(f"{mc}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy"))
-        maps.append(WeightMapping(f"{mc}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "copy"))
+        maps.append(WeightMapping(f"{mc}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "o_proj"))
         maps.append(WeightMapping(f"{mc}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",), "copy"))
         maps.append(WeightMapping(f"{mc}mlp.linear_fc1.weight",
                                   (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"), "concat"))
@@ -73,30 +79,41 @@ def weight_mappings(arch: ModelArch) -> list[WeightMapping]:
     return maps
 
 
-def to_megatron(arch: ModelArch, mapping: WeightMapping, hf_tensors: list[torch.Tensor],
-                padded_vocab_size: int) -> torch.Tensor:
-    """Build the full Megatron tensor of ``mapping`` from its HF tensors (in ``hf_names`` order)."""
+def _zero_pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``tensor`` with zeros appended along ``dim`` up to ``size``."""
+    missing = list(tensor.shape)
+    missing[dim] = size - tensor.shape[dim]
+    return torch.cat([tensor, tensor.new_zeros(missing)], dim=dim)
+
+
+def to_megatron(arch: ModelArch, mapping: WeightMapping, hf_tensors: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """Build the full Megatron tensor of ``mapping`` from its HF tensors (in ``hf_names`` order), padded
+    for a model with ``tp`` tensor-parallel ranks."""
     if mapping.kind == "copy":
         return hf_tensors[0]
     if mapping.kind == "concat":
         return torch.cat(hf_tensors, dim=0)
     if mapping.kind == "vocab":
-        (table,) = hf_tensors
-        return torch.cat([table, table.new_zeros(padded_vocab_size - table.shape[0], *table.shape[1:])])
+        return _zero_pad(hf_tensors[0], 0, arch.padded_vocab_size(tp))
+    if mapping.kind == "o_proj":
+        return _zero_pad(hf_tensors[0], 1, arch.padded_num_heads(tp) * arch.head_dim)
     q, k, v = (t.reshape(arch.num_kv_heads, -1, *t.shape[1:]) for t in hf_tensors)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+    groups = _zero_pad(torch.cat([q, k, v], dim=1), 0, arch.padded_num_kv_heads(tp))
+    return groups.reshape(-1, *q.shape[2:])
 
 
 def to_hf(arch: ModelArch, mapping: WeightMapping, full: torch.Tensor) -> list[torch.Tensor]:
-    """Split a full Megatron tensor back into its HF tensors (inverse of ``to_megatron``)."""
+    """Split a full Megatron tensor back into its HF tensors, padding dropped (inverse of ``to_megatron``)."""
     if mapping.kind == "copy":
         return [full]
     if mapping.kind == "concat":
         return list(full.chunk(len(mapping.hf_names), dim=0))
     if mapping.kind == "vocab":
         return [full[: arch.vocab_size]]
-    groups = full.reshape(arch.num_kv_heads, -1, *full.shape[1:])
-    q_rows = arch.num_heads // arch.num_kv_heads * arch.head_dim
+    if mapping.kind == "o_proj":
+        return [full[:, : arch.num_heads * arch.head_dim]]
+    q_rows = arch.heads_per_group * arch.head_dim
+    groups = full.reshape(-1, q_rows + 2 * arch.head_dim, *full.shape[1:])[: arch.num_kv_heads]
     q, k, v = groups.split([q_rows, arch.head_dim, arch.head_dim], dim=1)
     return [t.reshape(-1, *full.shape[1:]) for t in (q, k, v)]
 

@@ -7,12 +7,13 @@ exists: the bf16 optimizer copies its fp32 master weights from the parameters wh
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from rlrun.megatron.hf_config import ModelArch, transformer_config
+from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
@@ -20,6 +21,8 @@ from rlrun.runtime.dist import Parallel
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +54,11 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32") -> Mega
                          f"loaded or exported yet; set parallel.pp=1")
     arch = ModelArch.from_hf_dir(hf_dir)
     config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype)
+    padding_note = head_padding_note(arch, parallel.tp_size)
+    if padding_note and parallel.is_rank0:
+        # A warning, not info: it costs compute the user may avoid, and the trainer sets up no logging
+        # handlers, so only warnings reach the console.
+        log.warning("%s: %s", hf_dir, padding_note)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
@@ -83,11 +91,10 @@ def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, pa
     if unmapped:
         raise RuntimeError(f"Megatron parameters without an HF source: {sorted(unmapped)}; "
                            f"rlrun/megatron/hf_weights.py must map them")
-    padded_vocab = arch.padded_vocab_size(parallel.tp_size)
     for mapping in mappings:
         param = params[mapping.megatron_name]
         hf_tensors = [checkpoint.get(name) for name in mapping.hf_names]
-        full = to_megatron(arch, mapping, hf_tensors, padded_vocab)
+        full = to_megatron(arch, mapping, hf_tensors, parallel.tp_size)
         shard = Partition.of(param).shard(full, parallel.tp_rank, parallel.tp_size)
         if shard.shape != param.shape:
             raise RuntimeError(

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlrun.megatron.hf_config import ModelArch, transformer_config
+from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_config
 
 # SmolLM2-135M-Instruct's config.json fields that matter (9 heads / 3 KV heads, tied, rope_theta 1e5).
 SMOLLM2 = {
@@ -43,9 +43,31 @@ def test_smollm2_shapes_at_tp1_and_tp3():
         assert padded >= 49152 and padded % (128 * tp) == 0 and padded - 49152 < 128 * tp
 
 
-def test_tp_that_splits_heads_is_refused():
-    with pytest.raises(ValueError, match=r"parallel.tp \(2\) must divide config.json num_attention_heads \(9\)"):
-        transformer_config(ModelArch.from_dict(SMOLLM2), tp=2, pp=1, dtype="float32")
+@pytest.mark.parametrize("tp, groups", [(2, 4), (4, 4), (5, 5), (6, 6)])
+def test_smollm2_heads_are_padded_to_whole_groups_per_rank(tp, groups):
+    """3 KV groups of 3 heads at a TP that does not divide 3: inert groups of 3 heads up to a multiple of tp."""
+    arch = ModelArch.from_dict(SMOLLM2)
+    config = transformer_config(arch, tp=tp, pp=1, dtype="float32")
+    assert (config.num_query_groups, config.num_attention_heads, config.kv_channels) == (groups, 3 * groups, 64)
+    assert config.num_query_groups % tp == 0 and config.num_attention_heads % tp == 0
+    assert config.hidden_size == 576  # hidden stays; kv_channels keeps each head 64 wide
+
+
+def test_padding_note_states_the_cost():
+    arch = ModelArch.from_dict(SMOLLM2)
+    assert head_padding_note(arch, 1) is None and head_padding_note(arch, 3) is None
+    # One layer's weights, counted by hand: q (9 heads), k and v (3 each), o (9 heads), then gate/up/down.
+    hidden, ffn, head = 576, 1536, 64
+    unpadded = (9 + 3 + 3 + 9) * head * hidden + 3 * hidden * ffn
+    padded = (12 + 4 + 4 + 12) * head * hidden + 3 * hidden * ffn
+    note = head_padding_note(arch, 2)
+    assert "9 -> 12 query heads" in note and "3 -> 4 key/value heads" in note
+    assert f"+{padded / unpadded - 1:.1%} decoder-layer matmul work" in note and "+33% attention-score" in note
+
+
+def test_heads_not_a_multiple_of_kv_heads_are_refused():
+    with pytest.raises(ValueError, match=r"num_attention_heads \(9\) must be a multiple of num_key_value_heads \(2\)"):
+        ModelArch.from_dict({**SMOLLM2, "num_key_value_heads": 2})
 
 
 def test_vocab_padding_is_minimal_multiple():
