@@ -5,11 +5,14 @@ One step:
                 generates ``samples_per_prompt`` responses with log-probs; rewards are scored on
                 the rank; samples are gathered to rank 0
   2. engine sleeps (release_memory_occupation), trainer wakes
-  3. advantages rank 0 computes GRPO group advantages and drops tied groups
+  3. scores     rank 0 turns each group's rewards into per-sample scores and drops tied groups
   4. scatter    rank 0 packs samples into micro-batches under a token budget, balances them over
                 DP ranks and scatters them (TP peers of a DP rank receive the same micro-batches)
-  5. log-probs  the trainer recomputes the old-policy log-probs (and the gap to the engine's)
-  6. train      Megatron forward/backward with the PPO-clip loss, optimizer step
+  5. log-probs  old-policy / reference / teacher log-probs, role weights swapped in from CPU backups
+                (rlrun/roles.py; the old-policy pass is skipped when the training forward can reuse
+                it), then per-token advantages (rlrun/algo) and the post-process hook
+  6. train      Megatron forward/backward with the configured loss (rlrun/algo/objective.py),
+                optimizer step, role backups refreshed
   7. trainer sleeps; engine wakes for weights; weight sync (Megatron -> HF names -> flattened
                 buckets -> ZMQ); engine wakes its KV cache
   8. log        metrics.jsonl + console line on rank 0
@@ -30,8 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlrun.algo.advantages import grpo_advantages, tied_groups
-from rlrun.algo.policy_loss import ppo_clip_loss
+from rlrun.algo.advantages import group_scores, tied_groups
 from rlrun.config.load import dump_config
 from rlrun.config.schema import RunConfig
 from rlrun.data.batch import MicroBatch, schedule_micro_batches
@@ -60,6 +62,7 @@ class Components:
     parallel: object
     model: object
     optimizer: object
+    roles: object  # rlrun.roles.ModelRoles
     engine: object
     offloader: Offloader
     tokenizer: object
@@ -94,6 +97,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.engine.client import EngineClient
     from rlrun.megatron import build_model, make_optimizer
+    from rlrun.roles import ModelRoles
 
     run_dir = Path(cfg.logging.run_dir)
     if parallel.is_rank0:
@@ -110,13 +114,14 @@ def setup(cfg: RunConfig, parallel) -> Components:
     model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype)
     opt = cfg.optimizer
     optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
+    roles = ModelRoles.create(cfg.algorithm, model)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     sampler = None
     if parallel.is_rank0:
         dataset = PromptDataset(cfg.data, tokenizer)
         sampler = PromptSampler(dataset, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return Components(
-        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, engine=engine,
+        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, engine=engine,
         offloader=Offloader(cfg.offload, engine, parallel.device), tokenizer=tokenizer, sampler=sampler,
         reward_fn=load_reward_fn(cfg.rollout.reward), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
         logger=MetricsLogger(run_dir, cfg.logging.console, cfg.train.num_steps) if parallel.is_rank0 else None,
@@ -136,9 +141,9 @@ def train_one_step(parts: Components, state: RunState) -> None:
         micro_batches, num_global_tokens = scatter_from_rank0(work, parts.parallel.cpu_group)
     if micro_batches:
         with timer("logprobs"):
-            metrics.update(compute_old_logprobs(parts, micro_batches))
+            metrics.update(compute_old_logprobs(parts, micro_batches, state.step))
         with timer("train"):
-            metrics.update(train(parts, micro_batches, num_global_tokens))
+            metrics.update(train(parts, micro_batches, num_global_tokens, state.step))
     with timer("offload"):
         parts.offloader.trainer_sleep()
         parts.offloader.engine_wake_for_sync()
@@ -165,14 +170,14 @@ def rollout(parts: Components, step: int) -> list[Sample] | None:
 
 
 def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> list:
-    """Advantages, tied-group filtering, packing and DP balancing; one payload per global rank."""
+    """Group scores, tied-group filtering, packing and DP balancing; one payload per global rank."""
     cfg = parts.cfg
     groups = group_samples(samples, cfg.rollout.samples_per_prompt)
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-    advantages = grpo_advantages(rewards, normalize_std=cfg.algorithm.normalize_std)
+    scores = group_scores(rewards, cfg.algorithm.advantage_estimator, cfg.algorithm.normalize_std)
     keep = ~tied_groups(rewards) if cfg.algorithm.skip_tied_groups else torch.ones(len(groups), dtype=torch.bool)
     metrics.update(rollout_metrics(samples, keep))
-    kept = [(s, float(a)) for g, adv, k in zip(groups, advantages, keep) if k for s, a in zip(g, adv)]
+    kept = [(s, float(a)) for g, score, k in zip(groups, scores, keep) if k for s, a in zip(g, score)]
     if not kept:
         return [([], 0)] * parts.parallel.world_size
     per_dp = schedule_micro_batches(
@@ -194,42 +199,19 @@ def rollout_metrics(samples: list[Sample], kept_groups: torch.Tensor) -> dict[st
     }
 
 
-def compute_old_logprobs(parts: Components, micro_batches: list[MicroBatch]) -> dict[str, float]:
-    """Old-policy log-probs from the trainer (before the update), and their gap to the engine's."""
-    from rlrun.megatron import compute_logprobs
+def compute_old_logprobs(parts: Components, micro_batches: list[MicroBatch], step: int) -> dict[str, float]:
+    """Role log-probs (old policy, reference, teacher) and per-token advantages on this rank."""
+    from rlrun.rl_step import logprobs_and_advantages
 
-    gap_sum = torch.zeros(2)
-    with torch.no_grad():
-        for mb in micro_batches:
-            mb.old_logprobs = compute_logprobs(parts.model, mb.tokens, mb.position_ids, parts.cfg.rollout.temperature).float().cpu()
-            if parts.parallel.tp_rank == 0:  # TP peers hold the same batch: count it once
-                gap_sum[0] += ((mb.old_logprobs - mb.rollout_logprobs).abs() * mb.loss_mask).sum()
-                gap_sum[1] += mb.loss_mask.sum()
-    dist.all_reduce(gap_sum, group=parts.parallel.cpu_group)
-    return {"train/logprob_gap": (gap_sum[0] / gap_sum[1].clamp(min=1)).item()}
+    return logprobs_and_advantages(parts.cfg, parts.roles, parts.parallel, micro_batches, step)
 
 
-def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens: int) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches with the token-mean PPO-clip loss."""
-    from rlrun.megatron import train_step
+def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens: int, step: int) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches with the configured RL loss."""
+    from rlrun.rl_step import train_policy
 
-    alg = parts.cfg.algorithm
-
-    def loss_fn(mb: MicroBatch, logprobs: torch.Tensor):
-        mask = mb.loss_mask.to(logprobs.device)
-        terms = ppo_clip_loss(logprobs, mb.old_logprobs.to(logprobs.device), mb.advantages.to(logprobs.device), alg.eps_clip, alg.clip_high)
-        loss_sum = (terms.loss * mask).sum()
-        return loss_sum, {"clip_frac": (terms.clipped * mask).sum().detach(), "approx_kl": (terms.approx_kl * mask).sum().detach()}
-
-    out = train_step(parts.model, parts.optimizer, micro_batches, loss_fn, num_global_tokens=num_global_tokens, temperature=parts.cfg.rollout.temperature)
-    metrics = {
-        "train/policy_loss": out["loss"],
-        "train/clip_frac": out["clip_frac"] / num_global_tokens,
-        "train/approx_kl": out["approx_kl"] / num_global_tokens,
-        "train/grad_norm": out["grad_norm"],
-    }
-    metrics["train/num_loss_tokens"] = num_global_tokens
-    return metrics
+    return train_policy(parts.cfg, parts.roles, parts.parallel, parts.model, parts.optimizer, micro_batches,
+                        num_global_tokens, step)
 
 
 def sync_weights(parts: Components, version: int) -> None:

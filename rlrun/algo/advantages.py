@@ -1,8 +1,26 @@
-"""Advantage estimators over groups of responses to the same prompt."""
+"""Advantage estimators: group baselines over whole groups (rank 0), then per-token advantages (each rank).
+
+Two stages, because group statistics need every response of a prompt while KL terms need log-probs
+that only exist on the rank that trains the sample:
+
+1. ``group_scores`` (rank 0, before the scatter) turns each group's rewards into one scalar score per
+   response: the group-normalised reward for GRPO-style estimators, the raw reward otherwise.
+2. ``token_advantages`` / ``reinforce_returns`` / ``gae`` (each rank, after log-probs) turn the score,
+   broadcast over the response tokens, plus an optional per-token KL penalty into advantages.
+
+All per-token tensors are ``[B, T]`` with a ``mask`` of the same shape (1.0 on response tokens); rows
+may have any number of valid tokens (ragged lengths are just masks).
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+Estimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+GROUP_NORMALISED = ("grpo", "gspo", "cispo")
+WHITEN_EPS = 1e-8
 
 
 def grpo_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -24,6 +42,102 @@ def grpo_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: floa
     return centred / (std + eps)
 
 
+def group_scores(rewards: torch.Tensor, estimator: Estimator, normalize_std: bool) -> torch.Tensor:
+    """One scalar per response, ``[num_groups, group_size]``, as slime's rollout reward post-process:
+
+        grpo, gspo, cispo              grpo_advantages(rewards, normalize_std)
+        reinforce_plus_plus_baseline   r_i - mean(r_group)       (the group mean is the baseline)
+        reinforce_plus_plus, ppo       r_i                       (baseline: whitening / the critic)
+    """
+    if estimator in GROUP_NORMALISED:
+        return grpo_advantages(rewards, normalize_std=normalize_std)
+    if estimator == "reinforce_plus_plus_baseline":
+        return grpo_advantages(rewards, normalize_std=False)
+    return rewards.clone()
+
+
 def tied_groups(rewards: torch.Tensor) -> torch.Tensor:
     """Bool ``[num_groups]``: groups whose rewards are all equal (they carry no GRPO signal)."""
     return (rewards == rewards[:, :1]).all(dim=1)
+
+
+def token_advantages(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
+    """GRPO / GSPO / CISPO / REINFORCE++-baseline: ``A_t = (score - kl_coef * kl_t) * mask_t``.
+
+    ``scores`` is each sample's score broadcast over its tokens. The KL penalty is per token (the
+    REINFORCE++-baseline form, arXiv 2501.03262); slime drops it for the GRPO family, here it applies
+    to every estimator so that ``kl.reward_coef`` is never silently ignored.
+    """
+    advantages = scores.float()
+    if kl is not None and kl_coef != 0.0:
+        advantages = advantages - kl_coef * kl
+    return advantages * mask
+
+
+def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """1.0 at the last valid position of each row with any valid position, 0 elsewhere."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).amax(dim=-1, keepdim=True)
+    return ((positions == last) & (mask > 0)).to(mask.dtype)
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
+    """Per-token rewards of REINFORCE++ and PPO: ``-kl_coef * kl_t`` on every response token plus the
+    sample's score on its last response token."""
+    rewards = scores.float() * last_token_mask(mask)
+    if kl is not None and kl_coef != 0.0:
+        rewards = rewards - kl_coef * kl * mask
+    return rewards
+
+
+def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` along the last dim, with ``G`` = 0 past the end."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for t in range(rewards.shape[-1] - 1, -1, -1):
+        running = rewards[..., t] + gamma * running
+        returns[..., t] = running
+    return returns
+
+
+def reinforce_returns(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
+                      gamma: float) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262): discounted returns of ``token_rewards``; advantage = return
+    (whitened over the batch afterwards, which is REINFORCE++'s baseline). Zero outside the mask."""
+    return discounted_returns(token_rewards(scores, mask, kl, kl_coef), gamma) * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (arXiv 1506.02438), returns ``(advantages, returns)``:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lambd * A_{t+1}
+        R_t     = A_t + V_t
+
+    Values outside the mask count as 0, so the state after the last response token is terminal.
+    """
+    values = values.float() * mask
+    next_values = torch.cat([values[..., 1:], torch.zeros_like(values[..., :1])], dim=-1)
+    deltas = rewards + gamma * next_values - values
+    advantages = discounted_returns(deltas, gamma * lambd)
+    return advantages * mask, (advantages + values) * mask
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[sum, sum of squares, count]`` of the masked entries: add these up across ranks, then whiten."""
+    x = x.float()
+    return torch.stack([(x * mask).sum(), (x.square() * mask).sum(), mask.sum().float()])
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + 1e-8)`` with mean and unbiased var from ``moments`` (the sum of
+    ``masked_moments`` over every rank's data); zero outside the mask."""
+    total, total_sq, count = moments.tolist()
+    if count <= 0:
+        raise ValueError("cannot whiten advantages: no response token in the whole batch")
+    mean = total / count
+    var = total_sq / count - mean * mean
+    if count >= 2:
+        var *= count / (count - 1)
+    return (x - mean) * torch.rsqrt(torch.tensor(var + WHITEN_EPS)) * mask

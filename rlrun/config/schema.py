@@ -100,21 +100,122 @@ class EngineConfig(Section):
         return self
 
 
+class KLConfig(Section):
+    """KL to the reference model (``algorithm.ref``): a loss term or a reward penalty, never both."""
+
+    loss_coef: float = Field(0.0, ge=0)
+    """Weight of the KL term added to the loss: ``loss += loss_coef * agg(kl(logp, logp_ref))``. 0 disables."""
+    reward_coef: float = Field(0.0, ge=0)
+    """Weight of the per-token KL penalty subtracted from the advantages / token rewards before training
+    (``A_t -= reward_coef * kl_t``, KL of the old policy to the reference). 0 disables."""
+    estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """Per-token KL estimator (rlrun/algo/kl.py): k1 = log ratio, k2 = squared / 2, k3 = non-negative
+    unbiased, low_var_kl = k3 clamped to [-10, 10]."""
+    unbiased: bool = False
+    """Weight the KL loss by the importance ratio pi / pi_old (DeepSeek-V3.2) so it stays unbiased off-policy."""
+
+
+class RefConfig(Section):
+    """The reference model: a CPU weight backup swapped into the trainer's model for its forward pass."""
+
+    path: str | None = None
+    """Hugging Face directory of the reference weights (same architecture as ``model.path``); None uses
+    the actor's initial weights."""
+    update_interval: int | None = Field(None, ge=1)
+    """Copy the actor's weights into the reference every N steps (after the optimizer step); None never."""
+
+
+class TISConfig(Section):
+    """Truncated importance sampling for the train/inference mismatch (rlrun/algo/mismatch.py)."""
+
+    mode: Literal["off", "clip", "mask"] = "off"
+    """``clip``: weight the policy loss by clamp(pi_old / pi_rollout, clip_low, clip) (TIS); ``mask``:
+    drop tokens (or sequences) whose ratio is outside [clip_low, clip] (IcePop); ``off``: no weighting."""
+    level: Literal["token", "sequence", "geometric"] = "token"
+    """One ratio per token, per sequence (product) or per sequence (geometric mean)."""
+    clip: float = Field(2.0, gt=0)
+    """Upper bound of the ratio."""
+    clip_low: float = Field(0.0, ge=0)
+    """Lower bound of the ratio (0 = truncate only from above)."""
+
+
+class OPDConfig(Section):
+    """On-policy distillation from a teacher swapped into the trainer's model (slime's ``megatron`` OPD)."""
+
+    teacher_path: str | None = None
+    """Hugging Face directory of the teacher (same architecture as ``model.path``)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Advantage penalty ``A_t -= kl_coef * (logp_student - logp_teacher)``; > 0 enables distillation."""
+
+
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo"] = "grpo"
-    """How advantages are computed from rewards."""
+    advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                 "ppo"] = "grpo"
+    """How advantages are computed (rlrun/algo/advantages.py). grpo / gspo / cispo: group-normalised reward
+    (gspo and cispo also change the policy loss); reinforce_plus_plus(_baseline): discounted token returns
+    (with a group-mean baseline), need ``normalize_advantages``; ppo: GAE, needs a critic."""
     normalize_std: bool = True
-    """GRPO: divide the group-centred reward by the group std (False gives Dr.GRPO)."""
+    """GRPO family: divide the group-centred reward by the group std (False gives Dr.GRPO)."""
+    normalize_advantages: bool = False
+    """Whiten the advantages over the whole step (all DP ranks, masked mean and unbiased std)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of REINFORCE++ returns and of GAE."""
+    lambd: float = Field(1.0, ge=0, le=1)
+    """GAE lambda."""
+    custom_advantage: str | None = None
+    """``module:function`` or ``file.py:function`` replacing the estimator, called per micro-batch as
+    ``fn(cfg: AlgorithmConfig, mb: MicroBatch, kl: Tensor) -> (advantages, returns)`` ([B, S-1] each);
+    ``mb.advantages`` holds each sample's group score broadcast over its response tokens."""
+    loss_type: Literal["policy", "sft", "custom"] = "policy"
+    """policy: the clipped policy-gradient loss; sft: negative log-likelihood of the response tokens;
+    custom: ``custom_loss``."""
+    custom_loss: str | None = None
+    """Loss for ``loss_type: custom``: ``fn(cfg, mb, logprobs, entropy, aggregate) -> (loss, metrics)``;
+    ``aggregate(x)`` reduces a per-token tensor the configured way, metrics are summed tensors."""
+    loss_aggregation: Literal["token", "sample", "sequence"] = "token"
+    """token: mean over the step's tokens; sample: mean per sample, then over samples; sequence: token
+    sum per sample / ``rollout.max_new_tokens``, then mean over samples (Dr.GRPO)."""
     eps_clip: float = Field(0.2, gt=0)
     """PPO lower clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
     eps_clip_high: float | None = Field(None, gt=0)
     """PPO upper clip range; None uses ``eps_clip``."""
+    eps_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip constant c > 1: the loss of a negative-advantage token is at most c * |A|. None disables."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: ``loss -= entropy_coef * agg(entropy)``."""
+    use_rollout_logprobs: bool = False
+    """Use the engine's log-probs as the old policy instead of recomputing them with the trainer."""
+    keep_old_actor: bool = False
+    """Keep a CPU copy of the weights last synced to the engine and take old log-probs from it."""
     skip_tied_groups: bool = True
     """Drop groups whose rewards are all equal before training (their advantage is zero)."""
+    rollout_data_postprocess: str | None = None
+    """``fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None`` called on every
+    rank after advantages are computed and before training; may edit the micro-batches in place."""
+    kl: KLConfig = KLConfig()
+    ref: RefConfig = RefConfig()
+    tis: TISConfig = TISConfig()
+    opd: OPDConfig = OPDConfig()
 
     @property
     def clip_high(self) -> float:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def uses_ref(self) -> bool:
+        """Whether any term needs reference log-probs."""
+        return self.kl.loss_coef > 0 or self.kl.reward_coef > 0
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.opd.kl_coef > 0
+
+    @model_validator(mode="after")
+    def _compatible(self) -> AlgorithmConfig:
+        from rlrun.algo.validate import check_algorithm
+
+        check_algorithm(self)
+        return self
 
 
 class OptimizerConfig(Section):

@@ -21,8 +21,14 @@ class MicroBatch:
     tokens, position_ids: ``[B, S]`` int64; padding is ``pad_token_id`` after the real tokens.
     loss_mask: ``[B, S-1]`` float, 1.0 where the target is a response token the model generated
     (``Sample.loss_mask``; tool / environment tokens of multi-turn samples are 0).
-    advantages, rollout_logprobs: ``[B, S-1]`` float, zero outside the loss mask.
-    old_logprobs: ``[B, S-1]``, filled by the trainer's forward before training (None until then).
+    advantages, rollout_logprobs: ``[B, S-1]`` float, zero outside the loss mask. Rank 0 writes each
+    sample's group score (``rlrun.algo.advantages.group_scores``) broadcast over its response tokens;
+    the rank's advantage step (``rlrun.algo.rank_advantages``) replaces it with per-token advantages.
+    old_logprobs: ``[B, S-1]``, filled by the trainer's forward before training (None until then, and
+    None for good when the training forward reuses its own log-probs; see ``rlrun.roles``).
+    ref_logprobs, teacher_logprobs: ``[B, S-1]`` from the reference / teacher weights (None when unused).
+    returns: ``[B, S-1]`` per-token returns of the advantage estimator (None until computed).
+    values: ``[B, S-1]`` critic values for GAE (None: no critic).
     """
 
     tokens: torch.Tensor
@@ -31,6 +37,10 @@ class MicroBatch:
     advantages: torch.Tensor
     rollout_logprobs: torch.Tensor
     old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:

@@ -39,8 +39,9 @@ class MicroBatch(Protocol):
     """[B, S], 0..S-1 in every row."""
 
 
-LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""(micro_batch, logprobs [B, S-1]) -> (loss summed over loss-masked tokens, {metric: summed tensor}).
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro_batch, logprobs [B, S-1][, entropy [B, S-1] when ``with_entropy``]) -> (loss summed over
+loss-masked tokens, {metric: summed tensor}).
 
 Every call on every rank must return the same metric names (they are summed by one all-reduce), and
 none of ``RESERVED_METRICS``."""
@@ -76,7 +77,8 @@ def _sync_grads(model_chunks, num_tokens, pg_collection=None, force_all_reduce=F
 
 
 def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence[MicroBatch],
-               loss_fn: LossFn, num_global_tokens: int, temperature: float) -> dict[str, float]:
+               loss_fn: LossFn, num_global_tokens: int, temperature: float,
+               with_entropy: bool = False) -> dict[str, float]:
     """Forward/backward every micro-batch, sync gradients over DP, clip and step.
 
     Returns ``loss`` (sum of ``loss_sum`` over all DP ranks and micro-batches / ``num_global_tokens``),
@@ -100,9 +102,10 @@ def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches
 
         def loss_func(output):
             targets = micro_batch.tokens[:, 1:].to(output.device)
-            logprobs, _ = vocab_parallel_token_stats(output[:, :-1], targets, temperature,
-                                                     model.arch.vocab_size, with_entropy=False)
-            loss_sum, metrics = loss_fn(micro_batch, logprobs)
+            logprobs, entropy = vocab_parallel_token_stats(output[:, :-1], targets, temperature,
+                                                           model.arch.vocab_size, with_entropy=with_entropy)
+            extra = (entropy,) if with_entropy else ()
+            loss_sum, metrics = loss_fn(micro_batch, logprobs, *extra)
             reserved = set(RESERVED_METRICS) & set(metrics)
             if reserved:
                 raise ValueError(f"loss_fn metric names {sorted(reserved)} are reserved by train_step; rename them")

@@ -1,0 +1,102 @@
+"""The training loss of one micro-batch, assembled from the configured terms:
+
+    loss = agg(w_tis * policy_term) - entropy_coef * agg(entropy) + kl.loss_coef * agg(kl(logp, logp_ref))
+
+``policy_term`` is PPO-clip (grpo, reinforce_plus_plus*, ppo), GSPO's sequence-ratio clip or CISPO;
+``loss_type: sft`` replaces the whole loss with ``agg(-logp)`` and ``custom`` with the user's function.
+``agg`` is the configured aggregation (rlrun/algo/aggregate.py). Metrics are masked *sums*; dividing
+them by the step's token count gives token means (and, for the aggregated terms, the configured mean).
+
+When the micro-batch has no ``old_logprobs`` (the reuse path, see ``rlrun.roles``), the old policy is
+this forward's own log-probs, detached: the same numbers the no-grad forward would have produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlrun.algo.aggregate import Aggregator, StepCounts
+from rlrun.algo.kl import kl_estimate
+from rlrun.algo.mismatch import mismatch_terms, tis_weights
+from rlrun.algo.policy_loss import PolicyLossTerms, cispo_loss, gspo_loss, ppo_clip_loss, sft_loss
+from rlrun.algo.validate import CUSTOM_LOSS_SIGNATURE, load_algorithm_hook
+
+if TYPE_CHECKING:
+    from rlrun.config.schema import AlgorithmConfig
+    from rlrun.data.batch import MicroBatch
+
+Metrics = dict[str, torch.Tensor]
+
+
+@dataclass
+class Objective:
+    """Callable as ``objective(mb, logprobs, entropy) -> (loss_sum, metrics)`` for ``train_step``."""
+
+    cfg: AlgorithmConfig
+    counts: StepCounts
+
+    def __post_init__(self) -> None:
+        self.custom_loss = load_algorithm_hook(self.cfg, "custom_loss")
+
+    def __call__(self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        device = logprobs.device
+        mask = mb.loss_mask.to(device)
+        agg = Aggregator(mask, self.cfg.loss_aggregation, self.counts)
+        if self.cfg.loss_type == "sft":
+            loss = agg(sft_loss(logprobs))
+            return loss, {"sft_loss": loss.detach(), "entropy": agg.token_sum(entropy.detach())}
+        if self.cfg.loss_type == "custom":
+            return self._custom(mb, logprobs, entropy, agg)
+        return self._policy(mb, logprobs, entropy, agg)
+
+    def _policy(self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor,
+                agg: Aggregator) -> tuple[torch.Tensor, Metrics]:
+        cfg, device = self.cfg, logprobs.device
+        rollout = mb.rollout_logprobs.to(device)
+        trainer_old = mb.old_logprobs.to(device) if mb.old_logprobs is not None else logprobs.detach()
+        old = rollout if cfg.use_rollout_logprobs else trainer_old
+        terms = policy_terms(cfg, logprobs, old, mb.advantages.to(device), agg.mask)
+        per_token = terms.loss
+        metrics: Metrics = {}
+        if cfg.tis.mode != "off":
+            tis = tis_weights(trainer_old, rollout, agg.mask, cfg.tis.mode, cfg.tis.level, cfg.tis.clip, cfg.tis.clip_low)
+            per_token = per_token * tis.weights
+            metrics.update(tis_mean=agg.token_sum(tis.raw), tis_clip_frac=agg.token_sum(tis.bounded))
+        policy_loss = agg(per_token)
+        entropy_term = agg(entropy if cfg.entropy_coef > 0 else entropy.detach())
+        loss = policy_loss - cfg.entropy_coef * entropy_term if cfg.entropy_coef > 0 else policy_loss
+        if mb.ref_logprobs is not None:
+            ratio = torch.exp(logprobs - old) if cfg.kl.unbiased else None
+            kl = kl_estimate(logprobs, mb.ref_logprobs.to(device), cfg.kl.estimator, importance_ratio=ratio)
+            if cfg.kl.loss_coef > 0:
+                kl_loss = agg(kl)
+                loss = loss + cfg.kl.loss_coef * kl_loss
+                metrics["kl_loss"] = kl_loss.detach()
+            metrics["kl_ref"] = agg.token_sum(kl.detach())
+        metrics.update({name: agg.token_sum(value) for name, value in mismatch_terms(trainer_old, rollout).items()})
+        metrics.update(policy_loss=policy_loss.detach(), entropy=entropy_term.detach(),
+                       clip_frac=agg.token_sum(terms.clipped), approx_kl=agg.token_sum(terms.approx_kl.detach()))
+        return loss, metrics
+
+    def _custom(self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor,
+                agg: Aggregator) -> tuple[torch.Tensor, Metrics]:
+        result = self.custom_loss(self.cfg, mb, logprobs, entropy, agg)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
+                and result[0].dim() == 0 and isinstance(result[1], dict)):
+            raise ValueError(f"algorithm.custom_loss ('{self.cfg.custom_loss}') must return (loss, metrics): a scalar "
+                             f"tensor and a dict of scalar tensors, because train_step backpropagates the loss; it "
+                             f"returned {type(result).__name__}. Expected signature: {CUSTOM_LOSS_SIGNATURE}")
+        return result
+
+
+def policy_terms(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor) -> PolicyLossTerms:
+    """The per-token policy term of the configured estimator."""
+    if cfg.advantage_estimator == "gspo":
+        return gspo_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)
+    if cfg.advantage_estimator == "cispo":
+        return cispo_loss(logprobs, old_logprobs, advantages, cfg.eps_clip, cfg.clip_high)
+    return ppo_clip_loss(logprobs, old_logprobs, advantages, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)

@@ -1,0 +1,60 @@
+"""The RL half of a step on one rank: role log-probs -> advantages -> post-process hook -> train.
+
+``loop.py`` calls ``logprobs_and_advantages`` then ``train_policy``; everything here runs on every
+rank in lockstep (the DP sums are collectives). The math is in ``rlrun.algo``; the weight swapping
+in ``rlrun.roles``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from rlrun.algo.aggregate import StepCounts
+from rlrun.algo.objective import Objective
+from rlrun.algo.rank_advantages import assign_advantages
+from rlrun.algo.validate import load_algorithm_hook
+
+if TYPE_CHECKING:
+    from rlrun.config.schema import RunConfig
+    from rlrun.data.batch import MicroBatch
+    from rlrun.roles import ModelRoles
+    from rlrun.runtime.dist import Parallel
+
+
+def dp_sum(parallel: Parallel, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a small CPU tensor over data-parallel replicas. TP peers hold copies of the same micro-batches,
+    so only TP rank 0 contributes; every rank gets the result (gloo, whatever the device)."""
+    total = tensor.detach().clone().float() if parallel.tp_rank == 0 else torch.zeros_like(tensor, dtype=torch.float32)
+    dist.all_reduce(total, group=parallel.cpu_group)
+    return total
+
+
+def logprobs_and_advantages(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, micro_batches: list[MicroBatch],
+                            step: int) -> dict[str, float]:
+    """Fill the role log-probs, replace the group scores by per-token advantages, run the post-process hook."""
+    roles.fill_logprobs(micro_batches, cfg.rollout.temperature)
+    metrics = assign_advantages(cfg.algorithm, micro_batches, lambda t: dp_sum(parallel, t))
+    postprocess = load_algorithm_hook(cfg.algorithm, "rollout_data_postprocess")
+    if postprocess is not None:
+        postprocess(cfg.algorithm, step, micro_batches)
+    return metrics
+
+
+def train_policy(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, model, optimizer,
+                 micro_batches: list[MicroBatch], num_global_tokens: int, step: int) -> dict[str, float]:
+    """One optimizer step with the configured loss; then the role backups follow the new actor."""
+    from rlrun.megatron import train_step
+
+    local_samples = sum(int((mb.loss_mask.sum(dim=-1) > 0).sum()) for mb in micro_batches)
+    counts = StepCounts(num_tokens=num_global_tokens, num_samples=int(dp_sum(parallel, torch.tensor(local_samples)).item()),
+                        max_response_len=cfg.rollout.max_new_tokens)
+    out = train_step(model, optimizer, micro_batches, Objective(cfg.algorithm, counts), num_global_tokens=num_global_tokens,
+                     temperature=cfg.rollout.temperature, with_entropy=True)
+    roles.after_train_step(step)
+    metrics = {f"train/{name}": value / num_global_tokens for name, value in out.items() if name not in ("loss", "grad_norm")}
+    metrics.update({"train/loss": out["loss"], "train/grad_norm": out["grad_norm"], "train/num_loss_tokens": num_global_tokens,
+                    "train/reused_logprobs": float(roles.reuse_logprobs)})
+    return metrics

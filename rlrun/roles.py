@@ -1,0 +1,131 @@
+"""Model roles on one Megatron model: actor, reference, teacher, old actor (slime's weight-backup scheme).
+
+Only the actor has live weights. The others are CPU backups (``rlrun.megatron.weight_backup``) swapped
+in for a no-grad forward pass, then the actor is swapped back before training:
+
+    step:  backup(actor) -> [restore(ref) -> ref_logprobs] -> [restore(teacher) -> teacher_logprobs]
+           -> [restore(old_actor | actor) -> old_logprobs] -> restore(actor) -> advantages -> train
+           -> after_train_step: old_actor <- actor (the weights the engine gets next), ref <- actor
+              every ``ref.update_interval`` steps
+
+Where the role weights come from: ``ref.path`` / ``opd.teacher_path`` (HF directories of the same
+architecture) or, for the reference without a path, the actor's initial weights.
+
+The old-policy forward is skipped when the training forward can reuse its own log-probs
+(``can_reuse_logprobs``); the loss then takes the detached training log-probs as the old ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlrun.megatron.weight_backup import WeightBackup
+
+if TYPE_CHECKING:
+    from rlrun.config.schema import AlgorithmConfig
+    from rlrun.data.batch import MicroBatch
+    from rlrun.megatron.model import MegatronModel
+
+
+def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bool:
+    """Whether the old-policy log-probs equal the training forward's own (so the no-grad forward can
+    be skipped). slime's ``can_reuse_log_probs_in_loss``, term by term:
+
+    one optimizer step per rollout   the weights do not move between the micro-batches' forwards
+    loss_type policy                 sft / custom losses may read ``old_logprobs``
+    no KL reward penalty             it needs old log-probs before training, to build the advantages
+    no use_rollout_logprobs          the old policy is the engine's then (no forward either way)
+    no critic (ppo)                  values / GAE are computed before training
+    no old actor                     the old policy is other weights than the training ones
+    no OPD                           the teacher penalty needs old log-probs before training
+    not GSPO                         (slime: its sequence ratio needs the full old sequence up front)
+    no custom advantage              a user estimator may read ``old_logprobs``
+    slime's "no mismatch metrics" and "no routing replay" have no counterpart: rlrun computes mismatch
+    metrics inside the loss, from the same old log-probs either way, and has no MoE routing replay.
+    """
+    return (num_optimizer_steps == 1 and cfg.loss_type == "policy" and cfg.kl.reward_coef == 0
+            and not cfg.use_rollout_logprobs and cfg.advantage_estimator not in ("ppo", "gspo")
+            and not cfg.keep_old_actor and not cfg.uses_teacher and cfg.custom_advantage is None)
+
+
+class ModelRoles:
+    """The role weights of one rank's model and the forward passes that fill micro-batch log-probs."""
+
+    def __init__(self, cfg: AlgorithmConfig, model: MegatronModel, backup: WeightBackup | None) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.backup = backup
+        """None when no role other than the actor exists (nothing is ever swapped)."""
+        self.reuse_logprobs = can_reuse_logprobs(cfg)
+
+    @classmethod
+    def create(cls, cfg: AlgorithmConfig, model: MegatronModel) -> ModelRoles:
+        """Back up the actor and load every configured role; the model holds the actor on return."""
+        if not (cfg.uses_ref or cfg.uses_teacher or cfg.keep_old_actor):
+            return cls(cfg, model, None)
+        backup = WeightBackup(model.module)
+        backup.backup("actor")
+        if cfg.uses_ref:
+            _load_role(backup, model, "ref", cfg.ref.path)
+        if cfg.uses_teacher:
+            _load_role(backup, model, "teacher", cfg.opd.teacher_path)
+        if cfg.keep_old_actor:
+            backup.copy("actor", "old_actor")
+        backup.restore("actor")
+        return cls(cfg, model, backup)
+
+    @property
+    def needs_old_forward(self) -> bool:
+        return not self.cfg.use_rollout_logprobs and not self.reuse_logprobs
+
+    def fill_logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> None:
+        """Set ``old_logprobs`` / ``ref_logprobs`` / ``teacher_logprobs`` of every micro-batch (what the
+        config uses); the model holds the actor's weights again on return."""
+        if self.needs_old_forward and not self.cfg.keep_old_actor:
+            self._fill(micro_batches, "old_logprobs", temperature)  # the live weights: no swap
+        swaps = [(tag, field) for tag, field, on in (
+            ("old_actor", "old_logprobs", self.needs_old_forward and self.cfg.keep_old_actor),
+            ("ref", "ref_logprobs", self.cfg.uses_ref),
+            ("teacher", "teacher_logprobs", self.cfg.uses_teacher)) if on]
+        if not swaps:
+            return
+        self.backup.backup("actor")
+        for tag, field in swaps:
+            self.backup.restore(tag)
+            self._fill(micro_batches, field, temperature)
+        self.backup.restore("actor")
+
+    def after_train_step(self, step: int) -> None:
+        """Refresh the role backups from the just-updated actor (call after the optimizer step)."""
+        if self.backup is None:
+            return
+        if self.cfg.keep_old_actor:
+            self.backup.backup("old_actor")  # the weights the engine samples the next step with
+        interval = self.cfg.ref.update_interval
+        if self.cfg.uses_ref and interval is not None and (step + 1) % interval == 0:
+            self.backup.backup("ref")
+
+    def _fill(self, micro_batches: list[MicroBatch], field: str, temperature: float) -> None:
+        from rlrun.megatron import compute_logprobs
+
+        with torch.no_grad():
+            for mb in micro_batches:
+                logprobs = compute_logprobs(self.model, mb.tokens, mb.position_ids, temperature)
+                setattr(mb, field, logprobs.float().cpu())
+
+
+def _load_role(backup: WeightBackup, model: MegatronModel, tag: str, hf_dir: str | None) -> None:
+    """Back up ``hf_dir``'s weights (None: the live weights) as ``tag``; leaves them in the model."""
+    if hf_dir is not None:
+        from rlrun.megatron.hf_config import ModelArch
+        from rlrun.megatron.hf_weights import HFCheckpoint
+        from rlrun.megatron.model import load_hf_weights
+
+        arch = ModelArch.from_hf_dir(hf_dir)
+        if arch != model.arch:
+            raise ValueError(f"algorithm {tag} weights ({hf_dir}) must have the actor's architecture because they "
+                             f"are loaded into the actor's model; got {arch} vs {model.arch}")
+        load_hf_weights(model.module, model.arch, HFCheckpoint(hf_dir), model.parallel)
+    backup.backup(tag)
