@@ -27,7 +27,7 @@ Slurm:   see launch/ (srun + torchrun with a c10d rendezvous on the first node).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,11 +47,13 @@ from rlrun.rollout.rewards import load_reward_fn, score_samples
 
 @dataclass
 class RunState:
-    """Everything that changes as the run goes and must survive a restart."""
+    """Everything that changes as the run goes and must survive a restart (rlrun/checkpoint.py saves it
+    as JSON, so fields must be JSON values; rank 0's prompt-sampler cursor is saved beside it)."""
 
     step: int = 0
+    """Steps completed."""
     weight_version: int = 0
-    sampler: dict = field(default_factory=dict)
+    """Version of the weights the engine holds (bumped by every sync)."""
 
 
 @dataclass
@@ -73,21 +75,49 @@ class Components:
 
 
 def run(cfg: RunConfig) -> None:
-    """Train for ``cfg.train.num_steps`` steps; the engine worker never outlives this call."""
+    """Train to ``cfg.train.num_steps`` (resuming as ``checkpoint.resume`` says) or until SIGTERM/SIGUSR1
+    asks to checkpoint and stop. A dead rank or engine worker ends every rank within seconds
+    (rlrun/runtime/watchdog.py); the engine worker never outlives this call."""
+    from rlrun.checkpoint import Checkpointer
+    from rlrun.profiler import profile_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.runtime.preemption import StopRequest
+    from rlrun.runtime.watchdog import Watchdog
 
     parallel = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed)
-    engine = None
+    stop, watchdog, parts = StopRequest.install(), Watchdog.start(parallel), None
     try:
-        parts = setup(cfg, parallel)
-        engine = parts.engine
-        state = RunState()
-        while state.step < cfg.train.num_steps:
-            train_one_step(parts, state)
+        with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
+            parts = setup(cfg, parallel)
+        watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
+        checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel)
+        resumed = checkpointer.restore(parts.model, parts.optimizer, parts.sampler)
+        state = RunState(**resumed) if resumed is not None else RunState()
+        if resumed is not None:
+            sync_weights(parts, state.weight_version)  # the engine started from model.path's weights
+        if parts.logger is not None:
+            parts.logger.start(state.step)
+        stopping = False
+        while state.step < cfg.train.num_steps and not stopping:
+            watchdog.step = state.step
+            with profile_step(cfg.logging, parallel.rank, state.step):
+                train_one_step(parts, state)
             state.step += 1
+            stopping = stop.agreed(parallel.cpu_group)
+            checkpointer.poll()
+            last = state.step == cfg.train.num_steps
+            if checkpointer.due(state.step, last=last, stopping=stopping):
+                checkpointer.save(state, parts.model, parts.optimizer, parts.sampler, blocking=last or stopping)
+        checkpointer.wait()
+        watchdog.close(parallel.cpu_group)
+    except BaseException as exc:
+        watchdog.fail(exc)
+        raise
     finally:
-        if engine is not None:
-            engine.shutdown()
+        if parts is not None:
+            parts.engine.shutdown()
+            if parts.logger is not None:
+                parts.logger.close()
         destroy_distributed()
 
 
@@ -103,7 +133,6 @@ def setup(cfg: RunConfig, parallel) -> Components:
     if parallel.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     dist.barrier(group=parallel.cpu_group)
     # The engine starts before Megatron allocates (SGLang sizes its KV cache from free memory).
     engine = EngineClient.spawn(
@@ -124,12 +153,12 @@ def setup(cfg: RunConfig, parallel) -> Components:
         cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, engine=engine,
         offloader=Offloader(cfg.offload, engine, parallel.device), tokenizer=tokenizer, sampler=sampler,
         reward_fn=load_reward_fn(cfg.rollout.reward), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
-        logger=MetricsLogger(run_dir, cfg.logging.console, cfg.train.num_steps) if parallel.is_rank0 else None,
+        logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
     )
 
 
 def train_one_step(parts: Components, state: RunState) -> None:
-    timer = PhaseTimer()
+    timer = PhaseTimer(parts.logger)
     metrics: dict[str, float] = {}
     with timer("rollout"):
         samples = rollout(parts, state.step)

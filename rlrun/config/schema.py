@@ -241,16 +241,40 @@ class TrainConfig(Section):
 
 class CheckpointConfig(Section):
     save_interval: int = Field(0, ge=0)
-    """Save the trainer state every N steps (and at the end); 0 disables saving."""
+    """Save every N steps and after the last step; 0 saves only when the run is stopped by SIGTERM or
+    SIGUSR1 (Slurm preemption or time limit), which always checkpoints before exiting."""
     dir: str | None = None
-    """Where checkpoints go; None uses ``RUN_DIR/checkpoints``."""
+    """Where checkpoints go (one ``step_NNNNNN`` directory each); None uses ``RUN_DIR/checkpoints``.
+    Must be on a filesystem every node sees: each rank writes its own shard."""
+    resume: str = Field("auto", min_length=1)
+    """``auto``: continue from the newest complete checkpoint in ``dir`` (start fresh if there is none);
+    ``none``: always start fresh; or the path of one checkpoint directory. Resuming needs the same
+    world size and parallel layout as the run that saved it."""
+    keep_last: int = Field(0, ge=0)
+    """Keep only the newest N complete checkpoints (older ones are deleted after each save); 0 keeps all."""
+    async_save: bool = False
+    """Write periodic checkpoints in a background thread while training goes on (costs one host-memory
+    copy of the model and optimizer shards); the checkpoint is committed at a later step once every
+    rank has written. The last and the stop checkpoints are always written synchronously."""
 
 
 class LoggingConfig(Section):
     run_dir: str = "runs/quickstart"
     """Directory for metrics.jsonl, the resolved config, engine sockets and worker logs."""
     console: bool = True
-    """Print a one-line summary per step on rank 0."""
+    """Print a one-line summary per step on rank 0 (and, in a terminal, a live progress bar naming the
+    current phase)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to ``RUN_DIR/tensorboard`` (needs the ``tensorboard`` package:
+    ``pip install 'rlrun[logging]'``)."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project (needs ``wandb``; ``WANDB_MODE=offline`` works
+    without a network). None disables it."""
+    profile_steps: tuple[int, ...] = ()
+    """0-based steps to record with the torch profiler; each profiled rank writes a Chrome trace to
+    ``RUN_DIR/profile/step_<N>-rank_<R>.json`` (open in Perfetto or chrome://tracing)."""
+    profile_ranks: tuple[int, ...] = (0,)
+    """Global ranks that record ``profile_steps``."""
 
 
 class OffloadConfig(Section):

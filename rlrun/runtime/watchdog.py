@@ -1,0 +1,205 @@
+"""End every rank within seconds when any rank or engine worker dies, with one message naming it.
+
+Without this, a rank lost to the OOM killer, a dead node or a crashed engine worker leaves the other
+ranks blocked in a collective until its timeout (NCCL: the process-group timeout, minutes), holding
+their GPUs. torchrun does notice a dead *local* rank and SIGTERMs its siblings, but not a dead node
+or a dead engine worker (a grandchild), and SIGTERM already means "checkpoint and stop"
+(rlrun/runtime/preemption.py), so it cannot also mean "abort".
+
+Every rank runs one daemon thread with its own client of the rendezvous TCPStore (torchrun's agent
+store; rank 0's outside torchrun). Every ``INTERVAL_S`` it::
+
+    adds 1 to   beat/<rank>                  its heartbeat
+    reads       abort                        a failure someone published -> print it, exit
+    polls       its own engine worker        exited -> publish, exit
+    checks      its ring neighbour rank+1    same host: is the pid alive?  any host: has its beat
+                                             moved within PEER_TIMEOUT_S?   gone -> publish, exit
+
+A failure is published once (first writer wins) as one line naming rank, pid, host, step and cause;
+every rank prints it and exits with ``EXIT_PEER_FAILED`` within about one interval, and each
+rank's engine worker dies with it. Watching one neighbour keeps store traffic O(world size).
+
+When the main thread's step fails (:meth:`Watchdog.fail`), a communication error is first blamed on
+a dead peer if the watcher finds one; any other error is published as this rank's own failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rlrun.runtime.dist import Parallel
+
+INTERVAL_S = 1.0
+PEER_TIMEOUT_S = 15.0
+"""A peer on another host is declared dead after this long without a heartbeat: long enough for a
+process descheduled on a busy machine, short enough that every rank is gone within 30 s."""
+STORE_TIMEOUT_S = 10.0
+EXIT_PEER_FAILED = 43
+
+
+def process_alive(pid: int) -> bool:
+    """False once ``pid`` has exited or is a zombie (killed but not yet reaped by its parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except FileNotFoundError:  # exited just now, or no procfs (then kill(pid, 0) is all we know)
+        return not Path("/proc/self").exists()
+    return state not in ("Z", "X")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    rank: int
+    pid: int
+    host: str
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.pid} on {self.host})"
+
+
+def is_peer_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because a peer went away (gloo raises a plain
+    RuntimeError from its TCP transport; NCCL and the store raise DistError)."""
+    return isinstance(exc, dist.DistError) or "gloo/transport" in str(exc)
+
+
+class Watchdog:
+    """This rank's heartbeat and failure watcher; see the module docstring."""
+
+    def __init__(self, me: PeerInfo, world_size: int, store: dist.Store, store_addr: str, prefix: str) -> None:
+        self.me = me
+        self.world_size = world_size
+        self.step = 0
+        """The loop's current step, for messages (written by the main thread)."""
+        # The store client belongs to the watcher thread while it runs, to the main thread otherwise.
+        self._store = store
+        self._store_addr = store_addr
+        self._prefix = prefix
+        self._store_ok_s = time.monotonic()
+        self._engine: subprocess.Popen | None = None
+        self._engine_log: Path | None = None
+        self._neighbour = (me.rank + 1) % world_size
+        self._neighbour_info: PeerInfo | None = None
+        self._neighbour_beats = -1
+        self._neighbour_seen_s = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlrun-watchdog", daemon=True)
+
+    @classmethod
+    def start(cls, parallel: Parallel) -> Watchdog:
+        env = parallel.env
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                              timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        # A torchrun restart reuses the agent's store: keys of an earlier attempt must not leak in.
+        attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        me = PeerInfo(rank=parallel.rank, pid=os.getpid(), host=socket.gethostname())
+        watchdog = cls(me, parallel.world_size, store, f"{env.master_addr}:{env.master_port}",
+                       f"rlrun-watchdog/{attempt}/")
+        store.set(watchdog._key("peer", me.rank), json.dumps(asdict(me)))
+        watchdog._thread.start()
+        return watchdog
+
+    def watch_engine(self, process: subprocess.Popen, log_path: Path) -> None:
+        """Also treat the exit of this rank's engine worker as a failure of this rank."""
+        self._engine, self._engine_log = process, log_path
+
+    def close(self, group: dist.ProcessGroup) -> None:
+        """Normal end: stop watching, then wait for every rank to stop (so no rank exits while watched)."""
+        self._stop_thread()
+        self._store.set(self._key("done", self.me.rank), "1")
+        dist.barrier(group=group)
+
+    def fail(self, exc: BaseException) -> None:
+        """The main thread is failing with ``exc``: blame a dead peer if that is the cause (the watcher
+        then exits this process), else publish ``exc`` as this rank's failure and return."""
+        if is_peer_error(exc):
+            time.sleep(PEER_TIMEOUT_S + 2 * INTERVAL_S)
+        self._stop_thread()
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        try:
+            self._publish(f"{self.me.describe()} failed at step {self.step}: {type(exc).__name__}: {first_line}")
+        except Exception as store_exc:  # noqa: BLE001 - the original error propagates; this is only a note
+            print(f"[rlrun] {self.me.describe()} could not publish its failure: {store_exc}", file=sys.stderr, flush=True)
+
+    # ---- the watcher thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                verdict = self._tick()
+                self._store_ok_s = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - store unreachable: retried until PEER_TIMEOUT_S
+                if time.monotonic() - self._store_ok_s < PEER_TIMEOUT_S:
+                    continue
+                verdict = (f"the rendezvous store at {self._store_addr} has been unreachable for "
+                           f"{PEER_TIMEOUT_S:.0f} s ({exc}): torchrun on the first node (or rank 0 without "
+                           f"torchrun) is gone")
+            if verdict is not None and not self._stop.is_set():
+                self._exit(verdict)
+
+    def _tick(self) -> str | None:
+        self._store.add(self._key("beat", self.me.rank), 1)
+        if self._store.check([self._key("abort")]):
+            return self._store.get(self._key("abort")).decode()
+        cause = self._engine_death() or self._neighbour_death()
+        return self._publish(cause) if cause else None
+
+    def _engine_death(self) -> str | None:
+        code = None if self._engine is None else self._engine.poll()
+        if code is None:
+            return None
+        how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+        return (f"the engine worker of {self.me.describe()} (pid {self._engine.pid}) exited with code "
+                f"{code}{how} at step {self.step}; see {self._engine_log}")
+
+    def _neighbour_death(self) -> str | None:
+        if self.world_size == 1 or self._store.check([self._key("done", self._neighbour)]):
+            return None
+        if self._neighbour_info is None and self._store.check([self._key("peer", self._neighbour)]):
+            self._neighbour_info = PeerInfo(**json.loads(self._store.get(self._key("peer", self._neighbour))))
+        info = self._neighbour_info
+        who = info.describe() if info else f"rank {self._neighbour}"
+        if info is not None and info.host == self.me.host and not process_alive(info.pid):
+            return f"{who} died: its process is gone (killed or crashed; see its output) at step {self.step}"
+        beats, now = self._store.add(self._key("beat", self._neighbour), 0), time.monotonic()
+        if beats != self._neighbour_beats:
+            self._neighbour_beats, self._neighbour_seen_s = beats, now
+        if now - self._neighbour_seen_s > PEER_TIMEOUT_S:
+            return (f"{who} sent no heartbeat for {PEER_TIMEOUT_S:.0f} s at step {self.step}: its process or "
+                    f"node is gone, or it is stuck without releasing the Python GIL")
+        return None
+
+    def _publish(self, cause: str) -> str:
+        """Record ``cause`` as the run's failure unless one is recorded already; returns the recorded one."""
+        return self._store.compare_set(self._key("abort"), "", cause).decode()
+
+    def _exit(self, verdict: str) -> None:
+        print(f"[rlrun] {self.me.describe()} exiting: {verdict}", file=sys.stderr, flush=True)
+        if self._engine is not None and self._engine.poll() is None:
+            self._engine.kill()
+        os._exit(EXIT_PEER_FAILED)
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _key(self, kind: str, rank: int | None = None) -> str:
+        return f"{self._prefix}{kind}" if rank is None else f"{self._prefix}{kind}/{rank}"
