@@ -10,6 +10,7 @@ from typing import Callable
 
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
+from rlrun.rollout.multiturn import run_generate_fn
 
 
 def split_groups(prompts: list[Prompt], num_ranks: int) -> list[list[Prompt]]:
@@ -35,12 +36,18 @@ def sampling_params(cfg: RolloutConfig, seed: int) -> dict:
     }
 
 
-def generate_samples(engine, prompts: list[Prompt], cfg: RolloutConfig, seed: int, decode: Callable[[list[int]], str]) -> list[Sample]:
-    """Ask the engine for ``samples_per_prompt`` responses per prompt; results are prompt-major."""
+def generate_samples(engine, prompts: list[Prompt], cfg: RolloutConfig, seed: int, tokenizer,
+                     generate_fn: Callable | None = None, max_context_tokens: int | None = None) -> list[Sample]:
+    """``samples_per_prompt`` responses per prompt, prompt-major: one engine call, or the custom
+    multi-turn ``generate_fn`` (:mod:`rlrun.rollout.multiturn`, trajectories capped at
+    ``max_context_tokens``) when ``rollout.generate_fn`` is set."""
     if not prompts:
         return []
-    results = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg, seed), return_logprob=True)
     n = cfg.samples_per_prompt
+    if generate_fn is not None:
+        return run_generate_fn(generate_fn, engine, prompts, n, sampling_params(cfg, seed), seed, tokenizer,
+                               max_context_tokens)
+    results = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg, seed), return_logprob=True)
     if len(results) != len(prompts) * n:
         raise RuntimeError(f"engine returned {len(results)} results for {len(prompts)} prompts x n={n}")
     samples = []
@@ -51,7 +58,7 @@ def generate_samples(engine, prompts: list[Prompt], cfg: RolloutConfig, seed: in
                 group_index=prompt.index,
                 prompt=prompt,
                 response_ids=list(result["output_ids"]),
-                response_text=decode(result["output_ids"]),
+                response_text=tokenizer.decode(result["output_ids"], skip_special_tokens=True),
                 rollout_logprobs=list(result["output_logprobs"]),
                 finish_reason=result["finish_reason"]["type"],
                 weight_version=str(result.get("weight_version", "")),

@@ -86,7 +86,8 @@ def test_builtins_and_module_specs(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "spec, reason",
     [
-        ("firstnumber", "not a built-in (first_number, exact_match) and not of the form module:function"),
+        ("firstnumber", "not a built-in (first_number, exact_match, math, gsm8k, format_boxed, format_think), "
+                        "not an http(s):// URL and not of the form module:function"),
         ("no_such_module_xyz:f", "module 'no_such_module_xyz' not found on sys.path"),
         ("json:nope", "'json' has no attribute 'nope'"),
         ("json:decoder", "'json:decoder' is a module, not a function"),
@@ -103,4 +104,5 @@ def test_bad_specs_name_the_spec_and_the_signature(tmp_path, spec, reason):
         load_reward_fn(spec)
     message = str(info.value)
     assert message.startswith(f"reward '{spec}': {reason}")
-    assert message.endswith("with signature fn(sample: Sample) -> float") and "\n" not in message
+    assert message.endswith("with signature fn(sample: Sample) -> float (or async; per group: "
+                            "fn(samples: list[Sample]) -> list[float])") and "\n" not in message

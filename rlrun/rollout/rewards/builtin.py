@@ -1,10 +1,16 @@
-"""Built-in rewards, selected by name in ``rollout.reward``."""
+"""Built-in rewards, selected by name in ``rollout.reward``.
+
+``math`` / ``gsm8k`` / ``exact_match`` score correctness (1 or 0); ``format_boxed`` / ``format_think``
+score only the shape of the reply, to be mixed into a custom reward; ``first_number`` is the
+quickstart's shaped reward. Answer extraction and normalisation live in :mod:`.answers`.
+"""
 
 from __future__ import annotations
 
 import re
 
 from rlrun.data.sample import Sample
+from rlrun.rollout.rewards.answers import answers_equal, gsm8k_answer, last_boxed
 
 _INTEGER = re.compile(r"-?\d+")
 BREVITY_CHARS = 20
@@ -39,4 +45,44 @@ def exact_match(sample: Sample) -> float:
     return float(sample.response_text.strip() == str(sample.prompt.label).strip())
 
 
-BUILTIN_REWARDS = {"first_number": first_number, "exact_match": exact_match}
+def math_boxed(sample: Sample) -> float:
+    """1.0 when the reply's last ``\\boxed{}`` equals the label as an answer (``\\frac12 == 0.5``,
+    ``1,000 == 1000``; see :func:`.answers.answers_equal`), else 0.0. A label that is itself a
+    solution with a ``\\boxed{}`` is reduced to its boxed answer."""
+    label = str(sample.prompt.label)
+    return float(answers_equal(last_boxed(sample.response_text), last_boxed(label) or label))
+
+
+def gsm8k(sample: Sample) -> float:
+    """1.0 when the number after the reply's last ``####`` (else its last number) equals the label's
+    (a GSM8K solution ``... #### 72`` or the bare answer), else 0.0."""
+    label = str(sample.prompt.label)
+    reference = gsm8k_answer(label) if "####" in label else label
+    return float(answers_equal(gsm8k_answer(sample.response_text), reference))
+
+
+_THINK = re.compile(r"\s*<think>(?P<thought>.*?)</think>(?P<answer>.*)", re.DOTALL)
+
+
+def format_boxed(sample: Sample) -> float:
+    """1.0 when the reply holds exactly one non-empty ``\\boxed{}`` answer, else 0.0."""
+    boxes = sample.response_text.count("\\boxed")
+    return float(boxes == 1 and bool((last_boxed(sample.response_text) or "").strip()))
+
+
+def format_think(sample: Sample) -> float:
+    """1.0 when the reply is ``<think>reasoning</think>`` followed by a non-empty answer (one think
+    block, nothing before it), else 0.0."""
+    match = _THINK.fullmatch(sample.response_text)
+    return float(match is not None and bool(match["thought"].strip()) and bool(match["answer"].strip())
+                 and "<think>" not in match["answer"])
+
+
+BUILTIN_REWARDS = {
+    "first_number": first_number,
+    "exact_match": exact_match,
+    "math": math_boxed,
+    "gsm8k": gsm8k,
+    "format_boxed": format_boxed,
+    "format_think": format_think,
+}

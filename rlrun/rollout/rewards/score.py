@@ -1,11 +1,19 @@
-"""Scoring a batch of samples with one reward function, without letting one bad sample stop the run."""
+"""Scoring samples with one reward function, without letting one bad sample stop the run.
+
+Reward functions may be plain or ``async`` (a remote reward model, a sandboxed checker), and may score
+one sample or one whole group at a time. All calls of a batch run in one event loop, at most
+``concurrency`` awaiting at once; plain functions simply run inline.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 import numbers
-from collections.abc import Iterable
+from collections import Counter
+from typing import Any
 
 from rlrun.data.sample import Sample
 from rlrun.rollout.rewards.load import RewardFn
@@ -13,24 +21,59 @@ from rlrun.rollout.rewards.load import RewardFn
 logger = logging.getLogger(__name__)
 
 
-def score_samples(samples: Iterable[Sample], fn: RewardFn) -> int:
-    """Set ``sample.reward`` for every sample; returns how many rewards failed.
+def score_samples(samples: list[Sample], fn: RewardFn, group_size: int | None = None, concurrency: int = 64) -> int:
+    """Set ``sample.reward`` for every sample; returns how many samples' rewards failed.
 
-    A reward function that raises, or returns something that is not a finite number, gives that
-    sample reward 0.0 and records ``sample.reward_error`` ("ExceptionType: message"); the caller logs
-    the returned count, so failures are visible without ending a long run over one odd response.
+    ``group_size`` None calls ``fn(sample) -> float`` per sample; an int calls
+    ``fn(group) -> list[float]`` once per consecutive run of ``group_size`` samples (one prompt's
+    group). A reward function that raises, or returns something other than finite numbers (of the
+    group's length), gives the sample (or the whole group) reward 0.0 and records
+    ``sample.reward_error`` ("ExceptionType: message"); every distinct message is logged once per
+    batch with its count, and the caller logs the returned count as a metric.
     """
-    failures = 0
-    for sample in samples:
-        sample.reward, sample.reward_error = 0.0, None
+    if group_size is not None and len(samples) % group_size:
+        raise ValueError(f"{len(samples)} samples do not form whole groups of rollout.samples_per_prompt ({group_size})")
+    units = [[s] for s in samples] if group_size is None else [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+    if units:
+        asyncio.run(_score_units(units, fn, per_group=group_size is not None, concurrency=concurrency))
+    errors = Counter(s.reward_error for s in samples if s.reward_error is not None)
+    for message, count in errors.items():
+        logger.warning("reward failed for %d sample(s): %s", count, message)
+    return sum(errors.values())
+
+
+async def _score_units(units: list[list[Sample]], fn: RewardFn, per_group: bool, concurrency: int) -> None:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def score(unit: list[Sample]) -> None:
+        for sample in unit:
+            sample.reward, sample.reward_error = 0.0, None
         try:
-            reward = fn(sample)
-            if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-                raise TypeError(f"reward function returned {reward!r}; expected a finite float")
-            sample.reward = float(reward)
+            async with gate:
+                result = await _call(fn, unit if per_group else unit[0])
+            rewards = _check_group(result, len(unit)) if per_group else [_check_number(result)]
         except Exception as err:  # noqa: BLE001 - a user hook may raise anything; it is recorded, not hidden
-            sample.reward_error = f"{type(err).__name__}: {err}"
-            if failures == 0:
-                logger.warning("reward failed for group %d: %s", sample.group_index, sample.reward_error)
-            failures += 1
-    return failures
+            for sample in unit:
+                sample.reward_error = f"{type(err).__name__}: {err}"
+            return
+        for sample, reward in zip(unit, rewards):
+            sample.reward = reward
+
+    await asyncio.gather(*(score(unit) for unit in units))
+
+
+async def _call(fn: RewardFn, argument: Any) -> Any:
+    result = fn(argument)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _check_number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"reward function returned {value!r}; expected a finite float")
+    return float(value)
+
+
+def _check_group(values: Any, size: int) -> list[float]:
+    if not isinstance(values, (list, tuple)) or len(values) != size:
+        raise TypeError(f"group reward function returned {values!r}; expected a list of {size} finite floats")
+    return [_check_number(v) for v in values]

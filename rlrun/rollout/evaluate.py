@@ -1,0 +1,73 @@
+"""Evaluation every ``eval.interval`` steps on one or more datasets: mean reward and pass@k.
+
+Each eval prompt gets ``eval.samples_per_prompt`` responses (same generation path as training:
+engine or ``rollout.generate_fn``; same reward), spread over all ranks like a rollout. A response
+counts as solved when its reward is at least ``eval.success_threshold``. pass@k is the unbiased
+estimator of Chen et al. 2021 (arXiv 2107.03374), averaged over prompts::
+
+    pass@k = 1 - C(n - c, k) / C(n, k)     (n samples, c solved; 1 when n - c < k)
+
+Logged as ``eval/<name>/reward_mean``, ``eval/<name>/pass@<k>`` (k <= n) and ``time/eval_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from math import comb
+
+from rlrun.data.prompts import PromptDataset
+from rlrun.data.sample import Prompt
+from rlrun.data.transfer import gather_to_rank0, scatter_from_rank0
+from rlrun.rollout.driver import group_samples, split_groups
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+class Evaluator:
+    """Eval datasets (tokenized on rank 0 at setup) and the periodic eval itself."""
+
+    def __init__(self, runtime, tokenizer):
+        self.runtime = runtime
+        self.cfg = runtime.cfg.eval
+        self.rollout_cfg = runtime.cfg.rollout.model_copy(update=self.cfg.rollout_overrides(runtime.cfg.rollout))
+        self.datasets: dict[str, list[Prompt]] = {}
+        if runtime.parallel.is_rank0:
+            for ds in self.cfg.datasets:
+                self.datasets[ds.name] = PromptDataset(ds.data_config(runtime.cfg.data), tokenizer).prompts
+
+    def due(self, step: int) -> bool:
+        return self.cfg.interval > 0 and step % self.cfg.interval == 0
+
+    def run(self, step: int) -> dict[str, float]:
+        """Every rank takes part; rank 0 returns the metrics, the others ``{}``."""
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        parallel = self.runtime.parallel
+        for index, ds in enumerate(self.cfg.datasets):
+            plan = split_groups(self.datasets[ds.name], parallel.world_size) if parallel.is_rank0 else None
+            prompts = scatter_from_rank0(plan, parallel.cpu_group)
+            seed = self.runtime.cfg.train.seed * 7_919 + step * 31 + index * 131_071 + parallel.rank
+            samples = self.runtime.generate_and_score(prompts, seed, self.rollout_cfg)
+            gathered = gather_to_rank0(samples, parallel.cpu_group)
+            if gathered is not None:
+                metrics.update(self._metrics(ds.name, [s for rank_samples in gathered for s in rank_samples]))
+        if parallel.is_rank0:
+            metrics["time/eval_s"] = time.perf_counter() - start
+        return metrics
+
+    def _metrics(self, name: str, samples: list) -> dict[str, float]:
+        n = self.cfg.samples_per_prompt
+        groups = group_samples(samples, n)
+        solved = [sum(s.reward >= self.cfg.success_threshold for s in g) for g in groups]
+        out = {f"eval/{name}/reward_mean": sum(s.reward for s in samples) / len(samples)}
+        for k in self.cfg.pass_k:
+            if k <= n:
+                out[f"eval/{name}/pass@{k}"] = sum(pass_at_k(n, c, k) for c in solved) / len(groups)
+        return out
