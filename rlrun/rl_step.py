@@ -3,6 +3,24 @@
 ``loop.py`` calls ``logprobs_and_advantages`` then ``train_policy``; everything here runs on every
 rank in lockstep (the DP sums are collectives). The math is in ``rlrun.algo``; the weight swapping
 in ``rlrun.roles``.
+
+Logged names (token means over the step unless said otherwise; "agg" = ``algorithm.loss_aggregation``):
+  train/loss               the whole loss (agg), as backpropagated
+  train/policy_loss        the policy-gradient term (agg), after TIS weights
+  train/entropy            entropy of the trainer's predictive distribution (agg)
+  train/clip_frac          response tokens whose ratio was clipped (GSPO: whose sequence's ratio was)
+  train/approx_kl          old_logp - logp (k1 of KL(old || new); GSPO: the sequence mean)
+  train/kl_loss            the KL-to-reference term before its coefficient (agg), when kl.loss_coef > 0
+  train/kl_ref             KL(pi || pi_ref) estimate (kl.estimator) during training, when a reference exists
+  train/kl_reward          KL(old || ref) subtracted from the advantages, when kl.reward_coef > 0
+  train/opd_reverse_kl     old_logp - teacher_logp of the distillation penalty, when opd.kl_coef > 0
+  train/tis_mean           importance ratio pi_old / pi_rollout before bounding, when tis.mode is on
+  train/tis_clip_frac      tokens whose ratio the TIS bound changed
+  train/logprob_gap        |trainer old logp - engine logp|
+  train/mismatch_k1, _k3   k1 / k3 estimates of KL(rollout || trainer) at the sampled tokens
+  train/grad_norm          global gradient norm before clipping
+  train/num_loss_tokens    response tokens that carried loss this step
+  train/reused_logprobs    1 when the old-policy forward was skipped (``rlrun.roles.can_reuse_logprobs``)
 """
 
 from __future__ import annotations
@@ -48,13 +66,14 @@ def train_policy(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, model, o
     """One optimizer step with the configured loss; then the role backups follow the new actor."""
     from rlrun.megatron import train_step
 
-    local_samples = sum(int((mb.loss_mask.sum(dim=-1) > 0).sum()) for mb in micro_batches)
-    counts = StepCounts(num_tokens=num_global_tokens, num_samples=int(dp_sum(parallel, torch.tensor(local_samples)).item()),
+    local_samples = torch.tensor(sum(int((mb.loss_mask.sum(dim=-1) > 0).sum()) for mb in micro_batches))
+    counts = StepCounts(num_tokens=num_global_tokens, num_samples=int(dp_sum(parallel, local_samples).item()),
                         max_response_len=cfg.rollout.max_new_tokens)
-    out = train_step(model, optimizer, micro_batches, Objective(cfg.algorithm, counts), num_global_tokens=num_global_tokens,
-                     temperature=cfg.rollout.temperature, with_entropy=True)
+    out = train_step(model, optimizer, micro_batches, Objective(cfg.algorithm, counts),
+                     num_global_tokens=num_global_tokens, temperature=cfg.rollout.temperature, with_entropy=True)
     roles.after_train_step(step)
-    metrics = {f"train/{name}": value / num_global_tokens for name, value in out.items() if name not in ("loss", "grad_norm")}
-    metrics.update({"train/loss": out["loss"], "train/grad_norm": out["grad_norm"], "train/num_loss_tokens": num_global_tokens,
-                    "train/reused_logprobs": float(roles.reuse_logprobs)})
+    metrics = {f"train/{name}": value / num_global_tokens for name, value in out.items()
+               if name not in ("loss", "grad_norm")}
+    metrics.update({"train/loss": out["loss"], "train/grad_norm": out["grad_norm"],
+                    "train/num_loss_tokens": num_global_tokens, "train/reused_logprobs": float(roles.reuse_logprobs)})
     return metrics

@@ -97,6 +97,12 @@ class ModelRoles:
             self._fill(micro_batches, field, temperature)
         self.backup.restore("actor")
 
+    def on_actor_loaded(self) -> None:
+        """Call after the actor's weights were replaced outside training (checkpoint restore): the old
+        actor must be the weights the engine gets next, not the ones the model was built with."""
+        if self.backup is not None and self.cfg.keep_old_actor:
+            self.backup.backup("old_actor")
+
     def after_train_step(self, step: int) -> None:
         """Refresh the role backups from the just-updated actor (call after the optimizer step)."""
         if self.backup is None:

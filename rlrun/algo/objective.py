@@ -62,7 +62,8 @@ class Objective:
         per_token = terms.loss
         metrics: Metrics = {}
         if cfg.tis.mode != "off":
-            tis = tis_weights(trainer_old, rollout, agg.mask, cfg.tis.mode, cfg.tis.level, cfg.tis.clip, cfg.tis.clip_low)
+            tis = tis_weights(trainer_old, rollout, agg.mask, cfg.tis.mode, cfg.tis.level, cfg.tis.clip,
+                              cfg.tis.clip_low)
             per_token = per_token * tis.weights
             metrics.update(tis_mean=agg.token_sum(tis.raw), tis_clip_frac=agg.token_sum(tis.bounded))
         policy_loss = agg(per_token)

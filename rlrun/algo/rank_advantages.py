@@ -43,9 +43,10 @@ def assign_advantages(cfg: AlgorithmConfig, micro_batches: list[MicroBatch], dp_
             kl = kl_estimate(_required(student, "old_logprobs"), _required(mb.ref_logprobs, "ref_logprobs"),
                              cfg.kl.estimator) * mask
             stats[0] += kl.sum()
-        advantages, returns = (_custom(custom, cfg, mb, kl) if custom is not None else _estimate(cfg, mb, kl))
+        advantages, returns = _custom(custom, cfg, mb, kl) if custom is not None else _estimate(cfg, mb, kl)
         if cfg.opd.kl_coef > 0:
-            reverse_kl = (_required(student, "old_logprobs") - _required(mb.teacher_logprobs, "teacher_logprobs")) * mask
+            teacher = _required(mb.teacher_logprobs, "teacher_logprobs")
+            reverse_kl = (_required(student, "old_logprobs") - teacher) * mask
             advantages = advantages - cfg.opd.kl_coef * reverse_kl
             stats[1] += reverse_kl.sum()
         stats[2] += mask.sum()

@@ -125,3 +125,18 @@ def test_sft_loss_and_custom_loss(tmp_path):
     with pytest.raises(ValueError, match=r"algorithm.custom_loss \('.*my_loss.py:bad'\) must return \(loss, metrics\).*"
                                          r"Expected signature: fn\(cfg"):
         Objective(bad, counts_of(mb))(mb, logprobs, entropy)
+
+
+def test_use_rollout_logprobs_takes_the_engine_as_old_policy():
+    cfg = AlgorithmConfig(use_rollout_logprobs=True)
+    mb, logprobs, entropy = make_batch(seed=4)
+    mb.old_logprobs = None  # no trainer forward: the roles skip it with use_rollout_logprobs
+    loss_sum, metrics = Objective(cfg, counts_of(mb))(mb, logprobs, entropy)
+    pg = 0.0
+    for i, t in valid_tokens():
+        ratio = math.exp(logprobs[i, t].item() - mb.rollout_logprobs[i, t].item())
+        a = mb.advantages[i, t].item()
+        pg += max(-a * ratio, -a * min(max(ratio, 0.8), 1.2))
+    assert loss_sum.item() == pytest.approx(pg, rel=1e-5)
+    gap = sum(abs(logprobs[i, t].item() - mb.rollout_logprobs[i, t].item()) for i, t in valid_tokens())
+    assert metrics["logprob_gap"].item() == pytest.approx(gap, rel=1e-5)  # the trainer's own log-probs
