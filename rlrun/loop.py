@@ -38,11 +38,12 @@ from rlrun.config.load import dump_config
 from rlrun.config.schema import RunConfig
 from rlrun.data.batch import MicroBatch, schedule_micro_batches
 from rlrun.data.sample import Sample
-from rlrun.data.transfer import all_gather, gather_to_rank0, scatter_from_rank0
+from rlrun.data.transfer import all_gather, scatter_from_rank0
 from rlrun.metrics import MetricsLogger, PhaseTimer
 from rlrun.offload import Offloader
-from rlrun.rollout.driver import generate_samples, group_samples, split_groups
-from rlrun.rollout.rewards import load_reward_fn, score_samples
+from rlrun.rollout.collect import RolloutRuntime
+from rlrun.rollout.debug_data import maybe_save_train_data
+from rlrun.rollout.driver import group_samples
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Components:
     offloader: Offloader
     tokenizer: object
     sampler: object | None  # rank 0 only
-    reward_fn: object
+    rollout: object  # rlrun.rollout.collect.RolloutRuntime: engine calls, rewards, hooks, filter
     dp_rank_of: list[int]
     logger: MetricsLogger | None  # rank 0 only
 
@@ -152,7 +153,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
     return Components(
         cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, engine=engine,
         offloader=Offloader(cfg.offload, engine, parallel.device), tokenizer=tokenizer, sampler=sampler,
-        reward_fn=load_reward_fn(cfg.rollout.reward), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
+        rollout=RolloutRuntime.build(cfg, parallel, engine, tokenizer, sampler), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
     )
 
@@ -161,16 +162,19 @@ def train_one_step(parts: Components, state: RunState) -> None:
     timer = PhaseTimer(parts.logger)
     metrics: dict[str, float] = {}
     with timer("rollout"):
-        samples = rollout(parts, state.step)
+        samples = rollout(parts, state.step, metrics)
     with timer("offload"):
         parts.offloader.engine_sleep()
         parts.offloader.trainer_wake()
     with timer("scatter"):
         work = rank0_schedule(parts, samples, metrics) if parts.parallel.is_rank0 else None
         micro_batches, num_global_tokens = scatter_from_rank0(work, parts.parallel.cpu_group)
+    if parts.cfg.debug.rollout_only:
+        micro_batches = []  # rollout metrics only: no training and no weight sync
     if micro_batches:
         with timer("logprobs"):
             metrics.update(compute_old_logprobs(parts, micro_batches, state.step))
+        maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, micro_batches)
         with timer("train"):
             metrics.update(train(parts, micro_batches, num_global_tokens, state.step))
     with timer("offload"):
@@ -185,17 +189,16 @@ def train_one_step(parts: Components, state: RunState) -> None:
         parts.logger.log(state.step, {**metrics, **timer.as_metrics()})
 
 
-def rollout(parts: Components, step: int) -> list[Sample] | None:
-    """Generate and score on every rank; rank 0 returns all samples in prompt-major order."""
-    parallel, cfg = parts.parallel, parts.cfg
-    chunks = split_groups(parts.sampler.next_batch(cfg.rollout.prompts_per_step), parallel.world_size) if parallel.is_rank0 else None
-    prompts = scatter_from_rank0(chunks, parallel.cpu_group)
-    seed = cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank
-    decode = lambda ids: parts.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    samples = generate_samples(parts.engine, prompts, cfg.rollout, seed, decode)
-    score_samples(samples, parts.reward_fn)
-    gathered = gather_to_rank0(samples, parallel.cpu_group)
-    return [s for rank_samples in gathered for s in rank_samples] if gathered is not None else None
+def rollout(parts: Components, step: int, metrics: dict) -> list[Sample] | None:
+    """Generate and score on every rank, refilling while a dynamic filter drops groups
+    (rlrun/rollout/collect.py); rank 0 returns the kept samples in prompt-major order. Evaluates
+    first when ``eval.interval`` says so."""
+    metrics.update(parts.rollout.evaluate_if_due(step))
+    batch = parts.rollout.collect(step)
+    if batch is None:
+        return None
+    metrics.update(batch.metrics)
+    return batch.samples
 
 
 def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> list:
@@ -213,7 +216,7 @@ def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> l
         [s for s, _ in kept], [a for _, a in kept], dp_size=parts.parallel.dp_size,
         max_tokens=cfg.train.max_tokens_per_micro_batch, pad_token_id=parts.tokenizer.pad_token_id or 0,
     )
-    num_global_tokens = sum(len(s.response_ids) for s, _ in kept)
+    num_global_tokens = sum(s.num_loss_tokens for s, _ in kept)
     return [(per_dp[dp_rank], num_global_tokens) for dp_rank in parts.dp_rank_of]
 
 
@@ -221,7 +224,6 @@ def rollout_metrics(samples: list[Sample], kept_groups: torch.Tensor) -> dict[st
     lengths = [len(s.response_ids) for s in samples]
     return {
         "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
-        "rollout/reward_errors": sum(s.reward_error is not None for s in samples),
         "rollout/response_len_mean": sum(lengths) / len(lengths),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/tied_group_frac": 1.0 - kept_groups.float().mean().item(),

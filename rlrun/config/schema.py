@@ -62,6 +62,17 @@ class DataConfig(Section):
     """Shuffle prompts each epoch with a seed derived from ``seed`` and the epoch number."""
 
 
+class RemoteRewardConfig(Section):
+    timeout_s: float = Field(30.0, gt=0)
+    """Per-attempt limit on one reward request (connect + reply)."""
+    max_retries: int = Field(3, ge=0)
+    """Extra attempts after a connection error, a timeout, or HTTP 429 / 5xx (other HTTP errors fail at once)."""
+    retry_backoff_s: float = Field(0.5, ge=0)
+    """Wait before retry k (0-based) is ``retry_backoff_s * 2**k``."""
+    max_concurrency: int = Field(16, ge=1)
+    """Requests in flight at once per rank (the server sees up to this times the number of ranks)."""
+
+
 class RolloutConfig(Section):
     prompts_per_step: int = Field(4, ge=1)
     """Prompts drawn per step; each becomes a group of ``samples_per_prompt`` responses."""
@@ -76,9 +87,121 @@ class RolloutConfig(Section):
     top_k: int = Field(-1, ge=-1)
     """Top-k sampling; -1 (or 0) keeps the whole vocabulary."""
     reward: str = "first_number"
-    """Reward function: a built-in name (first_number, exact_match) or ``module:function`` /
-    ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> float`` (the sample carries
-    the response text, finish_reason and the prompt's label). Resolved when the config is loaded."""
+    """Reward function: a built-in name (math, gsm8k, exact_match, format_boxed, format_think,
+    first_number), an ``http(s)://`` URL of a reward server (see ``remote_reward``), or
+    ``module:function`` / ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> float``
+    (plain or ``async def``; the sample carries the response text, finish_reason and the prompt's
+    label and metadata). Resolved when the config is loaded. A reward that raises scores 0 and is
+    counted in ``rollout/reward_errors`` and logged with its message."""
+    reward_per_group: bool = False
+    """Call a custom reward once per group as ``fn(samples: list[Sample]) -> list[float]`` (e.g. to
+    rank a prompt's responses against each other) instead of once per sample."""
+    reward_concurrency: int = Field(64, ge=1)
+    """How many async reward calls (samples or groups) a rank awaits at once."""
+    remote_reward: RemoteRewardConfig = RemoteRewardConfig()
+    """Timeouts, retries and concurrency for an ``http(s)://`` reward."""
+    generate_fn: str | None = None
+    """Custom multi-turn / tool-use generation: ``module:function`` or ``path/to/file.py:function``,
+    an ``async def fn(traj: Trajectory) -> None`` that drives the engine turn by turn
+    (rlrun/rollout/multiturn.py; example: examples/calculator_tool). None: one engine call per prompt."""
+    max_context_tokens: int | None = Field(None, ge=2)
+    """Prompt + response limit of one multi-turn trajectory (``generate_fn``): turns get at most the
+    room left and a full trajectory ends with finish_reason "length". None uses the model's
+    ``max_position_embeddings``."""
+    dynamic_filter: str | None = None
+    """Drop whole groups before training and draw more prompts until ``prompts_per_step`` groups pass:
+    ``nonzero_std`` (DAPO: drop groups whose rewards are all equal) or ``module:function`` /
+    ``path/to/file.py:function`` with signature ``fn(group: list[Sample]) -> bool`` (True keeps).
+    None keeps every group."""
+    over_sampling_prompts: int | None = Field(None, ge=1)
+    """Prompts drawn per sampling round (>= prompts_per_step), so a filter has spares; groups beyond
+    ``prompts_per_step`` that pass are discarded. None draws ``prompts_per_step``."""
+    max_sampling_rounds: int = Field(4, ge=1)
+    """Most rounds of draw -> generate -> filter per step. When the limit is hit with fewer groups
+    than ``prompts_per_step``, the step trains on those (or, if none passed, on the last round's
+    groups unfiltered) and ``rollout/filter_exhausted`` is 1."""
+
+    @model_validator(mode="after")
+    def _over_sampling_covers_a_batch(self) -> RolloutConfig:
+        if self.over_sampling_prompts is not None and self.over_sampling_prompts < self.prompts_per_step:
+            raise ValueError(f"rollout.over_sampling_prompts ({self.over_sampling_prompts}) must be >= "
+                             f"rollout.prompts_per_step ({self.prompts_per_step}) because each round draws at least "
+                             "one batch; raise it or set it to null")
+        return self
+
+    @property
+    def prompts_per_round(self) -> int:
+        return self.over_sampling_prompts or self.prompts_per_step
+
+
+class EvalDatasetConfig(Section):
+    name: str
+    """Metric prefix: ``eval/<name>/...``."""
+    path: str
+    """Prompt file (jsonl / parquet, ``@[start:end]`` slices allowed); read like ``data.path``."""
+    prompt_key: str | None = None
+    """Key of the prompt in this file; None uses ``data.prompt_key``."""
+    label_key: str | None = None
+    """Key of the label in this file; None uses ``data.label_key``."""
+
+    def data_config(self, base: DataConfig) -> DataConfig:
+        """``base`` (template, system prompt, other keys) with this dataset's path and keys."""
+        update = {"path": self.path, "shuffle": False}
+        update.update({k: v for k, v in (("prompt_key", self.prompt_key), ("label_key", self.label_key)) if v})
+        return base.model_copy(update=update)
+
+
+class EvalConfig(Section):
+    interval: int = Field(0, ge=0)
+    """Evaluate before steps 0, N, 2N, ... (on the weights that step's rollout uses); 0 disables."""
+    datasets: list[EvalDatasetConfig] = Field(default_factory=list)
+    """Eval sets, each ``{name, path}``; scored with ``rollout.reward`` and ``rollout.generate_fn``."""
+    samples_per_prompt: int = Field(1, ge=1)
+    """Responses per eval prompt (n of pass@k)."""
+    pass_k: list[int] = Field(default_factory=lambda: [1])
+    """k values of pass@k to log; those above ``samples_per_prompt`` are skipped."""
+    success_threshold: float = 1.0
+    """A response counts as solved for pass@k when its reward is at least this."""
+    temperature: float | None = Field(None, gt=0)
+    """Sampling temperature for eval; None uses ``rollout.temperature``."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Response length limit for eval; None uses ``rollout.max_new_tokens``."""
+
+    @model_validator(mode="after")
+    def _datasets_when_enabled(self) -> EvalConfig:
+        if self.interval > 0 and not self.datasets:
+            raise ValueError(f"eval.interval ({self.interval}) must be 0 when eval.datasets is empty because there "
+                             "is nothing to evaluate; add eval.datasets: [{name: ..., path: ...}] or set eval.interval: 0")
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.datasets names ({names}) must be unique because they prefix the metrics; rename one")
+        return self
+
+    def rollout_overrides(self, rollout: RolloutConfig) -> dict[str, Any]:
+        """The rollout fields eval changes: group size, and temperature / length when set."""
+        return {"samples_per_prompt": self.samples_per_prompt, "reward_per_group": rollout.reward_per_group,
+                "temperature": self.temperature or rollout.temperature,
+                "max_new_tokens": self.max_new_tokens or rollout.max_new_tokens}
+
+
+class DebugConfig(Section):
+    rollout_only: bool = False
+    """Generate, score, evaluate and log rollout metrics, but never train or sync weights (the
+    engine keeps its initial weights): for debugging data, rewards and generate hooks."""
+    save_rollout_data: bool = False
+    """Write each step's trained samples to ``RUN_DIR/debug/rollout_{step:06d}.jsonl``."""
+    load_rollout_data: str | None = None
+    """Directory of saved ``rollout_{step:06d}.jsonl`` files: train on them instead of generating."""
+    save_train_data: bool = False
+    """Write each rank's micro-batches (tokens, masks, log-probs, advantages) after the log-prob pass
+    to ``RUN_DIR/debug/train_{step:06d}_rank{rank}.pt``."""
+
+    @model_validator(mode="after")
+    def _one_direction(self) -> DebugConfig:
+        if self.rollout_only and self.load_rollout_data:
+            raise ValueError("debug.rollout_only (true) must be false when debug.load_rollout_data is set because one "
+                             "skips training and the other skips generation; unset one of them")
+        return self
 
 
 class EngineConfig(Section):
@@ -289,6 +412,8 @@ class RunConfig(Section):
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
+    eval: EvalConfig = EvalConfig()
+    debug: DebugConfig = DebugConfig()
     engine: EngineConfig = EngineConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
