@@ -95,6 +95,7 @@ def run(cfg: RunConfig) -> None:
         resumed = checkpointer.restore(parts.model, parts.optimizer, parts.sampler)
         state = RunState(**resumed) if resumed is not None else RunState()
         if resumed is not None:
+            parts.roles.on_actor_loaded()
             sync_weights(parts, state.weight_version)  # the engine started from model.path's weights
         if parts.logger is not None:
             parts.logger.start(state.step)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Start rlrun on every node of the current Slurm allocation: srun runs one torchrun per node, torchrun
+# starts one rank per GPU, and the ranks meet through a c10d rendezvous on the allocation's first node.
+# Called by launch/slurm_1node.sbatch and launch/slurm_multinode.sbatch; also works inside `salloc`.
+#
+#   bash launch/slurm_run.sh CONFIG [--set key=value ...]
+#
+# Environment (all optional):
+#   GPUS_PER_NODE   ranks per node (default: $SLURM_GPUS_ON_NODE, else 8)
+#   RDZV_PORT       rendezvous port on the first node (default 29500)
+#   TORCHRUN        torchrun executable (default: .venv/bin/torchrun if present, else torchrun on PATH)
+#   RLRUN_LOG_DIR   every rank's stdout/stderr (default logs/slurm-$SLURM_JOB_ID); the console shows local rank 0
+#   RLRUN_DRY_RUN=1 print the command instead of running it
+# Cluster-specific NCCL settings (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) pass through from the environment.
+set -euo pipefail
+CONFIG=${1:?usage: bash launch/slurm_run.sh CONFIG [--set key=value ...]}
+shift
+: "${SLURM_JOB_ID:?run inside a Slurm allocation (sbatch or salloc)}"
+: "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set; run inside a Slurm allocation}"
+
+NNODES=${SLURM_NNODES:-1}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")  # not piped into head: SIGPIPE fails under pipefail
+HEAD_NODE=${NODES%%$'\n'*}
+RDZV_PORT=${RDZV_PORT:-29500}
+if [[ -z ${TORCHRUN:-} ]]; then
+  if [[ -x .venv/bin/torchrun ]]; then TORCHRUN=.venv/bin/torchrun; else TORCHRUN=torchrun; fi
+fi
+LOG_DIR=${RLRUN_LOG_DIR:-logs/slurm-$SLURM_JOB_ID}
+
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# Fail a hung NCCL collective instead of waiting forever (the process-group timeout applies).
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+
+# srun --kill-on-bad-exit: one node's torchrun failing ends the others at once.
+# torchrun --signals-to-handle: forward SIGUSR1 (#SBATCH --signal=USR1@T) to the ranks, which then
+# checkpoint and stop; --shutdown-timeout gives them that long before SIGKILL.
+CMD=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --cpu-bind=none
+  "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
+  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0
+  --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=300
+  --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter=0
+  -m rlrun train "$CONFIG" "$@")
+
+if [[ ${RLRUN_DRY_RUN:-0} == 1 ]]; then
+  echo "${CMD[*]}"
+  exit 0
+fi
+mkdir -p "$LOG_DIR"
+exec "${CMD[@]}"
