@@ -4,9 +4,11 @@
     rlrun config show configs/quickstart.yaml
     rlrun prepare smollm2
     torchrun --nproc-per-node 2 -m rlrun train configs/quickstart.yaml
+    rlrun plot runs/quickstart
+    rlrun doctor configs/quickstart.yaml
 
-Only ``train`` and ``prepare`` import torch, and only after the config has parsed, so ``--help`` and
-``config validate`` are instant. Config mistakes print one line per problem and exit 1; errors at
+Only ``train``, ``prepare`` and ``doctor`` import torch, and only after the config has parsed, so
+``--help`` and ``config validate`` are instant (``plot`` needs matplotlib, not torch). Config mistakes print one line per problem and exit 1; errors at
 run time propagate with their traceback.
 """
 
@@ -82,3 +84,30 @@ def prepare_smollm2(out: Annotated[Path, typer.Option(help="Output HF model dire
     except PrepareError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(1) from None
+
+
+@app.command()
+def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory (logging.run_dir) with metrics.jsonl.")],
+         out: Annotated[Path | None, typer.Option(help="Where the PNGs go; default RUN_DIR/plots.")] = None) -> None:
+    """Write PNG curves (reward, length, KL, entropy, clipping, log-prob gap, step time) of a run."""
+    from rlrun.plot import PlotError, plot_run
+
+    try:
+        for path in plot_run(run_dir, out):
+            typer.echo(str(path))
+    except PlotError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def doctor(config: Annotated[Path | None, typer.Argument(help="Optional run config to check against this machine.")] = None,
+           overrides: Overrides = []) -> None:  # noqa: B006
+    """Versions, GPUs, and what CONFIG would need that this machine lacks; exits 1 if something is missing."""
+    cfg = _load(config, overrides) if config is not None else None
+    from rlrun.doctor import print_checks, run_doctor
+
+    checks = run_doctor(cfg)
+    print_checks(checks)
+    if any(c.status == "missing" for c in checks):
+        raise typer.Exit(1)

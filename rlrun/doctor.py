@@ -1,0 +1,157 @@
+"""``rlrun doctor [CONFIG]``: what this machine has, and what the config would need that it lacks.
+
+Three groups of checks, each a :class:`Check` with a status:
+
+* packages: versions of torch (with its CUDA and NCCL), megatron-core, transformers, sglang,
+  torch_memory_saver, pyzmq and the optional logging/plot packages;
+* devices: the GPUs torch can see (or why a run would use CPU and gloo);
+* config: for each thing the config turns on, whether its requirement is met (model directory,
+  prompt file, engine backend, offload, TensorBoard/W&B packages, world size vs ``parallel.tp``,
+  the checkpoint it would resume from).
+
+``missing`` means the run would fail; ``warn`` means it would run, but probably not as meant.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Literal
+
+from rlrun.config.schema import RunConfig
+
+Status = Literal["ok", "info", "warn", "missing"]
+REQUIRED = ("torch", "megatron-core", "transformers", "pyzmq", "msgpack", "pydantic", "typer", "safetensors", "rich")
+OPTIONAL = ("sglang", "torch-memory-saver", "tensorboard", "wandb", "matplotlib")
+
+
+@dataclass(frozen=True)
+class Check:
+    group: str
+    name: str
+    status: Status
+    detail: str
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def package_checks() -> list[Check]:
+    checks = [Check("packages", "python", "ok", platform.python_version())]
+    for dist in (*REQUIRED, *OPTIONAL):
+        version = _version(dist)
+        if version is not None:
+            checks.append(Check("packages", dist, "ok", version))
+        else:
+            checks.append(Check("packages", dist, "missing" if dist in REQUIRED else "info", "not installed"))
+    return checks
+
+
+def device_checks() -> list[Check]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Check("devices", "cuda", "info", f"no CUDA device visible (torch {torch.__version__}, built with CUDA "
+                      f"{torch.version.cuda or 'none'}): runs use CPU processes, gloo and the embedded engine")]
+    nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    checks = [Check("devices", "cuda", "ok", f"CUDA {torch.version.cuda}, NCCL {nccl}, {torch.cuda.device_count()} GPU(s)")]
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        checks.append(Check("devices", f"cuda:{index}", "ok", f"{props.name}, {props.total_memory / 2**30:.0f} GiB"))
+    return checks
+
+
+def config_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
+    """What ``cfg`` turns on, and whether this machine provides it (``num_gpus`` visible)."""
+    from rlrun.checkpoint import resolve_resume
+
+    checks = [_model_check(cfg), _data_check(cfg)]
+    if cfg.engine.backend == "sglang":
+        ok = _version("sglang") is not None and num_gpus > 0
+        checks.append(Check("config", "engine.backend", "ok" if ok else "missing",
+                            "sglang on GPU" if ok else "sglang needs the sglang package and a GPU; set engine.backend=embedded"))
+    if (cfg.offload.train or cfg.offload.rollout) and num_gpus > 0 and _version("torch-memory-saver") is None:
+        checks.append(Check("config", "offload", "missing", "offload needs torch_memory_saver; pip install torch-memory-saver"))
+    if cfg.model.dtype == "bfloat16" and num_gpus == 0:
+        checks.append(Check("config", "model.dtype", "warn", "bfloat16 on CPU is slow and loses precision; use float32"))
+    for enabled, name, module in ((cfg.logging.tensorboard, "logging.tensorboard", "tensorboard"),
+                                  (bool(cfg.logging.wandb_project), "logging.wandb_project", "wandb")):
+        if enabled:
+            found = importlib.util.find_spec(module) is not None
+            checks.append(Check("config", name, "ok" if found else "missing",
+                                f"{module} installed" if found else f"needs {module}; pip install {module}"))
+    checks.append(_world_size_check(cfg, num_gpus))
+    ckpt_dir = Path(cfg.checkpoint.dir or Path(cfg.logging.run_dir) / "checkpoints")
+    try:
+        resume = resolve_resume(cfg.checkpoint.resume, ckpt_dir)
+        checks.append(Check("config", "checkpoint.resume", "info", f"would resume from {resume}" if resume else
+                            f"fresh start (no complete checkpoint in {ckpt_dir})"))
+    except ValueError as exc:
+        checks.append(Check("config", "checkpoint.resume", "missing", str(exc)))
+    return checks
+
+
+def _model_check(cfg: RunConfig) -> Check:
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        return Check("config", "model.path", "missing", f"{path} has no config.json; download the model there "
+                     "(huggingface-cli download ORG/NAME --local-dir DIR; for the quickstart: rlrun prepare smollm2) "
+                     "or set model.path")
+    weights = list(path.glob("*.safetensors"))
+    if not weights:
+        return Check("config", "model.path", "missing", f"{path} has no *.safetensors weights")
+    size = sum(w.stat().st_size for w in weights) / 2**30
+    return Check("config", "model.path", "ok", f"{path} ({len(weights)} safetensors file(s), {size:.2f} GiB)")
+
+
+def _data_check(cfg: RunConfig) -> Check:
+    from rlrun.data.prompt_files import PromptDataError, read_rows
+
+    try:
+        rows = read_rows(cfg.data.path, cfg.data.prompt_key, cfg.data.label_key)
+    except PromptDataError as exc:
+        return Check("config", "data.path", "missing", str(exc))
+    return Check("config", "data.path", "ok", f"{cfg.data.path}: {len(rows)} prompts")
+
+
+def _world_size_check(cfg: RunConfig, num_gpus: int) -> Check:
+    world_size = int(os.environ.get("WORLD_SIZE", num_gpus or 0))
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    if world_size == 0:
+        return Check("config", "parallel", "info", f"tp x pp = {model_parallel}: launch a multiple of {model_parallel} "
+                     "processes (torchrun --nproc-per-node N)")
+    if world_size % model_parallel:
+        return Check("config", "parallel", "missing", f"{world_size} ranks (GPUs visible) is not a multiple of tp x pp = "
+                     f"{model_parallel}; set parallel.tp or launch a multiple of {model_parallel} ranks per job")
+    return Check("config", "parallel", "ok", f"{world_size} ranks = {world_size // model_parallel} data-parallel "
+                 f"replica(s) of tp x pp = {model_parallel}")
+
+
+def run_doctor(cfg: RunConfig | None) -> list[Check]:
+    import torch
+
+    checks = package_checks() + device_checks()
+    if cfg is not None:
+        checks += config_checks(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return checks
+
+
+def print_checks(checks: list[Check]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    colour = {"ok": "green", "info": "cyan", "warn": "yellow", "missing": "red"}
+    table = Table(show_lines=False)
+    for column in ("group", "check", "status", "detail"):
+        table.add_column(column, overflow="fold")
+    for c in checks:
+        table.add_row(c.group, c.name, f"[{colour[c.status]}]{c.status}[/]", c.detail)
+    Console().print(table)

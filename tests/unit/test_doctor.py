@@ -1,0 +1,56 @@
+"""``rlrun doctor``: each config requirement is reported against what is really on disk and installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib import metadata
+
+from typer.testing import CliRunner
+
+from rlrun.cli import app
+from rlrun.config.schema import RunConfig
+from rlrun.doctor import config_checks, package_checks
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_packages_report_the_installed_versions():
+    checks = by_name(package_checks())
+    assert checks["torch"].status == "ok" and checks["torch"].detail == metadata.version("torch")
+    assert checks["megatron-core"].detail == metadata.version("megatron-core")
+
+
+def test_config_requirements(tiny_model_dirs, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    cfg = RunConfig.model_validate({
+        "model": {"path": str(tiny_model_dirs["llama"])}, "engine": {"backend": "sglang"},
+        "logging": {"tensorboard": True, "run_dir": str(tmp_path)},
+        "checkpoint": {"resume": str(tmp_path / "ckpt")}, "parallel": {"tp": 2},
+    })
+    checks = by_name(config_checks(cfg, num_gpus=0))
+    assert checks["model.path"].status == "ok"
+    assert checks["data.path"].status == "ok" and "100 prompts" in checks["data.path"].detail
+    assert checks["engine.backend"].status == "missing"  # no GPU here, whatever is installed
+    tensorboard_found = importlib.util.find_spec("tensorboard") is not None
+    assert checks["logging.tensorboard"].status == ("ok" if tensorboard_found else "missing")
+    assert checks["checkpoint.resume"].status == "missing" and "COMPLETE" in checks["checkpoint.resume"].detail
+    missing_model = RunConfig.model_validate({"model": {"path": str(tmp_path / "nowhere")}})
+    assert by_name(config_checks(missing_model, num_gpus=0))["model.path"].status == "missing"
+
+
+def test_world_size_must_be_a_multiple_of_tp(monkeypatch):
+    cfg = RunConfig.model_validate({"parallel": {"tp": 2}})
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert by_name(config_checks(cfg, num_gpus=0))["parallel"].status == "missing"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert "2 data-parallel replica(s)" in by_name(config_checks(cfg, num_gpus=0))["parallel"].detail
+
+
+def test_cli_exits_1_when_something_is_missing(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {tmp_path / 'nowhere'}\n")
+    result = CliRunner().invoke(app, ["doctor", str(config)])
+    assert result.exit_code == 1
+    assert "model.path" in result.output and "missing" in result.output
