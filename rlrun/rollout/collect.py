@@ -77,6 +77,23 @@ class RoundTally:
         return RolloutBatch([s for g in groups for s in g], metrics)
 
 
+@dataclass(frozen=True)
+class RolloutHooks:
+    """The rollout's user-replaceable functions, resolved from ``rollout.*`` specs."""
+
+    reward_fn: Callable
+    generate_fn: Callable | None
+    group_filter: GroupFilter | None
+
+    @classmethod
+    def load(cls, r: RolloutConfig) -> RolloutHooks:
+        """Import every hook the config names; raises ``RewardSpecError`` / ``HookSpecError`` naming the key
+        (cheap: call it when the config is loaded, so a bad path fails before any model loads)."""
+        return cls(reward_fn=load_reward_fn(r.reward, r.remote_reward),
+                   generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
+                   group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None)
+
+
 @dataclass
 class RolloutRuntime:
     """Everything one rank needs to produce rollouts, resolved once at setup (hooks included)."""
@@ -86,21 +103,16 @@ class RolloutRuntime:
     engine: Any
     tokenizer: Any
     sampler: Any | None  # rank 0 only
-    reward_fn: Callable
-    generate_fn: Callable | None
-    group_filter: GroupFilter | None
+    hooks: RolloutHooks
     max_context_tokens: int | None = None
     evaluator: Evaluator | None = None
 
     @classmethod
     def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler) -> RolloutRuntime:
-        r = cfg.rollout
         runtime = cls(cfg=cfg, parallel=parallel, engine=engine, tokenizer=tokenizer, sampler=sampler,
-                      reward_fn=load_reward_fn(r.reward, r.remote_reward),
-                      generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
-                      group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None)
-        if runtime.generate_fn is not None:
-            runtime.max_context_tokens = r.max_context_tokens or model_context_tokens(cfg.model.path)
+                      hooks=RolloutHooks.load(cfg.rollout))
+        if runtime.hooks.generate_fn is not None:
+            runtime.max_context_tokens = cfg.rollout.max_context_tokens or model_context_tokens(cfg.model.path)
         if cfg.eval.interval > 0:
             runtime.evaluator = Evaluator(runtime, tokenizer)
         return runtime
@@ -112,8 +124,9 @@ class RolloutRuntime:
     def generate_and_score(self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None) -> list[Sample]:
         """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them."""
         r = rollout_cfg or self.cfg.rollout
-        samples = generate_samples(self.engine, prompts, r, seed, self.tokenizer, self.generate_fn, self.max_context_tokens)
-        score_samples(samples, self.reward_fn, group_size=r.samples_per_prompt if r.reward_per_group else None,
+        samples = generate_samples(self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn,
+                                   self.max_context_tokens)
+        score_samples(samples, self.hooks.reward_fn, group_size=r.samples_per_prompt if r.reward_per_group else None,
                       concurrency=r.reward_concurrency)
         return samples
 
@@ -148,7 +161,7 @@ class RolloutRuntime:
             gathered = gather_to_rank0(self.generate_and_score(prompts, seed), parallel.cpu_group)
             if tally is not None:
                 groups = group_samples([s for rank_samples in gathered for s in rank_samples], r.samples_per_prompt)
-                tally.add_round(groups, self.group_filter)
+                tally.add_round(groups, self.hooks.group_filter)
         return tally.batch() if tally is not None else None
 
     def _plan_round(self, tally: RoundTally) -> list[list[Prompt] | None]:

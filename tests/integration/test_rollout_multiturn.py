@@ -52,7 +52,9 @@ def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
 
     model_dir = tiny_model_dirs["qwen2"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = DataConfig(path=str(REPO / "examples/calculator_tool/data/train.jsonl@[:3]"), system_prompt=SYSTEM)
+    rows = tmp_path / "q.jsonl"  # short prompts: the byte-level test tokenizer leaves room for 4 turns
+    rows.write_text("".join(f'{{"prompt": "What is {a} * 7 + 1?", "label": {a * 7 + 1}}}\n' for a in (12, 34, 56)))
+    data = DataConfig(path=str(rows), system_prompt=SYSTEM)
     prompts = PromptDataset(data, tokenizer).prompts
     cfg = RolloutConfig(samples_per_prompt=4, max_new_tokens=6, generate_fn=f"{AGENT}:generate")
     with EngineClient.spawn(backend="embedded", model_path=model_dir, run_dir=tmp_path, rank=0, seed=0) as engine:

@@ -78,3 +78,19 @@ def test_rollout_data_round_trips(tmp_path: Path):
     rows = torch.load(save_train_data(tmp_path, 2, 1, [mb]))
     assert rows[0].keys() == {"tokens", "position_ids", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs"}
     assert torch.equal(rows[0]["old_logprobs"], mb.old_logprobs) and torch.equal(rows[0]["loss_mask"], mb.loss_mask)
+
+
+def test_rollout_hooks_load_from_the_config(tmp_path):
+    from rlrun.config.load import load_config
+    from rlrun.rollout.collect import RolloutHooks
+
+    repo = Path(__file__).resolve().parents[2]
+    hooks = RolloutHooks.load(load_config(repo / "configs/calculator_tool.yaml").rollout)
+    assert hooks.reward_fn.__name__ == "reward" and hooks.generate_fn.__name__ == "generate"
+    assert hooks.group_filter is nonzero_std
+    sync = tmp_path / "sync_gen.py"
+    sync.write_text("def generate(traj):\n    return None\n")
+    cfg = RunConfig.model_validate({"rollout": {"generate_fn": f"{sync}:generate"}}).rollout
+    with pytest.raises(HookSpecError, match=r"rollout.generate_fn \('.*'\) must be an async def with signature "
+                                            r"async fn\(traj: Trajectory\) -> None"):
+        RolloutHooks.load(cfg)
