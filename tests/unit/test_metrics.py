@@ -84,3 +84,22 @@ def test_missing_wandb_is_a_config_error_naming_the_key(tmp_path):
     logger = MetricsLogger(config(tmp_path, wandb_project="demo", console=False))
     with pytest.raises(ValueError, match=r"logging.wandb_project \('demo'\) needs the wandb package"):
         logger.start(0)
+
+
+def test_profiler_traces_only_the_chosen_step_with_phases_as_ranges(tmp_path):
+    import torch
+
+    from rlrun.profiler import profile_step, trace_path
+
+    cfg = config(tmp_path, profile_steps=[1], profile_ranks=[0]).logging
+    for step in (0, 1):
+        with profile_step(cfg, rank=0, step=step):
+            timer = PhaseTimer()
+            with timer("train"):
+                torch.ones(64, 64) @ torch.ones(64, 64)
+    with profile_step(cfg, rank=1, step=1):
+        pass
+    assert not trace_path(tmp_path, 0, 0).exists() and not trace_path(tmp_path, 1, 1).exists()
+    events = json.loads(trace_path(tmp_path, 1, 0).read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert "train" in names and any("mm" in str(n) for n in names)
