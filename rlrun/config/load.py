@@ -200,7 +200,19 @@ def _source_order(problem: str) -> tuple[int, str]:
 def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
     from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
 
-    try:
-        load_reward_fn(cfg.rollout.reward)
-    except RewardSpecError as err:
-        raise ConfigError(f"{_source('rollout.reward', sources, path)}: rollout.reward: {err}") from None
+    from rlrun.hooks import HookSpecError
+    from rlrun.rollout.filters import load_filter
+    from rlrun.rollout.multiturn import load_generate_fn
+
+    r = cfg.rollout
+    checks = [("rollout.reward", lambda: load_reward_fn(r.reward, r.remote_reward))]
+    if r.generate_fn:
+        checks.append(("rollout.generate_fn", lambda: load_generate_fn(r.generate_fn)))
+    if r.dynamic_filter:
+        checks.append(("rollout.dynamic_filter", lambda: load_filter(r.dynamic_filter)))
+    for key, check in checks:
+        try:
+            check()
+        except (RewardSpecError, HookSpecError) as err:
+            message = str(err) if str(err).startswith(key) else f"{key}: {err}"
+            raise ConfigError(f"{_source(key, sources, path)}: {message}") from None
