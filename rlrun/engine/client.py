@@ -6,10 +6,15 @@ Usage::
         results = engine.generate(prompt_ids, {"max_new_tokens": 8, "n": 8, "temperature": 1.0})
         engine.update_weights(hf_named_tensors, weight_version="1", bucket_bytes=512 * 2**20)
 
-The worker is a child process (``python -m rlrun.engine.worker``) with a clean environment (no
-torchrun rendezvous variables, one thread), its output in ``<run_dir>/engine-<rank>.log``, and it
-dies with this process. Every call fails loudly: with the engine's message when it refuses, with
-the worker's exit code and log tail when it died, or after ``request_timeout_s`` when it hangs.
+The worker is a child process (``python -m rlrun.engine.worker``) in its own process group, with a
+clean environment (no torchrun rendezvous variables, one thread), its output in
+``<run_dir>/engine-<rank>.log``, and it dies with this process (parent-death signal plus a watchdog
+thread; :meth:`EngineClient.shutdown` runs on exit and kills the whole group if the worker does not
+stop). Every call fails loudly, within seconds for a dead or frozen worker: with the engine's
+message when it refuses, with the worker's exit code and log tail when it died, after
+``heartbeat_timeout_s`` without a heartbeat (stopped or frozen), or after ``request_timeout_s``
+when it answers heartbeats but never the call. Calls may come from several threads at once (an
+``abort`` while another thread waits in ``generate``).
 """
 
 from __future__ import annotations
@@ -18,21 +23,23 @@ import atexit
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import rlrun
-from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket
+from rlrun.engine.backends import BackendSpec
+from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket, tensor_checksum
 from rlrun.engine.rpc import Endpoint, RpcClient, RpcError, choose_endpoint
 from rlrun.engine.types import EngineStatus, GenResult, OpResult
-from rlrun.engine.worker import AUTHKEY_ENV
+from rlrun.engine.worker import AUTHKEY_ENV, TOKEN_ENV
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +49,24 @@ _DROPPED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "PYTORCH_CUDA_ALLOC_CONF")
 SHUTDOWN_GRACE_S = 5.0
 LOG_TAIL_LINES = 20
+PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped by a signal",
+                  "t": "stopped by a debugger", "Z": "a zombie"}
 
 
 class EngineOpError(RuntimeError):
     """The engine answered ``success=False``; the message is the engine's."""
 
 
-def _worker_env() -> dict[str, str]:
+def _worker_env(token: bytes, extra_env: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment minus torchrun's, plus ``extra_env``, the secrets and one thread.
+    CUDA_VISIBLE_DEVICES is inherited unchanged: trainer and engine must number GPUs alike."""
     env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith("TORCHELASTIC_")}
+    env.update(extra_env)
     package_root = str(Path(rlrun.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env[AUTHKEY_ENV] = multiprocessing.current_process().authkey.hex()
+    env[TOKEN_ENV] = token.hex()
     return env
 
 
@@ -70,37 +83,56 @@ class EngineClient:
     """RPC stub for one engine worker process; see the module docstring."""
 
     def __init__(self, *, rank: int, endpoint: Endpoint, process: subprocess.Popen, log_path: Path,
-                 request_timeout_s: float) -> None:
+                 request_timeout_s: float, token: bytes, backend: str = "embedded", dtype: str = "float32") -> None:
         self.rank = rank
+        self.backend = backend
+        self.dtype = dtype
+        """The engine's weight dtype, which synced tensors are cast to (and verified in)."""
         self.endpoint = endpoint
         self.process = process
         self.log_path = log_path
-        self.rpc = RpcClient(endpoint.address, timeout_s=request_timeout_s, peer_status=self._death_note)
+        self.rpc = RpcClient(endpoint.address, timeout_s=request_timeout_s, token=token,
+                             peer_status=self._death_note, peer_detail=self._process_detail)
         self._closed = False
         atexit.register(self.shutdown)
 
     @classmethod
     def spawn(cls, *, backend: str, model_path: str | Path, run_dir: Path, rank: int, seed: int,
-              dtype: str = "float32", startup_timeout_s: float = 300, request_timeout_s: float = 600) -> EngineClient:
-        """Start a worker and wait (up to ``startup_timeout_s``) until it answers ``health``."""
+              dtype: str = "float32", startup_timeout_s: float = 300, request_timeout_s: float = 600,
+              heartbeat_timeout_s: float = 8.0, base_gpu_id: int | None = None, tp_size: int = 1,
+              enable_memory_saver: bool = False, server_args: Mapping[str, Any] | None = None,
+              extra_env: Mapping[str, str] | None = None) -> EngineClient:
+        """Start a worker and wait (up to ``startup_timeout_s``) until it answers ``health``.
+
+        ``base_gpu_id`` defaults to this rank's LOCAL_RANK (the worker shares CUDA_VISIBLE_DEVICES);
+        ``extra_env`` adds variables to the worker's environment only (SGLANG_* switches, say).
+        """
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         endpoint = choose_endpoint(run_dir, f"engine-{rank}")
         log_path = run_dir / f"engine-{rank}.log"
-        command = [sys.executable, "-m", "rlrun.engine.worker", "--endpoint", endpoint.address, "--backend", backend,
-                   "--model", str(model_path), "--seed", str(seed), "--parent-pid", str(os.getpid()),
-                   "--dtype", dtype]
+        spec = BackendSpec(backend=backend, model_path=str(model_path), seed=seed, dtype=dtype,
+                           base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)) if base_gpu_id is None else base_gpu_id,
+                           tp_size=tp_size, enable_memory_saver=enable_memory_saver, server_args=dict(server_args or {}))
+        token = secrets.token_bytes(16)
+        command = [sys.executable, "-m", "rlrun.engine.worker", "--endpoint", endpoint.address,
+                   "--parent-pid", str(os.getpid()), "--spec", spec.to_json()]
         with log_path.open("wb") as log_file:
+            # Own process group: the client can kill the worker with everything it started, and a
+            # terminal's Ctrl-C reaches only the trainer, which then shuts the worker down.
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                       env=_worker_env())
+                                       env=_worker_env(token, extra_env or {}), process_group=0)
         client = cls(rank=rank, endpoint=endpoint, process=process, log_path=log_path,
-                     request_timeout_s=request_timeout_s)
+                     request_timeout_s=request_timeout_s, token=token, backend=backend, dtype=dtype)
         try:
             client.rpc.call("health", timeout_s=startup_timeout_s)
-        except RpcError as exc:
+        except BaseException as exc:
             client.shutdown()
+            if not isinstance(exc, RpcError):
+                raise
             raise type(exc)(f"engine worker for rank {rank} ({backend} backend, model {model_path}) did not start: "
                             f"{exc}") from None
+        client.rpc.arm_heartbeat(heartbeat_timeout_s)  # from now on the worker's event loop answers pings
         log.info("engine worker for rank %d up (pid %d, %s)", rank, process.pid, endpoint.address)
         return client
 
@@ -111,6 +143,16 @@ class EngineClient:
             return None
         how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
         return (f"engine worker for rank {self.rank} (pid {self.process.pid}) exited with code {code}{how}; "
+                f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}")
+
+    def _process_detail(self) -> str:
+        """How a live but silent worker looks from outside: its process state and the end of its log."""
+        try:
+            state = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+            state = f"{state} ({PROCESS_STATES.get(state, 'see man proc')})"
+        except OSError:
+            state = "unknown"
+        return (f"engine worker for rank {self.rank} (pid {self.process.pid}) is in process state {state}; "
                 f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}")
 
     # ---- the contract ------------------------------------------------------------------------------
@@ -155,18 +197,24 @@ class EngineClient:
     def get_weight_version(self) -> str:
         return self.rpc.call("get_weight_version")
 
+    def weight_checksums(self) -> dict[str, str]:
+        return self.rpc.call("weight_checksums")
+
     # ---- conveniences ------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
-                       bucket_bytes: int) -> dict[str, Any]:
+                       bucket_bytes: int, verify: bool = False) -> dict[str, Any]:
         """Push full HF-named tensors in flattened buckets inside one update session.
 
         Each bucket call carries ``weight_version`` (as slime does), so the version flips with the
         first bucket; nothing generates until the session ends. The session is closed even when a
-        bucket fails, so the next sync can begin again. Returns {num_buckets, num_bytes, seconds}.
+        bucket fails, so the next sync can begin again. ``verify`` (debug) hashes every tensor as
+        sent (cast to the engine's dtype) and checks the engine holds exactly those bytes afterwards.
+        Returns {num_buckets, num_bytes, seconds}.
         """
         start = time.perf_counter()
         num_buckets = num_bytes = 0
+        sent: dict[str, str] = {}
         self._expect_success("begin_weight_update", self.begin_weight_update())
         try:
             for bucket in iter_buckets(named_tensors, bucket_bytes):
@@ -176,13 +224,25 @@ class EngineClient:
                 self._expect_success("update_weights_from_tensor", result)
                 num_buckets += 1
                 num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                if verify:
+                    sent.update((name, tensor_checksum(t.to(getattr(torch, self.dtype)))) for name, t in bucket)
         finally:
             ended = self.end_weight_update()
         self._expect_success("end_weight_update", ended)
         if num_buckets == 0:
             raise ValueError("named_tensors (empty) must hold at least one tensor because a weight sync with nothing "
                              "to send is a bug in the exporter")
+        if verify:
+            self._verify(sent, weight_version)
         return {"num_buckets": num_buckets, "num_bytes": num_bytes, "seconds": time.perf_counter() - start}
+
+    def _verify(self, sent: dict[str, str], weight_version: str) -> None:
+        held = self.weight_checksums()
+        differ = sorted(name for name, digest in sent.items() if held.get(name) != digest)
+        if differ:
+            raise EngineOpError(f"engine rank {self.rank} holds weights that differ from the trainer's after the sync "
+                                f"to version {weight_version}: {len(differ)} of {len(sent)} tensors, first "
+                                f"{differ[:5]}; the exporter or the engine's loader is wrong")
 
     def _expect_success(self, method: str, result: OpResult) -> None:
         if not result["success"]:
@@ -190,7 +250,8 @@ class EngineClient:
                                 f"success=False: {result['message']}")
 
     def shutdown(self) -> None:
-        """Ask the worker to exit, kill it if it has not within a few seconds; idempotent."""
+        """Ask the worker to exit (it aborts what is in flight), kill its process group if it has not
+        within a few seconds or does not answer; idempotent, and registered with ``atexit``."""
         if self._closed:
             return
         self._closed = True
@@ -201,13 +262,20 @@ class EngineClient:
                     self.rpc.call("shutdown", timeout_s=SHUTDOWN_GRACE_S)
                     self.process.wait(timeout=SHUTDOWN_GRACE_S)
                 except (RpcError, subprocess.TimeoutExpired) as exc:
-                    log.warning("engine worker for rank %d did not exit cleanly (%s); killing pid %d",
+                    log.warning("engine worker for rank %d did not exit cleanly (%s); killing process group %d",
                                 self.rank, exc, self.process.pid)
-                    self.process.kill()
-                    self.process.wait()
+            self.kill()
         finally:
             self.rpc.close()
             self.endpoint.cleanup()
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group (the worker and any process it started) and reap it."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is gone: the worker exited and left no children
+        self.process.wait()
 
     def __enter__(self) -> EngineClient:
         return self

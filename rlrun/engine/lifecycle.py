@@ -76,14 +76,20 @@ class EngineLifecycle:
         self.released_tags.update(tags)
         return tags
 
-    def resume(self, tags: list[str] | None) -> list[str]:
-        """Record a resume; returns the tags it covers."""
+    def check_resume(self, tags: list[str] | None) -> list[str]:
+        """The tags a resume covers, or an error if any is not released. The worker records the
+        resume only once the backend has finished it, so no generate starts on half-restored memory."""
         tags = _normalize_tags(tags)
         not_released = sorted(set(tags) - self.released_tags)
         if not_released:
             raise RuntimeError(
                 f"resume_memory_occupation of tags {not_released} must follow their release because SGLang raises "
                 f"KeyError and dies otherwise; released now: {sorted(self.released_tags)}")
+        return tags
+
+    def resume(self, tags: list[str] | None) -> list[str]:
+        """Check and record a resume; returns the tags it covers."""
+        tags = self.check_resume(tags)
         self.released_tags.difference_update(tags)
         return tags
 

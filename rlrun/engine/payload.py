@@ -20,8 +20,10 @@ Transport hazards (why the RPC only accepts payloads on local sockets):
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
+import pickletools
 import types
 from collections.abc import Iterable, Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -104,6 +106,48 @@ class _SafeUnpickler(pickle.Unpickler):
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+_NO_PUSH_OPS = {"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "FRAME", "PROTO"}
+
+
+def payload_globals(payload: bytes) -> list[tuple[str, str]]:
+    """The ``(module, name)`` globals a pickle would import, read from its opcodes without running
+    it (nothing is unpickled, so the payload's file descriptors stay unclaimed). A ``STACK_GLOBAL``
+    whose operands are not plain strings is reported as ``("?", "?")``."""
+    found: list[tuple[str, str]] = []
+    recent: list[str | None] = []  # values pushed most recently: STACK_GLOBAL takes the last two
+    memo: dict[int, str | None] = {}
+    for op, arg, _ in pickletools.genops(payload):
+        if op.name in ("GLOBAL", "INST"):
+            found.append(tuple(arg.split(" ", 1)))
+            recent.append(None)
+        elif op.name == "STACK_GLOBAL":
+            module, name = (recent[-2], recent[-1]) if len(recent) >= 2 else (None, None)
+            found.append((module, name) if isinstance(module, str) and isinstance(name, str) else ("?", "?"))
+            recent.append(None)
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = recent[-1] if recent else None
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = recent[-1] if recent else None
+        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+            recent.append(memo.get(arg))
+        elif op.name in _STRING_OPS:
+            recent.append(arg if isinstance(arg, str) else None)
+        elif op.name not in _NO_PUSH_OPS:
+            recent.append(None)
+    return found
+
+
+def check_payload_globals(payload: bytes) -> None:
+    """Refuse a payload that SGLang's unpickler would refuse, before it reaches SGLang: there the
+    refusal is raised inside the scheduler, which takes the whole engine down."""
+    for module, name in payload_globals(payload):
+        if (module, name) not in SGLANG_ALLOWED_GLOBALS and (module, name) != ("torch.storage", "_load_from_bytes"):
+            raise ValueError(f"payload global {module}.{name} must be on SGLang's unpickling allowlist because "
+                             "SGLang's scheduler dies on 'Blocked unsafe global'; build payloads with "
+                             "rlrun.engine.payload.serialize_flattened_bucket")
+
+
 def serialize_flattened_bucket(named_tensors: NamedTensors) -> bytes:
     """Pack ``(hf_name, full_tensor)`` pairs into one flattened-bucket payload (mixed dtypes ok).
 
@@ -176,3 +220,9 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         size += nbytes
     if bucket:
         yield bucket
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (in its own dtype), for verifying that a sync landed exactly."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()

@@ -2,21 +2,36 @@
 
 Wire format: one msgpack frame per message (bytes allowed, ``use_bin_type``)::
 
-    request  {"id": int, "method": str, "kwargs": {...}}
+    request  {"id": int, "method": str, "kwargs": {...}, "token": bytes}
     reply    {"id": int, "ok": true, "result": ...} | {"id": int, "ok": false, "error": str, "traceback": str}
 
-The client is a DEALER and the server a ROUTER rather than REQ/REP, because a REQ socket is stuck
-after a timed-out request; with request ids a late reply to an abandoned call is simply dropped.
+The client is a DEALER and the server a ROUTER rather than REQ/REP: with request ids several calls
+can be in flight at once (an ``abort`` while a ``generate`` runs) and a late reply to an abandoned
+call is simply dropped. The server runs on an asyncio loop (the SGLang worker must share
+``sglang.Engine``'s loop) and answers each request in its own task.
 
-Endpoints are ``ipc://`` sockets in the run directory. ``sockaddr_un`` holds at most 107 bytes of
-path, so a deep run directory falls back to a short temp directory, and (if even that is too long)
-to loopback TCP. Methods that carry pickled tensors (shared-memory fds / CUDA IPC handles, which
-only mean something on the same host) are refused on any endpoint that is not ipc or loopback.
+A waiting call fails, whichever comes first:
+
+* **peer death** (``RpcPeerDiedError``): ``peer_status`` is polled every ``POLL_SLICE_S``;
+* **no heartbeat** (``RpcUnresponsiveError``): while a call waits, the client pings every
+  ``HEARTBEAT_INTERVAL_S`` and the server answers pings on its event loop at once, even mid-generate.
+  A stopped (SIGSTOP), frozen or loop-blocked worker misses them for ``heartbeat_timeout_s``;
+* **call timeout** (``RpcTimeoutError``): the worker answers pings but not the call within ``timeout_s``.
+
+Every request carries a token shared through the worker's environment, so only the process that
+spawned the worker can drive it. Endpoints are ``ipc://`` sockets (mode 0600) in the run
+directory; ``sockaddr_un`` holds at most 107 bytes of path, so a deep run directory falls back to a
+short temp directory, and (if even that is too long) to loopback TCP. Methods that carry pickled
+tensors (shared-memory fds / CUDA IPC handles, which only mean something on this host) are refused
+on any endpoint that is not ipc or loopback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import hmac
+import inspect
 import ipaddress
 import itertools
 import logging
@@ -32,13 +47,19 @@ from typing import Any
 
 import msgpack
 import zmq
+import zmq.asyncio
 
 log = logging.getLogger(__name__)
 
 IPC_PATH_MAX_BYTES = 107
 """Longest ipc socket path: sizeof(sockaddr_un.sun_path) (108 on Linux) minus the NUL."""
 
-_POLL_SLICE_S = 0.2
+POLL_SLICE_S = 0.1
+"""How often a waiting call re-checks its deadlines and the peer process."""
+HEARTBEAT_INTERVAL_S = 1.0
+PING = "__ping__"
+SERVER_DRAIN_S = 2.0
+"""After ``stop``, how long the server lets running handlers finish and send their replies."""
 
 
 class RpcError(RuntimeError):
@@ -51,6 +72,10 @@ class RpcRemoteError(RpcError):
 
 class RpcTimeoutError(RpcError, TimeoutError):
     """No reply within the call's timeout while the peer process still looked alive."""
+
+
+class RpcUnresponsiveError(RpcTimeoutError):
+    """The peer process exists but has not answered a heartbeat for ``heartbeat_timeout_s``."""
 
 
 class RpcPeerDiedError(RpcError):
@@ -120,34 +145,68 @@ def _unpack(frame: bytes) -> dict[str, Any]:
     return msgpack.unpackb(frame, raw=False)
 
 
+def _error_reply(request_id: int | None, exc: BaseException) -> bytes:
+    return _pack({"id": request_id, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()})
+
+
 class RpcServer:
-    """Serves ``handlers[method](**kwargs)`` one request at a time on a bound ROUTER socket."""
+    """Serves ``handlers[method](**kwargs)`` on a bound ROUTER socket, each request in its own task.
+
+    A handler may be a plain function (it runs on the event loop, so it must be quick) or a
+    coroutine function (slow work: it awaits a thread or another process). Pings are answered
+    directly by the receive loop, so they measure whether that loop still runs.
+    """
 
     def __init__(self, endpoint: str, handlers: Mapping[str, Callable[..., Any]],
-                 *, local_only: Collection[str] = ()) -> None:
+                 *, local_only: Collection[str] = (), token: bytes = b"") -> None:
         self.endpoint = endpoint
         self.handlers = dict(handlers)
         self.local_only = frozenset(local_only)
+        self.token = token
+        # Bound synchronously here (so the address is known before serving); ``serve`` wraps the
+        # socket for asyncio on whichever loop runs it.
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(endpoint)
         self.bound_address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """The address actually bound (a wildcard ``tcp://host:*`` resolves to its port)."""
+        if endpoint.startswith("ipc://"):
+            os.chmod(endpoint[len("ipc://"):], 0o600)  # only this user may connect
 
-    def serve(self, stop: threading.Event) -> None:
+    async def serve(self, stop: threading.Event) -> None:
         """Answer requests until ``stop`` is set (a handler may set it; its reply is still sent)."""
+        sock = zmq.asyncio.Socket.from_socket(self._socket)
+        tasks: set[asyncio.Task] = set()
         while not stop.is_set():
-            if not self._socket.poll(int(_POLL_SLICE_S * 1000)):
+            if not await sock.poll(int(POLL_SLICE_S * 1000)):
                 continue
-            identity, frame = self._socket.recv_multipart()
-            self._socket.send_multipart([identity, self._answer(frame)])
+            identity, frame = await sock.recv_multipart()
+            request_id = None
+            try:
+                request = _unpack(frame)
+                request_id = request["id"]
+                if not hmac.compare_digest(request.get("token", b""), self.token):
+                    raise PermissionError("request token must match the one the engine client gave this worker "
+                                          "because only the spawning trainer rank may drive it")
+            except Exception as exc:
+                await sock.send_multipart([identity, _error_reply(request_id, exc)])
+                continue
+            if request["method"] == PING:
+                await sock.send_multipart([identity, _pack({"id": request_id, "ok": True, "result": None})])
+                continue
+            task = asyncio.create_task(self._answer(sock, identity, request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(tasks, timeout=SERVER_DRAIN_S)
+        for task in tasks:
+            task.cancel()
 
-    def _answer(self, frame: bytes) -> bytes:
-        request_id = None
+    async def _answer(self, sock: zmq.asyncio.Socket, identity: bytes, request: dict[str, Any]) -> None:
+        request_id, method = request["id"], request["method"]
         try:
-            request = _unpack(frame)
-            request_id, method = request["id"], request["method"]
             handler = self.handlers.get(method)
             if handler is None:
                 raise ValueError(f"method ({method!r}) must be one of {sorted(self.handlers)}")
@@ -155,10 +214,13 @@ class RpcServer:
                 raise PermissionError(
                     f"method ({method}) carries pickled tensor handles and must arrive over ipc:// or loopback "
                     f"tcp because handles only mean something on this host; {self.endpoint} is neither")
-            return _pack({"id": request_id, "ok": True, "result": handler(**request.get("kwargs", {}))})
+            result = handler(**request.get("kwargs", {}))
+            if inspect.isawaitable(result):
+                result = await result
+            reply = _pack({"id": request_id, "ok": True, "result": result})
         except Exception as exc:  # reported to the caller, which raises it as RpcRemoteError
-            return _pack({"id": request_id, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                          "traceback": traceback.format_exc()})
+            reply = _error_reply(request_id, exc)
+        await sock.send_multipart([identity, reply])
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -166,53 +228,98 @@ class RpcServer:
 
 
 class RpcClient:
-    """Calls methods on an :class:`RpcServer`, with a timeout per call.
+    """Calls methods on an :class:`RpcServer`; thread-safe, several calls may wait at once.
 
-    ``peer_status`` (optional) is polled while waiting: it returns None while the serving process is
-    alive, or a description of its death (exit code, log tail), which fails the call at once instead
-    of waiting out the timeout.
+    ``peer_status`` (optional) returns None while the serving process is alive, or a description
+    of its death (exit code, log tail); ``peer_detail`` (optional) describes a live but silent peer
+    (its process state, log tail). ``heartbeat_timeout_s`` None disables the heartbeat check (a
+    worker still loading its model cannot answer pings yet); see :meth:`arm_heartbeat`.
     """
 
-    def __init__(self, endpoint: str, *, timeout_s: float,
-                 peer_status: Callable[[], str | None] | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float, token: bytes = b"",
+                 peer_status: Callable[[], str | None] | None = None,
+                 peer_detail: Callable[[], str] | None = None,
+                 heartbeat_timeout_s: float | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.token = token
         self.peer_status = peer_status
+        self.peer_detail = peer_detail
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        # Everything below is guarded by _lock: zmq sockets are not thread-safe, and whichever waiting
+        # thread holds the lock receives replies for all of them.
+        self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # zmq sockets are not thread-safe (atexit may call from another thread)
+        self._waiting: set[int] = set()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._last_heard = self._last_ping = 0.0
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(endpoint)
 
+    def arm_heartbeat(self, heartbeat_timeout_s: float | None) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+
     def call(self, method: str, *, timeout_s: float | None = None, **kwargs: Any) -> Any:
         """Run ``method(**kwargs)`` in the server and return its result (or raise an :class:`RpcError`)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
         with self._lock:
             request_id = next(self._ids)
-            self._socket.send(_pack({"id": request_id, "method": method, "kwargs": kwargs}))
-            reply = self._wait_for(request_id, method, timeout_s)
+            self._waiting.add(request_id)
+            self._last_heard = max(self._last_heard, start)  # silence before this call is not a missed beat
+            self._socket.send(_pack({"id": request_id, "method": method, "kwargs": kwargs, "token": self.token}))
+        try:
+            reply = self._wait_for(request_id, method, start, timeout_s)
+        finally:
+            with self._lock:
+                self._waiting.discard(request_id)
+                self._replies.pop(request_id, None)
         if not reply["ok"]:
             raise RpcRemoteError(f"{method} on {self.endpoint} failed in the worker: {reply['error']}\n"
                                  f"worker traceback:\n{reply.get('traceback', '')}")
         return reply["result"]
 
-    def _wait_for(self, request_id: int, method: str, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
+    def _wait_for(self, request_id: int, method: str, start: float, timeout_s: float) -> dict[str, Any]:
         while True:
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                raise RpcTimeoutError(
-                    f"{method} on {self.endpoint} got no reply within {timeout_s:g} s and the worker is still "
-                    "running; it may be hung or the call may need longer (raise engine.request_timeout_s)")
-            if self._socket.poll(int(min(remaining_s, _POLL_SLICE_S) * 1000) + 1):
-                reply = _unpack(self._socket.recv())
-                if reply.get("id") == request_id:
-                    return reply
-                continue  # a late reply to an earlier, timed-out call
+            with self._lock:
+                reply = self._replies.pop(request_id, None)
+                if reply is None:
+                    self._pump()
+                    reply = self._replies.pop(request_id, None)
+                silent_s = time.monotonic() - self._last_heard
+            if reply is not None:
+                return reply
             death = self.peer_status() if self.peer_status is not None else None
             if death is not None:
                 raise RpcPeerDiedError(f"{method} on {self.endpoint} failed: {death}")
+            if self.heartbeat_timeout_s is not None and silent_s > self.heartbeat_timeout_s:
+                detail = self.peer_detail() if self.peer_detail is not None else ""
+                raise RpcUnresponsiveError(
+                    f"{method} on {self.endpoint}: the worker has answered no heartbeat for {silent_s:.1f} s "
+                    f"(limit {self.heartbeat_timeout_s:g} s): it is stopped, frozen or its event loop is blocked"
+                    f"{'; ' + detail if detail else ''}")
+            if time.monotonic() - start > timeout_s:
+                raise RpcTimeoutError(
+                    f"{method} on {self.endpoint} got no reply within {timeout_s:g} s although the worker still "
+                    "answers heartbeats; it may be hung in the call or the call may need longer "
+                    "(raise engine.request_timeout_s)")
+
+    def _pump(self) -> None:
+        """Send a ping if one is due, wait up to one poll slice, and file every reply that arrived."""
+        now = time.monotonic()
+        if self.heartbeat_timeout_s is not None and now - self._last_ping >= HEARTBEAT_INTERVAL_S:
+            self._socket.send(_pack({"id": next(self._ids), "method": PING, "kwargs": {}, "token": self.token}))
+            self._last_ping = now
+        if not self._socket.poll(int(POLL_SLICE_S * 1000)):
+            return
+        while self._socket.poll(0):
+            reply = _unpack(self._socket.recv())
+            self._last_heard = time.monotonic()
+            if reply.get("id") in self._waiting:
+                self._replies[reply["id"]] = reply
+            # else: a pong, or a late reply to a call that already gave up
 
     def close(self) -> None:
         with self._lock:

@@ -21,12 +21,13 @@ DEFAULT_WEIGHT_VERSION = "default"
 class FinishReason(TypedDict):
     """Why a response ended, in SGLang's shape.
 
-    ``stop`` carries ``matched`` (the EOS or stop token id, which is the last entry of
-    ``output_ids``); ``length`` carries ``length`` (= max_new_tokens); ``abort`` carries ``message``.
+    ``stop`` carries ``matched``: the EOS or stop token id (the last entry of ``output_ids``) or the
+    stop string (completed by the last tokens of ``output_ids``, which are kept); ``length`` carries
+    ``length`` (= max_new_tokens); ``abort`` carries ``message`` (the output so far is returned).
     """
 
     type: Literal["stop", "length", "abort"]
-    matched: NotRequired[int]
+    matched: NotRequired[int | str]
     length: NotRequired[int]
     message: NotRequired[str]
 

@@ -1,69 +1,38 @@
-"""A real engine worker process behind EngineClient: generation, weight sync, memory rules, and
-what happens when either side of the pipe dies. References are Hugging Face forwards."""
+"""The engine contract (shared/reference/sglang-contract.md, section 5), served by a real worker
+process, run against both backends: ``embedded`` and ``sglang`` (the SGLang adapter hosting the fake
+0.5.23 ``sglang.Engine`` of tests/fakes). References are Hugging Face forwards and greedy decoding."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
-from pathlib import Path
+import dataclasses
+import io
+import re
+import threading
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from engine_contract import BACKENDS, hf_greedy, hf_logprobs, spawn_engine, wait_for_inflight
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rlrun
-from rlrun.engine.client import EngineClient, EngineOpError
-from rlrun.engine.rpc import RpcPeerDiedError, RpcRemoteError
+from rlrun.engine.client import EngineOpError
+from rlrun.engine.payload import serialize_flattened_bucket
+from rlrun.engine.rpc import RpcRemoteError, RpcTimeoutError
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[72, 101, 108, 108, 111, 33], [257, 9], [1, 2, 3, 4]]
+LONG = {"max_new_tokens": 500, "ignore_eos": True}  # long enough to be caught in flight and paused
 SGLANG_NOT_IN_SESSION = ("update_weights_from_tensor must run between begin_weight_update() and "
                          "end_weight_update()")
+SGLANG_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+SGLANG_NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 
 
-def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
-    return logprobs.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
-
-
-def max_logprob_error(model, results, n: int, temperature: float) -> float:
-    return max(
-        (torch.tensor(r["output_logprobs"]) - hf_logprobs(model, PROMPTS[k // n], r["output_ids"], temperature))
-        .abs().max().item()
-        for k, r in enumerate(results)
-    )
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not stat.exists() or stat.read_text().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-
-
-def wait_until_dead(pid: int, timeout_s: float) -> float:
-    start = time.monotonic()
-    while pid_alive(pid):
-        if time.monotonic() - start > timeout_s:
-            os.kill(pid, signal.SIGKILL)  # the test started this tree; do not leak it
-            pytest.fail(f"engine worker {pid} still alive {timeout_s} s after its parent died")
-        time.sleep(0.1)
-    return time.monotonic() - start
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dirs, tmp_path_factory):
-    with EngineClient.spawn(backend="embedded", model_path=tiny_model_dirs["llama"],
-                            run_dir=tmp_path_factory.mktemp("run"), rank=0, seed=7, request_timeout_s=120) as client:
+@pytest.fixture(scope="module", params=BACKENDS)
+def engine(request, tiny_model_dirs, tmp_path_factory):
+    with spawn_engine(request.param, tiny_model_dirs["llama"], tmp_path_factory.mktemp(request.param),
+                      request_timeout_s=120) as client:
         yield client
 
 
@@ -72,10 +41,33 @@ def reference(tiny_model_dirs):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32).eval()
 
 
+def max_logprob_error(model, results, prompts, n: int, temperature: float) -> float:
+    return max(
+        (torch.tensor(r["output_logprobs"]) - hf_logprobs(model, prompts[k // n], r["output_ids"], temperature))
+        .abs().max().item()
+        for k, r in enumerate(results)
+    )
+
+
+def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    """Run ``fn`` on a thread; the dict gets "result" or "error"."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = fn(*args, **kwargs)
+        except Exception as exc:  # handed to the test thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
 def test_generate_groups_with_a_seed_match_hf_logprobs(engine, reference):
     params = {"max_new_tokens": 6, "temperature": 0.8, "n": 3, "sampling_seed": 11}
-    results = engine.generate(PROMPTS, params)
-    assert len(results) == 9
+    results = engine.generate(PROMPTS, params, rids=["a", "b", "c"])
+    assert [r["rid"] for r in results] == [f"{p}-{j}" for p in "abc" for j in range(3)]
     for k, r in enumerate(results):
         assert r["prompt_tokens"] == len(PROMPTS[k // 3])
         assert r["completion_tokens"] == len(r["output_ids"]) == len(r["output_logprobs"])
@@ -84,7 +76,74 @@ def test_generate_groups_with_a_seed_match_hf_logprobs(engine, reference):
         else:
             assert r["finish_reason"] == {"type": "length", "length": 6} and len(r["output_ids"]) == 6
     assert [r["output_ids"] for r in engine.generate(PROMPTS, params)] == [r["output_ids"] for r in results]
-    assert max_logprob_error(reference, results, n=3, temperature=0.8) < 1e-5
+    assert len({tuple(r["output_ids"]) for r in results[:3]}) > 1  # a group's samples are not copies
+    assert max_logprob_error(reference, results, PROMPTS, n=3, temperature=0.8) < 1e-5
+
+
+def test_temperature_zero_is_hf_greedy_with_unscaled_logprobs(engine, reference):
+    results = engine.generate(PROMPTS, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "n": 2})
+    assert [r["output_ids"] for r in results] == [hf_greedy(reference, p, 8) for p in PROMPTS for _ in range(2)]
+    assert max_logprob_error(reference, results, PROMPTS, n=2, temperature=1.0) < 1e-5  # SGLang: T=0 -> T=1, top_k=1
+
+
+def test_stop_strings_end_the_response_at_the_match(engine, reference, tiny_model_dirs):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dirs["llama"])
+    greedy = hf_greedy(reference, PROMPTS[0], 16)
+    stop = tokenizer.decode(greedy[5:7])
+    cut = next(k for k in range(1, 17) if stop in tokenizer.decode(greedy[:k]))  # first token completing it
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": ["never-generated", stop]}
+    result = engine.generate(PROMPTS[:1], params)[0]
+    assert result["output_ids"] == greedy[:cut] and cut < 16
+    assert result["finish_reason"] == {"type": "stop", "matched": stop}
+    assert tokenizer.decode(result["output_ids"]).endswith(stop)
+
+
+def test_abort_returns_partial_output_for_matching_rids_only(engine):
+    params = [dict(LONG), {"max_new_tokens": 5, "ignore_eos": True}]
+    thread, out = in_background(engine.generate, PROMPTS[:2], params, rids=["drop", "keep"])
+    wait_for_inflight(engine, out)
+    engine.pause_generation("in_place")  # hold the request so that the aborts surely find it in flight
+    engine.abort("no-such-rid")
+    engine.abort("dr")  # a prefix, as SGLang's scheduler matches
+    engine.continue_generation()
+    thread.join(timeout=60)
+    dropped, kept = out["result"]
+    assert dropped["finish_reason"]["type"] == "abort" and len(dropped["output_ids"]) < 500
+    assert len(dropped["output_logprobs"]) == dropped["completion_tokens"] == len(dropped["output_ids"])
+    assert kept["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_pause_in_abort_mode_returns_in_flight_requests_and_refuses_new_ones(engine):
+    thread, out = in_background(engine.generate, PROMPTS[:1], LONG)
+    wait_for_inflight(engine, out)
+    engine.pause_generation("in_place")  # held, then aborted by the abort-mode pause
+    engine.pause_generation("abort")
+    assert engine.health()["num_inflight"] == 0 and engine.health()["state"] == "paused"
+    thread.join(timeout=60)
+    assert out["result"][0]["finish_reason"]["type"] == "abort"
+    with pytest.raises(RpcRemoteError, match="generate must not run while generation is paused"):
+        engine.generate(PROMPTS[:1], {"max_new_tokens": 2})
+    engine.continue_generation()
+    assert len(engine.generate(PROMPTS[:1], {"max_new_tokens": 2, "ignore_eos": True})[0]["output_ids"]) == 2
+
+
+def test_request_held_by_an_in_place_pause_hits_the_call_timeout(engine, reference):
+    """A call the worker never finishes fails after its timeout (the worker still answers heartbeats);
+    while paused in place, weights can be updated, and the held request resumes on continue."""
+    thread, out = in_background(engine.rpc.call, "generate", timeout_s=3.0, input_ids=PROMPTS[:1],
+                                sampling_params=LONG, return_logprob=True, rids=None)
+    wait_for_inflight(engine, out)
+    engine.pause_generation("in_place")
+    thread.join(timeout=60)
+    assert isinstance(out.get("error"), RpcTimeoutError), out
+    assert "although the worker still answers heartbeats" in str(out["error"])
+    assert engine.health()["num_inflight"] == 1  # held, not lost
+    params = [(name, p.detach().clone()) for name, p in reference.named_parameters()]
+    engine.update_weights(params, weight_version="while-paused", bucket_bytes=2**30)
+    engine.continue_generation()
+    while engine.health()["num_inflight"]:
+        threading.Event().wait(0.05)
+    assert engine.get_weight_version() == "while-paused"
 
 
 def test_weight_update_changes_logprobs_to_the_new_weights(engine, reference):
@@ -101,22 +160,66 @@ def test_weight_update_changes_logprobs_to_the_new_weights(engine, reference):
         params = {"max_new_tokens": 6, "temperature": 1.0, "n": 2, "sampling_seed": 5}
         results = engine.generate(PROMPTS, params)
         assert {r["weight_version"] for r in results} == {"step-1"}
-        assert max_logprob_error(target, results, n=2, temperature=1.0) < 1e-5
-        assert max_logprob_error(reference, results, n=2, temperature=1.0) > 1e-2  # the update did something
+        assert max_logprob_error(target, results, PROMPTS, n=2, temperature=1.0) < 1e-5
+        assert max_logprob_error(reference, results, PROMPTS, n=2, temperature=1.0) > 1e-2  # the update did something
     finally:
         engine.update_weights(original, weight_version="restored", bucket_bytes=2**30)
 
 
-def test_update_session_rules_and_load_errors_come_back_as_sglang_results(engine):
-    assert engine.update_weights_from_tensor([b"unused"]) == {"success": False, "message": SGLANG_NOT_IN_SESSION}
-    assert engine.end_weight_update()["success"] is False
-    with pytest.raises(EngineOpError, match="weight model.nope must be a parameter"):
-        engine.update_weights([("model.nope", torch.zeros(2))], weight_version="bad", bucket_bytes=1024)
-    assert engine.health()["in_update_session"] is False  # the failed sync closed its session
-    assert engine.get_weight_version() != "bad"
+def test_update_session_rules_come_back_with_sglang_messages(engine):
+    payload = serialize_flattened_bucket([("model.norm.weight", torch.ones(64))])
+    assert engine.update_weights_from_tensor([payload]) == {"success": False, "message": SGLANG_NOT_IN_SESSION}
+    assert engine.end_weight_update() == {"success": False, "message": SGLANG_NO_SESSION}
+    assert engine.begin_weight_update()["success"] is True
+    assert engine.begin_weight_update() == {"success": False, "message": SGLANG_ALREADY_OPEN}
+    refused = engine.update_weights_from_tensor([payload, payload])
+    assert refused["success"] is False and "one payload per engine TP rank (1)" in refused["message"]
+    assert engine.end_weight_update()["success"] is True
+    assert engine.health()["in_update_session"] is False
 
 
-def test_release_resume_rules(engine):
+@dataclasses.dataclass
+class OwnMetadata:
+    """Metadata defined outside SGLang's unpickling allowlist."""
+
+    name: str
+
+
+def test_payload_with_a_global_off_sglangs_allowlist_is_refused_and_the_engine_survives(engine):
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [OwnMetadata("x")]})
+    assert engine.begin_weight_update()["success"]
+    result = engine.update_weights_from_tensor([buf.getvalue()])
+    assert engine.end_weight_update()["success"]
+    assert result["success"] is False and "OwnMetadata" in result["message"]
+    assert re.search(r"Blocked unsafe global|unpickling allowlist", result["message"])
+    assert engine.health()["state"] == "ready"
+
+
+def test_unknown_weight_names(engine):
+    """The embedded engine refuses a name its model lacks; SGLang skips it with a warning (its
+    ``load_weights`` logs "Parameter ... not found in params_dict"), and so does the adapter."""
+    if engine.backend == "embedded":
+        with pytest.raises(EngineOpError, match="weight model.nope must be a parameter"):
+            engine.update_weights([("model.nope", torch.zeros(2))], weight_version="bad", bucket_bytes=1024)
+        assert engine.get_weight_version() != "bad"
+    else:
+        engine.update_weights([("model.nope", torch.zeros(2))], weight_version="skipped", bucket_bytes=1024)
+        assert "Parameter model.nope not found in params_dict" in engine.log_path.read_text()
+    assert engine.health()["in_update_session"] is False  # the sync closed its session either way
+
+
+def test_release_resume_rules_in_the_per_step_order(engine, reference):
+    """release all -> resume weights -> sync -> resume kv_cache + cuda_graph -> generate. Without
+    the sync, SGLang's weights would be garbage after the resume (the fake fills them with NaN)."""
+    thread, out = in_background(engine.generate, PROMPTS[:1], LONG)
+    wait_for_inflight(engine, out)
+    engine.pause_generation("in_place")
+    with pytest.raises(RpcRemoteError, match=r"must not run with 1 request\(s\) in flight"):
+        engine.release_memory_occupation()  # SGLang would die here; the worker refuses
+    engine.abort(abort_all=True)
+    thread.join(timeout=60)
+    engine.continue_generation()
     engine.release_memory_occupation()
     assert engine.health()["released_tags"] == ["cuda_graph", "kv_cache", "weights"]
     with pytest.raises(RpcRemoteError, match="generate must not run while memory tags"):
@@ -124,76 +227,19 @@ def test_release_resume_rules(engine):
     engine.resume_memory_occupation(["weights"])
     with pytest.raises(RpcRemoteError, match=r"tags \['weights'\] must follow their release"):
         engine.resume_memory_occupation(["weights"])
+    original = [(name, p.detach().clone()) for name, p in reference.named_parameters()]
+    engine.update_weights(original, weight_version="after-release", bucket_bytes=2**30)
     engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
-    assert len(engine.generate(PROMPTS, {"max_new_tokens": 2})) == 3
+    results = engine.generate(PROMPTS, {"max_new_tokens": 4, "sampling_seed": 1})
+    assert max_logprob_error(reference, results, PROMPTS, n=1, temperature=1.0) < 1e-5
 
 
-def test_killed_worker_fails_the_next_call_with_its_exit_code(tiny_model_dirs, tmp_path):
-    client = EngineClient.spawn(backend="embedded", model_path=tiny_model_dirs["qwen2"], run_dir=tmp_path,
-                                rank=1, seed=0, request_timeout_s=30)
-    try:
-        os.kill(client.process.pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(RpcPeerDiedError, match=r"exited with code -9 \(killed by SIGKILL\); last lines of"):
-            client.generate(PROMPTS, {"max_new_tokens": 2})
-        assert time.monotonic() - start < 5
-    finally:
-        client.shutdown()
-    client.shutdown()  # idempotent
-
-
-def test_worker_dying_at_startup_is_reported_with_exit_code_and_log_tail(tmp_path):
-    missing = tmp_path / "no-such-model"
-    with pytest.raises(RpcPeerDiedError) as failure:
-        EngineClient.spawn(backend="embedded", model_path=missing, run_dir=tmp_path, rank=2, seed=0,
-                           startup_timeout_s=120)
-    message = str(failure.value)
-    assert "engine worker for rank 2 (embedded backend" in message and "did not start" in message
-    assert "exited with code 1" in message and str(missing) in message.split("last lines of", 1)[1]
-
-
-PACKAGE_ROOT = str(Path(rlrun.__file__).resolve().parents[1])
-PARENT = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
-    from rlrun.engine.client import EngineClient
-    client = EngineClient.spawn(backend="embedded", model_path=sys.argv[1], run_dir=Path(sys.argv[2]), rank=0, seed=0)
-    print(client.process.pid, flush=True)
-    time.sleep(600)
-""")
-
-
-def test_worker_dies_when_its_parent_is_killed(tiny_model_dirs, tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model_dirs["qwen2"]), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
-    try:
-        worker_pid = int(parent.stdout.readline())
-        assert pid_alive(worker_pid)
-    finally:
-        parent.kill()
-        parent.wait()
-    assert wait_until_dead(worker_pid, timeout_s=10) < 10
-
-
-def test_watchdog_exits_when_parent_pid_dies_even_without_pdeathsig(tiny_model_dirs, tmp_path):
-    """``--parent-pid`` names a process that is not the worker's real parent, so only the watchdog
-    thread (not PR_SET_PDEATHSIG) can notice its death."""
-    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    log_path = tmp_path / "worker.log"
-    with log_path.open("w") as log_file:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "rlrun.engine.worker", "--endpoint", f"ipc://{tmp_path}/w.sock", "--backend",
-             "embedded", "--model", str(tiny_model_dirs["qwen2"]), "--seed", "0", "--parent-pid", str(stand_in.pid)],
-            stderr=log_file, env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
-    try:
-        time.sleep(0.5)
-        assert worker.poll() is None
-    finally:
-        stand_in.kill()
-        stand_in.wait()
-    try:
-        assert worker.wait(timeout=10) == 3
-        assert f"parent {stand_in.pid} died" in log_path.read_text()
-    finally:
-        worker.kill()
-        worker.wait()
+def test_sync_can_be_verified_by_weight_checksums(engine, reference):
+    original = [(name, p.detach().clone()) for name, p in reference.named_parameters()]
+    if engine.backend == "sglang":
+        with pytest.raises(RpcRemoteError, match="NotImplementedError"):
+            engine.weight_checksums()
+        return
+    engine.update_weights(original, weight_version="verified", bucket_bytes=64 * 1024, verify=True)
+    with pytest.raises(EngineOpError, match=r"differ from the trainer's .* 1 of 1 tensors"):
+        engine._verify({"model.norm.weight": "0" * 64}, "forged")

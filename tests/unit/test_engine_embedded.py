@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlrun.engine.backends.decode_control import DecodeControl
 from rlrun.engine.backends.embedded import EmbeddedEngine
-from rlrun.engine.sampling import SamplingParams
+from rlrun.engine.sampling import SamplingParams, filter_probs, row_rids
 
 pytestmark = pytest.mark.slow  # loads models
 
@@ -113,9 +116,74 @@ def test_load_weights_checks_every_name_and_shape_before_copying(tiny_model_dirs
 
 def test_invalid_sampling_params_are_rejected_with_the_key(tiny_model_dirs):
     engine = EmbeddedEngine(tiny_model_dirs["llama"])
-    with pytest.raises(ValueError, match=r"sampling_params.temperature \(0\) must be > 0"):
-        engine.generate(PROMPTS, {"temperature": 0})
-    with pytest.raises(ValueError, match=r"keys \['stop'\] must be among"):
-        engine.generate(PROMPTS, {"stop": ["\n"]})
+    with pytest.raises(ValueError, match=r"sampling_params.temperature \(-1\) must be >= 0"):
+        engine.generate(PROMPTS, {"temperature": -1})
+    with pytest.raises(ValueError, match=r"keys \['stop_regex'\] must be among"):
+        engine.generate(PROMPTS, {"stop_regex": ["\n"]})
+    with pytest.raises(ValueError, match=r"sampling_params.stop \(\(''.*must be non-empty strings"):
+        engine.generate(PROMPTS, {"stop": ""})
     with pytest.raises(ValueError, match=r"input_ids\[0\] must be a non-empty list"):
         engine.generate([[]], {})
+
+
+def test_temperature_zero_is_greedy_with_the_logprobs_of_unscaled_logits(tiny_model_dirs):
+    """SGLang turns temperature < 1e-6 into (temperature 1, top_k 1): argmax, log_softmax(logits)."""
+    params = SamplingParams.from_dict({"temperature": 0.0, "top_k": 50})
+    assert (params.temperature, params.top_k, params.greedy) == (1.0, 1, True)
+    assert SamplingParams.from_dict({"top_k": 0}).top_k == -1  # HF's "no top-k" in SGLang's spelling
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
+    results = engine.generate(PROMPTS, {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
+    reference = hf_model(tiny_model_dirs["qwen3"])
+    for prompt, result in zip(PROMPTS, results):
+        assert result["output_ids"] == hf_greedy(reference, prompt, 10)
+        want = hf_logprobs(reference, prompt, result["output_ids"], temperature=1.0)
+        torch.testing.assert_close(torch.tensor(result["output_logprobs"]), want, rtol=0, atol=1e-5)
+
+
+def test_stop_string_ends_the_response_on_the_token_that_completes_it(tiny_model_dirs):
+    engine = EmbeddedEngine(tiny_model_dirs["qwen2"], seed=0)
+    tokenizer = engine.tokenizer
+    greedy = hf_greedy(hf_model(tiny_model_dirs["qwen2"]), PROMPTS[1], 20)
+    text = tokenizer.decode(greedy)
+    stop = text[6:9]  # spans token boundaries (byte-level tokens)
+    cut = next(k for k in range(1, 21) if stop in tokenizer.decode(greedy[:k]))
+    for params in ({"stop": stop}, {"stop": ["zzz-never", stop], "stop_token_ids": [263]}):
+        result = engine.generate(PROMPTS[1:2], {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True, **params})[0]
+        assert result["output_ids"] == greedy[:cut]
+        assert result["finish_reason"] == {"type": "stop", "matched": stop}
+        assert len(result["output_logprobs"]) == cut
+
+
+def test_min_p_removes_tokens_below_a_fraction_of_the_top_probability():
+    probs = torch.tensor([[0.5, 0.3, 0.12, 0.08], [0.4, 0.35, 0.15, 0.10]])
+    rows = [SamplingParams(min_p=0.25), SamplingParams(min_p=0.3, top_k=2)]
+    kept = filter_probs(probs, rows)
+    # row 0 keeps p >= 0.25 * 0.5; row 1 keeps the top 2 (both >= 0.3 * 0.4)
+    assert torch.equal(kept > 0, torch.tensor([[True, True, False, False], [True, True, False, False]]))
+    assert torch.equal(kept[kept > 0], probs[kept > 0])
+
+
+def test_abort_and_pause_act_at_the_next_decode_step(tiny_model_dirs):
+    engine = EmbeddedEngine(tiny_model_dirs["qwen2"], seed=0)
+    control = DecodeControl()
+    params = SamplingParams.from_dict({"max_new_tokens": 400, "ignore_eos": True, "n": 2})
+    out: dict = {}
+    with control.registered(row_rids(["r"], [params])) as handle:
+        assert handle.row_rids == ["r-0", "r-1"]
+        control.pause()
+        thread = threading.Thread(target=lambda: out.update(
+            results=engine.generate([PROMPTS[0]], [params], rids=["r"], request=handle, control=control)))
+        thread.start()
+        while not (control.all_parked() and control.num_requests and out == {}):
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert thread.is_alive() and control.all_parked()  # parked before its first token
+        assert control.abort("r-1") == 1 and control.abort("") == 0  # an empty rid alone aborts nothing
+        control.resume()
+        time.sleep(0.05)
+        control.abort("r")
+        thread.join(timeout=60)
+    first, second = out["results"]
+    assert second["output_ids"] == [] and second["finish_reason"] == {"type": "abort", "message": "Aborted"}
+    assert first["finish_reason"]["type"] == "abort" and 0 < len(first["output_ids"]) < 400
+    assert control.num_requests == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -25,15 +26,18 @@ def _handlers() -> dict:
     def fail(message: str) -> None:
         raise ValueError(message)
 
-    return {"echo": lambda **kw: kw, "fail": fail, "sleep": lambda seconds: time.sleep(seconds) or seconds,
-            "unpackable": lambda: object()}
+    async def sleep(seconds: float) -> float:
+        await asyncio.sleep(seconds)
+        return seconds
+
+    return {"echo": lambda **kw: kw, "fail": fail, "sleep": sleep, "unpackable": lambda: object()}
 
 
 @contextmanager
 def serving(endpoint: str, handlers: dict, **kwargs) -> Iterator[RpcServer]:
     server = RpcServer(endpoint, handlers, **kwargs)
     stop = threading.Event()
-    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(stop),), daemon=True)
     thread.start()
     try:
         yield server

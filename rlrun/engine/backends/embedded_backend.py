@@ -1,0 +1,109 @@
+"""The embedded engine behind the worker's async backend interface.
+
+Generation runs on one compute thread, so the worker's event loop stays free to answer abort,
+pause and heartbeats mid-generate. Weight loads follow SGLang's locking: normally they queue on the
+compute thread behind in-flight generations (SGLang's ``model_update_lock`` writer lock); while
+generation is paused in place they run at once on another thread, after every running decode loop
+has parked at a step boundary (SGLang skips the lock when paused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rlrun.engine.backends.decode_control import DecodeControl
+from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.payload import deserialize_flattened_bucket, tensor_checksum
+from rlrun.engine.sampling import SamplingParams, row_rids
+from rlrun.engine.types import GenResult, OpResult
+
+PARK_POLL_S = 0.005
+
+
+class EmbeddedBackend:
+    """Adapts :class:`EmbeddedEngine` (synchronous) to the worker's backend interface."""
+
+    tp_size = 1
+    loop = None  # the worker creates its own event loop
+
+    def __init__(self, model_path: str, *, seed: int, dtype: str, device: str) -> None:
+        self.engine = EmbeddedEngine(model_path, seed=seed, dtype=dtype, device=device)
+        self.control = DecodeControl()
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="embedded-decode")
+        self._loading = asyncio.Lock()  # continue_generation waits for a load that runs while paused
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    async def _on_compute_thread(self, fn, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, functools.partial(fn, *args, **kwargs))
+
+    async def generate(self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool,
+                       rids: list[str]) -> list[GenResult]:
+        with self.control.registered(row_rids(rids, params)) as request:
+            return await self._on_compute_thread(self.engine.generate, input_ids, params, return_logprob, rids,
+                                                 request=request, control=self.control)
+
+    async def abort(self, rid: str, abort_all: bool) -> None:
+        self.control.abort(rid, abort_all)
+
+    async def pause_generation(self, mode: str) -> None:
+        if mode == "abort":
+            self.control.abort(abort_all=True)
+        else:  # in_place and retract both keep the requests and resume them on continue
+            self.control.pause()
+
+    async def continue_generation(self) -> None:
+        async with self._loading:
+            self.control.resume()
+
+    async def flush_cache(self) -> OpResult:
+        """No prefix cache survives a generate call, so there is nothing to flush."""
+        return {"success": True, "message": "Cache flushed."}
+
+    async def release_memory_occupation(self, tags: list[str]) -> None:
+        """Weights go to host memory on GPU; the KV cache lives only inside a generate call."""
+        if "weights" in tags:
+            await self._on_compute_thread(self.engine.offload_weights)
+
+    async def resume_memory_occupation(self, tags: list[str]) -> None:
+        if "weights" in tags:
+            await self._on_compute_thread(self.engine.onload_weights)
+
+    async def begin_weight_update(self) -> OpResult:
+        return {"success": True, "message": "Success"}
+
+    async def end_weight_update(self) -> OpResult:
+        return {"success": True, "message": "Success"}
+
+    async def update_weights_from_tensor(self, payloads: list[bytes], load_format: str,
+                                         weight_version: str | None) -> OpResult:
+        if load_format != "flattened_bucket":
+            raise ValueError(f"load_format ({load_format!r}) must be 'flattened_bucket' because that is the only "
+                             "payload format the embedded engine reads; build payloads with serialize_flattened_bucket")
+        load = functools.partial(self._load_payload, payloads[0], weight_version)
+        if not self.control.paused or not self.control.num_requests:
+            await self._on_compute_thread(load)
+        else:  # the compute thread is held by a parked generation
+            async with self._loading:
+                while not self.control.all_parked():
+                    await asyncio.sleep(PARK_POLL_S)
+                await asyncio.to_thread(load)
+        return {"success": True, "message": "Success"}
+
+    def _load_payload(self, payload: bytes, weight_version: str | None) -> None:
+        self.engine.load_weights(deserialize_flattened_bucket(payload))
+        if weight_version is not None:
+            self.engine.weight_version = weight_version
+
+    async def weight_checksums(self) -> dict[str, str]:
+        params = self.engine.named_parameters()
+        return await self._on_compute_thread(lambda: {name: tensor_checksum(t) for name, t in params.items()})
+
+    def shutdown(self) -> None:
+        self.control.abort(abort_all=True)
+        self._compute.shutdown(wait=False, cancel_futures=True)

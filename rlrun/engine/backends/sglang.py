@@ -1,0 +1,186 @@
+"""``sglang``: the worker backend hosting ``sglang.Engine`` in the worker process (the only module
+that imports sglang, and only when this backend is built).
+
+It follows shared/reference/sglang-contract.md, sections 3 and 5:
+
+* **environment**: the worker inherits the trainer's CUDA_VISIBLE_DEVICES and gets
+  ``base_gpu_id=LOCAL_RANK``, so a device index in a CUDA IPC handle names the same GPU on both
+  sides; the client drops PYTORCH_CUDA_ALLOC_CONF and torchrun's variables; each engine gets its own
+  free ``nccl_port``;
+* **one event loop**: the worker's RPC server runs on ``engine.loop``; generation is
+  ``engine.async_generate`` and controls are awaited on ``engine.tokenizer_manager`` (the ``Engine``
+  has no pause/continue/abort), so abort and pause work while a generation is in flight;
+* **versions**: 0.5.23 needs a ``begin_weight_update``/``end_weight_update`` session and reports
+  ``weight_version`` through ``get_model_info``; 0.5.17 has neither. Both are detected with
+  ``hasattr``, never by version number;
+* **samples**: ``n`` is expanded here into one request per sample (SGLang would regenerate the
+  rids, and give every sample the same ``sampling_seed``), with rid ``<rid>-<j>`` and the same
+  per-sample seed as the embedded engine. SGLang only honours ``sampling_seed`` with
+  ``enable_deterministic_inference=True`` (pass it in ``server_args``);
+* **payloads**: one flattened_bucket payload per engine TP rank, checked against SGLang's unpickler
+  allowlist before forwarding, because a payload SGLang refuses kills its scheduler.
+
+:func:`to_gen_result` turns SGLang's output dict into the contract's ``GenResult`` (pure function).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from rlrun.engine.backends import BackendSpec
+from rlrun.engine.payload import check_payload_globals
+from rlrun.engine.sampling import SamplingParams
+from rlrun.engine.types import FinishReason, GenResult, OpResult
+
+
+def to_gen_result(output: Mapping[str, Any], rid: str, return_logprob: bool) -> GenResult:
+    """One non-streaming ``async_generate`` output (``{"text", "output_ids", "meta_info"}``) as a ``GenResult``.
+
+    ``meta_info["output_token_logprobs"]`` is a list of ``(logprob, token_id, text_or_None)``;
+    its token ids must be ``output_ids`` (SGLang keeps a matched EOS / stop token in ``output_ids``
+    and only trims the text).
+    """
+    meta = output["meta_info"]
+    output_ids = [int(t) for t in output["output_ids"]]
+    logprobs = None
+    if return_logprob:
+        entries = meta["output_token_logprobs"]
+        if [int(e[1]) for e in entries] != output_ids:
+            raise ValueError(f"meta_info.output_token_logprobs of request {meta['id']} must list the output_ids "
+                             "in order because each log-prob belongs to one sampled token; SGLang's output changed")
+        logprobs = [float(e[0]) for e in entries]
+    return {"rid": rid, "output_ids": output_ids, "output_logprobs": logprobs,
+            "finish_reason": _finish_reason(meta["finish_reason"]), "prompt_tokens": int(meta["prompt_tokens"]),
+            "completion_tokens": int(meta["completion_tokens"]), "weight_version": str(meta["weight_version"])}
+
+
+def _finish_reason(reason: Mapping[str, Any] | None) -> FinishReason:
+    if reason is None:
+        raise ValueError("meta_info.finish_reason (None) must be set because a non-streaming result is finished")
+    kind = reason["type"]
+    if kind == "stop":
+        return {"type": "stop", "matched": reason["matched"]}
+    if kind == "length":
+        return {"type": "length", "length": int(reason["length"])}
+    if kind == "abort":
+        return {"type": "abort", "message": str(reason.get("message") or "Aborted")}
+    raise ValueError(f"meta_info.finish_reason.type ({kind!r}) must be stop, length or abort as in SGLang 0.5.23")
+
+
+def sglang_sampling_params(params: SamplingParams, prompt: list[int], sample_index: int) -> dict[str, Any]:
+    """SGLang's sampling_params for sample ``sample_index`` of ``prompt`` (always n=1, see the module doc).
+    ``params`` is already normalised: temperature 0 became top_k=1, top_k 0 became -1."""
+    out: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                           "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
+                           "ignore_eos": params.ignore_eos, "n": 1}
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.sampling_seed is not None:
+        out["sampling_seed"] = params.sample_seed(prompt, sample_index) % 2**63  # SGLang wants an int64
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _as_op_result(result: tuple) -> OpResult:
+    return {"success": bool(result[0]), "message": str(result[1])}
+
+
+class SglangBackend:
+    """``sglang.Engine`` behind the worker's backend interface."""
+
+    def __init__(self, spec: BackendSpec) -> None:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # breaks torch_memory_saver; the client drops it too
+        import sglang
+        from sglang.srt.managers import io_struct
+
+        self._io = io_struct
+        kwargs = {"model_path": spec.model_path, "tp_size": spec.tp_size, "base_gpu_id": spec.base_gpu_id,
+                  "nccl_port": _free_port(), "enable_memory_saver": spec.enable_memory_saver,
+                  "random_seed": spec.seed, "dtype": spec.dtype, **spec.server_args}
+        self.engine = sglang.Engine(**kwargs)
+        self.tm = self.engine.tokenizer_manager
+        self.loop = self.engine.loop
+        self.tp_size = spec.tp_size
+        self._has_sessions = hasattr(self.engine, "begin_weight_update")
+        self._inflight: set[str] = set()
+
+    @property
+    def weight_version(self) -> str:
+        if hasattr(self.engine, "get_model_info"):
+            return str(self.engine.get_model_info()["weight_version"])
+        return str(self.tm.config_value("weight_version"))
+
+    async def generate(self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool,
+                       rids: list[str]) -> list[GenResult]:
+        prompts, sglang_params, sample_rids = [], [], []
+        for prompt, p, rid in zip(input_ids, params, rids):
+            for j in range(p.n):
+                prompts.append(prompt)
+                sglang_params.append(sglang_sampling_params(p, prompt, j))
+                sample_rids.append(rid if p.n == 1 else f"{rid}-{j}")
+        self._inflight.update(sample_rids)
+        try:
+            outputs = await self.engine.async_generate(input_ids=prompts, sampling_params=sglang_params,
+                                                       return_logprob=return_logprob, rid=sample_rids)
+        finally:
+            self._inflight.difference_update(sample_rids)
+        return [to_gen_result(out, rid, return_logprob) for out, rid in zip(outputs, sample_rids)]
+
+    async def abort(self, rid: str, abort_all: bool) -> None:
+        # The TokenizerManager only forwards rids it knows exactly, so the prefix is matched here.
+        if abort_all:
+            self.tm.abort_request(abort_all=True)
+        elif rid:
+            for sample_rid in [r for r in self._inflight if r.startswith(rid)]:
+                self.tm.abort_request(rid=sample_rid)
+
+    async def pause_generation(self, mode: str) -> None:
+        await self.tm.pause_generation(self._io.PauseGenerationReqInput(mode=mode))
+
+    async def continue_generation(self) -> None:
+        await self.tm.continue_generation(self._io.ContinueGenerationReqInput(torch_empty_cache=True))
+
+    async def flush_cache(self) -> OpResult:
+        result = await self.tm.flush_cache()
+        return {"success": bool(result.success), "message": str(result.message)}
+
+    async def release_memory_occupation(self, tags: list[str]) -> None:
+        await self.tm.release_memory_occupation(self._io.ReleaseMemoryOccupationReqInput(tags=tags), None)
+
+    async def resume_memory_occupation(self, tags: list[str]) -> None:
+        await self.tm.resume_memory_occupation(self._io.ResumeMemoryOccupationReqInput(tags=tags), None)
+
+    async def begin_weight_update(self) -> OpResult:
+        if not self._has_sessions:  # 0.5.17: updates need no session (the worker still enforces one)
+            return {"success": True, "message": "Success"}
+        return _as_op_result(await self.tm.begin_weight_update(self._io.BeginWeightUpdateReqInput(), None))
+
+    async def end_weight_update(self) -> OpResult:
+        if not self._has_sessions:
+            return {"success": True, "message": "Success"}
+        return _as_op_result(await self.tm.end_weight_update(self._io.EndWeightUpdateReqInput(), None))
+
+    async def update_weights_from_tensor(self, payloads: list[bytes], load_format: str,
+                                         weight_version: str | None) -> OpResult:
+        for payload in payloads:
+            check_payload_globals(payload)
+        request = self._io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
+                                                          flush_cache=False, weight_version=weight_version)
+        return _as_op_result(await self.tm.update_weights_from_tensor(request, None))
+
+    async def weight_checksums(self) -> dict[str, str]:
+        raise NotImplementedError("weight_checksums needs per-tensor access to the engine's weights, which "
+                                  "sglang.Engine does not offer; verify syncs with the embedded backend")
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
