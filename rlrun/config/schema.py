@@ -25,7 +25,8 @@ class ModelConfig(Section):
 
 class ParallelConfig(Section):
     tp: int = Field(1, ge=1)
-    """Megatron tensor-parallel size. Must divide the number of attention heads and KV heads."""
+    """Megatron tensor-parallel size. When it does not divide the KV heads, inert zero head groups are
+    padded in (stripped on export; the extra compute is logged at start)."""
     pp: int = Field(1, ge=1)
     """Megatron pipeline-parallel size."""
 
