@@ -14,7 +14,8 @@ A waiting call fails, whichever comes first:
 
 * **peer death** (``RpcPeerDiedError``): ``peer_status`` is polled every ``POLL_SLICE_S``;
 * **no heartbeat** (``RpcUnresponsiveError``): while a call waits, the client pings every
-  ``HEARTBEAT_INTERVAL_S`` and the server answers pings on its event loop at once, even mid-generate.
+  ``HEARTBEAT_INTERVAL_S`` (or a quarter of the timeout, if shorter) and the server answers pings on
+  its event loop at once, even mid-generate.
   A stopped (SIGSTOP), frozen or loop-blocked worker misses them for ``heartbeat_timeout_s``;
 * **call timeout** (``RpcTimeoutError``): the worker answers pings but not the call within ``timeout_s``.
 
@@ -309,7 +310,8 @@ class RpcClient:
     def _pump(self) -> None:
         """Send a ping if one is due, wait up to one poll slice, and file every reply that arrived."""
         now = time.monotonic()
-        if self.heartbeat_timeout_s is not None and now - self._last_ping >= HEARTBEAT_INTERVAL_S:
+        timeout_s = self.heartbeat_timeout_s
+        if timeout_s is not None and now - self._last_ping >= min(HEARTBEAT_INTERVAL_S, timeout_s / 4):
             self._socket.send(_pack({"id": next(self._ids), "method": PING, "kwargs": {}, "token": self.token}))
             self._last_ping = now
         if not self._socket.poll(int(POLL_SLICE_S * 1000)):

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from rlrun.engine.rpc import (
     RpcRemoteError,
     RpcServer,
     RpcTimeoutError,
+    RpcUnresponsiveError,
     choose_endpoint,
     is_local_endpoint,
 )
@@ -125,3 +127,57 @@ def test_payload_methods_are_refused_on_a_non_local_endpoint():
             client.call("echo", blob=b"x")
         assert client.call("sleep", seconds=0) == 0  # other methods still work
         client.close()
+
+
+def test_calls_from_several_threads_are_multiplexed(tmp_path):
+    """A quick call is answered while a slow one from another thread is still waiting."""
+    endpoint = choose_endpoint(tmp_path, "mux").address
+    with serving(endpoint, _handlers()):
+        client = RpcClient(endpoint, timeout_s=10)
+        slow: dict = {}
+        thread = threading.Thread(target=lambda: slow.update(result=client.call("sleep", seconds=1.5)))
+        thread.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        assert client.call("echo", quick=True) == {"quick": True}
+        assert time.monotonic() - start < 1.0 and "result" not in slow
+        thread.join(timeout=10)
+        assert slow["result"] == 1.5
+        client.close()
+
+
+def test_blocked_event_loop_misses_heartbeats_before_the_call_timeout(tmp_path):
+    """A synchronous handler that blocks the server's loop stops its pings: the call fails after the
+    heartbeat timeout (1 s here), long before its own 30 s timeout."""
+    endpoint = choose_endpoint(tmp_path, "frozen").address
+    with serving(endpoint, {"block": lambda seconds: time.sleep(seconds)}):
+        client = RpcClient(endpoint, timeout_s=30, heartbeat_timeout_s=1.0, peer_detail=lambda: "state T")
+        start = time.monotonic()
+        with pytest.raises(RpcUnresponsiveError, match=r"block on .*: the worker has answered no heartbeat for "
+                                                        r"1\.\d s \(limit 1 s\).*; state T"):
+            client.call("block", seconds=4.0)
+        assert time.monotonic() - start < 3.0
+        client.close()
+
+
+def test_heartbeats_keep_a_long_call_alive(tmp_path):
+    """An awaiting handler leaves the loop free: pings are answered and the call outlives the
+    heartbeat timeout."""
+    endpoint = choose_endpoint(tmp_path, "alive").address
+    with serving(endpoint, _handlers()):
+        client = RpcClient(endpoint, timeout_s=30, heartbeat_timeout_s=0.5)
+        assert client.call("sleep", seconds=2.0) == 2.0
+        client.close()
+
+
+def test_requests_without_the_token_are_refused(tmp_path):
+    endpoint = choose_endpoint(tmp_path, "token").address
+    with serving(endpoint, _handlers(), token=b"secret"):
+        assert Path(endpoint[len("ipc://"):]).stat().st_mode & 0o777 == 0o600  # other users cannot connect
+        stranger = RpcClient(endpoint, timeout_s=10, token=b"guess")
+        with pytest.raises(RpcRemoteError, match="PermissionError: request token must match"):
+            stranger.call("echo", x=1)
+        stranger.close()
+        owner = RpcClient(endpoint, timeout_s=10, token=b"secret")
+        assert owner.call("echo", x=1) == {"x": 1}
+        owner.close()

@@ -21,7 +21,9 @@ from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
+    UpdateWeightsFromTensorReqInput,
 )
+from sglang.srt.utils.common import MultiprocessingSerializer
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 # A subset of ServerArgs' fields (srt/arg_groups/fields/): enough for the adapter and its tests.
@@ -82,6 +84,14 @@ class Engine:
     def resume_memory_occupation(self, tags=None):
         obj = ResumeMemoryOccupationReqInput(tags=tags)
         return self.loop.run_until_complete(self.tokenizer_manager.resume_memory_occupation(obj, None))
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        """flattened_bucket callers pass one payload per TP rank; otherwise the list is pickled per rank."""
+        payloads = named_tensors if load_format == "flattened_bucket" else [
+            MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.server_args["tp_size"])]
+        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
+                                              flush_cache=flush_cache)
+        return self.loop.run_until_complete(self.tokenizer_manager.update_weights_from_tensor(obj, None))
 
     def shutdown(self) -> None:
         self.tokenizer_manager.shutdown()
