@@ -214,13 +214,33 @@ class EngineConfig(Section):
     """How long to wait for a worker to load its model and answer ``health``."""
     request_timeout_s: float = Field(600.0, gt=0)
     """How long one RPC (a whole generate batch included) may take before the worker is declared hung."""
+    heartbeat_timeout_s: float = Field(8.0, gt=0)
+    """How long a worker may leave heartbeats unanswered (stopped, frozen, its event loop blocked)
+    before the waiting call fails; a dead worker is reported at once regardless. Keep it under 10 s."""
     bucket_bytes: int = Field(512 * 1024**2, ge=1024)
     """Size of one flattened weight-sync bucket."""
+    verify_weights: bool = False
+    """Debug: after every weight sync, check that the engine holds exactly the bytes sent (per-tensor
+    sha256 on both sides, one extra pass over the weights). Embedded backend only."""
+    sglang_server_args: dict[str, Any] = {}
+    """Extra ``sglang.Engine`` (ServerArgs) keyword arguments for ``backend: sglang``, passed as-is, e.g.
+    ``mem_fraction_static``, ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true``
+    makes SGLang honour the per-sample seeds (rollouts reproducible, somewhat slower)."""
 
     @model_validator(mode="after")
     def _tp_supported(self) -> EngineConfig:
         if self.tp != 1:
             raise ValueError("engine.tp must be 1: multi-rank engine groups are not supported yet")
+        return self
+
+    @model_validator(mode="after")
+    def _backend_options(self) -> EngineConfig:
+        if self.verify_weights and self.backend != "embedded":
+            raise ValueError(f"engine.verify_weights (true) must go with backend embedded because sglang.Engine "
+                             f"offers no per-tensor weight access (backend is {self.backend}); set it to false")
+        if self.sglang_server_args and self.backend != "sglang":
+            raise ValueError(f"engine.sglang_server_args must be empty with backend {self.backend} because only "
+                             "the sglang backend reads them; remove them or set engine.backend: sglang")
         return self
 
 
