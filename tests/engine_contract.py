@@ -35,17 +35,18 @@ def spawn_engine(backend: str, model_dir: Path, run_dir: Path, *, rank: int = 0,
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of each response token, from one unpadded forward over prompt + response."""
+    """log_softmax(logits / T) of each response token, from one unpadded forward over prompt + response (on CPU)."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0].float()
+        logits = model(torch.tensor([prompt + response], device=model.device)).logits[0].float().cpu()
     logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
     return logprobs.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -57,6 +57,8 @@ IPC_PATH_MAX_BYTES = 107
 
 POLL_SLICE_S = 0.1
 """How often a waiting call re-checks its deadlines and the peer process."""
+PUMP_SLICE_S = 0.02
+"""How long the socket owner waits for replies before sending requests queued meanwhile."""
 HEARTBEAT_INTERVAL_S = 1.0
 PING = "__ping__"
 SERVER_DRAIN_S = 2.0
@@ -235,6 +237,10 @@ class RpcClient:
     of its death (exit code, log tail); ``peer_detail`` (optional) describes a live but silent peer
     (its process state, log tail). ``heartbeat_timeout_s`` None disables the heartbeat check (a
     worker still loading its model cannot answer pings yet); see :meth:`arm_heartbeat`.
+
+    Threads: zmq sockets are not thread-safe, so one waiting thread at a time owns the socket (the
+    "pump": it sends everyone's queued requests and files everyone's replies) while the others wait
+    on a condition. Nobody needs the socket to get its reply, so no caller can be starved of it.
     """
 
     def __init__(self, endpoint: str, *, timeout_s: float, token: bytes = b"",
@@ -247,10 +253,10 @@ class RpcClient:
         self.peer_status = peer_status
         self.peer_detail = peer_detail
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        # Everything below is guarded by _lock: zmq sockets are not thread-safe, and whichever waiting
-        # thread holds the lock receives replies for all of them.
-        self._lock = threading.Lock()
+        self._socket_lock = threading.Lock()  # held by the pumping thread
+        self._state = threading.Condition()  # guards the fields below; notified when replies are filed
         self._ids = itertools.count()
+        self._outbox: list[bytes] = []
         self._waiting: set[int] = set()
         self._replies: dict[int, dict[str, Any]] = {}
         self._last_heard = self._last_ping = 0.0
@@ -266,15 +272,15 @@ class RpcClient:
         """Run ``method(**kwargs)`` in the server and return its result (or raise an :class:`RpcError`)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        with self._lock:
+        with self._state:
             request_id = next(self._ids)
             self._waiting.add(request_id)
             self._last_heard = max(self._last_heard, start)  # silence before this call is not a missed beat
-            self._socket.send(_pack({"id": request_id, "method": method, "kwargs": kwargs, "token": self.token}))
+            self._outbox.append(_pack({"id": request_id, "method": method, "kwargs": kwargs, "token": self.token}))
         try:
             reply = self._wait_for(request_id, method, start, timeout_s)
         finally:
-            with self._lock:
+            with self._state:
                 self._waiting.discard(request_id)
                 self._replies.pop(request_id, None)
         if not reply["ok"]:
@@ -284,11 +290,17 @@ class RpcClient:
 
     def _wait_for(self, request_id: int, method: str, start: float, timeout_s: float) -> dict[str, Any]:
         while True:
-            with self._lock:
-                reply = self._replies.pop(request_id, None)
-                if reply is None:
+            if self._socket_lock.acquire(blocking=False):
+                try:
                     self._pump()
-                    reply = self._replies.pop(request_id, None)
+                finally:
+                    self._socket_lock.release()
+            else:
+                with self._state:
+                    if request_id not in self._replies:
+                        self._state.wait(timeout=POLL_SLICE_S)
+            with self._state:
+                reply = self._replies.pop(request_id, None)
                 silent_s = time.monotonic() - self._last_heard
             if reply is not None:
                 return reply
@@ -308,22 +320,31 @@ class RpcClient:
                     "(raise engine.request_timeout_s)")
 
     def _pump(self) -> None:
-        """Send a ping if one is due, wait up to one poll slice, and file every reply that arrived."""
+        """(Socket owner only.) Send queued requests and a ping if one is due, wait up to one poll
+        slice, and file every reply that arrived."""
         now = time.monotonic()
         timeout_s = self.heartbeat_timeout_s
-        if timeout_s is not None and now - self._last_ping >= min(HEARTBEAT_INTERVAL_S, timeout_s / 4):
-            self._socket.send(_pack({"id": next(self._ids), "method": PING, "kwargs": {}, "token": self.token}))
-            self._last_ping = now
-        if not self._socket.poll(int(POLL_SLICE_S * 1000)):
+        with self._state:
+            outgoing, self._outbox = self._outbox, []
+            if timeout_s is not None and now - self._last_ping >= min(HEARTBEAT_INTERVAL_S, timeout_s / 4):
+                outgoing.append(_pack({"id": next(self._ids), "method": PING, "kwargs": {}, "token": self.token}))
+                self._last_ping = now
+        for frame in outgoing:
+            self._socket.send(frame)
+        if not self._socket.poll(int(PUMP_SLICE_S * 1000)):
             return
+        received = []
         while self._socket.poll(0):
-            reply = _unpack(self._socket.recv())
+            received.append(_unpack(self._socket.recv()))
+        with self._state:
             self._last_heard = time.monotonic()
-            if reply.get("id") in self._waiting:
-                self._replies[reply["id"]] = reply
-            # else: a pong, or a late reply to a call that already gave up
+            for reply in received:
+                if reply.get("id") in self._waiting:
+                    self._replies[reply["id"]] = reply
+                # else: a pong, or a late reply to a call that already gave up
+            self._state.notify_all()
 
     def close(self) -> None:
-        with self._lock:
+        with self._socket_lock:
             self._socket.close(linger=0)
             self._context.term()

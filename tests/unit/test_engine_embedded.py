@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from engine_contract import hf_greedy, hf_logprobs
 from transformers import AutoModelForCausalLM
 
 from rlrun.engine.backends.decode_control import DecodeControl
@@ -22,21 +23,6 @@ PROMPTS = [[72, 101, 108, 108, 111], [257, 9, 44], [1, 2, 3, 4, 5, 6, 7, 8, 9]] 
 
 def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of each response token, from one unpadded forward over prompt + response."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
-    return logprobs.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
@@ -187,3 +173,21 @@ def test_abort_and_pause_act_at_the_next_decode_step(tiny_model_dirs):
     assert second["output_ids"] == [] and second["finish_reason"] == {"type": "abort", "message": "Aborted"}
     assert first["finish_reason"]["type"] == "abort" and 0 < len(first["output_ids"]) < 400
     assert control.num_requests == 0
+
+
+@pytest.mark.gpu
+def test_bf16_on_the_gpu_samples_hf_greedy_and_releases_its_weights(tiny_model_dirs):
+    engine = EmbeddedEngine(tiny_model_dirs["qwen2"], dtype="bfloat16", device="cuda:0")
+    results = engine.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+                                        "sampling_seed": 1})
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"], dtype=torch.bfloat16).cuda().eval()
+    for k, result in enumerate(results):
+        prompt = PROMPTS[k // 2]
+        want = hf_logprobs(reference, prompt, result["output_ids"], temperature=1.0).cpu()
+        torch.testing.assert_close(torch.tensor(result["output_logprobs"]), want, rtol=0, atol=0.05)  # bf16
+        assert result["output_ids"][0] == hf_greedy(reference, prompt, 1)[0]
+    resident = torch.cuda.memory_allocated()
+    engine.offload_weights()
+    assert torch.cuda.memory_allocated() < resident
+    engine.onload_weights()
+    assert engine.generate(PROMPTS[:1], {"max_new_tokens": 2, "temperature": 0})[0]["output_ids"]
