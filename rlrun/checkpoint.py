@@ -5,6 +5,7 @@ Layout (``checkpoint.dir``, default ``RUN_DIR/checkpoints``; every rank must see
     step_000040/               a complete checkpoint: steps 0..39 are done
         rank_00000.pt          rank 0's model + optimizer shards and RNG states (rlrun/megatron/checkpoint.py)
         rank_00001.pt
+        critic_rank_00000.pt   the critic's model + optimizer shards, when the run trains one (PPO)
         run_state.json         the loop's RunState and rank 0's prompt-sampler cursor
         COMPLETE               written last: step and parallel layout
     .tmp-step_000044/          being written, or left by a crash (ignored; removed by the next save)
@@ -38,6 +39,7 @@ from rlrun.runtime.dist import Parallel
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
 
+    from rlrun.critic import Critic
     from rlrun.data.prompts import PromptSampler
     from rlrun.megatron.model import MegatronModel
 
@@ -52,6 +54,10 @@ def step_dir_name(step: int) -> str:
 
 def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
+
+
+def critic_file_name(rank: int) -> str:
+    return f"critic_{rank_file_name(rank)}"
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,10 @@ class Checkpointer:
         return stopping or (interval > 0 and (step % interval == 0 or last))
 
     def save(self, run_state: Any, model: MegatronModel, optimizer: MegatronOptimizer,
-             sampler: PromptSampler | None, blocking: bool) -> None:
+             sampler: PromptSampler | None, blocking: bool, critic: Critic | None = None) -> None:
         """Checkpoint after ``run_state.step`` steps: ``run_state`` (a dataclass of JSON values; rank 0's is
-        kept), every rank's model/optimizer shards and RNGs, and rank 0's prompt-sampler cursor."""
+        kept), every rank's model/optimizer shards and RNGs (and the critic's, beside them), and rank 0's
+        prompt-sampler cursor."""
         step = run_state.step
         self.wait()
         tmp = self.dir / f"{TMP_PREFIX}{step_dir_name(step)}"
@@ -123,14 +130,17 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier(group=self.parallel.cpu_group)
         state = {**dataclasses.asdict(run_state), "sampler": sampler.state_dict() if sampler is not None else None}
-        rank_state = megatron_rank_state(model, optimizer)
+        shards = {tmp / rank_file_name(self.parallel.rank): megatron_rank_state(model, optimizer)}
+        if critic is not None:
+            shards[tmp / critic_file_name(self.parallel.rank)] = critic.state_dict()
         if blocking or not self.cfg.async_save:
-            _write_shard(tmp / rank_file_name(self.parallel.rank), rank_state)
+            for path, rank_state in shards.items():
+                _write_shard(path, rank_state)
             self._commit(step, state)
             return
         errors: list[BaseException] = []
-        snapshot = _copy_to_cpu(rank_state)  # training mutates the live tensors from the next step on
-        thread = threading.Thread(target=_write_shard_into, args=(tmp / rank_file_name(self.parallel.rank), snapshot, errors),
+        snapshot = _copy_to_cpu(shards)  # training mutates the live tensors from the next step on
+        thread = threading.Thread(target=_write_shards_into, args=(snapshot, errors),
                                   name=f"checkpoint-step-{step}", daemon=True)
         thread.start()
         self._pending = (step, state, thread, errors)
@@ -182,9 +192,10 @@ class Checkpointer:
 
     # ---- restoring ---------------------------------------------------------------------------------
 
-    def restore(self, model: MegatronModel, optimizer: MegatronOptimizer, sampler: PromptSampler | None) -> dict | None:
-        """Load the checkpoint ``checkpoint.resume`` picks into the model, optimizer, RNGs and (rank 0)
-        sampler; returns the saved RunState fields, or None for a fresh start."""
+    def restore(self, model: MegatronModel, optimizer: MegatronOptimizer, sampler: PromptSampler | None,
+                critic: Critic | None = None) -> dict | None:
+        """Load the checkpoint ``checkpoint.resume`` picks into the model, optimizer, RNGs, the critic and
+        (rank 0) sampler; returns the saved RunState fields, or None for a fresh start."""
         path = self._choose_resume()
         if path is None:
             return None
@@ -198,6 +209,8 @@ class Checkpointer:
         run_state = json.loads((path / RUN_STATE).read_text())
         shard = torch.load(path / rank_file_name(self.parallel.rank), map_location="cpu", weights_only=True)
         load_megatron_rank_state(model, optimizer, shard)
+        if critic is not None:
+            critic.load_state_dict(_load_critic_shard(path, self.parallel.rank))
         sampler_state = run_state.pop("sampler")
         if sampler is not None:
             sampler.load_state_dict(sampler_state)
@@ -230,10 +243,20 @@ def _write_shard(path: Path, state: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _write_shard_into(path: Path, state: dict[str, Any], errors: list[BaseException]) -> None:
+def _load_critic_shard(path: Path, rank: int) -> dict[str, Any]:
+    file = path / critic_file_name(rank)
+    if not file.is_file():
+        raise ValueError(f"checkpoint {path} has no critic shard ({file.name}) but critic.config is set: it was "
+                         f"saved by a run without a critic; set checkpoint.resume=none to start fresh, or resume "
+                         f"without critic.config")
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _write_shards_into(shards: dict[Path, dict[str, Any]], errors: list[BaseException]) -> None:
     """Thread body: the error is re-raised on the main thread by :meth:`Checkpointer.wait`."""
     try:
-        _write_shard(path, state)
+        for path, state in shards.items():
+            _write_shard(path, state)
     except BaseException as exc:  # noqa: BLE001 - handed to the main thread, never swallowed
         errors.append(exc)
 

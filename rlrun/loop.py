@@ -8,11 +8,12 @@ One step:
   3. scores     rank 0 turns each group's rewards into per-sample scores and drops tied groups
   4. scatter    rank 0 packs samples into micro-batches under a token budget, balances them over
                 DP ranks and scatters them (TP peers of a DP rank receive the same micro-batches)
-  5. log-probs  old-policy / reference / teacher log-probs, role weights swapped in from CPU backups
-                (rlrun/roles.py; the old-policy pass is skipped when the training forward can reuse
-                it), then per-token advantages (rlrun/algo) and the post-process hook
-  6. train      Megatron forward/backward with the configured loss (rlrun/algo/objective.py),
-                optimizer step, role backups refreshed
+  5. log-probs  critic values (PPO, rlrun/critic.py), old-policy / reference / teacher log-probs, role
+                weights swapped in from CPU backups (rlrun/roles.py; the old-policy pass is skipped
+                when the training forward can reuse it), then per-token advantages (rlrun/algo) and
+                the post-process hook
+  6. train      the critic's value-loss step first (PPO), then Megatron forward/backward with the
+                configured loss (rlrun/algo/objective.py), optimizer step, role backups refreshed
   7. trainer sleeps; engine wakes for weights; weight sync (Megatron -> HF names -> flattened
                 buckets -> ZMQ); engine wakes its KV cache
   8. log        metrics.jsonl + console line on rank 0
@@ -66,6 +67,7 @@ class Components:
     model: object
     optimizer: object
     roles: object  # rlrun.roles.ModelRoles
+    critic: object | None  # rlrun.critic.Critic when the run trains one (PPO)
     engine: object
     offloader: Offloader
     tokenizer: object
@@ -92,7 +94,7 @@ def run(cfg: RunConfig) -> None:
             parts = setup(cfg, parallel)
         watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel)
-        resumed = checkpointer.restore(parts.model, parts.optimizer, parts.sampler)
+        resumed = checkpointer.restore(parts.model, parts.optimizer, parts.sampler, critic=parts.critic)
         state = RunState(**resumed) if resumed is not None else RunState()
         if resumed is not None:
             parts.roles.on_actor_loaded()
@@ -109,7 +111,8 @@ def run(cfg: RunConfig) -> None:
             checkpointer.poll()
             last = state.step == cfg.train.num_steps
             if checkpointer.due(state.step, last=last, stopping=stopping):
-                checkpointer.save(state, parts.model, parts.optimizer, parts.sampler, blocking=last or stopping)
+                checkpointer.save(state, parts.model, parts.optimizer, parts.sampler, blocking=last or stopping,
+                                  critic=parts.critic)
         checkpointer.wait()
         watchdog.close(parallel.cpu_group)
     except BaseException as exc:
@@ -126,6 +129,7 @@ def run(cfg: RunConfig) -> None:
 def setup(cfg: RunConfig, parallel) -> Components:
     from transformers import AutoTokenizer
 
+    from rlrun.critic import Critic
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.engine.client import EngineClient
     from rlrun.megatron import build_model, make_optimizer
@@ -152,7 +156,8 @@ def setup(cfg: RunConfig, parallel) -> Components:
         dataset = PromptDataset(cfg.data, tokenizer)
         sampler = PromptSampler(dataset, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return Components(
-        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, engine=engine,
+        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, critic=Critic.build(cfg, parallel),
+        engine=engine,
         offloader=Offloader(cfg.offload, engine, parallel.device), tokenizer=tokenizer, sampler=sampler,
         rollout=RolloutRuntime.build(cfg, parallel, engine, tokenizer, sampler), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
@@ -232,18 +237,23 @@ def rollout_metrics(samples: list[Sample], kept_groups: torch.Tensor) -> dict[st
 
 
 def compute_old_logprobs(parts: Components, micro_batches: list[MicroBatch], step: int) -> dict[str, float]:
-    """Role log-probs (old policy, reference, teacher) and per-token advantages on this rank."""
+    """Critic values, role log-probs (old policy, reference, teacher) and per-token advantages on this rank."""
     from rlrun.rl_step import logprobs_and_advantages
 
-    return logprobs_and_advantages(parts.cfg, parts.roles, parts.parallel, micro_batches, step)
+    return logprobs_and_advantages(parts.cfg, parts.roles, parts.parallel, micro_batches, step, parts.critic)
 
 
 def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens: int, step: int) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches with the configured RL loss."""
+    """The critic's value-loss step first (PPO), then one actor step over this rank's micro-batches with the
+    configured RL loss (skipped during ``critic.num_critic_only_steps``)."""
     from rlrun.rl_step import train_policy
 
-    return train_policy(parts.cfg, parts.roles, parts.parallel, parts.model, parts.optimizer, micro_batches,
-                        num_global_tokens, step)
+    critic = parts.critic
+    metrics = critic.train(micro_batches, num_global_tokens) if critic is not None else {}
+    if critic is None or critic.actor_trains(step):
+        metrics.update(train_policy(parts.cfg, parts.roles, parts.parallel, parts.model, parts.optimizer,
+                                    micro_batches, num_global_tokens, step))
+    return metrics
 
 
 def sync_weights(parts: Components, version: int) -> None:

@@ -1,4 +1,4 @@
-"""The RL half of a step on one rank: role log-probs -> advantages -> post-process hook -> train.
+"""The RL half of a step on one rank: critic values -> role log-probs -> advantages -> post-process hook -> train.
 
 ``loop.py`` calls ``logprobs_and_advantages`` then ``train_policy``; everything here runs on every
 rank in lockstep (the DP sums are collectives). The math is in ``rlrun.algo``; the weight swapping
@@ -37,6 +37,7 @@ from rlrun.algo.validate import load_algorithm_hook
 
 if TYPE_CHECKING:
     from rlrun.config.schema import RunConfig
+    from rlrun.critic import Critic
     from rlrun.data.batch import MicroBatch
     from rlrun.roles import ModelRoles
     from rlrun.runtime.dist import Parallel
@@ -51,8 +52,11 @@ def dp_sum(parallel: Parallel, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_and_advantages(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, micro_batches: list[MicroBatch],
-                            step: int) -> dict[str, float]:
-    """Fill the role log-probs, replace the group scores by per-token advantages, run the post-process hook."""
+                            step: int, critic: Critic | None = None) -> dict[str, float]:
+    """Fill the critic's values (PPO: in-process, no copy between models) and the role log-probs, replace
+    the group scores by per-token advantages and returns, run the post-process hook."""
+    if critic is not None:
+        critic.fill_values(micro_batches)
     roles.fill_logprobs(micro_batches, cfg.rollout.temperature)
     metrics = assign_advantages(cfg.algorithm, micro_batches, lambda t: dp_sum(parallel, t))
     postprocess = load_algorithm_hook(cfg.algorithm, "rollout_data_postprocess")

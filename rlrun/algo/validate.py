@@ -58,9 +58,6 @@ def _problems(cfg: AlgorithmConfig):
         yield (f"algorithm.normalize_advantages (False) must be true for advantage_estimator "
                f"{cfg.advantage_estimator} because REINFORCE++ uses batch whitening as its baseline; "
                f"set algorithm.normalize_advantages: true")
-    if cfg.advantage_estimator == "ppo" and cfg.custom_advantage is None:
-        yield ("algorithm.advantage_estimator (ppo) must come with algorithm.custom_advantage because GAE "
-               "needs critic values and rlrun has no critic model yet; use grpo or reinforce_plus_plus")
     if cfg.use_rollout_logprobs and tis.mode != "off":
         yield (f"algorithm.tis.mode ({tis.mode}) must be off with use_rollout_logprobs because the old "
                f"policy is then the rollout policy and the TIS ratio is 1; set one of them off")

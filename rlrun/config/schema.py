@@ -428,6 +428,22 @@ class OffloadConfig(Section):
     """Release engine memory while the trainer trains. No-op on CPU."""
 
 
+class CriticConfig(Section):
+    """PPO's value model (rlrun/critic.py): on the actor's ranks, trained first each step on the clipped
+    value loss; its values feed GAE in-process."""
+
+    config: str | None = None
+    """YAML file listing the models (roles actor and critic) and the critic's overrides of the actor's
+    ``model`` / ``optimizer`` settings (rlrun/config/critic.py; example: configs/critic.yaml). None: no
+    critic. Needs ``algorithm.advantage_estimator: ppo`` or an ``algorithm.custom_advantage`` that reads
+    ``mb.values``."""
+    num_critic_only_steps: int = Field(0, ge=0)
+    """Train only the critic for the first N steps (the actor stays put while the values settle)."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip of the value loss: the new value may move at most this far from the value GAE used
+    (rlrun/algo/value_loss.py). None: the unclipped squared error."""
+
+
 class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -442,3 +458,24 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     offload: OffloadConfig = OffloadConfig()
+    critic: CriticConfig = CriticConfig()
+
+    @model_validator(mode="after")
+    def _critic_matches_estimator(self) -> RunConfig:
+        algo, critic = self.algorithm, self.critic
+        if algo.advantage_estimator == "ppo" and critic.config is None and algo.custom_advantage is None:
+            raise ValueError("algorithm.advantage_estimator (ppo) must come with algorithm.custom_advantage or "
+                             "critic.config because GAE needs critic values; set critic.config: configs/critic.yaml")
+        if critic.config is not None:
+            if algo.advantage_estimator != "ppo" and algo.custom_advantage is None:
+                raise ValueError(f"critic.config ('{critic.config}') must be unset for advantage_estimator "
+                                 f"{algo.advantage_estimator} because only GAE or a custom_advantage reads the "
+                                 f"values; set algorithm.advantage_estimator: ppo or remove critic.config")
+            from rlrun.config.critic import load_critic_config
+
+            load_critic_config(self)
+        return self
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.critic.config is not None

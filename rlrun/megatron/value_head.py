@@ -1,0 +1,142 @@
+"""The PPO critic as a Megatron model: the actor's ``GPTModel`` trunk with a scalar value head.
+
+The trunk (embeddings, decoder layers, final norm) is built and loaded exactly like the actor's
+(``rlrun.megatron.model``); then the language-model head is replaced by :class:`ValueHead`, a
+``[hidden] -> 1`` linear that every TP rank holds whole. Replicating it needs no collective: after the
+final norm the hidden states are the same on every TP rank (no sequence parallelism), so every TP rank
+computes the same values, the same loss and the same head gradient, and the trunk's backward is the
+usual one (its RowParallel outputs were all-reduced in forward, identity in backward). Megatron's
+grad-norm counts a parameter without ``tensor_model_parallel`` on TP rank 0 only, so it is counted once.
+
+The head starts from the HF directory's ``score.weight`` / ``score.bias`` when present (HF's
+``*ForSequenceClassification`` / ``*ForTokenClassification`` with one label, i.e. a reward or value
+model), otherwise fresh: normal(0, ``init_method_std``) weights and a zero bias, as Megatron initialises
+a new output layer, seeded identically on every rank so DP replicas start equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlrun.megatron.hf_config import ModelArch, transformer_config
+from rlrun.megatron.hf_weights import HFCheckpoint
+from rlrun.megatron.logprobs import forward_logits
+from rlrun.megatron.model import MegatronModel, load_hf_weights
+from rlrun.megatron.train import _sum_over_dp, _sync_grads
+from rlrun.runtime.dist import Parallel
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+
+HF_HEAD_NAMES = ("score.weight", "score.bias")
+ValueLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro_batch, values [B, S-1] float32) -> (loss summed over loss-masked tokens, {metric: summed tensor})."""
+
+
+class ValueHead(torch.nn.Module):
+    """``values = hidden @ w + b``, called where GPTModel calls its output layer (same signature)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1, bias=True, dtype=dtype, device=device)
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return self.linear(hidden_states), None
+
+
+def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int) -> MegatronModel:
+    """The critic of ``hf_dir`` on this rank (TP shards of the trunk, the whole head), in Megatron DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if parallel.pp_size != 1:
+        raise ValueError(f"parallel.pp ({parallel.pp_size}) must be 1 because the critic's value head lives on "
+                         f"the last stage and pipeline stages are not supported yet; set parallel.pp=1")
+    arch = ModelArch.from_hf_dir(hf_dir)
+    config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype)
+    # The same GPTModel arguments as rlrun.megatron.model.build_model: the trunk must load the same
+    # HF weights (the LM head is loaded too, then dropped).
+    gpt = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+        vocab_size=arch.padded_vocab_size(parallel.tp_size), max_sequence_length=arch.max_position_embeddings,
+        pre_process=True, post_process=True, parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_embeddings, position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+    ).to(device=parallel.device, dtype=config.params_dtype)
+    checkpoint = HFCheckpoint(hf_dir)
+    load_hf_weights(gpt, arch, checkpoint, parallel)
+    gpt.output_layer = ValueHead(arch.hidden_size, config.params_dtype, parallel.device)
+    gpt.share_embeddings_and_output_weights = False
+    init_value_head(gpt.output_layer, checkpoint, config.init_method_std, seed)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    return MegatronModel(ddp=ddp, arch=arch, parallel=parallel, dtype=dtype)
+
+
+@torch.no_grad()
+def init_value_head(head: ValueHead, checkpoint: HFCheckpoint, std: float, seed: int) -> None:
+    """Load ``score.*`` from the HF checkpoint when it has them, else a fresh seeded init."""
+    weight, bias = head.linear.weight, head.linear.bias
+    if HF_HEAD_NAMES[0] in checkpoint.names():
+        loaded = checkpoint.get(HF_HEAD_NAMES[0])
+        if tuple(loaded.shape) != tuple(weight.shape):
+            raise ValueError(f"{checkpoint.hf_dir}: score.weight ({tuple(loaded.shape)}) must have shape "
+                             f"{tuple(weight.shape)} because it is the critic's scalar value head; use a one-label "
+                             f"value model or remove score.* to start the head fresh")
+        weight.copy_(loaded)
+        bias.copy_(checkpoint.get(HF_HEAD_NAMES[1]) if HF_HEAD_NAMES[1] in checkpoint.names() else torch.zeros(1))
+        return
+    generator = torch.Generator().manual_seed(seed)
+    weight.copy_(torch.randn(weight.shape, generator=generator) * std)
+    bias.zero_()
+
+
+def compute_values(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S-1]`` float32 values: position ``t`` is the value of the prefix ``tokens[:, :t+1]``, the state
+    in which ``tokens[:, t+1]`` is generated (the layout of log-probs and advantages)."""
+    return forward_logits(model, tokens, position_ids)[:, :-1, 0].float()
+
+
+def value_train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence,
+                     loss_fn: ValueLossFn, num_global_tokens: int) -> dict[str, float]:
+    """One optimizer step of the critic: forward/backward every micro-batch, sync gradients over DP, clip,
+    step. Scaling and returns as ``rlrun.megatron.train.train_step`` (whose DP gradient sync and metric
+    reduction it reuses): ``loss`` is the DP-summed loss / ``num_global_tokens``, ``grad_norm`` before clip."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if num_global_tokens <= 0:
+        raise ValueError(f"num_global_tokens ({num_global_tokens}) must be positive because it divides the "
+                         f"value loss; count the loss-masked tokens of the whole step across DP ranks")
+    config = model.module.config
+    config.no_sync_func = model.ddp.no_sync
+    config.finalize_model_grads_func = _sync_grads
+    model.ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    def forward_step(data_iterator, _ddp_model):
+        micro_batch = next(data_iterator)
+        output = forward_logits(model, micro_batch.tokens, micro_batch.position_ids)
+
+        def loss_func(values_out):
+            loss_sum, metrics = loss_fn(micro_batch, values_out[:, :-1, 0].float())
+            loss = loss_sum / num_global_tokens
+            return loss, torch.zeros([], dtype=torch.int, device=values_out.device), {**metrics, "loss": loss.detach()}
+
+        return output, loss_func
+
+    first = micro_batches[0].tokens
+    per_micro_batch = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model.ddp,
+        num_microbatches=len(micro_batches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
+        forward_only=False,
+    )
+    sums = _sum_over_dp(per_micro_batch)
+    update_ok, grad_norm, _ = optimizer.step()
+    if not update_ok:
+        raise RuntimeError("the Megatron optimizer skipped the critic update (non-finite gradients)")
+    return {**sums, "grad_norm": float(grad_norm)}
