@@ -47,7 +47,10 @@ log = logging.getLogger(__name__)
 # by accident. PYTORCH_CUDA_ALLOC_CONF is dropped as slime does for SGLang (it breaks its memory saver).
 _DROPPED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "PYTORCH_CUDA_ALLOC_CONF")
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_REPLY_S = 2.0
+"""The shutdown reply comes at once from a healthy worker (it is answered on the event loop)."""
+SHUTDOWN_GRACE_S = 10.0
+"""Time for the worker to tear its backend down (SGLang kills its scheduler processes) and exit."""
 LOG_TAIL_LINES = 20
 PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped by a signal",
                   "t": "stopped by a debugger", "Z": "a zombie"}
@@ -259,7 +262,7 @@ class EngineClient:
         try:
             if self.process.poll() is None:
                 try:
-                    self.rpc.call("shutdown", timeout_s=SHUTDOWN_GRACE_S)
+                    self.rpc.call("shutdown", timeout_s=SHUTDOWN_REPLY_S)
                     self.process.wait(timeout=SHUTDOWN_GRACE_S)
                 except (RpcError, subprocess.TimeoutExpired) as exc:
                     log.warning("engine worker for rank %d did not exit cleanly (%s); killing process group %d",

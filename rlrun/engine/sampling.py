@@ -28,9 +28,10 @@ class SamplingParams:
 
     max_new_tokens: int = 128
     temperature: float = 1.0
+    """Below 1e-6 it means greedy and is stored as SGLang stores it: temperature 1 with top_k 1."""
     top_p: float = 1.0
     top_k: int = -1
-    """-1 or 0 keep the whole vocabulary (0 is accepted because HF and the rollout config use it)."""
+    """-1 keeps the whole vocabulary; 0 (HF's and the rollout config's spelling of that) is read as -1."""
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     """Extra tokens that end a response (included in ``output_ids``), on top of the model's EOS."""
@@ -44,7 +45,9 @@ class SamplingParams:
     """Makes the prompt's samples reproducible: sample j draws from a generator seeded with
     (sampling_seed, prompt tokens, j), independent of the rest of the batch. The prompt tokens are
     mixed in so that prompts sharing one seed do not share random draws; identical prompts with the
-    same seed give identical samples (as in SGLang), so ask for a group with ``n``, not duplicates."""
+    same seed give identical samples (as in SGLang), so ask for a group with ``n``, not duplicates.
+    The SGLang backend sends each sample its own seed; SGLang honours it only with
+    ``enable_deterministic_inference``."""
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> SamplingParams:
@@ -72,7 +75,7 @@ class SamplingParams:
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1", "a response needs at least one token"),
             ("temperature", self.temperature >= 0, ">= 0", "it divides the logits (0 means greedy)"),
             ("top_p", 0 < self.top_p <= 1, "be in (0, 1]", "it is a probability mass"),
-            ("top_k", self.top_k >= -1, ">= -1", "-1/0 mean the whole vocabulary"),
+            ("top_k", self.top_k >= -1, ">= -1", "-1 and 0 mean the whole vocabulary"),
             ("stop", all(isinstance(t, str) and t for t in self.stop), "be non-empty strings",
              "an empty stop string would match before the first token"),
             ("min_p", 0 <= self.min_p <= 1, "be in [0, 1]", "it is a fraction of the top probability"),
