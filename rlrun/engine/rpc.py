@@ -313,11 +313,12 @@ class RpcClient:
                     f"{method} on {self.endpoint}: the worker has answered no heartbeat for {silent_s:.1f} s "
                     f"(limit {self.heartbeat_timeout_s:g} s): it is stopped, frozen or its event loop is blocked"
                     f"{'; ' + detail if detail else ''}")
-            if time.monotonic() - start > timeout_s:
-                raise RpcTimeoutError(
-                    f"{method} on {self.endpoint} got no reply within {timeout_s:g} s although the worker still "
-                    "answers heartbeats; it may be hung in the call or the call may need longer "
-                    "(raise engine.request_timeout_s)")
+            waited_s = time.monotonic() - start
+            if waited_s > timeout_s:
+                peer = ("although the worker still answers heartbeats; it may be hung in the call or the call may "
+                        "need longer (raise engine.request_timeout_s)") if silent_s < waited_s else (
+                        "and the worker has not answered anything since the call began")
+                raise RpcTimeoutError(f"{method} on {self.endpoint} got no reply within {timeout_s:g} s {peer}")
 
     def _pump(self) -> None:
         """(Socket owner only.) Send queued requests and a ping if one is due, wait up to one poll
