@@ -9,7 +9,9 @@ Per step (rlrun/rl_step.py calls these in this order; slime PR #1856's data flow
 
 The critic has its own model (rlrun/megatron/value_head.py), optimizer and checkpoint shard; its
 settings are the actor's with the overrides of ``critic.config`` (rlrun/config/critic.py). It shares the
-actor's ranks and parallel layout, so the values never leave the process.
+actor's ranks and parallel layout, so the values never leave the process. Offload: on CPU there is
+nothing to release; on GPU, actor and critic taking turns on device memory needs per-model sleep/wake in
+rlrun/offload.py, which rejects ``offload.train`` on GPU until trainer sleep exists.
 
 Logged names (token means over the step):
   critic/value_loss       0.5 * max((V - R)^2, (V_clip - R)^2), as backpropagated
@@ -57,8 +59,8 @@ class Critic:
         spec = load_critic_config(cfg)
         model = build_critic_model(spec.model.path, parallel, dtype=spec.model.dtype, seed=cfg.train.seed)
         opt = spec.optimizer
-        optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2),
-                                   eps=opt.adam_eps, clip_grad=opt.clip_grad)
+        optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay,
+                                   betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
         return cls(settings=cfg.critic, model=model, optimizer=optimizer)
 
     def actor_trains(self, step: int) -> bool:

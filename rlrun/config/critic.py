@@ -48,7 +48,7 @@ def load_critic_config(cfg: RunConfig) -> CriticModelConfig:
     path = cfg.critic.config
     if path is None:
         raise ValueError("critic.config (None) must name a critic YAML file because the run trains a critic; "
-                         "set critic.config: configs/critic.yaml")
+                         "set critic.config: configs/critic/smollm2.yaml")
     overrides = _critic_overrides(Path(path))
     sections: dict[str, BaseModel] = {}
     for name in CRITIC_SECTIONS:
@@ -72,12 +72,12 @@ def _critic_overrides(path: Path) -> dict[str, Any]:
     """The dotted overrides of the file's single critic entry."""
     if not path.is_file():
         raise ValueError(f"critic.config ('{path}') must be an existing YAML file because it lists the models "
-                         f"of the PPO run (cwd {Path.cwd()}); set critic.config: configs/critic.yaml")
+                         f"of the PPO run (cwd {Path.cwd()}); set critic.config: configs/critic/smollm2.yaml")
     data = yaml.safe_load(path.read_text()) or {}
     models = data.get("models") if isinstance(data, dict) else None
     if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
         raise ValueError(f"critic.config ('{path}') must hold 'models:', a list of {{role, overrides}} entries, "
-                         f"because each entry describes one model; see configs/critic.yaml")
+                         f"because each entry describes one model; see configs/critic/smollm2.yaml")
     roles = [m.get("role") for m in models]
     if any(role not in ROLES for role in roles) or roles.count("critic") != 1 or roles.count("actor") > 1:
         raise ValueError(f"critic.config ('{path}') roles ({roles}) must be one 'critic' and at most one 'actor' "

@@ -434,7 +434,7 @@ class CriticConfig(Section):
 
     config: str | None = None
     """YAML file listing the models (roles actor and critic) and the critic's overrides of the actor's
-    ``model`` / ``optimizer`` settings (rlrun/config/critic.py; example: configs/critic.yaml). None: no
+    ``model`` / ``optimizer`` settings (rlrun/config/critic.py; example: configs/critic/smollm2.yaml). None: no
     critic. Needs ``algorithm.advantage_estimator: ppo`` or an ``algorithm.custom_advantage`` that reads
     ``mb.values``."""
     num_critic_only_steps: int = Field(0, ge=0)
@@ -465,7 +465,8 @@ class RunConfig(Section):
         algo, critic = self.algorithm, self.critic
         if algo.advantage_estimator == "ppo" and critic.config is None and algo.custom_advantage is None:
             raise ValueError("algorithm.advantage_estimator (ppo) must come with algorithm.custom_advantage or "
-                             "critic.config because GAE needs critic values; set critic.config: configs/critic.yaml")
+                             "critic.config because GAE needs critic values; set critic.config: "
+                             "configs/critic/smollm2.yaml")
         if critic.config is not None:
             if algo.advantage_estimator != "ppo" and algo.custom_advantage is None:
                 raise ValueError(f"critic.config ('{critic.config}') must be unset for advantage_estimator "

@@ -61,7 +61,8 @@ def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int) -
     # The same GPTModel arguments as rlrun.megatron.model.build_model: the trunk must load the same
     # HF weights (the LM head is loaded too, then dropped).
     gpt = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
         vocab_size=arch.padded_vocab_size(parallel.tp_size), max_sequence_length=arch.max_position_embeddings,
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_embeddings, position_embedding_type="rope",

@@ -1,6 +1,7 @@
 """The Megatron critic at TP=2 against Hugging Face: values, value loss and the whole gradient norm of one
 critic step (trunk + replicated head), on a tied-embedding Llama and a QKV-bias Qwen2; and the value head
-loaded from an HF ``score.*`` tensor; the value loss descends over steps on a fixed batch. One spawn of 2 ranks for everything."""
+loaded from an HF ``score.*`` tensor; the value loss descends step by step on a fixed batch. One spawn of
+2 ranks for everything."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def _critic_worker(model_dirs: dict[str, str], scored_dir: str, tokens, returns,
         mb = MicroBatch(tokens, position_ids, mask, torch.zeros_like(mask), torch.zeros_like(mask), returns=returns)
         critic.fill_values([mb])
         metrics = critic.train([mb], num_global_tokens=int(mask.sum()))
-        out[kind] = {"head": initial, "values": mb.values, "metrics": metrics,
-                     "moved": not torch.equal(head.weight.detach(), initial[0]), "losses": [metrics["critic/value_loss"]]}
+        out[kind] = {"head": initial, "values": mb.values, "metrics": metrics, "losses": [metrics["critic/value_loss"]],
+                     "moved": not torch.equal(head.weight.detach(), initial[0])}
         for _ in range(3):  # the same batch again: each step's old values are the last step's new ones
             critic.fill_values([mb])
             out[kind]["losses"].append(critic.train([mb], num_global_tokens=int(mask.sum()))["critic/value_loss"])
@@ -77,8 +78,8 @@ def test_critic_matches_hf_values_and_gradient(tiny_model_dirs, tmp_path):
     dirs = {kind: str(tiny_model_dirs[kind]) for kind in KINDS}
     ranks = run_distributed(_critic_worker, 2, dirs, str(scored_dir), tokens, returns, mask, all_ranks=True)
     for kind in KINDS:
-        ref_values, ref_loss, ref_grad_norm = _hf_reference(tiny_model_dirs[kind], ranks[0][kind]["head"], tokens,
-                                                            returns, mask)
+        ref_values, ref_loss, ref_grad_norm = _hf_reference(tiny_model_dirs[kind], ranks[0][kind]["head"],
+                                                            tokens, returns, mask)
         for result in ranks:
             got = result[kind]
             torch.testing.assert_close(got["head"][0], ranks[0][kind]["head"][0], rtol=0, atol=0)  # replicated
