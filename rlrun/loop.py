@@ -145,6 +145,8 @@ def setup(cfg: RunConfig, parallel) -> Components:
         backend=cfg.engine.backend, model_path=cfg.model.path, run_dir=run_dir, rank=parallel.rank,
         seed=cfg.train.seed + parallel.rank, dtype=cfg.model.dtype,
         startup_timeout_s=cfg.engine.startup_timeout_s, request_timeout_s=cfg.engine.request_timeout_s,
+        heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s, enable_memory_saver=cfg.offload.rollout,
+        server_args=cfg.engine.sglang_server_args,
     )
     model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype)
     opt = cfg.optimizer
@@ -260,4 +262,7 @@ def sync_weights(parts: Components, version: int) -> None:
     """Push the trainer's weights to this rank's engine as HF-named flattened buckets."""
     from rlrun.megatron import export_hf_weights
 
-    parts.engine.update_weights(export_hf_weights(parts.model), weight_version=str(version), bucket_bytes=parts.cfg.engine.bucket_bytes)
+    parts.engine.update_weights(
+        export_hf_weights(parts.model), weight_version=str(version),
+        bucket_bytes=parts.cfg.engine.bucket_bytes, verify=parts.cfg.engine.verify_weights,
+    )

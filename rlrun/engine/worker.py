@@ -27,11 +27,11 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 from rlrun.engine.backends import BackendSpec, EngineBackend, load_backend
 from rlrun.engine.lifecycle import EngineLifecycle
 from rlrun.engine.rpc import RpcServer
+from rlrun.runtime.processes import process_alive
 from rlrun.engine.sampling import per_prompt_params
 from rlrun.engine.types import EngineStatus, GenResult, OpResult
 
@@ -44,21 +44,6 @@ WATCHDOG_INTERVAL_S = 1.0
 EXIT_PARENT_DIED = 3
 PAUSE_POLL_S = 0.01
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-def _parent_alive(parent_pid: int) -> bool:
-    """False once the parent is gone or a zombie (killed but not yet reaped by its own parent)."""
-    try:
-        os.kill(parent_pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    stat = Path(f"/proc/{parent_pid}/stat")
-    if stat.exists():
-        state = stat.read_text().rsplit(")", 1)[-1].split()[0]
-        return state not in ("Z", "X")
-    return True
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -79,11 +64,11 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(EXIT_PARENT_DIED)
 
     def watch() -> None:
-        while _parent_alive(parent_pid):
+        while process_alive(parent_pid):
             time.sleep(WATCHDOG_INTERVAL_S)
         exit_orphaned()
 
-    if not _parent_alive(parent_pid):  # it died before prctl took effect
+    if not process_alive(parent_pid):  # it died before prctl took effect
         exit_orphaned()
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from rlrun.runtime.dist import Parallel
+from rlrun.runtime.processes import process_alive
 
 INTERVAL_S = 1.0
 PEER_TIMEOUT_S = 15.0
@@ -47,21 +48,6 @@ PEER_TIMEOUT_S = 15.0
 process descheduled on a busy machine, short enough that every rank is gone within 30 s."""
 STORE_TIMEOUT_S = 10.0
 EXIT_PEER_FAILED = 43
-
-
-def process_alive(pid: int) -> bool:
-    """False once ``pid`` has exited or is a zombie (killed but not yet reaped by its parent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except FileNotFoundError:  # exited just now, or no procfs (then kill(pid, 0) is all we know)
-        return not Path("/proc/self").exists()
-    return state not in ("Z", "X")
 
 
 @dataclass(frozen=True)
@@ -193,7 +179,10 @@ class Watchdog:
     def _exit(self, verdict: str) -> None:
         print(f"[rlrun] {self.me.describe()} exiting: {verdict}", file=sys.stderr, flush=True)
         if self._engine is not None and self._engine.poll() is None:
-            self._engine.kill()
+            try:  # the worker leads its own process group (SGLang's schedulers live in it too)
+                os.killpg(self._engine.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self._engine.kill()
         os._exit(EXIT_PEER_FAILED)
 
     def _stop_thread(self) -> None:
