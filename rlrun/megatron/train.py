@@ -85,6 +85,21 @@ def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches
     ``grad_norm`` (before clipping) and every metric of ``loss_fn`` summed over micro-batches and DP ranks.
     Micro-batches may differ in shape (no pipeline parallelism, so no fixed p2p tensor shape).
     """
+
+    def output_loss(micro_batch, output):
+        targets = micro_batch.tokens[:, 1:].to(output.device)
+        logprobs, entropy = vocab_parallel_token_stats(output[:, :-1], targets, temperature,
+                                                       model.arch.vocab_size, with_entropy=with_entropy)
+        return loss_fn(micro_batch, logprobs, *((entropy,) if with_entropy else ()))
+
+    return optimizer_step(model, optimizer, micro_batches, output_loss, num_global_tokens)
+
+
+def optimizer_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence,
+                   output_loss: Callable, num_global_tokens: int) -> dict[str, float]:
+    """The schedule shared by the actor and the critic: ``output_loss(micro_batch, model_output)`` gives
+    ``(loss_sum, metrics)``; gradients are d(sum over DP ranks and micro-batches of loss_sum) /
+    ``num_global_tokens`` (DDP sums, never averages, over DP)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if num_global_tokens <= 0:
@@ -98,22 +113,18 @@ def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches
 
     def forward_step(data_iterator, _ddp_model):
         micro_batch = next(data_iterator)
-        logits = forward_logits(model, micro_batch.tokens, micro_batch.position_ids)
+        output = forward_logits(model, micro_batch.tokens, micro_batch.position_ids)
 
-        def loss_func(output):
-            targets = micro_batch.tokens[:, 1:].to(output.device)
-            logprobs, entropy = vocab_parallel_token_stats(output[:, :-1], targets, temperature,
-                                                           model.arch.vocab_size, with_entropy=with_entropy)
-            extra = (entropy,) if with_entropy else ()
-            loss_sum, metrics = loss_fn(micro_batch, logprobs, *extra)
+        def loss_func(out):
+            loss_sum, metrics = output_loss(micro_batch, out)
             reserved = set(RESERVED_METRICS) & set(metrics)
             if reserved:
                 raise ValueError(f"loss_fn metric names {sorted(reserved)} are reserved by train_step; rename them")
             loss = loss_sum / num_global_tokens
-            no_token_count = torch.zeros([], dtype=torch.int, device=output.device)
+            no_token_count = torch.zeros([], dtype=torch.int, device=out.device)
             return loss, no_token_count, {**metrics, "loss": loss.detach()}
 
-        return logits, loss_func
+        return output, loss_func
 
     first = micro_batches[0].tokens
     per_micro_batch = get_forward_backward_func()(

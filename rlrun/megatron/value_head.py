@@ -25,7 +25,7 @@ from rlrun.megatron.hf_config import ModelArch, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint
 from rlrun.megatron.logprobs import forward_logits
 from rlrun.megatron.model import MegatronModel, load_hf_weights
-from rlrun.megatron.train import _sum_over_dp, _sync_grads
+from rlrun.megatron.train import optimizer_step
 from rlrun.runtime.dist import Parallel
 
 if TYPE_CHECKING:
@@ -105,39 +105,7 @@ def compute_values(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
 
 def value_train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence,
                      loss_fn: ValueLossFn, num_global_tokens: int) -> dict[str, float]:
-    """One optimizer step of the critic: forward/backward every micro-batch, sync gradients over DP, clip,
-    step. Scaling and returns as ``rlrun.megatron.train.train_step`` (whose DP gradient sync and metric
-    reduction it reuses): ``loss`` is the DP-summed loss / ``num_global_tokens``, ``grad_norm`` before clip."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    if num_global_tokens <= 0:
-        raise ValueError(f"num_global_tokens ({num_global_tokens}) must be positive because it divides the "
-                         f"value loss; count the loss-masked tokens of the whole step across DP ranks")
-    config = model.module.config
-    config.no_sync_func = model.ddp.no_sync
-    config.finalize_model_grads_func = _sync_grads
-    model.ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-
-    def forward_step(data_iterator, _ddp_model):
-        micro_batch = next(data_iterator)
-        output = forward_logits(model, micro_batch.tokens, micro_batch.position_ids)
-
-        def loss_func(values_out):
-            loss_sum, metrics = loss_fn(micro_batch, values_out[:, :-1, 0].float())
-            loss = loss_sum / num_global_tokens
-            return loss, torch.zeros([], dtype=torch.int, device=values_out.device), {**metrics, "loss": loss.detach()}
-
-        return output, loss_func
-
-    first = micro_batches[0].tokens
-    per_micro_batch = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model.ddp,
-        num_microbatches=len(micro_batches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
-        forward_only=False,
-    )
-    sums = _sum_over_dp(per_micro_batch)
-    update_ok, grad_norm, _ = optimizer.step()
-    if not update_ok:
-        raise RuntimeError("the Megatron optimizer skipped the critic update (non-finite gradients)")
-    return {**sums, "grad_norm": float(grad_norm)}
+    """One optimizer step of the critic, on the actor's schedule (``rlrun.megatron.train.optimizer_step``):
+    ``loss`` is the DP-summed loss / ``num_global_tokens``, ``grad_norm`` is before clipping."""
+    return optimizer_step(model, optimizer, micro_batches,
+                          lambda mb, out: loss_fn(mb, out[:, :-1, 0].float()), num_global_tokens)
