@@ -99,6 +99,24 @@ def resolve_resume(setting: str, ckpt_dir: Path) -> Path | None:
     return path
 
 
+def check_layout(step_dir: Path, layout: Layout, fix: str) -> None:
+    """Raise unless complete checkpoint ``step_dir`` was saved on ``layout``; ``fix`` ends the message."""
+    saved = Layout(**json.loads((step_dir / COMPLETE).read_text())["layout"])
+    if saved != layout:
+        raise ValueError(
+            f"checkpoint {step_dir} layout ({saved}) must equal this run's ({layout}) because each rank "
+            f"saved its own tensor-parallel shard; launch {saved.world_size} processes with parallel.tp="
+            f"{saved.tp}, {fix}")
+
+
+def read_model_shard(step_dir: Path, parallel: Parallel, fix: str) -> dict[str, torch.Tensor]:
+    """This rank's model ``state_dict`` from complete checkpoint ``step_dir`` (no optimizer, no RNGs),
+    for weights loaded beside the actor's (the reference). Memory-mapped: the optimizer shard is not read."""
+    check_layout(step_dir, Layout.of(parallel), fix)
+    return torch.load(step_dir / rank_file_name(parallel.rank), map_location="cpu", weights_only=True,
+                      mmap=True)["model"]
+
+
 class Checkpointer:
     """Saves and restores the run; every method is collective over ``parallel.cpu_group``."""
 
@@ -199,13 +217,7 @@ class Checkpointer:
         path = self._choose_resume()
         if path is None:
             return None
-        marker = json.loads((path / COMPLETE).read_text())
-        saved = Layout(**marker["layout"])
-        if saved != self.layout:
-            raise ValueError(
-                f"checkpoint {path} layout ({saved}) must equal this run's ({self.layout}) because each rank "
-                f"saved its own tensor-parallel shard; launch {saved.world_size} processes with parallel.tp="
-                f"{saved.tp}, or set checkpoint.resume=none to start fresh")
+        check_layout(path, self.layout, "or set checkpoint.resume=none to start fresh")
         run_state = json.loads((path / RUN_STATE).read_text())
         shard = torch.load(path / rank_file_name(self.parallel.rank), map_location="cpu", weights_only=True)
         load_megatron_rank_state(model, optimizer, shard)

@@ -9,7 +9,9 @@ in for a no-grad forward pass, then the actor is swapped back before training:
               every ``ref.update_interval`` steps
 
 Where the role weights come from: ``ref.path`` / ``opd.teacher_path`` (HF directories of the same
-architecture) or, for the reference without a path, the actor's initial weights.
+architecture) or, for the reference without a path, the actor's initial weights. ``ref.path`` may also
+be an rlrun checkpoint directory (``ref.step`` picks ``step_N``, else the newest complete one): each
+rank loads its own shard's model state, so the run must have the checkpoint's parallel layout.
 
 The old-policy forward is skipped when the training forward can reuse its own log-probs
 (``can_reuse_logprobs``); the loss then takes the detached training log-probs as the old ones.
@@ -17,9 +19,11 @@ The old-policy forward is skipped when the training forward can reuse its own lo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from rlrun.megatron.weight_backup import WeightBackup
 
@@ -68,7 +72,7 @@ class ModelRoles:
         backup = WeightBackup(model.module)
         backup.backup("actor")
         if cfg.uses_ref:
-            _load_role(backup, model, "ref", cfg.ref.path)
+            _load_ref(backup, model, cfg.ref.path, cfg.ref.step)
         if cfg.uses_teacher:
             _load_role(backup, model, "teacher", cfg.opd.teacher_path)
         if cfg.keep_old_actor:
@@ -135,3 +139,64 @@ def _load_role(backup: WeightBackup, model: MegatronModel, tag: str, hf_dir: str
                              f"are loaded into the actor's model; got {arch} vs {model.arch}")
         load_hf_weights(model.module, model.arch, HFCheckpoint(hf_dir), model.parallel)
     backup.backup(tag)
+
+
+def _load_ref(backup: WeightBackup, model: MegatronModel, path: str | None, step: int | None) -> None:
+    """Back up the reference weights as ``ref`` from an HF directory, an rlrun checkpoint or the live weights."""
+    from rlrun.checkpoint import read_model_shard
+    from rlrun.megatron.checkpoint import load_model_shard
+
+    parallel = model.parallel
+    # Rank 0 picks the checkpoint so every rank loads the same step even if the directory changes meanwhile;
+    # its error is raised on every rank, so none waits in a collective for a rank that failed.
+    choice: list = [None]
+    if parallel.is_rank0:
+        try:
+            choice = [_ref_checkpoint(path, step)]
+        except ValueError as exc:
+            choice = [exc]
+    dist.broadcast_object_list(choice, src=0, group=parallel.cpu_group)
+    if isinstance(choice[0], ValueError):
+        raise choice[0]
+    if choice[0] is None:
+        _load_role(backup, model, "ref", path)
+        return
+    fix = "or point algorithm.ref.path at Hugging Face weights of that model"
+    load_model_shard(model, read_model_shard(choice[0], parallel, fix))
+    backup.backup("ref")
+    if parallel.is_rank0:
+        print(f"[rlrun] reference weights: {choice[0]}", flush=True)
+
+
+def _ref_checkpoint(path: str | None, step: int | None) -> Path | None:
+    """The complete checkpoint ``ref.path`` / ``ref.step`` name, or None when ``path`` is no rlrun
+    checkpoint directory (an HF directory, or None)."""
+    from rlrun.checkpoint import COMPLETE, complete_checkpoints
+
+    if path is None:
+        return None
+    root = Path(path)
+    is_step_dir = root.name.startswith("step_") and root.name[len("step_"):].isdigit()
+    if not is_step_dir and not any(root.glob("step_*")):
+        if step is not None:
+            raise ValueError(f"algorithm.ref.step ({step}) must be unset when algorithm.ref.path ({path}) is not "
+                             f"an rlrun checkpoint directory because only checkpoints have steps; point ref.path "
+                             f"at a checkpoint.dir holding step_* directories, or unset ref.step")
+        return None
+    if is_step_dir:
+        if not (root / COMPLETE).is_file():
+            raise ValueError(f"algorithm.ref.path ({path}) must be a complete checkpoint (with a {COMPLETE} "
+                             f"marker) because only complete checkpoints hold every rank's shard; pick one of "
+                             f"{[str(p) for _, p in complete_checkpoints(root.parent)] or 'none found'}")
+        if step is not None and int(root.name[len("step_"):]) != step:
+            raise ValueError(f"algorithm.ref.step ({step}) must match the checkpoint algorithm.ref.path ({path}) "
+                             f"names because a step directory holds one step; unset ref.step, or point ref.path "
+                             f"at {root.parent}")
+        return root
+    found = complete_checkpoints(root)
+    for n, step_dir in reversed(found):
+        if step is None or n == step:
+            return step_dir
+    raise ValueError(f"algorithm.ref.step ({step}) must name a complete checkpoint in algorithm.ref.path ({path}) "
+                     f"because only complete checkpoints hold every rank's shard; available complete steps: "
+                     f"{[n for n, _ in found] or 'none'}")

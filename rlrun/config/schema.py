@@ -263,10 +263,22 @@ class RefConfig(Section):
     """The reference model: a CPU weight backup swapped into the trainer's model for its forward pass."""
 
     path: str | None = None
-    """Hugging Face directory of the reference weights (same architecture as ``model.path``); None uses
-    the actor's initial weights."""
+    """Hugging Face directory of the reference weights (same architecture as ``model.path``), or an rlrun
+    checkpoint directory (``checkpoint.dir`` holding ``step_*``, or one ``step_*``; same model and parallel
+    layout as this run); None uses the actor's initial weights."""
+    step: int | None = Field(None, ge=0)
+    """Which checkpoint of the rlrun checkpoint directory ``path`` to load (``step_N``); None the newest
+    complete one. Only for checkpoint directories: Hugging Face weights have no steps."""
     update_interval: int | None = Field(None, ge=1)
     """Copy the actor's weights into the reference every N steps (after the optimizer step); None never."""
+
+    @model_validator(mode="after")
+    def _step_needs_path(self) -> RefConfig:
+        if self.step is not None and self.path is None:
+            raise ValueError(f"algorithm.ref.step ({self.step}) must come with algorithm.ref.path because it picks "
+                             f"a checkpoint of that directory; set ref.path to an rlrun checkpoint directory, "
+                             f"or unset ref.step")
+        return self
 
 
 class TISConfig(Section):

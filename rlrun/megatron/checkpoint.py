@@ -29,14 +29,19 @@ def rank_state(model: MegatronModel, optimizer: MegatronOptimizer) -> dict[str, 
 
 def load_rank_state(model: MegatronModel, optimizer: MegatronOptimizer, state: dict[str, Any]) -> None:
     """Restore what :func:`rank_state` returned (after ``build_model`` and ``make_optimizer``)."""
-    result = model.module.load_state_dict(state["model"], strict=False)
+    load_model_shard(model, state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"])
+
+
+def load_model_shard(model: MegatronModel, model_state: dict[str, Any]) -> None:
+    """Copy a saved ``rank_state(...)["model"]`` into the live weights (every parameter must match)."""
+    result = model.module.load_state_dict(model_state, strict=False)
     problems = [key for key in [*result.missing_keys, *result.unexpected_keys] if not key.endswith("_extra_state")]
     if problems:
         raise RuntimeError(f"checkpoint model shard does not match the model built from model.path: "
-                           f"missing {result.missing_keys}, unexpected {result.unexpected_keys}; resume with "
+                           f"missing {result.missing_keys}, unexpected {result.unexpected_keys}; use "
                            f"the model.path the checkpoint was written with")
-    optimizer.load_state_dict(state["optimizer"])
-    _set_rng_state(state["rng"])
 
 
 def _rng_state() -> dict[str, Any]:
