@@ -19,6 +19,7 @@ from typing import Annotated
 
 import typer
 
+from rlrun.bench.cli import bench_app
 from rlrun.config import ConfigError, RunConfig, dump_config, load_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -27,6 +28,7 @@ config_app = typer.Typer(no_args_is_help=True, help="Inspect and check run confi
 prepare_app = typer.Typer(no_args_is_help=True, help="Prepare models for offline runs.")
 app.add_typer(config_app, name="config")
 app.add_typer(prepare_app, name="prepare")
+app.add_typer(bench_app, name="bench")
 
 ConfigPath = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/quickstart.yaml.")]
 Overrides = Annotated[list[str], typer.Option("--set", metavar="KEY=VALUE", help="e.g. --set rollout.temperature=0.7")]

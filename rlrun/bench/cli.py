@@ -1,0 +1,68 @@
+"""``rlrun bench rollout`` and ``rlrun bench sync``: run a benchmark, print its JSON, optionally save it.
+
+The JSON records the command line and the UTC date next to the figures, so a committed result says
+how it was produced. torch and the benchmark modules are imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks: rollout throughput and weight sync.")
+OutFile = Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file.")]
+
+
+def _emit(kind: str, results: Any, out: Path | None, echo: bool = True) -> None:
+    import torch
+    import transformers
+
+    record = {"benchmark": kind, "command": "rlrun " + " ".join(sys.argv[1:]),
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "results": [dataclasses.asdict(r) for r in results]}
+    text = json.dumps(record, indent=2)
+    if echo:
+        typer.echo(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
+@bench_app.command("rollout")
+def rollout(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-0.6b",
+            batch: int = 64, prompt_len: int = 128, new_tokens: int = 256,
+            device: Annotated[str | None, typer.Option(help="Default: cuda if available, else cpu.")] = None,
+            dtype: Annotated[str | None, typer.Option(help="Default: bfloat16 on cuda, float32 on cpu.")] = None,
+            hbm_gbps: Annotated[float, typer.Option(help="HBM bandwidth for the bound, GB/s (H200: 4800).")] = 4800.0,
+            out: OutFile = None) -> None:
+    """Embedded engine vs transformers generate output tokens/s, and the memory-bandwidth bound."""
+    import torch
+
+    from rlrun.bench.rollout import bench_rollout
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    result = bench_rollout(shape, batch, prompt_len, new_tokens, device, dtype, hbm_bytes_per_s=hbm_gbps * 1e9)
+    _emit("rollout", [result], out)
+
+
+@bench_app.command("sync")
+def sync(shape: Annotated[str, typer.Option(help="Comma-separated shapes, e.g. qwen3-0.6b,1.7b,4b,8b.")] = "qwen3-0.6b",
+         bucket_mib: int = 512, repeats: int = 3,
+         run_dir: Annotated[Path, typer.Option(help="Engine logs and temporary model directories.")] = Path("runs/bench"),
+         out: OutFile = None) -> None:
+    """Megatron -> embedded engine weight sync: seconds and GB/s per shape (median of REPEATS after a warm-up)."""
+    from rlrun.bench.sync import bench_sync
+
+    shapes = [s.strip() for s in shape.split(",") if s.strip()]
+    results = []
+    for result in bench_sync(shapes, run_dir, bucket_bytes=bucket_mib * 2**20, repeats=repeats):
+        results.append(result)
+        _emit("sync", results, out, echo=len(results) == len(shapes))  # the file grows shape by shape

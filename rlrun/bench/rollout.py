@@ -1,0 +1,111 @@
+"""``rlrun bench rollout``: embedded-engine output tokens/s vs transformers ``generate`` and vs the
+memory-bandwidth bound, on one random model of a published shape, same batch and lengths, one run.
+
+The bound: a decode step must read every weight once from HBM, so a step takes at least
+``weight_bytes / hbm_bandwidth`` seconds and a batch of B rows makes at most ``B / step_s`` tokens/s
+(KV-cache reads and prefill ignored, so the real bound is a little lower). Every response is forced
+to its full length (``ignore_eos`` / ``min_new_tokens``) so both sides emit exactly B x new_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rlrun.bench.shapes import get_shape, weight_bytes, write_random_model
+from rlrun.bench.timing import hardware, timer
+
+H200_HBM_BYTES_PER_S = 4.8e12
+WARMUP_NEW_TOKENS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """One generator's timed run: ``tokens_per_s = output_tokens / seconds`` (prefill included)."""
+
+    seconds: float
+    output_tokens: int
+    tokens_per_s: float
+
+    @classmethod
+    def of(cls, seconds: float, output_tokens: int) -> Throughput:
+        return cls(seconds=seconds, output_tokens=output_tokens, tokens_per_s=output_tokens / seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class BandwidthBound:
+    """``step_s = weight_bytes / hbm_bytes_per_s``; ``tokens_per_s = batch / step_s``."""
+
+    hbm_bytes_per_s: float
+    step_s: float
+    tokens_per_s: float
+
+    @classmethod
+    def of(cls, weight_bytes: int, hbm_bytes_per_s: float, batch: int) -> BandwidthBound:
+        step_s = weight_bytes / hbm_bytes_per_s
+        return cls(hbm_bytes_per_s=hbm_bytes_per_s, step_s=step_s, tokens_per_s=batch / step_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutResult:
+    """One ``bench rollout`` measurement: the inputs, both generators' throughput, and the bound."""
+
+    shape: str
+    hardware: str
+    dtype: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    num_params: int
+    weight_bytes: int
+    engine: Throughput
+    hf_generate: Throughput
+    bound: BandwidthBound
+    speedup_vs_hf: float
+    """engine tokens/s / HF generate tokens/s (goal >= 5)."""
+    fraction_of_bound: float
+    """engine tokens/s / bound tokens/s."""
+
+
+def _engine_run(engine, prompts: list[list[int]], new_tokens: int) -> int:
+    """Greedy, log-probs on (as the trainer asks), every response exactly ``new_tokens`` long."""
+    results = engine.generate(prompts, {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True})
+    return sum(r["completion_tokens"] for r in results)
+
+
+def _hf_run(model, prompts: torch.Tensor, new_tokens: int) -> int:
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return (out.shape[1] - prompts.shape[1]) * out.shape[0]
+
+
+def bench_rollout(shape: str, batch: int, prompt_len: int, new_tokens: int, device: str, dtype: str,
+                  hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, seed: int = 0) -> RolloutResult:
+    """Time one warm run of the embedded engine and of HF ``generate`` on the same weights in memory."""
+    from rlrun.engine.backends.embedded import DTYPES, EmbeddedEngine
+
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
+        model_dir = write_random_model(get_shape(shape), Path(tmp), DTYPES[dtype], device)
+        engine = EmbeddedEngine(model_dir, seed=seed, dtype=dtype, device=device)
+    model, dev = engine.model, engine.device
+    vocab = engine.vocab_size
+    prompts = torch.randint(2, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    prompt_lists, prompts_dev = prompts.tolist(), prompts.to(dev)
+    _engine_run(engine, prompt_lists, WARMUP_NEW_TOKENS)
+    _hf_run(model, prompts_dev, WARMUP_NEW_TOKENS)
+    with timer(dev) as engine_s:
+        engine_tokens = _engine_run(engine, prompt_lists, new_tokens)
+    with timer(dev) as hf_s:
+        hf_tokens = _hf_run(model, prompts_dev, new_tokens)
+    nbytes = weight_bytes(model)
+    engine_tp, hf_tp = Throughput.of(engine_s[0], engine_tokens), Throughput.of(hf_s[0], hf_tokens)
+    bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
+    return RolloutResult(shape=shape, hardware=hardware(dev), dtype=dtype, batch=batch, prompt_len=prompt_len,
+                         new_tokens=new_tokens, num_params=sum(p.numel() for p in model.parameters()),
+                         weight_bytes=nbytes, engine=engine_tp, hf_generate=hf_tp, bound=bound,
+                         speedup_vs_hf=engine_tp.tokens_per_s / hf_tp.tokens_per_s,
+                         fraction_of_bound=engine_tp.tokens_per_s / bound.tokens_per_s)
