@@ -14,8 +14,8 @@ One step:
                 the post-process hook
   6. train      the critic's value-loss step first (PPO), then Megatron forward/backward with the
                 configured loss (rlrun/algo/objective.py), optimizer step, role backups refreshed
-  7. trainer sleeps; engine wakes for weights; weight sync (Megatron -> HF names -> flattened
-                buckets -> ZMQ); engine wakes its KV cache
+  7. engine wakes for weights; weight sync (Megatron -> HF names -> flattened buckets -> ZMQ);
+                the trainer sleeps and the engine wakes its KV cache when the next step starts
   8. log        metrics.jsonl + console line on rank 0
 
     torchrun ─┬─ rank 0: Megatron shard + loop ──ZMQ──> engine worker 0
@@ -148,9 +148,11 @@ def setup(cfg: RunConfig, parallel) -> Components:
         heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s, enable_memory_saver=cfg.offload.rollout,
         server_args=cfg.engine.sglang_server_args,
     )
-    model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype)
-    opt = cfg.optimizer
-    optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
+    offloader = Offloader(cfg.offload, engine, parallel.device)
+    with offloader.trainer_region():  # weights, grad buffers and optimizer state can sleep (rlrun/offload.py)
+        model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype)
+        opt = cfg.optimizer
+        optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
     roles = ModelRoles.create(cfg.algorithm, model)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     sampler = None
@@ -160,7 +162,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
     return Components(
         cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, critic=Critic.build(cfg, parallel),
         engine=engine,
-        offloader=Offloader(cfg.offload, engine, parallel.device), tokenizer=tokenizer, sampler=sampler,
+        offloader=offloader, tokenizer=tokenizer, sampler=sampler,
         rollout=RolloutRuntime.build(cfg, parallel, engine, tokenizer, sampler), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
     )
@@ -169,8 +171,12 @@ def setup(cfg: RunConfig, parallel) -> Components:
 def train_one_step(parts: Components, state: RunState) -> None:
     timer = PhaseTimer(parts.logger)
     metrics: dict[str, float] = {}
+    with timer("offload"):  # here, not at the end of a step, so checkpoints between steps see an awake trainer
+        parts.offloader.trainer_sleep()
+        parts.offloader.engine_wake_for_rollout()
     with timer("rollout"):
         samples = rollout(parts, state.step, metrics)
+    parts.offloader.mark("rollout")
     with timer("offload"):
         parts.offloader.engine_sleep()
         parts.offloader.trainer_wake()
@@ -180,19 +186,20 @@ def train_one_step(parts: Components, state: RunState) -> None:
     if parts.cfg.debug.rollout_only:
         micro_batches = []  # rollout metrics only: no training and no weight sync
     if micro_batches:
-        with timer("logprobs"):
+        with timer("logprobs"), parts.offloader.trainer_region():
             metrics.update(compute_old_logprobs(parts, micro_batches, state.step))
         maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, micro_batches)
-        with timer("train"):
+        with timer("train"), parts.offloader.trainer_region():
             metrics.update(train(parts, micro_batches, num_global_tokens, state.step))
+    parts.offloader.mark("train")
     with timer("offload"):
-        parts.offloader.trainer_sleep()
         parts.offloader.engine_wake_for_sync()
     if micro_batches:
-        with timer("sync"):
+        with timer("sync"):  # reads the trainer's weights: the trainer sleeps at the next step's start
             state.weight_version += 1
             sync_weights(parts, state.weight_version)
-    parts.offloader.engine_wake_for_rollout()
+    parts.offloader.mark("sync")
+    metrics.update(parts.offloader.step_metrics())
     if parts.logger is not None:
         parts.logger.log(state.step, {**metrics, **timer.as_metrics()})
 

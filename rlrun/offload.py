@@ -3,34 +3,79 @@
 The call sites are the same on every device so the loop reads the same everywhere; on CPU there is
 no device memory to give back, so the trainer's sleep/wake do nothing and the engine's
 release/resume only run the contract's bookkeeping (which still catches ordering mistakes).
+
+On CUDA with ``offload.train`` the trainer's weights, gradient buffers and optimizer state (and the
+activations of the main thread) live in one torch_memory_saver region with a pinned CPU backup:
+:meth:`Offloader.trainer_region` wraps model/optimizer construction and every training phase, and
+sleep pauses the region (contents copied to host, device memory unmapped). Megatron sets the saver's
+hook mode when it is imported, so the saver is first touched here, after ``rlrun.runtime.dist``.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
 
 import torch
 
 from rlrun.config.schema import OffloadConfig
 
 ENGINE_TAGS_AFTER_SYNC = ["kv_cache", "cuda_graph"]
+TRAINER_TAG = "trainer"
+GB = 1e9
+
+
+def process_gpu_gb(pids: dict[str, int]) -> dict[str, float]:
+    """GPU memory (GB) each named process holds, as the driver reports it (CUDA context included),
+    because torch's own counters cannot see the engine process nor a paused region."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=False).stdout
+    used = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            used[int(pid)] = int(mib) * 2**20 / GB
+    return {name: round(used.get(pid, float("nan")), 3) for name, pid in pids.items()}
 
 
 class Offloader:
-    """Sleep/wake for one rank's trainer and its engine, in the order of DESIGN.md."""
+    """Sleep/wake for one rank's trainer and its engine, in the order of DESIGN.md, and the per-phase
+    memory timeline (``memory/<phase>/{trainer,engine,device}_gb``) on CUDA."""
 
     def __init__(self, cfg: OffloadConfig, engine, device: torch.device) -> None:
         self.cfg = cfg
         self.engine = engine
         self.device = device
-        if cfg.train and device.type == "cuda":
-            raise ValueError(
-                "offload.train (true) must be false on GPU for now because trainer sleep via torch_memory_saver "
-                "is not implemented yet; set offload.train=false"
-            )
+        self.on_gpu = device.type == "cuda"
+        self.metrics: dict[str, float] = {}
+        self._saver = None
+        self._trainer_asleep = False
+        self._engine_kv_released = False
+        if cfg.train and self.on_gpu:
+            import megatron.core  # noqa: F401  (sets the saver's hook mode; must come before the saver)
+            from torch_memory_saver import torch_memory_saver
+
+            self._saver = torch_memory_saver
+
+    @contextlib.contextmanager
+    def trainer_region(self) -> Iterator[None]:
+        """Allocations made inside (this thread) can be paused by :meth:`trainer_sleep`; a no-op without
+        trainer offload. Autograd's backward thread allocates outside it: those blocks are transient and
+        go back to the driver at sleep (``empty_cache``)."""
+        if self._saver is None:
+            yield
+            return
+        with self._saver.region(tag=TRAINER_TAG, enable_cpu_backup=True):
+            yield
 
     def engine_sleep(self) -> None:
         """After rollout: the engine gives back weights, KV cache and graphs (never mid-request)."""
         if self.cfg.rollout:
             self.engine.release_memory_occupation()
+            self._engine_kv_released = True
 
     def engine_wake_for_sync(self) -> None:
         """Before weight sync: only the weights come back, the KV cache waits until after."""
@@ -38,11 +83,55 @@ class Offloader:
             self.engine.resume_memory_occupation(["weights"])
 
     def engine_wake_for_rollout(self) -> None:
-        if self.cfg.rollout:
+        """Before rollout: the KV cache and graphs come back (nothing to do before the first rollout)."""
+        if self.cfg.rollout and self._engine_kv_released:
             self.engine.resume_memory_occupation(ENGINE_TAGS_AFTER_SYNC)
+            self._engine_kv_released = False
 
     def trainer_sleep(self) -> None:
-        """Nothing to release on CPU; GPU sleep is rejected at construction until it exists."""
+        """Pause the trainer's region (after the weight sync has read the weights) and return the
+        transient blocks outside it to the driver. Nothing to release on CPU."""
+        if self._saver is None or self._trainer_asleep:
+            return
+        self._timed("sleep", lambda: (torch.cuda.empty_cache(), self._saver.pause(TRAINER_TAG)))
+        self._trainer_asleep = True
 
     def trainer_wake(self) -> None:
-        """Counterpart of :meth:`trainer_sleep`."""
+        """Counterpart of :meth:`trainer_sleep`: the region comes back with its contents."""
+        if self._saver is None or not self._trainer_asleep:
+            return
+        self._timed("wake", lambda: self._saver.resume(TRAINER_TAG))
+        self._trainer_asleep = False
+
+    def _timed(self, what: str, fn) -> None:
+        before = self.device_used_gb()
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        moved = abs(self.device_used_gb() - before)
+        self.metrics[f"offload/trainer_{what}_s"] = round(seconds, 4)
+        self.metrics[f"offload/trainer_{what}_gb"] = round(moved, 3)
+        self.metrics[f"offload/trainer_{what}_gb_per_s"] = round(moved / max(seconds, 1e-9), 2)
+
+    def device_used_gb(self) -> float:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return (total - free) / GB
+
+    def mark(self, phase: str) -> None:
+        """Record GPU memory of the trainer, the engine and the whole device at the end of ``phase``."""
+        if not self.on_gpu:
+            return
+        by_process = process_gpu_gb({"trainer": os.getpid(), "engine": self.engine.process.pid})
+        self.metrics[f"memory/{phase}/trainer_gb"] = by_process["trainer"]
+        self.metrics[f"memory/{phase}/engine_gb"] = by_process["engine"]
+        self.metrics[f"memory/{phase}/device_gb"] = round(self.device_used_gb(), 3)
+
+    def step_metrics(self) -> dict[str, float]:
+        """This step's timeline and sleep/wake figures (empty on CPU), then a fresh record for the next."""
+        out, self.metrics = self.metrics, {}
+        if self.on_gpu:
+            out["memory/trainer_max_allocated_gb"] = round(torch.cuda.max_memory_allocated(self.device) / GB, 3)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return out

@@ -268,3 +268,11 @@ class EmbeddedEngine:
     def onload_weights(self) -> None:
         if self.device.type == "cuda":
             self.model.to(self.device)
+
+    def free_cache(self) -> None:
+        """Return the allocator's cached blocks (the last generate's KV cache and activations) to the
+        driver, so a released engine holds only its CUDA context (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspaces outside the cache
+            torch.cuda.empty_cache()

@@ -66,9 +66,12 @@ class EmbeddedBackend:
         return {"success": True, "message": "Cache flushed."}
 
     async def release_memory_occupation(self, tags: list[str]) -> None:
-        """Weights go to host memory on GPU; the KV cache lives only inside a generate call."""
+        """Weights go to host memory on GPU; the KV cache lives only inside a generate call, so releasing
+        it returns the blocks the allocator still caches from the last one."""
         if "weights" in tags:
             await self._on_compute_thread(self.engine.offload_weights)
+        if "kv_cache" in tags:
+            await self._on_compute_thread(self.engine.free_cache)
 
     async def resume_memory_occupation(self, tags: list[str]) -> None:
         if "weights" in tags:

@@ -1,0 +1,67 @@
+"""Trainer sleep/wake (torch_memory_saver) and embedded-engine release on a real GPU.
+
+References are independent of the code under test: the driver's free-memory count
+(``torch.cuda.mem_get_info``) for what was given back, and a clone taken before sleep for contents.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+GIB = 2**30
+
+
+def used_bytes() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+class _NoEngine:
+    process = None
+
+
+def test_trainer_sleep_frees_region_and_wake_restores_contents():
+    from rlrun.config.schema import OffloadConfig
+    from rlrun.offload import Offloader
+
+    offloader = Offloader(OffloadConfig(train=True, rollout=False), _NoEngine(), torch.device("cuda", 0))
+    with offloader.trainer_region():
+        weights = torch.randn(GIB // 4, device="cuda")  # 1 GiB of fp32
+    reference = weights.cpu()
+    awake = used_bytes()
+    offloader.trainer_sleep()
+    asleep = used_bytes()
+    assert awake - asleep >= 0.95 * GIB, f"sleep gave back {(awake - asleep) / GIB:.3f} GiB of 1 GiB"
+    offloader.trainer_wake()
+    assert used_bytes() - asleep >= 0.95 * GIB
+    torch.testing.assert_close(weights.cpu(), reference, rtol=0, atol=0)
+    metrics = offloader.step_metrics()
+    assert metrics["offload/trainer_sleep_gb"] >= 0.95 * GIB / 1e9
+    assert metrics["offload/trainer_wake_s"] > 0
+
+
+def test_embedded_engine_release_returns_weights_and_cache(tmp_path):
+    from rlrun.bench.shapes import get_shape, write_random_model
+    from rlrun.engine.backends.embedded import EmbeddedEngine
+
+    model_dir = write_random_model(get_shape("qwen3-0.6b"), tmp_path / "m", torch.bfloat16, "cuda")
+    torch.cuda.empty_cache()
+    baseline = used_bytes()
+    engine = EmbeddedEngine(model_dir, dtype="bfloat16", device="cuda")
+    before = {name: t.detach().cpu().clone() for name, t in list(engine.named_parameters().items())[:3]}
+    engine.generate([[5, 6, 7]] * 8, {"max_new_tokens": 64, "temperature": 1.0}, True, [f"r{i}" for i in range(8)])
+    weight_bytes = sum(t.numel() * t.element_size() for t in engine.named_parameters().values())
+    assert used_bytes() - baseline >= weight_bytes
+    engine.offload_weights()
+    engine.free_cache()
+    # Measured on the H200: 120 MB left before cuBLAS workspaces were cleared, 86 MB (7% of 1.19 GB) after;
+    # the rest is not identified yet, so the bound is 10% of the weights, not zero.
+    assert used_bytes() - baseline < 0.10 * weight_bytes, "released engine still holds device memory"
+    engine.onload_weights()
+    for name, tensor in before.items():
+        torch.testing.assert_close(engine.named_parameters()[name].cpu(), tensor, rtol=0, atol=0)
