@@ -63,14 +63,18 @@ def tiny_config(kind: str, vocab_size: int = 264, tie: bool = False):
     raise ValueError(f"unknown tiny model kind {kind!r}; expected llama, qwen2 or qwen3")
 
 
-def make_tiny_model(kind: str, out_dir: str | Path, *, tie: bool = False, seed: int = 0) -> Path:
-    """Build, perturb and save a tiny random model with its tokenizer; returns the directory."""
+def make_tiny_model(kind: str, out_dir: str | Path, *, tie: bool = False, seed: int = 0,
+                    config_overrides: dict | None = None) -> Path:
+    """Build, perturb and save a tiny random model with its tokenizer; returns the directory.
+    ``config_overrides`` change the config before the model is built (e.g. other head counts)."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     tokenizer = make_tokenizer()
-    model = AutoModelForCausalLM.from_config(tiny_config(kind, vocab_size=len(tokenizer) + 5, tie=tie))
+    config = tiny_config(kind, vocab_size=len(tokenizer) + 5, tie=tie)
+    config.update(config_overrides or {})
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -27,19 +27,11 @@ pytestmark = pytest.mark.slow
 
 def _make_model(kind: str, out_dir: Path) -> Path:
     """A tiny random model of ``kind`` with 9 heads in 3 groups, every parameter perturbed away from 0 and 1."""
-    from tiny_models import make_tokenizer, tiny_config
-    from transformers import AutoModelForCausalLM
+    from tiny_models import make_tiny_model
 
-    torch.manual_seed(1)
-    config = tiny_config(kind, vocab_size=len(make_tokenizer()) + 5, tie=kind == "llama")
-    config.update({"num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                   "hidden_size": NUM_HEADS * HEAD_DIM})
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.05 * torch.randn_like(param))
-    model.save_pretrained(out_dir)
-    return out_dir
+    overrides = {"num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                 "hidden_size": NUM_HEADS * HEAD_DIM}
+    return make_tiny_model(kind, out_dir, tie=kind == "llama", seed=1, config_overrides=overrides)
 
 
 def _gather_attention(model) -> dict[str, torch.Tensor]:
