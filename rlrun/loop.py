@@ -149,10 +149,13 @@ def setup(cfg: RunConfig, parallel) -> Components:
         server_args=cfg.engine.sglang_server_args,
     )
     offloader = Offloader(cfg.offload, engine, parallel.device)
-    with offloader.trainer_region():  # weights, grad buffers and optimizer state can sleep (rlrun/offload.py)
+    with offloader.trainer_region():  # weights, grad buffers and optimizer state (actor and critic) can sleep
         model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype)
         opt = cfg.optimizer
         optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
+        critic = Critic.build(cfg, parallel)
+    for trained in [optimizer] + ([critic.optimizer] if critic else []):
+        offloader.keep_optimizer_state_in_region(trained)
     roles = ModelRoles.create(cfg.algorithm, model)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     sampler = None
@@ -160,7 +163,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
         dataset = PromptDataset(cfg.data, tokenizer)
         sampler = PromptSampler(dataset, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return Components(
-        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, critic=Critic.build(cfg, parallel),
+        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, critic=critic,
         engine=engine,
         offloader=offloader, tokenizer=tokenizer, sampler=sampler,
         rollout=RolloutRuntime.build(cfg, parallel, engine, tokenizer, sampler), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
@@ -186,10 +189,10 @@ def train_one_step(parts: Components, state: RunState) -> None:
     if parts.cfg.debug.rollout_only:
         micro_batches = []  # rollout metrics only: no training and no weight sync
     if micro_batches:
-        with timer("logprobs"), parts.offloader.trainer_region():
+        with timer("logprobs"):
             metrics.update(compute_old_logprobs(parts, micro_batches, state.step))
         maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, micro_batches)
-        with timer("train"), parts.offloader.trainer_region():
+        with timer("train"):
             metrics.update(train(parts, micro_batches, num_global_tokens, state.step))
     parts.offloader.mark("train")
     with timer("offload"):

@@ -4,16 +4,21 @@ The call sites are the same on every device so the loop reads the same everywher
 no device memory to give back, so the trainer's sleep/wake do nothing and the engine's
 release/resume only run the contract's bookkeeping (which still catches ordering mistakes).
 
-On CUDA with ``offload.train`` the trainer's weights, gradient buffers and optimizer state (and the
-activations of the main thread) live in one torch_memory_saver region with a pinned CPU backup:
-:meth:`Offloader.trainer_region` wraps model/optimizer construction and every training phase, and
-sleep pauses the region (contents copied to host, device memory unmapped). Megatron sets the saver's
-hook mode when it is imported, so the saver is first touched here, after ``rlrun.runtime.dist``.
+On CUDA with ``offload.train`` the trainer's *state* (weights, gradient buffers, fp32 main weights and
+Adam moments) lives in one torch_memory_saver region with a pinned CPU backup:
+:meth:`Offloader.trainer_region` wraps model/optimizer construction and
+:meth:`Offloader.keep_optimizer_state_in_region` routes the optimizer step there too, because Adam
+allocates its moments lazily at the first step. Activations and logits stay in torch's default pool
+and go back to the driver at sleep (``empty_cache``): backing them up would copy gigabytes of freed
+cache blocks to the host at every sleep. Megatron sets the saver's hook mode when it is imported, so
+the saver is first touched here, after ``rlrun.runtime.dist``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import os
 import subprocess
 import time
@@ -41,6 +46,15 @@ def process_gpu_gb(pids: dict[str, int]) -> dict[str, float]:
     return {name: round(used.get(pid, float("nan")), 3) for name, pid in pids.items()}
 
 
+def default_pool_gb() -> tuple[float, float]:
+    """(allocated, reserved) GB of torch's default pool, i.e. outside every torch_memory_saver region:
+    what a sleeping trainer cannot give back, split from the CUDA context and NCCL/cuBLAS buffers."""
+    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
+    allocated = sum(s["allocated_size"] for s in segments)
+    reserved = sum(s["total_size"] for s in segments)
+    return round(allocated / GB, 3), round(reserved / GB, 3)
+
+
 class Offloader:
     """Sleep/wake for one rank's trainer and its engine, in the order of DESIGN.md, and the per-phase
     memory timeline (``memory/<phase>/{trainer,engine,device}_gb``) on CUDA."""
@@ -59,17 +73,35 @@ class Offloader:
             from torch_memory_saver import torch_memory_saver
 
             self._saver = torch_memory_saver
+            # A region allocation that would leave less than the margin free fails as OOM.
+            torch_memory_saver.memory_margin_bytes = int(cfg.memory_margin_gb * GB)
+            # Keep the pinned host copy between sleeps: pinning tens of GB anew each time cost more
+            # than the copy itself (2.5 GB/s measured on the H200 without it).
+            torch_memory_saver.retain_cpu_backup = True
 
     @contextlib.contextmanager
     def trainer_region(self) -> Iterator[None]:
-        """Allocations made inside (this thread) can be paused by :meth:`trainer_sleep`; a no-op without
-        trainer offload. Autograd's backward thread allocates outside it: those blocks are transient and
-        go back to the driver at sleep (``empty_cache``)."""
+        """Allocations made inside (this thread) are paused by :meth:`trainer_sleep` and restored with
+        their contents; a no-op without trainer offload. Only long-lived state belongs here."""
         if self._saver is None:
             yield
             return
         with self._saver.region(tag=TRAINER_TAG, enable_cpu_backup=True):
             yield
+
+    def keep_optimizer_state_in_region(self, optimizer) -> None:
+        """Run every ``optimizer.step()`` inside :meth:`trainer_region`, where the Adam moments it
+        creates on its first call must live (a no-op without trainer offload)."""
+        if self._saver is None:
+            return
+        step = optimizer.step
+
+        @functools.wraps(step)
+        def step_in_region(*args, **kwargs):
+            with self.trainer_region():
+                return step(*args, **kwargs)
+
+        optimizer.step = step_in_region
 
     def engine_sleep(self) -> None:
         """After rollout: the engine gives back weights, KV cache and graphs (never mid-request)."""
@@ -90,11 +122,18 @@ class Offloader:
 
     def trainer_sleep(self) -> None:
         """Pause the trainer's region (after the weight sync has read the weights) and return the
-        transient blocks outside it to the driver. Nothing to release on CPU."""
+        transient blocks outside it (activations, sync buckets the engine has let go of) to the driver.
+        Nothing to release on CPU."""
         if self._saver is None or self._trainer_asleep:
             return
-        self._timed("sleep", lambda: (torch.cuda.empty_cache(), self._saver.pause(TRAINER_TAG)))
+        self._timed("sleep", self._release_trainer)
         self._trainer_asleep = True
+
+    def _release_trainer(self) -> None:
+        gc.collect()  # tensors kept alive only by reference cycles would pin their blocks
+        torch.cuda.ipc_collect()  # sync buckets whose IPC handles the engine has closed
+        torch.cuda.empty_cache()
+        self._saver.pause(TRAINER_TAG)
 
     def trainer_wake(self) -> None:
         """Counterpart of :meth:`trainer_sleep`: the region comes back with its contents."""
@@ -127,6 +166,9 @@ class Offloader:
         self.metrics[f"memory/{phase}/trainer_gb"] = by_process["trainer"]
         self.metrics[f"memory/{phase}/engine_gb"] = by_process["engine"]
         self.metrics[f"memory/{phase}/device_gb"] = round(self.device_used_gb(), 3)
+        allocated, reserved = default_pool_gb()
+        self.metrics[f"memory/{phase}/trainer_default_pool_allocated_gb"] = allocated
+        self.metrics[f"memory/{phase}/trainer_default_pool_reserved_gb"] = reserved
 
     def step_metrics(self) -> dict[str, float]:
         """This step's timeline and sleep/wake figures (empty on CPU), then a fresh record for the next."""

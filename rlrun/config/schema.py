@@ -438,6 +438,10 @@ class OffloadConfig(Section):
     """Put the trainer to sleep (torch_memory_saver) while the engine generates. No-op on CPU."""
     rollout: bool = False
     """Release engine memory while the trainer trains. No-op on CPU."""
+    memory_margin_gb: float = Field(1.0, ge=0)
+    """Device memory (GB) that allocations in the trainer's offload region must leave free: one that
+    would leave less fails as out-of-memory instead of taking what the engine needs to resume
+    (torch_memory_saver's margin). 0 turns the check off."""
 
 
 class CriticConfig(Section):
