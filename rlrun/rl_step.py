@@ -70,7 +70,7 @@ def train_policy(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, model, o
     """One optimizer step with the configured loss; then the role backups follow the new actor."""
     from rlrun.megatron import train_step
 
-    local_samples = torch.tensor(sum(int((mb.loss_mask.sum(dim=-1) > 0).sum()) for mb in micro_batches))
+    local_samples = torch.tensor(sum(mb.num_loss_samples for mb in micro_batches))  # packed rows: not per row
     counts = StepCounts(num_tokens=num_global_tokens, num_samples=int(dp_sum(parallel, local_samples).item()),
                         max_response_len=cfg.rollout.max_new_tokens)
     out = train_step(model, optimizer, micro_batches, Objective(cfg.algorithm, counts),

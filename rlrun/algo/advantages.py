@@ -9,7 +9,9 @@ that only exist on the rank that trains the sample:
    broadcast over the response tokens, plus an optional per-token KL penalty into advantages.
 
 All per-token tensors are ``[B, T]`` with a ``mask`` of the same shape (1.0 on response tokens); rows
-may have any number of valid tokens (ragged lengths are just masks).
+may have any number of valid tokens (ragged lengths are just masks). A row may pack several samples:
+``sample_ids`` (``rlrun.algo.segments``; None: one sample per row) keeps each sample's last token and
+its returns to itself.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
+from rlrun.algo.segments import continues, sample_max
 
 Estimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 GROUP_NORMALISED = ("grpo", "gspo", "cispo")
@@ -74,53 +78,59 @@ def token_advantages(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor 
     return advantages * mask
 
 
-def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
-    """1.0 at the last valid position of each row with any valid position, 0 elsewhere."""
+def last_token_mask(mask: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """1.0 at the last valid position of each sample with any valid position, 0 elsewhere."""
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).amax(dim=-1, keepdim=True)
+    last = sample_max(torch.where(mask > 0, positions, torch.full_like(positions, -1)), sample_ids)
     return ((positions == last) & (mask > 0)).to(mask.dtype)
 
 
-def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
+                  sample_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token rewards of REINFORCE++ and PPO: ``-kl_coef * kl_t`` on every response token plus the
     sample's score on its last response token."""
-    rewards = scores.float() * last_token_mask(mask)
+    rewards = scores.float() * last_token_mask(mask, sample_ids)
     if kl is not None and kl_coef != 0.0:
         rewards = rewards - kl_coef * kl * mask
     return rewards
 
 
-def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = r_t + gamma * G_{t+1}`` along the last dim, with ``G`` = 0 past the end."""
+def discounted_returns(rewards: torch.Tensor, gamma: float, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` along the last dim, with ``G`` = 0 past the end of the row and of
+    each sample (a later sample's rewards never flow into an earlier one's returns)."""
+    carry = continues(sample_ids, rewards).to(rewards.dtype)
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[..., 0])
     for t in range(rewards.shape[-1] - 1, -1, -1):
-        running = rewards[..., t] + gamma * running
+        running = rewards[..., t] + gamma * carry[..., t] * running
         returns[..., t] = running
     return returns
 
 
 def reinforce_returns(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
-                      gamma: float) -> torch.Tensor:
+                      gamma: float, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE++ (arXiv 2501.03262): discounted returns of ``token_rewards``; advantage = return
     (whitened over the batch afterwards, which is REINFORCE++'s baseline). Zero outside the mask."""
-    return discounted_returns(token_rewards(scores, mask, kl, kl_coef), gamma) * mask
+    rewards = token_rewards(scores, mask, kl, kl_coef, sample_ids)
+    return discounted_returns(rewards, gamma, sample_ids) * mask
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+        lambd: float, sample_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (arXiv 1506.02438), returns ``(advantages, returns)``:
 
         delta_t = r_t + gamma * V_{t+1} - V_t
         A_t     = delta_t + gamma * lambd * A_{t+1}
         R_t     = A_t + V_t
 
-    Values outside the mask count as 0, so the state after the last response token is terminal.
+    Values outside the mask count as 0, so the state after the last response token is terminal; so is
+    each sample's end in a packed row (``V_{t+1}`` and ``A_{t+1}`` of the next sample count as 0).
     """
     values = values.float() * mask
     next_values = torch.cat([values[..., 1:], torch.zeros_like(values[..., :1])], dim=-1)
+    next_values = next_values * continues(sample_ids, values).to(values.dtype)
     deltas = rewards + gamma * next_values - values
-    advantages = discounted_returns(deltas, gamma * lambd)
+    advantages = discounted_returns(deltas, gamma * lambd, sample_ids)
     return advantages * mask, (advantages + values) * mask
 
 

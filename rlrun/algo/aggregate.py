@@ -1,6 +1,7 @@
 """How per-token loss terms become one scalar: token mean, sample mean, or Dr.GRPO's sequence sum.
 
-With ``m`` the loss mask, ``n_i`` sample i's loss tokens, ``N_tok`` / ``N_samp`` the loss tokens /
+With ``m`` the loss mask, ``n_i`` sample i's loss tokens (a sample, not a row: packed rows hold several,
+see ``rlrun.algo.segments``), ``N_tok`` / ``N_samp`` the loss tokens /
 samples of the whole step over all DP ranks and ``L`` the maximum response length:
 
     token      sum_{i,t} m x / N_tok                           every token weighs the same
@@ -20,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from rlrun.algo.segments import sample_sum
+
 Aggregation = Literal["token", "sample", "sequence"]
 
 
@@ -37,11 +40,14 @@ class StepCounts:
 
 class Aggregator:
     """``aggregator(x)`` is the weighted sum of the per-token tensor ``x`` over one micro-batch;
-    ``aggregator.token_sum(x)`` the plain masked sum (for token-mean metrics)."""
+    ``aggregator.token_sum(x)`` the plain masked sum (for token-mean metrics). ``sample_ids`` as in
+    ``rlrun.algo.segments`` (None: one sample per row)."""
 
-    def __init__(self, mask: torch.Tensor, mode: Aggregation, counts: StepCounts) -> None:
+    def __init__(self, mask: torch.Tensor, mode: Aggregation, counts: StepCounts,
+                 sample_ids: torch.Tensor | None = None) -> None:
         self.mask = mask
-        self.weights = mask * _row_scale(mask, mode, counts)
+        self.sample_ids = sample_ids
+        self.weights = mask * _sample_scale(mask, mode, counts, sample_ids)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (x * self.weights).sum()
@@ -50,14 +56,15 @@ class Aggregator:
         return (x * self.mask).sum()
 
 
-def _row_scale(mask: torch.Tensor, mode: Aggregation, counts: StepCounts) -> torch.Tensor:
+def _sample_scale(mask: torch.Tensor, mode: Aggregation, counts: StepCounts,
+                  sample_ids: torch.Tensor | None) -> torch.Tensor:
     if mode == "token":
         return torch.ones_like(mask[..., :1])
     if counts.num_samples <= 0:
         raise ValueError("num_samples must be positive to average over samples; the step has no loss token")
     if mode == "sample":
-        per_row = mask.sum(dim=-1, keepdim=True).clamp(min=1)
-        return counts.num_tokens / (per_row * counts.num_samples)
+        per_sample = sample_sum(mask, sample_ids).clamp(min=1)
+        return counts.num_tokens / (per_sample * counts.num_samples)
     if mode == "sequence":
         return torch.full_like(mask[..., :1], counts.num_tokens / (counts.max_response_len * counts.num_samples))
     raise ValueError(f"loss aggregation ({mode!r}) must be one of token, sample, sequence")

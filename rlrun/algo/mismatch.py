@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from rlrun.algo.kl import kl_estimate
+from rlrun.algo.segments import sample_sum
 
 TISMode = Literal["clip", "mask"]
 TISLevel = Literal["token", "sequence", "geometric"]
@@ -38,22 +39,24 @@ class TISWeights:
     """[B, T] 1.0 where bounding changed the ratio (clipped or masked)."""
 
 
-def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: TISLevel) -> torch.Tensor:
-    """The per-token log-ratio lifted to ``level`` and broadcast back to every token of its row."""
+def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: TISLevel,
+                    sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-token log-ratio lifted to ``level`` and broadcast back to every token of its sample
+    (``sample_ids`` as in ``rlrun.algo.segments``; None: one sample per row)."""
     if level == "token":
         return log_ratio
-    per_row = (log_ratio * mask).sum(dim=-1, keepdim=True)
+    per_sample = sample_sum(log_ratio * mask, sample_ids)
     if level == "geometric":
-        per_row = per_row / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+        per_sample = per_sample / sample_sum(mask, sample_ids).clamp(min=1)
     elif level != "sequence":
         raise ValueError(f"TIS level ({level!r}) must be one of token, sequence, geometric")
-    return per_row.expand_as(log_ratio)
+    return per_sample
 
 
 def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, mode: TISMode,
-                level: TISLevel, clip: float, clip_low: float) -> TISWeights:
+                level: TISLevel, clip: float, clip_low: float, sample_ids: torch.Tensor | None = None) -> TISWeights:
     """Importance weights pi_old / pi_rollout, bounded by ``mode`` (module docstring)."""
-    log_ratio = level_log_ratio((old_logprobs - rollout_logprobs).float().detach(), mask, level)
+    log_ratio = level_log_ratio((old_logprobs - rollout_logprobs).float().detach(), mask, level, sample_ids)
     raw = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     if mode == "clip":
         weights = raw.clamp(clip_low, clip)

@@ -44,7 +44,7 @@ class Objective:
     def __call__(self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         device = logprobs.device
         mask = mb.loss_mask.to(device)
-        agg = Aggregator(mask, self.cfg.loss_aggregation, self.counts)
+        agg = Aggregator(mask, self.cfg.loss_aggregation, self.counts, mb.sample_ids.to(device))
         if self.cfg.loss_type == "sft":
             loss = agg(sft_loss(logprobs))
             return loss, {"sft_loss": loss.detach(), "entropy": agg.token_sum(entropy.detach())}
@@ -58,12 +58,12 @@ class Objective:
         rollout = mb.rollout_logprobs.to(device)
         trainer_old = mb.old_logprobs.to(device) if mb.old_logprobs is not None else logprobs.detach()
         old = rollout if cfg.use_rollout_logprobs else trainer_old
-        terms = policy_terms(cfg, logprobs, old, mb.advantages.to(device), agg.mask)
+        terms = policy_terms(cfg, logprobs, old, mb.advantages.to(device), agg.mask, agg.sample_ids)
         per_token = terms.loss
         metrics: Metrics = {}
         if cfg.tis.mode != "off":
             tis = tis_weights(trainer_old, rollout, agg.mask, cfg.tis.mode, cfg.tis.level, cfg.tis.clip,
-                              cfg.tis.clip_low)
+                              cfg.tis.clip_low, agg.sample_ids)
             per_token = per_token * tis.weights
             metrics.update(tis_mean=agg.token_sum(tis.raw), tis_clip_frac=agg.token_sum(tis.bounded))
         policy_loss = agg(per_token)
@@ -94,10 +94,11 @@ class Objective:
 
 
 def policy_terms(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 mask: torch.Tensor) -> PolicyLossTerms:
-    """The per-token policy term of the configured estimator."""
+                 mask: torch.Tensor, sample_ids: torch.Tensor | None = None) -> PolicyLossTerms:
+    """The per-token policy term of the configured estimator (``sample_ids``: ``rlrun.algo.segments``)."""
     if cfg.advantage_estimator == "gspo":
-        return gspo_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)
+        return gspo_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c,
+                         sample_ids)
     if cfg.advantage_estimator == "cispo":
         return cispo_loss(logprobs, old_logprobs, advantages, cfg.eps_clip, cfg.clip_high)
     return ppo_clip_loss(logprobs, old_logprobs, advantages, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlrun.algo.segments import sample_sum
+
 
 @dataclass
 class PolicyLossTerms:
@@ -48,24 +50,26 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     return clipped_surrogate(logprobs - old_logprobs, advantages, eps_clip, eps_clip_high, eps_clip_c)
 
 
-def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO's sequence-level log-ratio (arXiv 2507.18071), broadcast to every token of the row:
+def gspo_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                   sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """GSPO's sequence-level log-ratio (arXiv 2507.18071), broadcast to every token of its sample:
 
         log s_i = (1 / |y_i|) * sum_t mask_t * (logp_t - logp_old_t)
 
-    i.e. the log of the length-normalised sequence likelihood ratio. Rows without valid tokens get 0.
-    The gradient flows to every token of the sequence through the mean.
+    i.e. the log of the length-normalised sequence likelihood ratio, per sample (``sample_ids`` as in
+    ``rlrun.algo.segments``; None: one sample per row). Samples without valid tokens get 0. The
+    gradient flows to every token of the sequence through the mean.
     """
-    counts = mask.sum(dim=-1, keepdim=True).clamp(min=1)
-    per_seq = ((logprobs - old_logprobs) * mask).sum(dim=-1, keepdim=True) / counts
-    return per_seq.expand_as(logprobs)
+    counts = sample_sum(mask, sample_ids).clamp(min=1)
+    return sample_sum((logprobs - old_logprobs) * mask, sample_ids) / counts
 
 
 def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              eps_clip: float, eps_clip_high: float, eps_clip_c: float | None = None) -> PolicyLossTerms:
+              eps_clip: float, eps_clip_high: float, eps_clip_c: float | None = None,
+              sample_ids: torch.Tensor | None = None) -> PolicyLossTerms:
     """GSPO: the PPO-clip objective on the sequence-level ratio ``exp(gspo_log_ratio)``."""
-    return clipped_surrogate(gspo_log_ratio(logprobs, old_logprobs, mask), advantages, eps_clip, eps_clip_high,
-                             eps_clip_c)
+    return clipped_surrogate(gspo_log_ratio(logprobs, old_logprobs, mask, sample_ids), advantages, eps_clip,
+                             eps_clip_high, eps_clip_c)
 
 
 def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, eps_clip: float,

@@ -59,13 +59,13 @@ def assign_advantages(cfg: AlgorithmConfig, micro_batches: list[MicroBatch], dp_
 
 
 def _estimate(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    scores, mask, coef = mb.advantages, mb.loss_mask, cfg.kl.reward_coef
+    scores, mask, coef, samples = mb.advantages, mb.loss_mask, cfg.kl.reward_coef, mb.sample_ids
     if cfg.advantage_estimator == "reinforce_plus_plus":
-        returns = reinforce_returns(scores, mask, kl, coef, cfg.gamma)
+        returns = reinforce_returns(scores, mask, kl, coef, cfg.gamma, samples)
         return returns, returns
     if cfg.advantage_estimator == "ppo":
         values = _required(mb.values, "values (critic)")
-        return gae(token_rewards(scores, mask, kl, coef), values, mask, cfg.gamma, cfg.lambd)
+        return gae(token_rewards(scores, mask, kl, coef, samples), values, mask, cfg.gamma, cfg.lambd, samples)
     advantages = token_advantages(scores, mask, kl, coef)
     return advantages, advantages
 

@@ -1,8 +1,14 @@
 """Training micro-batches: scored samples packed under a token budget and balanced across DP ranks.
 
-Layout: each micro-batch holds whole samples, right-padded to its longest sample. Position ``t`` of
-the ``[B, S-1]`` tensors describes the prediction of ``tokens[:, t + 1]``, so response token ``j`` of
-a sample with prompt length ``P`` sits at ``t = P - 1 + j``.
+Layout: ``collate`` packs every sample of a micro-batch into one row, back to back, and pads the row
+to a multiple of ``ROW_MULTIPLE`` tokens. ``position_ids`` restart at 0 with each sample; that restart
+is the whole packing description: the model keeps attention and RoPE positions inside each sample
+(``rlrun.megatron.attention``), and ``MicroBatch.sample_ids`` tells the loss and advantage code which
+positions belong to which sample (``rlrun.algo.segments``). Rows that each hold one sample with
+positions ``0..S-1`` (tests, older callers) remain valid micro-batches.
+
+Position ``t`` of the ``[B, S-1]`` tensors describes the prediction of ``tokens[:, t + 1]``, so response
+token ``j`` of a sample starting at offset ``o`` with prompt length ``P`` sits at ``t = o + P - 1 + j``.
 """
 
 from __future__ import annotations
@@ -13,12 +19,18 @@ import torch
 
 from rlrun.data.sample import Sample
 
+ROW_MULTIPLE = 8
+"""Packed rows are padded to a multiple of this many tokens: tensor-core friendly GEMM shapes, and
+divisible by the TP size that Megatron's sequence parallelism would split them over."""
+
 
 @dataclass
 class MicroBatch:
     """One forward/backward unit on one DP rank.
 
-    tokens, position_ids: ``[B, S]`` int64; padding is ``pad_token_id`` after the real tokens.
+    tokens, position_ids: ``[B, S]`` int64. Positions count 0, 1, ... within each sample and restart at 0
+    for the next sample of the row; padding (``pad_token_id``) ends a row, its positions continuing the
+    last sample's (causal attention keeps it from influencing any real token).
     loss_mask: ``[B, S-1]`` float, 1.0 where the target is a response token the model generated
     (``Sample.loss_mask``; tool / environment tokens of multi-turn samples are 0).
     advantages, rollout_logprobs: ``[B, S-1]`` float, zero outside the loss mask. Rank 0 writes each
@@ -46,6 +58,19 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    @property
+    def sample_ids(self) -> torch.Tensor:
+        """``[B, S-1]`` int64: which sample (numbered 0, 1, ... across the micro-batch's rows) position
+        ``t`` predicts a token of; -1 where ``tokens[t + 1]`` starts a new sample (a prediction across
+        a sample boundary, never in the loss)."""
+        return sample_ids(self.position_ids)
+
+    @property
+    def num_loss_samples(self) -> int:
+        """Samples with at least one loss token (``StepCounts.num_samples`` adds these up)."""
+        ids = self.sample_ids[self.loss_mask > 0]
+        return int(ids.unique().numel())
+
     def without_loss(self) -> MicroBatch:
         """A copy that contributes no gradient: for a DP rank that would otherwise have no work."""
         return MicroBatch(
@@ -57,24 +82,35 @@ class MicroBatch:
         )
 
 
+def sample_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """``MicroBatch.sample_ids`` of ``position_ids [B, S]``: a new sample starts at every position 0."""
+    starts = position_ids == 0
+    ids = starts.reshape(-1).cumsum(0).reshape(starts.shape) - 1
+    return torch.where(starts[:, 1:], torch.full_like(ids[:, :-1], -1), ids[:, :-1])
+
+
 def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -> MicroBatch:
-    """Right-pad ``samples`` into one micro-batch; ``advantages[i]`` applies to every token of sample i
-    that its ``loss_mask`` keeps (all response tokens when it has none)."""
-    seq_len = max(s.total_length for s in samples)
-    batch = len(samples)
-    tokens = torch.full((batch, seq_len), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros(batch, seq_len - 1)
-    adv = torch.zeros(batch, seq_len - 1)
-    rollout_lp = torch.zeros(batch, seq_len - 1)
-    for i, (sample, advantage) in enumerate(zip(samples, advantages)):
+    """Pack ``samples`` into one row (``[1, S]`` tensors, module docstring); ``advantages[i]`` applies to
+    every token of sample i that its ``loss_mask`` keeps (all response tokens when it has none)."""
+    total = sum(s.total_length for s in samples)
+    seq_len = -(-total // ROW_MULTIPLE) * ROW_MULTIPLE
+    tokens = torch.full((1, seq_len), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(1, seq_len, dtype=torch.long)
+    loss_mask, adv, rollout_lp = (torch.zeros(1, seq_len - 1) for _ in range(3))
+    offset = 0
+    for sample, advantage in zip(samples, advantages):
         prompt_len, resp_len = len(sample.prompt.prompt_ids), len(sample.response_ids)
-        tokens[i, : prompt_len + resp_len] = torch.tensor(sample.prompt.prompt_ids + sample.response_ids)
-        span = slice(prompt_len - 1, prompt_len - 1 + resp_len)
+        length = prompt_len + resp_len
+        tokens[0, offset:offset + length] = torch.tensor(sample.prompt.prompt_ids + sample.response_ids)
+        position_ids[0, offset:offset + length] = torch.arange(length)
+        span = slice(offset + prompt_len - 1, offset + length - 1)
         mask = torch.ones(resp_len) if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
-        loss_mask[i, span] = mask
-        adv[i, span] = advantage * mask
-        rollout_lp[i, span] = torch.tensor(sample.rollout_logprobs) * mask
-    position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch, -1).contiguous()
+        loss_mask[0, span] = mask
+        adv[0, span] = advantage * mask
+        rollout_lp[0, span] = torch.tensor(sample.rollout_logprobs) * mask
+        offset += length
+    last_start = offset - samples[-1].total_length
+    position_ids[0, offset:] = torch.arange(offset - last_start, seq_len - last_start)
     return MicroBatch(tokens, position_ids, loss_mask, adv, rollout_lp)
 
 
@@ -94,22 +130,23 @@ def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
 
 
 def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group item indices into micro-batches whose padded size (count x longest) fits ``max_tokens``.
+    """Group item indices into micro-batches whose total length fits ``max_tokens`` (first-fit
+    decreasing: longest first, each into the first micro-batch with room).
 
-    Items are taken shortest first so similar lengths share padding. An item longer than the budget
-    gets a micro-batch of its own rather than being dropped.
+    Packed rows carry no per-sample padding, so the budget is the sum of lengths; ``collate`` may add
+    up to ``ROW_MULTIPLE - 1`` padding tokens. An item longer than the budget gets a micro-batch of its
+    own rather than being dropped.
     """
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches: list[list[int]] = []
-    current: list[int] = []
-    for index in order:
-        longest = lengths[index]  # ascending order: the newcomer is the longest so far
-        if current and (len(current) + 1) * longest > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
+    loads: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        target = next((b for b, load in enumerate(loads) if load + lengths[index] <= max_tokens), None)
+        if target is None:
+            batches.append([])
+            loads.append(0)
+            target = len(batches) - 1
+        batches[target].append(index)
+        loads[target] += lengths[index]
     return batches
 
 

@@ -51,21 +51,23 @@ def vocab_parallel_token_stats(
 
 
 def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """The model's local vocab-parallel logits ``[B, S, V_local]`` under a causal mask.
+    """The model's local vocab-parallel logits ``[B, S, V_local]``; inputs may live on the CPU.
 
-    Inputs may live on the CPU; they are moved to the model's device.
-
-    Megatron's RoPE always uses positions ``0..S-1`` (``position_ids`` only feed learned absolute
-    embeddings), so packed sequences with restarting positions would be silently wrong: refuse them.
+    Rows whose ``position_ids`` are ``0..S-1`` are single causal sequences. Rows whose positions
+    restart at 0 hold several packed samples (``rlrun.data.batch.collate``): the rows are flattened
+    into Megatron's ``thd`` layout, where attention stays inside each sample and RoPE positions restart
+    with it (``rlrun.megatron.attention.packed_seq_params``), and the logits come back as ``[B, S, V_local]``.
     """
-    tokens, position_ids = tokens.to(model.parallel.device), position_ids.to(model.parallel.device)
-    expected = torch.arange(tokens.shape[1], device=position_ids.device).expand_as(position_ids)
-    if not torch.equal(position_ids, expected):
-        raise ValueError(
-            "position_ids must be 0..S-1 in every row because Megatron's RoPE ignores position_ids; "
-            "right-pad sequences instead of packing them"
-        )
-    return model.ddp(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+    from rlrun.megatron.attention import packed_seq_params
+
+    device = model.parallel.device
+    packing = packed_seq_params(position_ids, device)
+    tokens, position_ids = tokens.to(device), position_ids.to(device)
+    if packing is None:
+        return model.ddp(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+    logits = model.ddp(input_ids=tokens.reshape(1, -1), position_ids=position_ids.reshape(1, -1),
+                       attention_mask=None, packed_seq_params=packing)
+    return logits.reshape(*tokens.shape, logits.shape[-1])
 
 
 def compute_logprobs(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor,

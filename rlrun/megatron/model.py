@@ -47,7 +47,8 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32") -> Mega
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards, in Megatron DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from rlrun.megatron.attention import layer_spec
 
     if parallel.pp_size != 1:
         raise ValueError(f"parallel.pp ({parallel.pp_size}) must be 1 because pipeline stages are not "
@@ -61,7 +62,7 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32") -> Mega
         log.warning("%s: %s", hf_dir, padding_note)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+        transformer_layer_spec=layer_spec(arch),
         vocab_size=arch.padded_vocab_size(parallel.tp_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=True,

@@ -51,7 +51,8 @@ def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int) -
     """The critic of ``hf_dir`` on this rank (TP shards of the trunk, the whole head), in Megatron DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from rlrun.megatron.attention import layer_spec
 
     if parallel.pp_size != 1:
         raise ValueError(f"parallel.pp ({parallel.pp_size}) must be 1 because the critic's value head lives on "
@@ -62,7 +63,7 @@ def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int) -
     # HF weights (the LM head is loaded too, then dropped).
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+        transformer_layer_spec=layer_spec(arch),
         vocab_size=arch.padded_vocab_size(parallel.tp_size), max_sequence_length=arch.max_position_embeddings,
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_embeddings, position_embedding_type="rope",

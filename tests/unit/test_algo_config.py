@@ -61,7 +61,7 @@ def micro_batch(scores_per_row, lengths, old=None, ref=None, teacher=None):
     for i, ((p, r), s) in enumerate(zip(lengths, scores_per_row)):
         mask[i, p:p + r] = 1
         scores[i, p:p + r] = s
-    return MicroBatch(tokens=torch.zeros(len(lengths), 7, dtype=torch.long), position_ids=torch.zeros(len(lengths), 7),
+    return MicroBatch(tokens=torch.zeros(len(lengths), 7, dtype=torch.long), position_ids=torch.arange(7).expand(len(lengths), 7),
                       loss_mask=mask, advantages=scores, rollout_logprobs=torch.zeros_like(mask),
                       old_logprobs=old, ref_logprobs=ref, teacher_logprobs=teacher)
 

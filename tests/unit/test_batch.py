@@ -14,18 +14,21 @@ def make_sample(prompt_len: int, resp_len: int, index: int = 0) -> Sample:
     )
 
 
-def test_collate_aligns_response_targets():
+def test_collate_packs_samples_into_one_row():
     samples = [make_sample(3, 2), make_sample(2, 4)]
     mb = collate(samples, [0.5, -1.0], pad_token_id=0)
-    assert mb.tokens.shape == (2, 6)
-    # loss positions t predict tokens[t+1]; they must be exactly the response tokens
+    assert mb.tokens.shape == (1, 16)  # 5 + 6 tokens padded to a multiple of ROW_MULTIPLE
+    assert mb.tokens[0, 11:].tolist() == [0] * 5
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    # loss positions t predict tokens[t+1]; per sample they must be exactly its response tokens
+    ids = mb.sample_ids[0]
+    assert ids.tolist() == [0] * 4 + [-1] + [1] * 10
     for i, s in enumerate(samples):
-        targets = mb.tokens[i, 1:][mb.loss_mask[i].bool()].tolist()
-        assert targets == s.response_ids
-        assert mb.rollout_logprobs[i][mb.loss_mask[i].bool()].tolist() == torch.tensor(s.rollout_logprobs).tolist()
-    assert mb.advantages[0].sum().item() == 0.5 * 2
-    assert mb.num_loss_tokens == 6
-    assert mb.tokens[0, 5].item() == 0  # right padding
+        keep = mb.loss_mask[0].bool() & (ids == i)
+        assert mb.tokens[0, 1:][keep].tolist() == s.response_ids
+        assert mb.rollout_logprobs[0][keep].tolist() == torch.tensor(s.rollout_logprobs).tolist()
+    assert mb.advantages[0][ids == 0].sum().item() == 0.5 * 2
+    assert mb.num_loss_tokens == 6 and mb.num_loss_samples == 2
 
 
 def test_pack_respects_budget_and_keeps_every_item():
@@ -33,7 +36,9 @@ def test_pack_respects_budget_and_keeps_every_item():
     batches = pack_micro_batches(lengths, max_tokens=24)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
-        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 24
+        assert len(b) == 1 or sum(lengths[i] for i in b) <= 24
+    # first-fit decreasing: 30 | 12+9+3 | 7+7+5 is the 3-bin optimum for this list
+    assert len(batches) == 3
 
 
 def test_balance_is_within_one_item():

@@ -20,7 +20,7 @@ def ppo_micro_batch(spans: list[tuple[int, int]], scores: list[float], seed: int
         mask[i, start:start + length] = 1.0
         advantages[i, start:start + length] = score
     values = torch.randn(len(spans), 7, generator=torch.Generator().manual_seed(seed)) * mask
-    return MicroBatch(tokens=torch.zeros(len(spans), 8, dtype=torch.long), position_ids=torch.zeros(len(spans), 8),
+    return MicroBatch(tokens=torch.zeros(len(spans), 8, dtype=torch.long), position_ids=torch.arange(8).expand(len(spans), 8),
                       loss_mask=mask, advantages=advantages, rollout_logprobs=torch.zeros_like(mask), values=values)
 
 

@@ -19,13 +19,17 @@ def test_collate_honours_the_loss_mask():
     masked = make([1, 2, 3], [10, 11, 12, 13, 14], [1, 1, 0, 0, 1], [-0.1, -0.2, 0.0, 0.0, -0.5])
     plain = make([1, 2], [20, 21], None, [-0.3, -0.4])
     mb = collate([masked, plain], [2.0, -1.0], pad_token_id=0)
-    # Position t predicts token t + 1: response token j of a prompt of length P sits at t = P - 1 + j.
-    expected_mask = torch.zeros(2, 7)
+    # Position t predicts token t + 1: response token j of a sample at offset o with prompt length P
+    # sits at t = o + P - 1 + j; the second sample starts at offset 8 (the row is packed, then padded).
+    expected_mask = torch.zeros(1, 15)
     for j, m in enumerate([1, 1, 0, 0, 1]):
         expected_mask[0, 2 + j] = m
-    expected_mask[1, 1:3] = 1
+    expected_mask[0, 9:11] = 1
     assert torch.equal(mb.loss_mask, expected_mask)
-    assert torch.equal(mb.advantages, expected_mask * torch.tensor([[2.0], [-1.0]]))
+    expected_adv = expected_mask.clone()
+    expected_adv[0, :8] *= 2.0
+    expected_adv[0, 8:] *= -1.0
+    assert torch.equal(mb.advantages, expected_adv)
     assert torch.allclose(mb.rollout_logprobs[0, 2:7], torch.tensor([-0.1, -0.2, 0.0, 0.0, -0.5]))
     assert mb.num_loss_tokens == masked.num_loss_tokens + plain.num_loss_tokens == 5
-    assert mb.tokens[0].tolist() == [1, 2, 3, 10, 11, 12, 13, 14]  # environment tokens stay in the context
+    assert mb.tokens[0, :12].tolist() == [1, 2, 3, 10, 11, 12, 13, 14, 1, 2, 20, 21]  # environment tokens stay

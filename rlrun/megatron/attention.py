@@ -1,0 +1,127 @@
+"""Core attention for Megatron's layer spec without TransformerEngine, and the packed-sequence layout.
+
+Megatron's local spec computes attention with ``DotProductAttention``, which materialises the
+``S x S`` score matrix (a 4K-token Qwen3-1.7B micro-batch runs out of memory on an H200) and refuses
+packed sequences. ``SDPACoreAttention`` replaces it with ``torch.nn.functional.scaled_dot_product_attention``
+(flash / memory-efficient kernels on CUDA, causal, grouped-query heads without copies):
+
+* unpacked rows (``sbhd``: ``[S, B, heads, dim]``): one causal SDPA call over the batch;
+* packed rows (``thd``: ``[T, heads, dim]`` with ``cu_seqlens``): one causal SDPA call per sample,
+  which is exactly the block-diagonal causal (document) mask: no token sees another sample, and no
+  ``T x T`` mask or score matrix exists. FlexAttention could express the same mask in one kernel but
+  needs ``torch.compile`` (tens of seconds per new shape, recompiles as packings change); a few SDPA
+  launches per layer cost microseconds against milliseconds of flash attention per sample.
+
+Packing is described by ``position_ids`` alone: a row holding several samples restarts its positions
+at 0 for each of them. ``packed_seq_params`` turns that into Megatron's ``PackedSeqParams`` (``thd``),
+under which Megatron's RoPE also restarts per sample (``rope_utils._apply_rotary_pos_emb_thd``).
+
+When TransformerEngine is importable, its ``TEDotProductAttention`` (cuDNN / flash, ``thd`` with
+``cu_seqlens``) is the core attention instead. Only the core attention is swapped, not the whole TE
+spec: the TE spec fuses the norms into the linear layers, renaming the parameters that
+``rlrun.megatron.hf_weights`` and the checkpoints map.
+
+Imports Megatron at import time: import this module lazily, like every Megatron caller.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from rlrun.megatron.hf_config import ModelArch
+
+
+@functools.cache
+def transformer_engine_attention() -> type | None:
+    """Megatron's TE core attention class, or None when TransformerEngine is not importable."""
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
+    except ImportError:
+        return None
+    return TEDotProductAttention if HAVE_TE else None
+
+
+def layer_spec(arch: ModelArch) -> ModuleSpec:
+    """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
+    spec.submodules.self_attention.submodules.core_attention = transformer_engine_attention() or SDPACoreAttention
+    return spec
+
+
+def packed_seq_params(position_ids: torch.Tensor, device: torch.device) -> PackedSeqParams | None:
+    """Megatron's ``thd`` description of ``position_ids [B, S]`` flattened into one row, or None when
+    every row is ``0..S-1`` (nothing packed: the plain causal path applies).
+
+    Each sample starts where the positions restart at 0 and must count up by one from there; the
+    rows are concatenated, so a row start always starts a sample.
+    """
+    position_ids = position_ids.cpu()
+    if torch.equal(position_ids, torch.arange(position_ids.shape[-1]).expand_as(position_ids)):
+        return None
+    flat = position_ids.reshape(-1)
+    starts = flat == 0
+    if not bool((position_ids[..., 0] == 0).all() and (starts[1:] | (flat[1:] == flat[:-1] + 1)).all()):
+        raise ValueError("position_ids must count 0, 1, 2, ... within each packed sample (restarting at 0 for "
+                         "the next one) because they define the samples' boundaries; build them with "
+                         "rlrun.data.batch.collate")
+    bounds = torch.cat([starts.nonzero().flatten(), torch.tensor([flat.numel()])]).to(torch.int32)
+    max_len = int((bounds[1:] - bounds[:-1]).max())
+    # cu_seqlens stay on the CPU for the SDPA path: RoPE and SDPACoreAttention read them as Python ints,
+    # and a CUDA copy would cost a device sync in every layer. TE kernels need them on the device.
+    if transformer_engine_attention() is not None:
+        bounds = bounds.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal core attention through torch SDPA; Megatron's core-attention constructor and forward
+    signature (``query/key/value`` after RoPE; output ``[S, B, heads * dim]`` or ``[T, heads * dim]``)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(f"parallel context size ({config.context_parallel_size}) must be 1 because "
+                             "SDPACoreAttention has no context parallelism; install TransformerEngine for it")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"attn_mask_type ({attn_mask_type}) must be causal because SDPACoreAttention only "
+                             "implements causal language-model attention")
+        self.softmax_scale = softmax_scale  # None: SDPA's 1 / sqrt(head_dim), as Megatron's default
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("attention_mask must be None because SDPACoreAttention builds the causal (and, "
+                             "for packed rows, per-sample) mask itself; pass packing through position_ids")
+        if packed_seq_params is None:
+            seq, batch = query.shape[:2]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, dim]
+            return self._sdpa(q, k, v).permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        outputs = [
+            self._sdpa(*(t[start:end].transpose(0, 1) for t in (query, key, value))).transpose(0, 1)
+            for start, end in zip(bounds[:-1], bounds[1:])
+        ]
+        return torch.cat(outputs).reshape(query.shape[0], -1)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over ``[..., heads, S, dim]``; key/value may have fewer (grouped) heads."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
+                                              is_causal=True, scale=self.softmax_scale,
+                                              enable_gqa=k.shape[-3] != q.shape[-3])

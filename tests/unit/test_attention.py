@@ -1,0 +1,86 @@
+"""SDPACoreAttention against an eager softmax reference, and the packed layout read from position_ids."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+@pytest.fixture(scope="module")
+def attention():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from rlrun.megatron.attention import SDPACoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               num_query_groups=KV_HEADS, kv_channels=DIM, attention_dropout=0.0,
+                               use_cpu_initialization=True)
+    return SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+
+def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) masked) v for ``[T, heads, dim]`` inputs, key/value heads repeated."""
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+def qkv(tokens: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, HEADS, DIM, generator=gen), torch.randn(tokens, KV_HEADS, DIM, generator=gen),
+            torch.randn(tokens, KV_HEADS, DIM, generator=gen))
+
+
+def test_unpacked_rows_are_causal(attention):
+    rows = [qkv(7, seed) for seed in (0, 1)]
+    q, k, v = (torch.stack([r[i] for r in rows], dim=1) for i in range(3))  # [S, B, heads, dim]
+    out = attention(q, k, v, None)
+    assert out.shape == (7, 2, HEADS * DIM)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    for b, (qb, kb, vb) in enumerate(rows):
+        torch.testing.assert_close(out[:, b], eager(qb, kb, vb, causal).reshape(7, -1))
+
+
+def test_packed_rows_attend_within_each_sample(attention):
+    from rlrun.megatron.attention import packed_seq_params
+
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    params = packed_seq_params(positions, torch.device("cpu"))
+    assert params.cu_seqlens_q.tolist() == [0, 4, 7, 12] and params.max_seqlen_q == 5
+    q, k, v = qkv(12, 2)
+    out = attention(q, k, v, None, packed_seq_params=params)
+    sample = torch.tensor([0] * 4 + [1] * 3 + [2] * 5)
+    block_causal = (sample[:, None] == sample[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    torch.testing.assert_close(out, eager(q, k, v, block_causal).reshape(12, -1))
+
+
+def test_packed_seq_params_reads_position_ids():
+    from rlrun.megatron.attention import packed_seq_params
+
+    cpu = torch.device("cpu")
+    assert packed_seq_params(torch.arange(6).expand(3, 6), cpu) is None  # plain rows: nothing packed
+    two_rows = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]])
+    assert packed_seq_params(two_rows, cpu).cu_seqlens_kv.tolist() == [0, 3, 6, 12]
+    with pytest.raises(ValueError, match="position_ids must count"):
+        packed_seq_params(torch.tensor([[0, 1, 3, 0, 1, 2]]), cpu)
+    with pytest.raises(ValueError, match="position_ids must count"):
+        packed_seq_params(torch.tensor([[1, 2, 3, 0, 1, 2]]), cpu)
+
+
+def test_layer_spec_swaps_only_the_core_attention(tiny_model_dirs):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from rlrun.megatron.attention import SDPACoreAttention, layer_spec, transformer_engine_attention
+    from rlrun.megatron.hf_config import ModelArch
+
+    arch = ModelArch.from_hf_dir(str(tiny_model_dirs["qwen3"]))  # QK-norm
+    spec, local = layer_spec(arch), get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True)
+    got, want = spec.submodules.self_attention.submodules, local.submodules.self_attention.submodules
+    assert got.core_attention is (transformer_engine_attention() or SDPACoreAttention)
+    assert got.linear_qkv is want.linear_qkv and got.q_layernorm is want.q_layernorm
