@@ -131,7 +131,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
 
     from rlrun.critic import Critic
     from rlrun.data.prompts import PromptDataset, PromptSampler
-    from rlrun.engine.client import EngineClient
+    from rlrun.engine.group import EngineGroup, GroupLayout
     from rlrun.megatron import build_model, make_optimizer
     from rlrun.roles import ModelRoles
 
@@ -140,9 +140,12 @@ def setup(cfg: RunConfig, parallel) -> Components:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     dist.barrier(group=parallel.cpu_group)
-    # The engine starts before Megatron allocates (SGLang sizes its KV cache from free memory).
-    engine = EngineClient.spawn(
-        backend=cfg.engine.backend, model_path=cfg.model.path, run_dir=run_dir, rank=parallel.rank,
+    # The engine starts before Megatron allocates (SGLang sizes its KV cache from free memory); with
+    # engine.tp > 1 only each group's leader starts one (rlrun/engine/group.py).
+    env = parallel.env
+    layout = GroupLayout.of(cfg.engine.tp, env.rank, env.local_rank, env.world_size, env.local_world_size)
+    engine = EngineGroup.spawn(
+        layout, backend=cfg.engine.backend, model_path=cfg.model.path, run_dir=run_dir, rank=parallel.rank,
         seed=cfg.train.seed + parallel.rank, dtype=cfg.model.dtype,
         startup_timeout_s=cfg.engine.startup_timeout_s, request_timeout_s=cfg.engine.request_timeout_s,
         heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s, enable_memory_saver=cfg.offload.rollout,
@@ -166,7 +169,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
         cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, critic=critic,
         engine=engine,
         offloader=offloader, tokenizer=tokenizer, sampler=sampler,
-        rollout=RolloutRuntime.build(cfg, parallel, engine, tokenizer, sampler), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
+        rollout=RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
     )
 
@@ -269,7 +272,8 @@ def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens:
 
 
 def sync_weights(parts: Components, version: int) -> None:
-    """Push the trainer's weights to this rank's engine as HF-named flattened buckets."""
+    """Push the trainer's weights to this rank's engine as HF-named flattened buckets (its group's
+    leader does; the other ranks of an engine group only take part in the export's collectives)."""
     from rlrun.megatron import export_hf_weights
 
     parts.engine.update_weights(

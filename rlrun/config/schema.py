@@ -209,7 +209,10 @@ class EngineConfig(Section):
     backend: Literal["embedded", "sglang"] = "embedded"
     """Rollout engine. ``embedded`` is pure PyTorch and runs everywhere; ``sglang`` needs a GPU."""
     tp: int = Field(1, ge=1)
-    """Engine tensor-parallel size (ranks per engine group)."""
+    """Ranks per engine group (rlrun/engine/group.py): ``tp`` consecutive local ranks share one engine,
+    which only the group's first rank (the leader) starts and drives; the others hand it their prompts.
+    ``sglang`` runs with ``tp_size=tp`` over the group's GPUs; the ``embedded`` engine is not sharded:
+    one engine on the leader's device serves the group. Must divide the ranks per node (checked at start)."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """How long to wait for a worker to load its model and answer ``health``."""
     request_timeout_s: float = Field(600.0, gt=0)
@@ -226,12 +229,6 @@ class EngineConfig(Section):
     """Extra ``sglang.Engine`` (ServerArgs) keyword arguments for ``backend: sglang``, passed as-is, e.g.
     ``mem_fraction_static``, ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true``
     makes SGLang honour the per-sample seeds (rollouts reproducible, somewhat slower)."""
-
-    @model_validator(mode="after")
-    def _tp_supported(self) -> EngineConfig:
-        if self.tp != 1:
-            raise ValueError("engine.tp must be 1: multi-rank engine groups are not supported yet")
-        return self
 
     @model_validator(mode="after")
     def _backend_options(self) -> EngineConfig:

@@ -36,7 +36,7 @@ import torch
 
 import rlrun
 from rlrun.engine.backends import BackendSpec
-from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket, tensor_checksum
+from rlrun.engine.payload import iter_buckets, serialize_for_tp_ranks, tensor_checksum
 from rlrun.engine.rpc import Endpoint, RpcClient, RpcError, choose_endpoint
 from rlrun.engine.types import EngineStatus, GenResult, OpResult
 from rlrun.engine.worker import AUTHKEY_ENV, TOKEN_ENV
@@ -86,9 +86,12 @@ class EngineClient:
     """RPC stub for one engine worker process; see the module docstring."""
 
     def __init__(self, *, rank: int, endpoint: Endpoint, process: subprocess.Popen, log_path: Path,
-                 request_timeout_s: float, token: bytes, backend: str = "embedded", dtype: str = "float32") -> None:
+                 request_timeout_s: float, token: bytes, backend: str = "embedded", dtype: str = "float32",
+                 tp_size: int = 1) -> None:
         self.rank = rank
         self.backend = backend
+        self.tp_size = tp_size
+        """The engine's TP size: every weight bucket goes out as one payload per engine TP rank."""
         self.dtype = dtype
         """The engine's weight dtype, which synced tensors are cast to (and verified in)."""
         self.endpoint = endpoint
@@ -126,7 +129,8 @@ class EngineClient:
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                        env=_worker_env(token, extra_env or {}), process_group=0)
         client = cls(rank=rank, endpoint=endpoint, process=process, log_path=log_path,
-                     request_timeout_s=request_timeout_s, token=token, backend=backend, dtype=dtype)
+                     request_timeout_s=request_timeout_s, token=token, backend=backend, dtype=dtype,
+                     tp_size=tp_size if backend == "sglang" else 1)  # the embedded engine is never sharded
         try:
             client.rpc.call("health", timeout_s=startup_timeout_s)
         except BaseException as exc:
@@ -222,8 +226,8 @@ class EngineClient:
         try:
             for bucket in iter_buckets(named_tensors, bucket_bytes):
                 # A fresh payload per bucket; its shared memory is released once the worker has loaded it.
-                payload = serialize_flattened_bucket(bucket)
-                result = self.update_weights_from_tensor([payload], flush_cache=False, weight_version=weight_version)
+                payloads = serialize_for_tp_ranks(bucket, self.tp_size)
+                result = self.update_weights_from_tensor(payloads, flush_cache=False, weight_version=weight_version)
                 self._expect_success("update_weights_from_tensor", result)
                 num_buckets += 1
                 num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)

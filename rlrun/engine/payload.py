@@ -156,6 +156,29 @@ def serialize_flattened_bucket(named_tensors: NamedTensors) -> bytes:
     fails at an offset that is not a multiple of the element size. The flat buffer is a fresh
     allocation, so the payload never aliases trainer parameters.
     """
+    return serialize_for_tp_ranks(named_tensors, 1)[0]
+
+
+def serialize_for_tp_ranks(named_tensors: NamedTensors, tp_size: int) -> list[bytes]:
+    """One flattened-bucket payload per engine TP rank, all over the same flat buffer.
+
+    SGLang's TP rank r unpickles only entry r and loads full tensors (it shards them itself), so on
+    one host every rank can be sent the same buffer; each entry is pickled separately because a
+    payload's file descriptor (CPU) can be claimed only once.
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size ({tp_size}) must be >= 1 because every engine has at least one TP rank")
+    bucket = _flatten(named_tensors)
+    payloads = []
+    for _ in range(tp_size):
+        buf = io.BytesIO()
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(bucket)
+        payloads.append(buf.getvalue())
+    return payloads
+
+
+def _flatten(named_tensors: NamedTensors) -> dict:
+    """SGLang's flattened bucket: ``{"flattened_tensor": uint8, "metadata": [SimpleNamespace]}`` (aligned)."""
     if not named_tensors:
         raise ValueError("named_tensors (empty) must hold at least one tensor because SGLang rejects empty buckets")
     flats, metadata, offset = [], [], 0
@@ -171,10 +194,7 @@ def serialize_flattened_bucket(named_tensors: NamedTensors) -> bytes:
             start_idx=offset, end_idx=offset + flat.numel(), numel=flat.numel(),
         ))
         offset += flat.numel()
-    bucket = {"flattened_tensor": torch.cat(flats), "metadata": metadata}
-    buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(bucket)
-    return buf.getvalue()
+    return {"flattened_tensor": torch.cat(flats), "metadata": metadata}
 
 
 def deserialize_flattened_bucket(payload: bytes) -> NamedTensors:

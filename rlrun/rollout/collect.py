@@ -3,6 +3,7 @@ rank 0, and draw again until the batch is full.
 
     round r:  rank 0 draws ``prompts_per_round`` prompts ──scatter whole groups──> every rank
               every rank: generate (engine or generate_fn) + score ──gather──> rank 0
+                          (engine.tp > 1: each group's leader generates its group's prompts)
               rank 0: dynamic filter keeps whole groups; enough kept or ``max_sampling_rounds``? stop
     (the stop is itself a scatter of ``None`` to every rank, so all ranks leave the loop together)
 
@@ -106,17 +107,19 @@ class RolloutRuntime:
 
     cfg: RunConfig
     parallel: Any
-    engine: Any
+    engine: Any  # this rank's EngineClient; None on a rank whose engine group leader generates for it
     tokenizer: Any
     sampler: Any | None  # rank 0 only
     hooks: RolloutHooks
     max_context_tokens: int | None = None
     evaluator: Evaluator | None = None
+    group: Any = None
+    """rlrun.engine.group.EngineGroup when ``engine.tp > 1``: its leader generates the whole group's prompts."""
 
     @classmethod
-    def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler) -> RolloutRuntime:
+    def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler, group=None) -> RolloutRuntime:
         runtime = cls(cfg=cfg, parallel=parallel, engine=engine, tokenizer=tokenizer, sampler=sampler,
-                      hooks=RolloutHooks.load(cfg.rollout))
+                      hooks=RolloutHooks.load(cfg.rollout), group=group)
         if runtime.hooks.generate_fn is not None:
             runtime.max_context_tokens = cfg.rollout.max_context_tokens or model_context_tokens(cfg.model.path)
         if cfg.eval.interval > 0:
@@ -128,8 +131,16 @@ class RolloutRuntime:
         return self.evaluator.run(step) if self.evaluator is not None and self.evaluator.due(step) else {}
 
     def generate_and_score(self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None) -> list[Sample]:
-        """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them."""
+        """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them. In an
+        engine group every rank passes its share and gets its own samples back, but the leader generates
+        and scores the whole group's prompts in one call (with its ``seed``)."""
         r = rollout_cfg or self.cfg.rollout
+        if self.group is None:
+            return self._generate_and_score_here(prompts, seed, r)
+        return self.group.run_on_leader(prompts, lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r),
+                                        r.samples_per_prompt)
+
+    def _generate_and_score_here(self, prompts: list[Prompt], seed: int, r: RolloutConfig) -> list[Sample]:
         samples = generate_samples(self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn,
                                    self.max_context_tokens)
         score_samples(samples, self.hooks.reward_fn, group_size=r.samples_per_prompt if r.reward_per_group else None,

@@ -11,7 +11,8 @@ What is reproduced (file:line of the 0.5.23 wheel):
 * the scheduler *dies* (the whole process, as SGLang's SIGQUIT to its parent does) on: release while
   not idle (assert, weight_updater.py:339), resume of a tag not released (``set.remove`` KeyError),
   generation while memory is released (an illegal memory access on GPU), a payload its
-  SafeUnpickler refuses or a weight whose shape does not fit (no try/except on the flattened path);
+  SafeUnpickler refuses, a payload list whose length is not ``tp_size`` or a weight whose shape does
+  not fit (no try/except on the flattened path);
 * with ``enable_memory_saver`` and no ``enable_weights_cpu_backup``, weights are garbage (NaN here)
   after a release/resume until the next update.
 """
@@ -19,6 +20,7 @@ What is reproduced (file:line of the 0.5.23 wheel):
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -31,6 +33,7 @@ import torch
 
 from rlrun.engine.backends.decode_control import DecodeControl
 from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.payload import tensor_checksum
 from rlrun.engine.sampling import SamplingParams
 from sglang.srt.managers.io_struct import FlushCacheReqOutput
 from sglang.srt.utils.common import MultiprocessingSerializer
@@ -47,6 +50,14 @@ def die(message: str) -> None:
     print(f"Scheduler hit an exception: {message}\nreceived SIGQUIT; killing the process tree", file=sys.stderr,
           flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def record_update(weight_version, per_rank: list) -> None:
+    """One ``fake-sglang-update {json}`` line per payload list: the sha256 of every tensor each TP rank
+    received, so tests can check what every rank got against the trainer's weights."""
+    payloads = [{name: tensor_checksum(tensor) for name, tensor in named} for named in per_rank]
+    print("fake-sglang-update " + json.dumps({"weight_version": weight_version, "payloads": payloads}),
+          file=sys.stderr, flush=True)
 
 
 class _ModelUpdateLock:
@@ -278,15 +289,22 @@ class TokenizerManager:
         if self.sessions and not self.session_open:
             return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
         try:
-            payloads = [MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[rank])
-                        for rank in range(self.server_args.get("tp_size", 1))]
-            named = self._named_tensors(payloads[0], obj.load_format)
+            tp_size = self.server_args.get("tp_size", 1)
+            assert len(obj.serialized_named_tensors) == tp_size, (
+                f"{len(obj.serialized_named_tensors)} serialized_named_tensors for tp_size {tp_size}")
+            # TP rank r unpickles entry r and loads full tensors; the fake's one model stands for every rank.
+            per_rank = [self._named_tensors(MultiprocessingSerializer.deserialize(payload), obj.load_format)
+                        for payload in obj.serialized_named_tensors]
             params = self.model.named_parameters()
-            for name, tensor in named:
+            for named in per_rank:
+                for name, tensor in named:
+                    assert name not in params or params[name].shape == tensor.shape, (
+                        f"{name}: {params[name].shape} != {tensor.shape}")
+            record_update(obj.weight_version, per_rank)
+            for name, tensor in per_rank[0]:
                 if name not in params:
                     print(f"Parameter {name} not found in params_dict", file=sys.stderr, flush=True)
                     continue
-                assert params[name].shape == tensor.shape, f"{name}: {params[name].shape} != {tensor.shape}"
                 with torch.no_grad():
                     params[name].copy_(tensor)
         except Exception as exc:  # no try/except on SGLang's flattened path: the scheduler dies

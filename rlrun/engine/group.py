@@ -1,0 +1,220 @@
+"""Engine groups: ``engine.tp`` consecutive local ranks share one rollout engine.
+
+    node with 4 ranks, engine.tp=2:   rank 0 (leader) ──ZMQ──> engine A (SGLang TP ranks on GPUs 0,1)
+                                      rank 1 (member)  ─┘ prompts/samples over the group's gloo group
+                                      rank 2 (leader) ──ZMQ──> engine B (GPUs 2,3)
+                                      rank 3 (member)  ─┘
+
+Only the **leader** (the group's first rank) spawns and talks to an engine; release/resume and
+shutdown are leader-only calls that the other ranks skip. What each role does:
+
+* **rollout** (:meth:`EngineGroup.run_on_leader`): every rank keeps its share of prompts as rank 0
+  assigned them; the members hand theirs to the leader over the group's gloo group, the leader
+  generates the group's prompts in one engine call and hands every rank back the samples of its own
+  prompts. Every sample is produced once and returns to the rank that owns its prompt, so what rank 0
+  gathers (and trains on) is laid out as with one engine per rank. A failure on the leader (a dead
+  engine, a timeout) is sent to the members, so the whole group raises within the RPC's detection time.
+* **weight sync** (:meth:`EngineGroup.update_weights`): every rank iterates ``export_hf_weights``
+  (its all-gathers and broadcasts are collectives), but only the leader sends. ``export_hf_weights``
+  already yields the whole model as *full* HF tensors on every rank (TP shards all-gathered, pipeline
+  stages broadcast, DP replicas identical), so the leader holds everything its engine needs without
+  a second gather. SGLang's ``update_weights_from_tensor`` takes one payload per
+  engine TP rank (rank r unpickles only entry r, and every rank loads full tensors and shards them
+  itself); the leader sends ``engine.tp`` payloads over **one** flat buffer per bucket on its own
+  device: on one host every engine TP rank can open it (CUDA IPC across GPUs of one host, shared
+  memory on CPU). The price on GPU is a CUDA context of each other TP rank on the leader's GPU and a
+  GPU-to-GPU copy per bucket, instead of slime's per-rank buffers gathered to the leader.
+* **backends**: ``sglang`` gets ``tp_size=engine.tp`` and ``base_gpu_id`` = the leader's local rank,
+  so its TP ranks sit on exactly the group's GPUs. The ``embedded`` engine is not sharded: one engine
+  on the leader's device serves the whole group (tp_size 1, one payload per bucket).
+
+A dead engine is noticed by the leader's watchdog (rlrun/runtime/watchdog.py), which ends every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from rlrun.engine.client import EngineClient
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class EngineGroupError(RuntimeError):
+    """The group's leader failed while serving the group; raised on the other ranks of the group."""
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where one rank sits among the engine groups of the job.
+
+    Global ranks of one node are consecutive (torchrun), and a group never spans two nodes, so the
+    group of ``rank`` is ``range(leader, leader + tp)`` and its GPUs are local ranks
+    ``local_leader .. local_leader + tp - 1``.
+    """
+
+    tp: int
+    rank: int
+    world_size: int
+    leader: int
+    """Global rank of the group's leader (its first rank)."""
+    local_leader: int
+    """The leader's LOCAL_RANK: the engine's ``base_gpu_id``."""
+
+    @classmethod
+    def of(cls, tp: int, rank: int, local_rank: int, world_size: int, local_world_size: int) -> GroupLayout:
+        if tp < 1:
+            raise ValueError(f"engine.tp ({tp}) must be >= 1 because it counts the ranks of an engine group")
+        if local_world_size % tp:
+            raise ValueError(f"engine.tp ({tp}) must divide the ranks per node ({local_world_size}) because an "
+                             "engine group's ranks share one host's GPUs; set engine.tp to a divisor of "
+                             "--nproc-per-node")
+        if world_size % tp:
+            raise ValueError(f"engine.tp ({tp}) must divide the world size ({world_size}) because every rank "
+                             "belongs to exactly one engine group; give every node the same number of ranks")
+        offset = local_rank % tp
+        return cls(tp=tp, rank=rank, world_size=world_size, leader=rank - offset, local_leader=local_rank - offset)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    def all_groups(self) -> list[list[int]]:
+        """Every group's global ranks, in rank order (each rank must create every group's process group)."""
+        return [list(range(start, start + self.tp)) for start in range(0, self.world_size, self.tp)]
+
+
+@dataclass(frozen=True)
+class LeaderFailure:
+    """What the leader sends its members instead of results when it failed."""
+
+    message: str
+
+
+class EngineGroup:
+    """This rank's view of its engine group: the engine client (leader only) and the group's gloo group."""
+
+    layout: GroupLayout
+    client: EngineClient | None
+    """The engine's client on the leader; None on the other ranks."""
+    process_group: dist.ProcessGroup | None
+    """Gloo group of the group's ranks; None when ``tp == 1`` (nothing to forward)."""
+
+    def __init__(self, layout: GroupLayout, client: EngineClient | None, process_group: dist.ProcessGroup | None):
+        self.layout = layout
+        self.client = client
+        self.process_group = process_group
+
+    @classmethod
+    def spawn(cls, layout: GroupLayout, *, backend: str, **spawn_kwargs: Any) -> EngineGroup:
+        """Form every group's process group (collective: all ranks call this), then start the engine
+        on each leader with ``EngineClient.spawn(**spawn_kwargs)``. A leader that fails to start its
+        engine raises, and so do its members."""
+        process_group = None
+        if layout.tp > 1:
+            for ranks in layout.all_groups():
+                created = dist.new_group(ranks, backend="gloo")
+                if layout.rank in ranks:
+                    process_group = created
+        group = cls(layout, None, process_group)
+        group.client = group._on_leader(lambda: EngineClient.spawn(
+            backend=backend, tp_size=layout.tp, base_gpu_id=layout.local_leader, **spawn_kwargs))
+        return group
+
+    # ---- what the loop calls on every rank --------------------------------------------------------
+
+    @property
+    def process(self):
+        """The engine worker's process on the leader (for the watchdog), None elsewhere."""
+        return self.client.process if self.client is not None else None
+
+    @property
+    def log_path(self):
+        return self.client.log_path if self.client is not None else None
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        if self.client is not None:
+            self.client.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        if self.client is not None:
+            self.client.resume_memory_occupation(tags)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> dict | None:
+        """The leader pushes the full tensors (``EngineClient.update_weights``, one payload per engine
+        TP rank); the other ranks only drain the iterator, whose all-gathers their TP peers wait on."""
+        if self.client is not None:
+            return self.client.update_weights(named_tensors, **kwargs)
+        for _ in named_tensors:
+            pass
+        return None
+
+    def run_on_leader(self, items: list[T], fn: Callable[[list[T]], list[R]], outputs_per_item: int) -> list[R]:
+        """Every rank passes its ``items``; the leader calls ``fn`` once on the group's items (in rank
+        order), which must return ``outputs_per_item`` outputs per item, item-major; every rank gets the
+        outputs of its own items back."""
+        if self.process_group is None:
+            return fn(items)
+        gathered = [None] * self.layout.tp if self.layout.is_leader else None
+        dist.gather_object(items, gathered, group=self.process_group, group_dst=0)
+        failure: BaseException | None = None
+        per_rank = None
+        if self.layout.is_leader:
+            try:
+                per_rank = _split(fn([x for part in gathered for x in part]), [len(p) for p in gathered],
+                                  outputs_per_item)
+            except Exception as exc:  # noqa: BLE001 - sent to the members below, then re-raised here
+                failure = exc
+                per_rank = [LeaderFailure(f"{type(exc).__name__}: {exc}")] * self.layout.tp
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, per_rank, group=self.process_group, group_src=0)
+        if failure is not None:
+            raise failure
+        return self._unless_failed(received[0])
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _on_leader(self, fn: Callable[[], R]) -> R | None:
+        """Run ``fn`` on the leader and let the members know whether it worked (they get None)."""
+        result, outcome = None, [None]
+        if self.layout.is_leader:
+            try:
+                result = fn()
+            except Exception as exc:
+                outcome = [LeaderFailure(f"{type(exc).__name__}: {exc}")]
+                if self.process_group is not None:
+                    dist.broadcast_object_list(outcome, group=self.process_group, group_src=0)
+                raise
+        if self.process_group is not None:
+            dist.broadcast_object_list(outcome, group=self.process_group, group_src=0)
+        self._unless_failed(outcome[0])
+        return result
+
+    def _unless_failed(self, received: Any) -> Any:
+        if isinstance(received, LeaderFailure):
+            raise EngineGroupError(f"engine group leader rank {self.layout.leader} failed while serving rank "
+                                   f"{self.layout.rank}: {received.message}")
+        return received
+
+
+def _split(outputs: list[R], counts: list[int], outputs_per_item: int) -> list[list[R]]:
+    """Cut item-major ``outputs`` back into one list per rank (``counts[i]`` items of rank i)."""
+    if len(outputs) != sum(counts) * outputs_per_item:
+        raise RuntimeError(f"the engine group leader got {len(outputs)} outputs for {sum(counts)} items x "
+                           f"{outputs_per_item}; the rollout must return whole groups, item-major")
+    per_rank, start = [], 0
+    for count in counts:
+        end = start + count * outputs_per_item
+        per_rank.append(outputs[start:end])
+        start = end
+    return per_rank
