@@ -156,10 +156,14 @@ def test_two_ranks_share_one_engine_with_engine_tp_2(tiny_model_dirs, tmp_path):
     assert "engine group leader rank 0 failed" in member["failure"][1] and member["failure"][2] < 10.0
 
 
-def test_cli_run_with_engine_tp_2(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("kind,trainer_tp", [("qwen3", 1), ("qwen2", 2)])
+def test_cli_run_with_engine_tp_2(tiny_model_dirs, tmp_path, kind, trainer_tp):
+    """Trainer DP=2 (rank 1 trains on samples from rank 0's engine) and trainer TP=2 (rank 1 takes part
+    in every all-gather of the export it does not send)."""
     from test_train_loop import run_train
 
-    records = run_train(tiny_model_dirs["qwen3"], tmp_path / "run", "train.num_steps=2", "engine.tp=2")
+    records = run_train(tiny_model_dirs[kind], tmp_path / "run", "train.num_steps=2", "engine.tp=2",
+                        f"parallel.tp={trainer_tp}")
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert r["train/logprob_gap"] < TOL, r  # rank 1's samples came from rank 0's engine
