@@ -33,8 +33,10 @@ A dead engine is noticed by the leader's watchdog (rlrun/runtime/watchdog.py), w
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -130,12 +132,12 @@ class EngineGroup:
     # ---- what the loop calls on every rank --------------------------------------------------------
 
     @property
-    def process(self):
+    def process(self) -> subprocess.Popen | None:
         """The engine worker's process on the leader (for the watchdog), None elsewhere."""
         return self.client.process if self.client is not None else None
 
     @property
-    def log_path(self):
+    def log_path(self) -> Path | None:
         return self.client.log_path if self.client is not None else None
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
@@ -148,7 +150,8 @@ class EngineGroup:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> dict | None:
         """The leader pushes the full tensors (``EngineClient.update_weights``, one payload per engine
-        TP rank); the other ranks only drain the iterator, whose all-gathers their TP peers wait on."""
+        TP rank); the other ranks only drain the iterator, whose collectives (TP all-gathers, PP
+        broadcasts) their peers wait on."""
         if self.client is not None:
             return self.client.update_weights(named_tensors, **kwargs)
         for _ in named_tensors:
