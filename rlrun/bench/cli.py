@@ -1,4 +1,4 @@
-"""``rlrun bench rollout`` and ``rlrun bench sync``: run a benchmark, print its JSON, optionally save it.
+"""``rlrun bench rollout``, ``rlrun bench sync`` and ``rlrun bench train``: run a benchmark, print its JSON, optionally save it.
 
 The JSON records the command line and the UTC date next to the figures, so a committed result says
 how it was produced. torch and the benchmark modules are imported only when a command runs.
@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks: rollout throughput and weight sync.")
+bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks: rollout throughput, weight sync and training throughput.")
 OutFile = Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file.")]
 
 
@@ -66,3 +66,18 @@ def sync(shape: Annotated[str, typer.Option(help="Comma-separated shapes, e.g. q
     for result in bench_sync(shapes, run_dir, bucket_bytes=bucket_mib * 2**20, repeats=repeats):
         results.append(result)
         _emit("sync", results, out, echo=len(results) == len(shapes))  # the file grows shape by shape
+
+
+@bench_app.command("train")
+def train(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-1.7b",
+          layout: Annotated[str, typer.Option(help="Comma-separated: packed (samples share a row), rows.")] = "packed",
+          sample_len: int = 4096, samples_per_micro_batch: int = 4, micro_batches: int = 4, steps: int = 3,
+          peak_tflops: Annotated[float, typer.Option(help="Peak bf16 TFLOP/s for MFU (H200: 790).")] = 790.0,
+          profile: Annotated[Path | None, typer.Option(help="Write one step's kernel-time table here.")] = None,
+          out: OutFile = None) -> None:
+    """Megatron training tokens/s, TFLOP/s, MFU and peak memory (formula in rlrun/bench/train.py)."""
+    from rlrun.bench.train import bench_train
+
+    layouts = [name.strip() for name in layout.split(",") if name.strip()]
+    _emit("train", bench_train(shape, layouts, sample_len, samples_per_micro_batch, micro_batches, steps,
+                               peak_tflops, profile), out)

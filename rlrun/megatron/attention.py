@@ -113,10 +113,14 @@ class SDPACoreAttention(MegatronModule):
             seq, batch = query.shape[:2]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, dim]
             return self._sdpa(q, k, v).permute(2, 0, 1, 3).reshape(seq, batch, -1)
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        bounds = packed_seq_params.cu_seqlens_q
+        lengths = (bounds[1:] - bounds[:-1]).tolist()
+        # split, not slicing: its backward concatenates the samples' gradients once, where each slice's
+        # backward would write a zero-filled full-size gradient. [1, heads, s_i, dim] views: SDPA's fused
+        # kernels take 4-D inputs only (3-D ones fall back to the math kernel and its s_i x s_i scores).
         outputs = [
-            self._sdpa(*(t[start:end].transpose(0, 1) for t in (query, key, value))).transpose(0, 1)
-            for start, end in zip(bounds[:-1], bounds[1:])
+            self._sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in sample))[0].transpose(0, 1)
+            for sample in zip(*(t.split(lengths) for t in (query, key, value)))
         ]
         return torch.cat(outputs).reshape(query.shape[0], -1)
 

@@ -9,10 +9,10 @@ Each TP rank holds logits for its slice ``[start, start + V_local)`` of the padd
     log p(t)   = z_t - m - log S                          (z_t: all-reduce SUM of the owner's value)
     entropy    = m + log S - sum_v exp(z_v - m) z_v / S   (all-reduce SUM)
 
-The sums go through Megatron's ``reduce_from_tensor_model_parallel_region`` (all-reduce forward,
-identity backward), which is the correct gradient because every TP rank computes the same loss.
-Padded entries are zeroed in the sums instead of set to -inf, so no ``0 * inf = nan`` reaches the
-gradient. Unlike ``tensor_parallel.vocab_parallel_cross_entropy`` nothing is modified in place.
+The sums are all-reduced over the TP group in the forward only: every TP rank computes the same loss,
+so each rank's gradient is the local closed form (``rlrun.megatron.token_stats``, which also keeps the
+fp32 work to one token chunk at a time). Padded entries are left out of the sums. Unlike
+``tensor_parallel.vocab_parallel_cross_entropy`` the logits are not modified in place.
 """
 
 from __future__ import annotations
@@ -26,28 +26,17 @@ from rlrun.megatron.model import MegatronModel
 def vocab_parallel_token_stats(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(targets), entropy or None) for local logits ``[..., V_local]`` and ``targets [...]``."""
+    """(log p(targets), entropy or None) for local logits ``[B, S, V_local]`` (or ``[S, V_local]``) and
+    ``targets`` of the leading shape; chunked over tokens with a closed-form backward
+    (``rlrun.megatron.token_stats``), so no fp32 copy of the logits outlives a chunk."""
     from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region as tp_sum
 
-    local_vocab = logits.shape[-1]
-    start = mpu.get_tensor_model_parallel_rank() * local_vocab
-    z = logits.float() / temperature
-    padded = torch.arange(start, start + local_vocab, device=z.device) >= vocab_size
-    with torch.no_grad():
-        m = z.masked_fill(padded, float("-inf")).amax(dim=-1)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
-    exp = torch.exp(z - m.unsqueeze(-1)).masked_fill(padded, 0.0)
-    sum_exp = tp_sum(exp.sum(dim=-1))
-    local_targets = targets - start
-    owned = (local_targets >= 0) & (local_targets < local_vocab)
-    picked = z.gather(-1, local_targets.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
-    log_normalizer = m + torch.log(sum_exp)
-    logprobs = tp_sum(picked * owned) - log_normalizer
-    if not with_entropy:
-        return logprobs, None
-    entropy = log_normalizer - tp_sum((exp * z).sum(dim=-1)) / sum_exp
-    return logprobs, entropy
+    from rlrun.megatron.token_stats import chunked_token_stats
+
+    start = mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
+    logprobs, entropy = chunked_token_stats(logits, targets, temperature, start, vocab_size,
+                                            mpu.get_tensor_model_parallel_group())
+    return logprobs, entropy if with_entropy else None
 
 
 def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
