@@ -5,6 +5,8 @@ The bound: a decode step must read every weight once from HBM, so a step takes a
 ``weight_bytes / hbm_bandwidth`` seconds and a batch of B rows makes at most ``B / step_s`` tokens/s
 (KV-cache reads and prefill ignored, so the real bound is a little lower). Every response is forced
 to its full length (``ignore_eos`` / ``min_new_tokens``) so both sides emit exactly B x new_tokens.
+Each engine run is preceded by an untimed run of the same shape, which captures its decode step
+(CUDA graph) once, as a long-lived engine does on its first call.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class RolloutResult:
     num_params: int
     weight_bytes: int
     engine: Throughput
+    """Greedy, log-probs on."""
+    engine_sampled: Throughput
+    """Same lengths, sampling at temperature 1 with top-p 0.95 and a seed (the sampler's cost)."""
+    cuda_graph: bool
+    """The engine's decode step ran as a captured CUDA graph (False: eagerly, e.g. on CPU)."""
     hf_generate: Throughput
     bound: BandwidthBound
     speedup_vs_hf: float
@@ -70,9 +77,13 @@ class RolloutResult:
     """engine tokens/s / bound tokens/s."""
 
 
-def _engine_run(engine, prompts: list[list[int]], new_tokens: int) -> int:
-    """Greedy, log-probs on (as the trainer asks), every response exactly ``new_tokens`` long."""
-    results = engine.generate(prompts, {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True})
+GREEDY = {"temperature": 0.0}
+SAMPLED = {"temperature": 1.0, "top_p": 0.95, "sampling_seed": 0}
+
+
+def _engine_run(engine, prompts: list[list[int]], new_tokens: int, params: dict) -> int:
+    """Log-probs on (as the trainer asks), every response exactly ``new_tokens`` long."""
+    results = engine.generate(prompts, {"max_new_tokens": new_tokens, "ignore_eos": True, **params})
     return sum(r["completion_tokens"] for r in results)
 
 
@@ -85,27 +96,36 @@ def _hf_run(model, prompts: torch.Tensor, new_tokens: int) -> int:
 def bench_rollout(shape: str, batch: int, prompt_len: int, new_tokens: int, device: str, dtype: str,
                   hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, seed: int = 0) -> RolloutResult:
     """Time one warm run of the embedded engine and of HF ``generate`` on the same weights in memory."""
+    from transformers import AutoModelForCausalLM
+
     from rlrun.engine.backends.embedded import DTYPES, EmbeddedEngine
 
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
         model_dir = write_random_model(get_shape(shape), Path(tmp), DTYPES[dtype], device)
         engine = EmbeddedEngine(model_dir, seed=seed, dtype=dtype, device=device)
-    model, dev = engine.model, engine.device
+        # The same weights as transformers loads them by default (stock attention), for generate.
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(engine.device).eval()
+    dev = engine.device
     vocab = engine.vocab_size
     prompts = torch.randint(2, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
     prompt_lists, prompts_dev = prompts.tolist(), prompts.to(dev)
-    _engine_run(engine, prompt_lists, WARMUP_NEW_TOKENS)
     _hf_run(model, prompts_dev, WARMUP_NEW_TOKENS)
-    with timer(dev) as engine_s:
-        engine_tokens = _engine_run(engine, prompt_lists, new_tokens)
+    engine_tp = {}
+    for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        _engine_run(engine, prompt_lists, new_tokens, params)  # warm-up of the same shape: captures the step
+        with timer(dev) as engine_s:
+            engine_tokens = _engine_run(engine, prompt_lists, new_tokens, params)
+        engine_tp[name] = Throughput.of(engine_s[0], engine_tokens)
     with timer(dev) as hf_s:
         hf_tokens = _hf_run(model, prompts_dev, new_tokens)
     nbytes = weight_bytes(model)
-    engine_tp, hf_tp = Throughput.of(engine_s[0], engine_tokens), Throughput.of(hf_s[0], hf_tokens)
+    hf_tp = Throughput.of(hf_s[0], hf_tokens)
     bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
+    greedy = engine_tp["greedy"]
     return RolloutResult(shape=shape, hardware=hardware(dev), dtype=dtype, batch=batch, prompt_len=prompt_len,
                          new_tokens=new_tokens, num_params=sum(p.numel() for p in model.parameters()),
-                         weight_bytes=nbytes, engine=engine_tp, hf_generate=hf_tp, bound=bound,
-                         speedup_vs_hf=engine_tp.tokens_per_s / hf_tp.tokens_per_s,
-                         fraction_of_bound=engine_tp.tokens_per_s / bound.tokens_per_s)
+                         weight_bytes=nbytes, engine=greedy, engine_sampled=engine_tp["sampled"],
+                         cuda_graph=engine.decode_step_captured, hf_generate=hf_tp, bound=bound,
+                         speedup_vs_hf=greedy.tokens_per_s / hf_tp.tokens_per_s,
+                         fraction_of_bound=greedy.tokens_per_s / bound.tokens_per_s)

@@ -2,10 +2,11 @@
 
 One process plays a TP=1 trainer rank: it builds the Megatron model from a random HF directory of the
 shape, spawns an embedded engine worker on the same device, and times ``engine.update_weights(
-export_hf_weights(model), ...)`` end to end (HF-name conversion, bucket packing, CUDA IPC or shared
-memory transfer, engine load) plus a one-token generate, which cannot start before the worker's
-copies have finished, so the time covers weights that are really in place. ``probe_s`` (that
-generate alone) is reported so it can be subtracted. GB/s = bf16 weight bytes / median seconds.
+export_hf_weights(model), ...)`` end to end: HF-name conversion, bucket packing, CUDA IPC or shared
+memory transfer, engine load, and the engine's reply to ``end_weight_update``, which it sends only
+after its copies have finished on the GPU, so the time covers weights that are really in place.
+After each timed sync a one-token generate (the probe, timed separately as ``probe_s``) checks
+that the engine serves with them. GB/s = bf16 weight bytes / median seconds.
 """
 
 from __future__ import annotations
@@ -38,25 +39,23 @@ class SyncResult:
     """Bytes sent: the exported HF tensors (a tied embedding once), in the engine's dtype."""
     num_buckets: int
     seconds: list[float]
-    """Each timed sync (update + probe) after one warm-up."""
+    """Each timed sync, after one warm-up: ``update_weights`` returning with the weights in place."""
     median_s: float
-    probe_s: float
-    """The one-token probe generate alone, right after the timed syncs."""
     gb_per_s: float
-    """weight_bytes / median_s / 1e9: end to end, weights usable by the engine."""
-    update_s: list[float]
-    """The ``update_weights`` call alone in each timed sync, as the client sees it returning (the
-    worker's last GPU copies may still be in flight then; the probe waits for them)."""
-    update_gb_per_s: float
-    """weight_bytes / median(update_s) / 1e9: an upper estimate."""
+    """weight_bytes / median_s / 1e9: end to end, weights in place."""
+    probe_s: list[float]
+    """The one-token generate after each timed sync (not inside ``seconds``)."""
 
 
-def _sync_once(engine, model, version: str, bucket_bytes: int) -> dict:
+def _sync_once(engine, model, version: str, bucket_bytes: int, device: torch.device) -> tuple[dict, float, float]:
+    """One timed sync then one timed probe; returns (update stats, sync seconds, probe seconds)."""
     from rlrun.megatron import export_hf_weights
 
-    stats = engine.update_weights(export_hf_weights(model), weight_version=version, bucket_bytes=bucket_bytes)
-    engine.generate([[2]], PROBE, return_logprob=False)
-    return stats
+    with timer(device) as sync_s:
+        stats = engine.update_weights(export_hf_weights(model), weight_version=version, bucket_bytes=bucket_bytes)
+    with timer(device) as probe_s:
+        engine.generate([[2]], PROBE, return_logprob=False)
+    return stats, sync_s[0], probe_s[0]
 
 
 def bench_sync_shape(shape: str, parallel, run_dir: Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -70,24 +69,17 @@ def bench_sync_shape(shape: str, parallel, run_dir: Path, bucket_bytes: int = DE
         model = build_model(str(hf_dir), parallel, dtype=dtype)
         with EngineClient.spawn(backend="embedded", model_path=hf_dir, run_dir=run_dir, rank=0, seed=0,
                                 dtype=dtype, base_gpu_id=parallel.device.index or 0) as engine:
-            _sync_once(engine, model, "warmup", bucket_bytes)
-            times, updates, stats = [], [], {}
-            for i in range(repeats):
-                with timer(parallel.device) as t:
-                    stats = _sync_once(engine, model, str(i), bucket_bytes)
-                times.append(t[0])
-                updates.append(stats["seconds"])
-            with timer(parallel.device) as probe:
-                engine.generate([[2]], PROBE, return_logprob=False)
+            _sync_once(engine, model, "warmup", bucket_bytes, parallel.device)
+            runs = [_sync_once(engine, model, str(i), bucket_bytes, parallel.device) for i in range(repeats)]
     del model
     gc.collect()
     if parallel.device.type == "cuda":
         torch.cuda.empty_cache()
+    stats, times, probes = runs[-1][0], [r[1] for r in runs], [r[2] for r in runs]
     median = statistics.median(times)
     return SyncResult(shape=shape, hardware=hardware(parallel.device), dtype=dtype, bucket_bytes=bucket_bytes,
                       weight_bytes=stats["num_bytes"], num_buckets=stats["num_buckets"], seconds=times,
-                      median_s=median, probe_s=probe[0], gb_per_s=stats["num_bytes"] / median / 1e9,
-                      update_s=updates, update_gb_per_s=stats["num_bytes"] / statistics.median(updates) / 1e9)
+                      median_s=median, gb_per_s=stats["num_bytes"] / median / 1e9, probe_s=probes)
 
 
 def bench_sync(shapes: list[str], run_dir: Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

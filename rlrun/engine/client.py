@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -214,26 +215,35 @@ class EngineClient:
         """Push full HF-named tensors in flattened buckets inside one update session.
 
         Each bucket call carries ``weight_version`` (as slime does), so the version flips with the
-        first bucket; nothing generates until the session ends. The session is closed even when a
-        bucket fails, so the next sync can begin again. ``verify`` (debug) hashes every tensor as
-        sent (cast to the engine's dtype) and checks the engine holds exactly those bytes afterwards.
-        Returns {num_buckets, num_bytes, seconds}.
+        first bucket; nothing generates until the session ends. Exporting and packing bucket k+1
+        overlaps the engine's load of bucket k (one call in flight at a time, so the engine still
+        loads in order; at most two buckets are alive). The session is closed even when a bucket
+        fails, so the next sync can begin again; when this returns, the engine has finished its
+        copies (the embedded engine answers ``end_weight_update`` after them). ``verify`` (debug)
+        hashes every tensor as sent (cast to the engine's dtype) and checks the engine holds exactly
+        those bytes afterwards. Returns {num_buckets, num_bytes, seconds}.
         """
         start = time.perf_counter()
         num_buckets = num_bytes = 0
         sent: dict[str, str] = {}
         self._expect_success("begin_weight_update", self.begin_weight_update())
+        in_flight: Future | None = None
         try:
-            for bucket in iter_buckets(named_tensors, bucket_bytes):
-                # A fresh payload per bucket; its shared memory is released once the worker has loaded it.
-                payloads = serialize_for_tp_ranks(bucket, self.tp_size)
-                result = self.update_weights_from_tensor(payloads, flush_cache=False, weight_version=weight_version)
-                self._expect_success("update_weights_from_tensor", result)
-                num_buckets += 1
-                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                if verify:
-                    sent.update((name, tensor_checksum(t.to(getattr(torch, self.dtype)))) for name, t in bucket)
-        finally:
+            with ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.rank}-sync") as sender:
+                for bucket in iter_buckets(named_tensors, bucket_bytes):
+                    # A fresh payload per bucket; its memory is released once the worker has loaded it.
+                    payloads = serialize_for_tp_ranks(bucket, self.tp_size)
+                    if in_flight is not None:
+                        self._expect_success("update_weights_from_tensor", in_flight.result())
+                    in_flight = sender.submit(self.update_weights_from_tensor, payloads, flush_cache=False,
+                                              weight_version=weight_version)
+                    num_buckets += 1
+                    num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                    if verify:
+                        sent.update((name, tensor_checksum(t.to(getattr(torch, self.dtype)))) for name, t in bucket)
+                if in_flight is not None:
+                    self._expect_success("update_weights_from_tensor", in_flight.result())
+        finally:  # leaving the executor waited for the bucket in flight, so the session ends after it
             ended = self.end_weight_update()
         self._expect_success("end_weight_update", ended)
         if num_buckets == 0:

@@ -42,7 +42,7 @@ class SamplingParams:
     (kept in ``output_ids``; ``finish_reason.matched`` is the string). Not affected by ignore_eos."""
     n: int = 1
     sampling_seed: int | None = None
-    """Makes the prompt's samples reproducible: sample j draws from a generator seeded with
+    """Makes the prompt's samples reproducible: sample j draws its noise from a key derived from
     (sampling_seed, prompt tokens, j), independent of the rest of the batch. The prompt tokens are
     mixed in so that prompts sharing one seed do not share random draws; identical prompts with the
     same seed give identical samples (as in SGLang), so ask for a group with ``n``, not duplicates.
@@ -95,7 +95,7 @@ class SamplingParams:
         return self.top_k == 1
 
     def sample_seed(self, prompt: Sequence[int], sample_index: int) -> int:
-        """Seed of the generator of sample ``sample_index`` of ``prompt`` (needs ``sampling_seed``)."""
+        """Noise key of sample ``sample_index`` of ``prompt`` (needs ``sampling_seed``)."""
         assert self.sampling_seed is not None
         digest = hashlib.blake2b(struct.pack(f"<{len(prompt)}q", *prompt), digest_size=8).digest()
         prompt_key = int.from_bytes(digest, "little")
@@ -124,43 +124,126 @@ def row_rids(rids: Sequence[str], params: Sequence[SamplingParams]) -> list[str]
     return [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(rids, params) for j in range(p.n)]
 
 
-def filter_probs(probs: torch.Tensor, rows: Sequence[SamplingParams]) -> torch.Tensor:
-    """Zero the tokens that top-k, top-p and min-p exclude, row by row (renormalising is left to
-    ``torch.multinomial``, which accepts unnormalised weights). The most likely token always survives."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    vocab = probs.shape[-1]
-    device = probs.device
-    top_k = torch.tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], device=device)
-    top_p = torch.tensor([r.top_p for r in rows], dtype=probs.dtype, device=device)
-    min_p = torch.tensor([r.min_p for r in rows], dtype=probs.dtype, device=device)
-    rank = torch.arange(vocab, device=device).expand_as(sorted_probs)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), split in 16-bit halves so nothing overflows int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' ``lowbias32`` integer hash on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(keys: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row, a pure function of (the row's 64-bit key, the step): a
+    counter-based generator, so a row's draws do not depend on the rest of the batch, need no
+    per-row generator state, and the whole decode step can be replayed as one CUDA graph."""
+    low, high = keys & _MASK32, (keys >> 32) & _MASK32
+    hashed = _mix32(low ^ _mix32(high ^ _mix32(step & _MASK32)))
+    return (hashed >> 8).to(torch.float32) / float(2**24)
+
+
+def row_key(seed: int) -> int:
+    """A 64-bit seed as the int64 a noise key tensor holds (two's complement)."""
+    seed %= 2**64
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+@dataclasses.dataclass
+class SamplingTensors:
+    """The per-row sampling parameters of one generate call as device tensors (rows = samples).
+
+    Fixed for the whole call, so one decode step reads them without a host round trip; ``sample``
+    and ``filter`` are the call's static choices (a captured CUDA graph bakes them in).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    """The vocabulary size where top-k is off."""
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    greedy: torch.Tensor
+    keys: torch.Tensor
+    """int64 noise key per row (:func:`uniform_noise`)."""
+    sample: bool
+    """Some row draws at random (else every row is greedy)."""
+    filter: bool
+    """Some drawing row uses top-k, top-p or min-p."""
+
+    @classmethod
+    def of(cls, rows: Sequence[SamplingParams], keys: Sequence[int], vocab: int, device: torch.device) -> SamplingTensors:
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(temperature=tensor([r.temperature for r in rows], torch.float32),
+                   top_k=tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], torch.long),
+                   top_p=tensor([r.top_p for r in rows], torch.float32),
+                   min_p=tensor([r.min_p for r in rows], torch.float32),
+                   greedy=tensor([r.greedy for r in rows], torch.bool), keys=tensor(list(keys), torch.long),
+                   sample=any(not r.greedy for r in rows),
+                   filter=any(r.needs_filter for r in rows if not r.greedy))
+
+    def copy_(self, other: SamplingTensors) -> None:
+        """Overwrite these tensors in place (a captured graph keeps reading the same memory)."""
+        assert (self.sample, self.filter) == (other.sample, other.filter)
+        for field in ("temperature", "top_k", "top_p", "min_p", "greedy", "keys"):
+            getattr(self, field).copy_(getattr(other, field))
+
+
+def _filter_sorted(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the entries of descending-sorted probabilities that top-k, top-p and min-p exclude
+    (the first one always survives); per-row parameters are [B] tensors."""
+    rank = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device).expand_as(sorted_probs)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # ``top_p < 1`` guard: cumsum rounding can push mass_before past 1.0 in the tail.
     drop = (rank >= top_k[:, None]) | ((mass_before > top_p[:, None]) & (top_p[:, None] < 1))
     drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     drop[:, 0] = False
-    kept = sorted_probs.masked_fill(drop, 0.0)
+    return sorted_probs.masked_fill(drop, 0.0)
+
+
+def filter_probs(probs: torch.Tensor, rows: Sequence[SamplingParams]) -> torch.Tensor:
+    """Zero the tokens that top-k, top-p and min-p exclude, row by row (unnormalised). The most
+    likely token always survives."""
+    t = SamplingTensors.of(rows, [0] * len(rows), probs.shape[-1], probs.device)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    kept = _filter_sorted(sorted_probs, t.top_k, t.top_p.to(probs.dtype), t.min_p.to(probs.dtype))
     return torch.zeros_like(probs).scatter_(-1, order, kept)
 
 
-def sample_tokens(logits: torch.Tensor, rows: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row's unnormalised ``weights`` by one uniform ``u``: the first index whose
+    cumulative weight exceeds ``u`` times the total (a zero weight is never drawn)."""
+    cdf = weights.cumsum(dim=-1)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return index.clamp_(max=weights.shape[-1] - 1)
+
+
+def sample_tokens(logits: torch.Tensor, t: SamplingTensors, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (token ids [B], their log-probs [B], fp32).
 
-    ``logits`` is [B, V]; row b uses ``rows[b]`` and draws from ``generators[b]`` only, so a row's
-    samples do not depend on which other rows share the batch.
-    Greedy rows (``top_k == 1``) take the first argmax, as SGLang's and HF's greedy paths do, and
-    draw nothing from their generator.
+    ``logits`` is [B, V]. Row b draws with one uniform ``uniform_noise(keys[b], step)`` by inverse
+    CDF over its (filtered) probabilities, so its samples depend only on its key and the step, not
+    on the batch. Greedy rows take the first argmax, as SGLang's and HF's greedy paths do. No host
+    synchronisation: the step can be captured in a CUDA graph.
     """
-    temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=logits.device)
-    logprobs = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+    logprobs = torch.log_softmax(logits.float() / t.temperature[:, None], dim=-1)
     tokens = logprobs.argmax(dim=-1)
-    sampled = [b for b, r in enumerate(rows) if not r.greedy]
-    if sampled:
-        probs = logprobs[sampled].exp()
-        sampled_rows = [rows[b] for b in sampled]
-        if any(r.needs_filter for r in sampled_rows):
-            probs = filter_probs(probs, sampled_rows)
-        draws = [torch.multinomial(probs[k], 1, generator=generators[b]) for k, b in enumerate(sampled)]
-        tokens[sampled] = torch.cat(draws)
+    if t.sample:
+        probs, u = logprobs.exp(), uniform_noise(t.keys, step)
+        if t.filter:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            kept = _filter_sorted(sorted_probs, t.top_k, t.top_p, t.min_p)
+            drawn = order.gather(-1, _inverse_cdf(kept, u)[:, None]).squeeze(-1)
+        else:
+            drawn = _inverse_cdf(probs, u)
+        tokens = torch.where(t.greedy, tokens, drawn)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -13,7 +13,7 @@ from engine_contract import hf_greedy, hf_logprobs
 from transformers import AutoModelForCausalLM
 
 from rlrun.engine.backends.decode_control import DecodeControl
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.backends.embedded import SYNC_EVERY, EmbeddedEngine
 from rlrun.engine.sampling import SamplingParams, filter_probs, row_rids
 
 pytestmark = pytest.mark.slow  # loads models
@@ -138,6 +138,28 @@ def test_stop_string_ends_the_response_on_the_token_that_completes_it(tiny_model
         assert result["output_ids"] == greedy[:cut]
         assert result["finish_reason"] == {"type": "stop", "matched": stop}
         assert len(result["output_logprobs"]) == cut
+
+
+def test_stop_string_found_after_a_host_sync_cuts_only_its_row(tiny_model_dirs):
+    """Stop strings are matched on the host every SYNC_EVERY steps; the row is cut at the exact token."""
+    engine = EmbeddedEngine(tiny_model_dirs["qwen2"], seed=0)
+    new_tokens = 2 * SYNC_EVERY + 8
+    greedy = hf_greedy(hf_model(tiny_model_dirs["qwen2"]), PROMPTS[1], new_tokens)
+    decode = engine.tokenizer.decode
+    head = decode(greedy[:SYNC_EVERY + 3])  # the shortest tail of it not seen one token earlier
+    stop = next(head[-n:] for n in range(1, len(head) + 1) if head[-n:] not in decode(greedy[:SYNC_EVERY + 2]))
+    cut = next(k for k in range(1, new_tokens + 1) if stop in decode(greedy[:k]))
+    assert SYNC_EVERY < cut < new_tokens
+    base = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    with_stop, without = engine.generate(PROMPTS[1:2] * 2, [dict(base, stop=stop), base])
+    assert with_stop["output_ids"] == greedy[:cut] and len(with_stop["output_logprobs"]) == cut
+    assert with_stop["finish_reason"] == {"type": "stop", "matched": stop}
+    assert without["output_ids"] == greedy and without["finish_reason"]["type"] == "length"
+    # the same token is also a stop token: the stop token wins, as SGLang checks it first
+    first = greedy.index(greedy[cut - 1]) + 1
+    assert not engine.eos_token_ids & set(greedy[:first])
+    tie = engine.generate(PROMPTS[1:2], dict(base, ignore_eos=False, stop=stop, stop_token_ids=[greedy[cut - 1]]))[0]
+    assert tie["output_ids"] == greedy[:first] and tie["finish_reason"]["matched"] == greedy[cut - 1]
 
 
 def test_min_p_removes_tokens_below_a_fraction_of_the_top_probability():

@@ -1,12 +1,17 @@
 """``embedded``: a real, pure PyTorch/transformers rollout engine (CPU or one GPU; the default for CI).
 
-It serves the same contract as the SGLang backend with a plain batched decode loop:
+It serves the same contract as the SGLang backend with a batched decode loop over static buffers:
 
 1. prefill each *distinct prompt* once (left-padded, explicit position_ids, only the last position's
-   logits), then copy its KV cache to the ``n`` samples of its group;
-2. decode all samples together, one token per step, each sample drawing from its own generator;
+   logits) into a :class:`StaticKVCache`, then copy its KV to the ``n`` samples of its group in a
+   preallocated decode cache (:mod:`rlrun.engine.backends.decode_batch`);
+2. decode all samples together, one token per step; a step (forward, sampling with per-row
+   counter-based noise, end conditions) touches only device buffers, so on GPU it is captured once
+   as a CUDA graph and replayed (:mod:`rlrun.engine.backends.cuda_graph`), and the host looks at
+   the state only every ``SYNC_EVERY`` steps;
 3. a sample ends on EOS / a stop token (kept in ``output_ids``, as SGLang does), on the token that
-   completes a stop string, at max_new_tokens, or when it is aborted (partial output, as SGLang).
+   completes a stop string (matched on the host at those looks, a few steps behind the device; the
+   extra tokens are cut), at max_new_tokens, or when it is aborted (partial output, as SGLang).
 
 Finished samples keep riding along in the batch (their extra tokens are discarded), which keeps
 the loop simple; fine for short RL responses, wasteful for long tails of very different lengths.
@@ -16,7 +21,6 @@ behind the worker's event loop and owns abort/pause through a :class:`DecodeCont
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,39 +28,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlrun.engine.backends.cuda_graph import StepGraph
+from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch, Finish
 from rlrun.engine.backends.decode_control import DecodeControl, RequestHandle
-from rlrun.engine.sampling import SamplingParams, per_prompt_params, row_rids, sample_tokens
+from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, prefill_mask
+from rlrun.engine.sampling import SamplingParams, SamplingTensors, per_prompt_params, row_key, row_rids
 from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, FinishReason, GenResult
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ABORTED: FinishReason = {"type": "abort", "message": "Aborted"}
 
 
-@dataclasses.dataclass
-class _Rows:
-    """Decode state of B rows (row = one sample): tokens/logprobs are [B, steps], padded past ``lengths``."""
+SYNC_EVERY = 16
+"""Decode steps between host looks at the batch (all rows done? stop strings?): more steps waste
+up to that many finished steps; fewer stall the GPU on the host."""
+LEN_ALIGN = 64
+"""Cache lengths are rounded up to this, so calls with nearby lengths reuse one captured step."""
 
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    lengths: torch.Tensor
-    active: torch.Tensor
-    finish: list[FinishReason | None]
 
-    @classmethod
-    def empty(cls, num_rows: int, max_steps: int, device: torch.device) -> _Rows:
-        return cls(tokens=torch.zeros(num_rows, max_steps, dtype=torch.long, device=device),
-                   logprobs=torch.zeros(num_rows, max_steps, dtype=torch.float32, device=device),
-                   lengths=torch.zeros(num_rows, dtype=torch.long, device=device),
-                   active=torch.ones(num_rows, dtype=torch.bool, device=device), finish=[None] * num_rows)
-
-    def end(self, rows: torch.Tensor, reason: FinishReason | list[FinishReason]) -> None:
-        """Finish the still-active rows in the bool mask ``rows`` (one reason, or one per row index)."""
-        rows = rows & self.active
-        for b in rows.nonzero().flatten().tolist():
-            self.finish[b] = reason if isinstance(reason, dict) else reason[b]
-        self.active &= ~rows
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 class _StopStrings:
@@ -71,6 +64,41 @@ class _StopStrings:
     def match(self, output_ids: list[int]) -> str | None:
         tail = self.tokenizer.decode(output_ids[-self.window:])
         return next((s for s in self.stops if s in tail), None)
+
+
+class _StopStringRows:
+    """Stop-string matching of the rows that have stop strings, on the host, a few steps behind the
+    device: :meth:`scan` feeds each row's new tokens to its matcher one at a time (so the match is
+    found on the exact token that completes it, as SGLang's per-step check does) and cuts the row
+    there. A stop token on that same token wins, as it is checked first in SGLang too."""
+
+    def __init__(self, tokenizer, row_params: Sequence[SamplingParams]) -> None:
+        self.matchers = {b: _StopStrings(tokenizer, p.stop) for b, p in enumerate(row_params) if p.stop}
+        self.outputs: dict[int, list[int]] = {b: [] for b in self.matchers}
+        self.open = set(self.matchers)
+        self.matched: dict[int, str] = {}
+
+    def scan(self, batch: DecodeBatch, steps: int) -> None:
+        """Match the tokens of the first ``steps`` steps not scanned yet (one host read of the rows)."""
+        if not self.open:
+            return
+        rows = sorted(self.open)
+        index = torch.tensor(rows, device=batch.tokens.device)
+        tokens = batch.tokens[index, :steps].tolist()
+        lengths, finish = batch.lengths[index].tolist(), batch.finish[index].tolist()
+        for b, row_tokens, length, code in zip(rows, tokens, lengths, finish):
+            output = self.outputs[b]
+            for s in range(len(output), length):
+                output.append(row_tokens[s])
+                matched = self.matchers[b].match(output)
+                if matched is not None:
+                    if s < length - 1 or code != Finish.STOP_TOKEN:
+                        batch.cut(b, s + 1)
+                        self.matched[b] = matched
+                    code = Finish.STOP_STRING
+                    break
+            if code != Finish.RUNNING:
+                self.open.discard(b)
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:
@@ -93,8 +121,9 @@ class EmbeddedEngine:
                              "computes in one of those; set model.dtype accordingly")
         model_path = Path(model_path)
         self.device = torch.device(device)
-        self.model = (AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(self.device)
-                      .eval().requires_grad_(False))
+        # SDPA-based attention that takes the static cache's ready boolean masks (see static_cache.py).
+        self.model = (AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
+                      .to(self.device).eval().requires_grad_(False))
         self.tokenizer = (AutoTokenizer.from_pretrained(model_path)
                           if (model_path / "tokenizer_config.json").exists() else None)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
@@ -110,6 +139,8 @@ class EmbeddedEngine:
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self._rng = torch.Generator().manual_seed(seed)
+        self._decode_slot: tuple[BatchShape, DecodeBatch, StepGraph] | None = None
+        """The last call's decode buffers and captured step, reused by calls of the same shape."""
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -131,17 +162,34 @@ class EmbeddedEngine:
         control = control if control is not None else DecodeControl()
         rows = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
         with control.running():
-            state = self._decode(input_ids, params, rows, request, control)
-        tokens, logprobs, lengths = state.tokens.tolist(), state.logprobs.tolist(), state.lengths.tolist()
+            batch, steps, stop_strings = self._decode(input_ids, params, rows, request, control)
+        tokens, logprobs = batch.tokens[:, :steps].tolist(), batch.logprobs[:, :steps].tolist()
+        lengths, finish = batch.lengths.tolist(), batch.finish.tolist()
         return [{
             "rid": request.row_rids[b],
             "output_ids": tokens[b][:lengths[b]],
             "output_logprobs": logprobs[b][:lengths[b]] if return_logprob else None,
-            "finish_reason": state.finish[b],
+            "finish_reason": self._finish_reason(finish[b], tokens[b][:lengths[b]], params[i], stop_strings.get(b)),
             "prompt_tokens": len(input_ids[i]),
             "completion_tokens": lengths[b],
             "weight_version": self.weight_version,
         } for b, (i, _) in enumerate(rows)]
+
+    @staticmethod
+    def _finish_reason(code: int, output_ids: list[int], params: SamplingParams, stop: str | None) -> FinishReason:
+        if code == Finish.STOP_TOKEN:
+            return {"type": "stop", "matched": output_ids[-1]}
+        if code == Finish.STOP_STRING:
+            return {"type": "stop", "matched": stop}
+        if code == Finish.ABORT:
+            return ABORTED
+        assert code == Finish.LENGTH, f"a decoded row ended without a finish code ({code})"
+        return {"type": "length", "length": params.max_new_tokens}
+
+    @property
+    def decode_step_captured(self) -> bool:
+        """The last generate's decode step ran as a CUDA graph (False on CPU or if capture failed)."""
+        return self._decode_slot is not None and self._decode_slot[2].captured
 
     def _check_prompts(self, input_ids: list[list[int]], params: list[SamplingParams]) -> None:
         for i, (prompt, p) in enumerate(zip(input_ids, params)):
@@ -156,83 +204,89 @@ class EmbeddedEngine:
                 raise ValueError(f"sampling_params.stop ({list(p.stop)}) needs a tokenizer in the model directory "
                                  "because stop strings are matched on decoded text; add one or use stop_token_ids")
 
-    def _generator(self, params: SamplingParams, prompt: list[int], sample_index: int) -> torch.Generator:
+    def _row_key(self, params: SamplingParams, prompt: list[int], sample_index: int) -> int:
         if params.sampling_seed is not None:
-            seed = params.sample_seed(prompt, sample_index)
-        else:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        return torch.Generator(device=self.device).manual_seed(seed)
+            return row_key(params.sample_seed(prompt, sample_index))
+        return row_key(int(torch.randint(0, 2**62, (1,), generator=self._rng)))
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
+        """The one model call (prefill and decode): last position's logits in fp32, K/V into ``cache``."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
         return out.logits[:, -1].float()
 
-    def _prefill(self, prompts: list[list[int]], prompt_of_row: torch.Tensor):
+    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
         """Prefill distinct prompts once, left-padded so every prompt ends at the last column; returns
-        (next-token logits per row, the cache with each prompt's KV copied to its rows, mask, next position)."""
+        (next-token logits per prompt, their cache, the [P, W] prompt mask)."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, positions, cache)[prompt_of_row]
-        cache.batch_select_indices(prompt_of_row)  # share each prompt's KV across its samples
-        return logits, cache, mask[prompt_of_row], positions[prompt_of_row, -1] + 1
+        cache = StaticKVCache(len(prompts), width, self.device)
+        cache.columns = torch.arange(width, device=self.device)
+        return self._forward(ids, prefill_mask(mask), positions, cache), cache, mask
+
+    def _decode_step(self, batch: DecodeBatch) -> None:
+        """One decode step on the batch's buffers only (the part that is captured as a CUDA graph)."""
+        logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
+        batch.advance()
+        batch.record(logits)
+
+    def _batch_for(self, shape: BatchShape, sampling: SamplingTensors) -> tuple[DecodeBatch, StepGraph]:
+        """The decode buffers and captured step for ``shape``: the last call's when it matches."""
+        if self._decode_slot is None or self._decode_slot[0] != shape:
+            self._decode_slot = None  # free the previous buffers and graph before allocating new ones
+            batch = DecodeBatch.allocate(shape, sampling, self.device)
+            self._decode_slot = (shape, batch, StepGraph(lambda: self._decode_step(batch), self.device))
+        return self._decode_slot[1], self._decode_slot[2]
 
     def _decode(self, prompts: list[list[int]], params: list[SamplingParams], rows: Sequence[tuple[int, int]],
-                request: RequestHandle, control: DecodeControl) -> _Rows:
-        num_rows, max_steps = len(rows), max(p.max_new_tokens for p in params)
+                request: RequestHandle, control: DecodeControl) -> tuple[DecodeBatch, int, dict[int, str]]:
+        """Run the batch to its end; returns (its buffers, steps recorded, stop strings matched by row)."""
+        max_steps = max(p.max_new_tokens for p in params)
         row_params = [params[i] for i, _ in rows]
-        generators = [self._generator(params[i], prompts[i], j) for i, j in rows]
         prompt_of_row = torch.tensor([i for i, _ in rows], device=self.device)
-        logits, cache, mask, next_position = self._prefill(prompts, prompt_of_row)
-        state = _Rows.empty(num_rows, max_steps, self.device)
-        max_new = torch.tensor([p.max_new_tokens for p in row_params], device=self.device)
-        length_reasons = [{"type": "length", "length": p.max_new_tokens} for p in row_params]
+        logits, prefill, prompt_mask = self._prefill(prompts)
+        sampling = SamplingTensors.of(row_params, [self._row_key(params[i], prompts[i], j) for i, j in rows],
+                                      self.vocab_size, self.device)
         stop_ids = self._stop_id_matrix(row_params)
-        stop_strings = {b: _StopStrings(self.tokenizer, p.stop) for b, p in enumerate(row_params) if p.stop}
-        outputs: dict[int, list[int]] = {b: [] for b in stop_strings}  # token lists of rows that match text
-        for step in range(max_steps):
+        shape = BatchShape(num_rows=len(rows), max_len=_round_up(prefill.max_len + max_steps, LEN_ALIGN),
+                           stop_width=_round_up(stop_ids.shape[1], 8), sample=sampling.sample, filter=sampling.filter)
+        batch, step_graph = self._batch_for(shape, sampling)
+        max_new = torch.tensor([p.max_new_tokens for p in row_params], device=self.device)
+        batch.load(prefill, prompt_mask, prompt_of_row, max_new, stop_ids, sampling)
+        stop_strings, aborted, steps = _StopStringRows(self.tokenizer, row_params), [False] * len(rows), 0
+        while steps < max_steps:
+            if control.paused:  # queued steps finish before a load may touch the weights
+                self.synchronize()
             control.checkpoint(request)
-            if any(request.aborted):
-                state.end(torch.tensor(request.aborted, device=self.device), ABORTED)
-            if not state.active.any():
-                break
-            token, logprob = sample_tokens(logits, row_params, generators)
-            state.tokens[:, step], state.logprobs[:, step] = token, logprob
-            state.lengths += state.active
-            matched = (token[:, None] == stop_ids) & (stop_ids >= 0)
-            state.end(matched.any(-1), [{"type": "stop", "matched": t} for t in token.tolist()])
-            self._match_stop_strings(state, stop_strings, outputs, token)
-            state.end(state.lengths >= max_new, length_reasons)
-            if not state.active.any():
-                break
-            mask = torch.cat([mask, torch.ones(num_rows, 1, dtype=mask.dtype, device=self.device)], dim=1)
-            logits = self._forward(token[:, None], mask, next_position[:, None], cache)
-            next_position = next_position + 1
-        return state
-
-    @staticmethod
-    def _match_stop_strings(state: _Rows, stop_strings: dict[int, _StopStrings], outputs: dict[int, list[int]],
-                            token: torch.Tensor) -> None:
-        if not stop_strings:
-            return
-        active, tokens = state.active.tolist(), token.tolist()
-        for b, matcher in stop_strings.items():
-            if not active[b]:
-                continue
-            outputs[b].append(tokens[b])
-            matched = matcher.match(outputs[b])
-            if matched is not None:
-                state.finish[b] = {"type": "stop", "matched": matched}
-                state.active[b] = False
+            if request.aborted != aborted:
+                aborted = list(request.aborted)
+                batch.end_rows(torch.tensor(aborted, device=self.device), Finish.ABORT)
+                if all(aborted):
+                    break
+            if steps == 0:
+                batch.record(logits[prompt_of_row])
+            else:
+                step_graph.run()
+            steps += 1
+            if steps % SYNC_EVERY == 0:
+                stop_strings.scan(batch, steps)
+                if not batch.active.any():
+                    break
+        stop_strings.scan(batch, steps)
+        return batch, steps, stop_strings.matched
 
     def _stop_id_matrix(self, row_params: Sequence[SamplingParams]) -> torch.Tensor:
         """[B, S] stop token ids per row, padded with -1 (never a token id)."""
         per_row = [[] if p.ignore_eos else sorted(self.eos_token_ids | set(p.stop_token_ids)) for p in row_params]
         width = max(1, max(len(r) for r in per_row))
         return torch.tensor([r + [-1] * (width - len(r)) for r in per_row], dtype=torch.long, device=self.device)
+
+    def synchronize(self) -> None:
+        """Wait until every queued GPU operation (decode steps, weight copies) has finished."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- weights and memory -----------------------------------------------------------------------
 
@@ -252,16 +306,18 @@ class EmbeddedEngine:
             if tuple(tensor.shape) != tuple(self._params[name].shape):
                 raise ValueError(f"shape of weight {name} ({list(tensor.shape)}) must equal the model's "
                                  f"{list(self._params[name].shape)} because the engine loads full, unsharded tensors")
-        for name, tensor in named_tensors:
-            self._params[name].copy_(tensor)
+        # One fused call instead of a Python-level copy_ per tensor (hundreds per bucket for an 8B model).
+        torch._foreach_copy_([self._params[name] for name, _ in named_tensors], [t for _, t in named_tensors])
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters by HF name (tied aliases excluded), for checksums."""
         return dict(self._params)
 
     def offload_weights(self) -> None:
-        """Move the weights to host memory and return the GPU memory to the driver (no-op on CPU)."""
+        """Move the weights to host memory and return the GPU memory to the driver (no-op on CPU).
+        The captured decode step reads the old weight addresses, so it is dropped too."""
         if self.device.type == "cuda":
+            self._decode_slot = None
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
@@ -270,9 +326,11 @@ class EmbeddedEngine:
             self.model.to(self.device)
 
     def free_cache(self) -> None:
-        """Return the allocator's cached blocks (the last generate's KV cache and activations) to the
-        driver, so a released engine holds only its CUDA context (no-op on CPU)."""
+        """Drop the last generate's decode buffers and captured step and return the allocator's cached
+        blocks (KV cache, activations) to the driver, so a released engine holds only its CUDA context
+        (no-op on CPU)."""
         if self.device.type == "cuda":
+            self._decode_slot = None  # the decode buffers (KV cache) and the captured step
             torch.cuda.synchronize(self.device)
             torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspaces outside the cache
             torch.cuda.empty_cache()

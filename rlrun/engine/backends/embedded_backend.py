@@ -81,6 +81,9 @@ class EmbeddedBackend:
         return {"success": True, "message": "Success"}
 
     async def end_weight_update(self) -> OpResult:
+        """Replies once every bucket's copies have finished on the GPU (loads only queue them), so the
+        end of the client's sync means the new weights are in place."""
+        await asyncio.to_thread(self.engine.synchronize)
         return {"success": True, "message": "Success"}
 
     async def update_weights_from_tensor(self, payloads: list[bytes], load_format: str,

@@ -1,0 +1,135 @@
+"""The device-resident state of one batched decode: static buffers that one step reads and updates.
+
+Every tensor here keeps its storage for the life of the batch (updates are in place), so a decode
+step over them can be captured once as a CUDA graph (:mod:`rlrun.engine.backends.cuda_graph`) and
+reused by later generate calls of the same shape after :meth:`DecodeBatch.load`. Nothing in a
+step reads a value back to the host: end conditions (stop tokens, length) are applied on the device
+and recorded as a finish code per row; the host reads the state every few steps.
+
+Rows are samples. The layout is left-padded: every prompt ends at column ``width - 1`` of the
+cache, decode step t writes column ``width + t - 1``, and all rows share that column.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from rlrun.engine.backends.static_cache import StaticKVCache
+from rlrun.engine.sampling import SamplingTensors, sample_tokens
+
+
+class Finish(enum.IntEnum):
+    """Why a row stopped (``finish`` codes); ``RUNNING`` while it is active."""
+
+    RUNNING = 0
+    STOP_TOKEN = 1
+    LENGTH = 2
+    ABORT = 3
+    STOP_STRING = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """What a captured step depends on: rows, cache length, stop-id width, and the sampling mode."""
+
+    num_rows: int
+    max_len: int
+    stop_width: int
+    sample: bool
+    filter: bool
+
+
+@dataclasses.dataclass
+class DecodeBatch:
+    """Static buffers of B rows over a cache of ``max_len`` columns (see the module docstring)."""
+
+    cache: StaticKVCache
+    input_ids: torch.Tensor
+    """[B, 1] the token each row feeds to the next forward (the last one sampled)."""
+    positions: torch.Tensor
+    """[B, 1] its position id (each row's own prompt length plus tokens so far)."""
+    mask: torch.Tensor
+    """[B, 1, 1, max_len] which cache columns each row attends to."""
+    step: torch.Tensor
+    """[1] index of the next token to sample (0 = the first one, from the prefill logits)."""
+    tokens: torch.Tensor
+    """[B, max_len] sampled tokens, valid up to ``lengths``."""
+    logprobs: torch.Tensor
+    lengths: torch.Tensor
+    active: torch.Tensor
+    finish: torch.Tensor
+    """[B] :class:`Finish` codes."""
+    max_new: torch.Tensor
+    stop_ids: torch.Tensor
+    """[B, stop_width] token ids that end each row, padded with -1."""
+    sampling: SamplingTensors
+
+    @classmethod
+    def allocate(cls, shape: BatchShape, sampling: SamplingTensors, device: torch.device) -> DecodeBatch:
+        rows = shape.num_rows
+
+        def zeros(*size: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(*size, dtype=dtype, device=device)
+
+        return cls(cache=StaticKVCache(rows, shape.max_len, device), input_ids=zeros(rows, 1),
+                   positions=zeros(rows, 1),
+                   mask=torch.ones(rows, 1, 1, shape.max_len, dtype=torch.bool, device=device), step=zeros(1),
+                   tokens=zeros(rows, shape.max_len), logprobs=zeros(rows, shape.max_len, dtype=torch.float32),
+                   lengths=zeros(rows), active=torch.ones(rows, dtype=torch.bool, device=device),
+                   finish=zeros(rows), max_new=zeros(rows), stop_ids=zeros(rows, shape.stop_width) - 1,
+                   sampling=sampling)
+
+    def load(self, prefill: StaticKVCache, prompt_mask: torch.Tensor, prompt_of_row: torch.Tensor,
+             max_new: torch.Tensor, stop_ids: torch.Tensor, sampling: SamplingTensors) -> None:
+        """Reset every buffer in place for a new call: prompts' K/V and mask, positions, counters."""
+        width = prefill.max_len
+        self.cache.load_prefix(prefill, prompt_of_row)
+        self.cache.columns.fill_(width)
+        row_mask = prompt_mask.bool()[prompt_of_row]
+        self.mask.zero_()
+        self.mask[:, 0, 0, :width] = row_mask
+        self.mask[:, 0, 0, width] = True  # the first decode forward writes and reads this column
+        self.positions.copy_(row_mask.sum(-1, keepdim=True))
+        self.step.zero_()
+        self.lengths.zero_()
+        self.active.fill_(True)
+        self.finish.fill_(Finish.RUNNING)
+        self.max_new.copy_(max_new)
+        self.stop_ids.fill_(-1)
+        self.stop_ids[:, :stop_ids.shape[1]] = stop_ids
+        self.sampling.copy_(sampling)
+
+    def record(self, logits: torch.Tensor) -> None:
+        """Sample step ``step`` from ``logits`` ([B, V]) and apply the device-side end conditions."""
+        token, logprob = sample_tokens(logits, self.sampling, self.step)
+        self.tokens.index_copy_(1, self.step, token[:, None])
+        self.logprobs.index_copy_(1, self.step, logprob[:, None])
+        self.lengths += self.active
+        stopped = (token[:, None] == self.stop_ids).any(-1) & self.active
+        too_long = (self.lengths >= self.max_new) & self.active & ~stopped
+        self.finish.masked_fill_(stopped, Finish.STOP_TOKEN)
+        self.finish.masked_fill_(too_long, Finish.LENGTH)
+        self.active &= ~(stopped | too_long)
+        self.input_ids.copy_(token[:, None])
+        self.step += 1
+
+    def advance(self) -> None:
+        """After a decode forward: the next one writes (and attends to) the next column."""
+        self.positions += 1
+        self.cache.columns += 1
+        self.mask.index_fill_(3, self.cache.columns, True)
+
+    def end_rows(self, rows: torch.Tensor, code: Finish) -> None:
+        """Finish the still-active rows in the bool mask ``rows`` with ``code`` (abort)."""
+        rows = rows & self.active
+        self.finish.masked_fill_(rows, code)
+        self.active &= ~rows
+
+    def cut(self, row: int, length: int) -> None:
+        """End ``row`` at ``length`` tokens with a stop string (found on the host, possibly late)."""
+        self.lengths[row] = length
+        self.finish[row] = Finish.STOP_STRING
+        self.active[row] = False

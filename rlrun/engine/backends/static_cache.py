@@ -1,0 +1,101 @@
+"""A preallocated KV cache that a transformers model writes through ``cache.update``, plus its masks.
+
+Why not transformers' ``DynamicCache``: it grows by concatenation every step (a new allocation per
+layer per token) and its length lives on the host, so a decode step can neither be captured in a
+CUDA graph nor run without host bookkeeping. Here every layer owns fixed ``[rows, kv_heads,
+max_len, head_dim]`` buffers, and the columns a forward writes are a device tensor
+(:attr:`StaticKVCache.columns`) that the decode step advances in place. Attention then reads all
+``max_len`` columns under a boolean ``[rows, 1, q_len, max_len]`` mask (True = attend), passed to the
+model as a ready 4-D mask, which transformers' SDPA path uses as is (no mask building, no host sync).
+
+Decode attention (:func:`static_cache_attention`, registered with transformers as
+``ATTENTION``): a one-token query of ``H`` heads over ``H_kv`` cached heads is computed as ``H/H_kv``
+queries per KV head, so SDPA reads each cached head once; transformers' SDPA path would first copy
+the cache ``H/H_kv`` times (``repeat_kv``, which it does whenever a mask is given).
+
+The object duck-types the part of transformers' ``Cache`` that decoder layers call
+(``update(key, value, layer_idx, ...)``; ``get_seq_length``), which is the same in transformers
+5.17 and 5.24. Buffers are created on the first ``update`` of each layer (shapes come from the
+model), or copied from a prefill cache with :meth:`load_prefix`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION = "rlrun_static_cache"
+"""The ``attn_implementation`` name the embedded engine loads its model with."""
+
+
+class StaticKVCache:
+    """Fixed-size per-layer K/V buffers; a forward writes its new K/V at :attr:`columns`."""
+
+    def __init__(self, num_rows: int, max_len: int, device: torch.device) -> None:
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.columns = torch.zeros(1, dtype=torch.long, device=device)
+        """Cache columns the next forward writes, one per query position (set or advanced in place)."""
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this layer's new K/V ([rows, heads, q_len, dim]) and return the full buffers."""
+        if layer_idx == len(self.keys):  # first forward: allocate from the model's own shapes
+            shape = (self.num_rows, key.shape[1], self.max_len, key.shape[-1])
+            self.keys.append(torch.zeros(shape, dtype=key.dtype, device=key.device))
+            self.values.append(torch.zeros(shape, dtype=value.dtype, device=value.device))
+        self.keys[layer_idx].index_copy_(2, self.columns, key)
+        self.values[layer_idx].index_copy_(2, self.columns, value)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Capacity, not fill: callers always pass explicit position ids (transformers only asks for
+        this when they are missing)."""
+        return self.max_len
+
+    def load_prefix(self, prefill: StaticKVCache, rows: torch.Tensor) -> None:
+        """Copy ``prefill``'s columns into the first columns of every row (row b takes prefill row
+        ``rows[b]``: the samples of one prompt share its prefill), allocating buffers if needed."""
+        width = prefill.max_len
+        for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values)):
+            if layer == len(self.keys):
+                shape = (self.num_rows, key.shape[1], self.max_len, key.shape[-1])
+                self.keys.append(torch.zeros(shape, dtype=key.dtype, device=key.device))
+                self.values.append(torch.zeros(shape, dtype=value.dtype, device=value.device))
+            self.keys[layer][:, :, :width].copy_(key[rows])
+            self.values[layer][:, :, :width].copy_(value[rows])
+
+
+def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """[P, 1, W, W] boolean mask for left-padded prompts: causal over real tokens. A padding query
+    attends to itself only, so no row is fully masked (SDPA would return NaN there, and the NaN
+    would reach the padding's cached K/V)."""
+    width = prompt_mask.shape[-1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
+    mask = causal & prompt_mask.bool()[:, None, :]
+    mask |= torch.eye(width, dtype=torch.bool, device=prompt_mask.device)
+    return mask[:, None]
+
+
+def static_cache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; returns ([B, q_len, H, D], None).
+
+    One query position: the ``G = H / H_kv`` query heads that share a KV head (heads ``kv * G + g``,
+    transformers' ``repeat_kv`` order) become a length-G query over that head, under the same
+    [B, 1, 1, L] mask. Longer queries (prefill) go to transformers' SDPA path unchanged.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1 or heads % kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, 1, heads, dim), None
+
+
+AttentionInterface.register(ATTENTION, static_cache_attention)

@@ -1,0 +1,52 @@
+"""The batched sampler against the formulas it implements: counter-based uniform noise, draws that
+follow softmax(logits / T) after top-k filtering, log-probs taken before filtering, greedy argmax."""
+
+from __future__ import annotations
+
+import torch
+
+from rlrun.engine.sampling import SamplingParams, SamplingTensors, row_key, sample_tokens, uniform_noise
+
+NUM_ROWS = 20_000
+
+
+def test_uniform_noise_is_a_pure_uniform_function_of_key_and_step():
+    keys = torch.tensor([row_key(k * 0x9E3779B97F4A7C15) for k in range(NUM_ROWS)])
+    u = uniform_noise(keys, torch.tensor([3]))
+    assert torch.equal(u, uniform_noise(keys.clone(), torch.tensor([3])))  # no hidden state
+    assert torch.equal(u[5:9], uniform_noise(keys[5:9], torch.tensor([3])))  # independent of the batch
+    assert not torch.equal(u, uniform_noise(keys, torch.tensor([4])))
+    assert 0 <= u.min() and u.max() < 1
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    expected = NUM_ROWS / 10
+    assert ((counts - expected).abs() < 5 * expected**0.5).all()  # 5 sigma per bin
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]) < 0.03  # neighbouring keys unrelated
+
+
+def _tensors(params: SamplingParams, vocab: int) -> SamplingTensors:
+    keys = [row_key(params.sample_seed([7], j)) for j in range(NUM_ROWS)]
+    return SamplingTensors.of([params] * NUM_ROWS, keys, vocab, torch.device("cpu"))
+
+
+def test_draws_follow_the_filtered_tempered_softmax_and_logprobs_precede_filtering():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    temperature = 0.7
+    tempered = torch.softmax(logits / temperature, dim=-1)
+    for top_k, want in ((-1, tempered), (2, torch.cat([tempered[:2] / tempered[:2].sum(), torch.zeros(3)]))):
+        params = SamplingParams(temperature=temperature, top_k=top_k, sampling_seed=5)
+        tokens, logprobs = sample_tokens(logits.expand(NUM_ROWS, -1), _tensors(params, 5), torch.tensor([0]))
+        freq = torch.bincount(tokens, minlength=5) / NUM_ROWS
+        sigma = (want * (1 - want) / NUM_ROWS).sqrt()
+        assert ((freq - want).abs() <= 5 * sigma + 1e-9).all(), (top_k, freq, want)
+        torch.testing.assert_close(logprobs, torch.log(tempered)[tokens], rtol=0, atol=1e-6)
+
+
+def test_greedy_rows_take_the_first_argmax_next_to_sampled_rows():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [0.0, 3.0, 3.0, 1.0]])
+    rows = [SamplingParams.from_dict({"temperature": 0}), SamplingParams(temperature=1.0, sampling_seed=1)]
+    tensors = SamplingTensors.of(rows, [1, 2], 4, torch.device("cpu"))
+    assert (tensors.sample, tensors.filter) == (True, False)
+    draws = {int(sample_tokens(logits, tensors, torch.tensor([s]))[0][0]) for s in range(50)}
+    assert draws == {1}
+    tokens, logprobs = sample_tokens(logits, tensors, torch.tensor([0]))
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
