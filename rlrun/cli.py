@@ -3,6 +3,7 @@
     rlrun config validate configs/quickstart.yaml --set rollout.temperature=0.7
     rlrun config show configs/quickstart.yaml
     rlrun prepare smollm2
+    rlrun convert hf-to-mcore --hf DIR --out DIR --tp 2
     torchrun --nproc-per-node 2 -m rlrun train configs/quickstart.yaml
     rlrun plot runs/quickstart
     rlrun doctor configs/quickstart.yaml
@@ -20,6 +21,7 @@ from typing import Annotated
 import typer
 
 from rlrun.bench.cli import bench_app
+from rlrun.convert_cli import convert_app
 from rlrun.config import ConfigError, RunConfig, dump_config, load_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -29,6 +31,7 @@ prepare_app = typer.Typer(no_args_is_help=True, help="Prepare models for offline
 app.add_typer(config_app, name="config")
 app.add_typer(prepare_app, name="prepare")
 app.add_typer(bench_app, name="bench")
+app.add_typer(convert_app, name="convert")
 
 ConfigPath = Annotated[Path, typer.Argument(help="YAML run config, e.g. configs/quickstart.yaml.")]
 Overrides = Annotated[list[str], typer.Option("--set", metavar="KEY=VALUE", help="e.g. --set rollout.temperature=0.7")]

@@ -19,11 +19,13 @@ Logged names (token means over the step):
   critic/values_mean      the values GAE used
   critic/returns_mean     the GAE returns the critic regresses on
   critic/grad_norm        the critic's gradient norm before clipping
+  critic/lr               the LR of this update (the critic's own schedule)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +34,7 @@ from rlrun.algo.value_loss import clipped_value_loss
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from rlrun.config.schema import CriticConfig, RunConfig
     from rlrun.data.batch import MicroBatch
@@ -46,6 +49,7 @@ class Critic:
     settings: CriticConfig
     model: MegatronModel
     optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler  # the critic's LR schedule (its optimizer settings)
 
     @classmethod
     def build(cls, cfg: RunConfig, parallel: Parallel) -> Critic | None:
@@ -53,7 +57,7 @@ class Critic:
         if not cfg.uses_critic:
             return None
         from rlrun.config.critic import load_critic_config
-        from rlrun.megatron import make_optimizer
+        from rlrun.megatron import make_optimizer, make_scheduler
         from rlrun.megatron.value_head import build_critic_model
 
         spec = load_critic_config(cfg)
@@ -61,7 +65,8 @@ class Critic:
         opt = spec.optimizer
         optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay,
                                    betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
-        return cls(settings=cfg.critic, model=model, optimizer=optimizer)
+        return cls(settings=cfg.critic, model=model, optimizer=optimizer,
+                   scheduler=make_scheduler(optimizer, opt, cfg.train.num_steps))
 
     def actor_trains(self, step: int) -> bool:
         return step >= self.settings.num_critic_only_steps
@@ -92,19 +97,23 @@ class Critic:
             return loss, {"value_loss": loss.detach(), "value_clip_frac": terms.clipped.sum(),
                           "values_mean": (old * mask).sum(), "returns_mean": (returns * mask).sum()}
 
+        lr = self.scheduler.get_lr(self.optimizer.param_groups[0])
         out = value_train_step(self.model, self.optimizer, micro_batches, loss_fn, num_global_tokens)
+        self.scheduler.step(1)
         metrics = {f"critic/{name}": value / num_global_tokens for name, value in out.items()
                    if name not in ("loss", "grad_norm")}
         metrics["critic/grad_norm"] = out["grad_norm"]
+        metrics["critic/lr"] = lr
         return metrics
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's critic shard and optimizer state (aliases live tensors: copy before training on)."""
-        from rlrun.megatron.checkpoint import rank_state
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The critic's sharded model, optimizer and scheduler state (rlrun/megatron/checkpoint.py)."""
+        from rlrun.megatron.checkpoint import training_state
 
-        return rank_state(self.model, self.optimizer)
+        return training_state(self.model, self.optimizer, self.scheduler, with_rng=False)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from rlrun.megatron.checkpoint import load_rank_state
+    def load_checkpoint(self, directory: Path) -> None:
+        """Collective: restore what :meth:`checkpoint_state` saved into ``directory``."""
+        from rlrun.megatron.checkpoint import load
 
-        load_rank_state(self.model, self.optimizer, state)
+        load(self.model, self.optimizer, self.scheduler, directory, with_rng=False)

@@ -66,6 +66,7 @@ class Components:
     parallel: object
     model: object
     optimizer: object
+    scheduler: object  # Megatron's OptimizerParamScheduler: the actor's LR schedule
     roles: object  # rlrun.roles.ModelRoles
     critic: object | None  # rlrun.critic.Critic when the run trains one (PPO)
     engine: object
@@ -93,8 +94,9 @@ def run(cfg: RunConfig) -> None:
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
             parts = setup(cfg, parallel)
         watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
-        checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel)
-        resumed = checkpointer.restore(parts.model, parts.optimizer, parts.sampler, critic=parts.critic)
+        checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
+        resumed = checkpointer.restore(parts.model, parts.optimizer, parts.sampler, critic=parts.critic,
+                                       scheduler=parts.scheduler)
         state = RunState(**resumed) if resumed is not None else RunState()
         if resumed is not None:
             parts.roles.on_actor_loaded()
@@ -112,6 +114,7 @@ def run(cfg: RunConfig) -> None:
             last = state.step == cfg.train.num_steps
             if checkpointer.due(state.step, last=last, stopping=stopping):
                 checkpointer.save(state, parts.model, parts.optimizer, parts.sampler, blocking=last or stopping,
+                                  scheduler=parts.scheduler,
                                   critic=parts.critic)
         checkpointer.wait()
         watchdog.close(parallel.cpu_group)
@@ -132,7 +135,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
     from rlrun.critic import Critic
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.engine.group import EngineGroup, GroupLayout
-    from rlrun.megatron import build_model, make_optimizer
+    from rlrun.megatron import build_model, make_optimizer, make_scheduler
     from rlrun.roles import ModelRoles
 
     run_dir = Path(cfg.logging.run_dir)
@@ -153,9 +156,11 @@ def setup(cfg: RunConfig, parallel) -> Components:
     )
     offloader = Offloader(cfg.offload, engine, parallel.device)
     with offloader.trainer_region():  # weights, grad buffers and optimizer state (actor and critic) can sleep
-        model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype)
         opt = cfg.optimizer
+        model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype,
+                            distributed_optimizer=opt.use_distributed_optimizer)
         optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
+        scheduler = make_scheduler(optimizer, opt, cfg.train.num_steps)
         critic = Critic.build(cfg, parallel)
     for trained in [optimizer] + ([critic.optimizer] if critic else []):
         offloader.keep_optimizer_state_in_region(trained)
@@ -166,7 +171,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
         dataset = PromptDataset(cfg.data, tokenizer)
         sampler = PromptSampler(dataset, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return Components(
-        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, roles=roles, critic=critic,
+        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, scheduler=scheduler, roles=roles, critic=critic,
         engine=engine,
         offloader=offloader, tokenizer=tokenizer, sampler=sampler,
         rollout=RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
@@ -266,8 +271,10 @@ def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens:
     critic = parts.critic
     metrics = critic.train(micro_batches, num_global_tokens) if critic is not None else {}
     if critic is None or critic.actor_trains(step):
+        metrics["lr"] = parts.scheduler.get_lr(parts.optimizer.param_groups[0])  # the LR of this update
         metrics.update(train_policy(parts.cfg, parts.roles, parts.parallel, parts.model, parts.optimizer,
                                     micro_batches, num_global_tokens, step))
+        parts.scheduler.step(1)
     return metrics
 
 

@@ -373,7 +373,20 @@ class AlgorithmConfig(Section):
 
 class OptimizerConfig(Section):
     lr: float = Field(1e-5, gt=0)
-    """Adam learning rate (constant)."""
+    """Adam learning rate: the peak of the schedule (the whole run's LR with the default constant style)."""
+    min_lr: float = Field(0.0, ge=0)
+    """Where ``linear`` and ``cosine`` decay end (reached after ``lr_decay_steps``); unused by ``constant``."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup from 0 to ``lr`` (Megatron's: step ``s`` uses ``lr * s / warmup``,
+    so the first step's LR is 0)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: ``constant`` keeps ``lr``; ``linear`` / ``cosine`` go from ``lr`` to ``min_lr`` by step
+    ``lr_decay_steps`` (Megatron's OptimizerParamScheduler; its state is checkpointed)."""
+    lr_decay_steps: int | None = Field(None, ge=1)
+    """Step at which decay reaches ``min_lr``; None uses ``train.num_steps``. Must exceed ``lr_warmup_steps``."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: Adam state and fp32 main weights sharded over data-parallel ranks
+    (reduce-scatter of gradients, all-gather of weights) instead of replicated on each."""
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay."""
     adam_beta1: float = Field(0.9, ge=0, lt=1)
@@ -400,9 +413,13 @@ class CheckpointConfig(Section):
     """Where checkpoints go (one ``step_NNNNNN`` directory each); None uses ``RUN_DIR/checkpoints``.
     Must be on a filesystem every node sees: each rank writes its own shard."""
     resume: str = Field("auto", min_length=1)
-    """``auto``: continue from the newest complete checkpoint in ``dir`` (start fresh if there is none);
-    ``none``: always start fresh; or the path of one checkpoint directory. Resuming needs the same
-    world size and parallel layout as the run that saved it."""
+    """``auto``: continue from the newest complete checkpoint in ``dir`` (else from ``load``, else fresh);
+    ``none``: ignore ``dir``'s checkpoints; or the path of one checkpoint directory. A checkpoint loads at
+    any data-parallel size, with the tensor- and pipeline-parallel sizes that saved it."""
+    load: str | None = None
+    """A checkpoint to start from when ``resume`` finds none of the run's own: a ``step_*`` directory or a
+    directory holding them (full resume: model, optimizer, LR schedule, data position, step), or the output
+    of ``rlrun convert hf-to-mcore`` (weights only: training starts at step 0)."""
     keep_last: int = Field(0, ge=0)
     """Keep only the newest N complete checkpoints (older ones are deleted after each save); 0 keeps all."""
     async_save: bool = False

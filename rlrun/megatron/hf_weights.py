@@ -22,6 +22,12 @@ each query group's q heads, then its k head, then its v head (biases alike), so 
 query groups. ``linear_proj`` is o_proj, ``[hidden, num_heads * head_dim]``. ``linear_fc1`` is
 ``[gate; up]``.
 
+Pipeline stages (``weight_mappings(arch, pp_rank, pp_size)``): stage ``s`` holds global layers
+``[s * L/pp, (s + 1) * L/pp)`` under the local names ``decoder.layers.0 ...``, the first stage the
+embedding, the last the final norm and output layer. With tied embeddings the last stage holds its own
+copy of the embedding as ``output_layer.weight`` (Megatron keeps the two equal by summing their
+gradients); it is loaded from ``model.embed_tokens.weight`` but never exported (``exported=False``).
+
 Padding, all with zeros, added by ``to_megatron`` for a TP size and cut off by ``to_hf`` (which reads the
 padded sizes from the tensor, so it needs no TP size): vocabulary rows up to
 ``ModelArch.padded_vocab_size``, and inert key/value groups appended after the real ones up to
@@ -51,13 +57,22 @@ class WeightMapping:
     megatron_name: str
     hf_names: tuple[str, ...]
     kind: Kind
+    exported: bool = True
+    """False for a copy of a tensor another stage exports (the last stage's tied output layer)."""
 
 
-def weight_mappings(arch: ModelArch) -> list[WeightMapping]:
-    """Every parameter of the Megatron model of ``arch`` (PP=1), in HF checkpoint order."""
-    maps = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
-    for i in range(arch.num_layers):
-        mc, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+def weight_mappings(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> list[WeightMapping]:
+    """Every parameter of pipeline stage ``pp_rank`` of ``pp_size`` of the Megatron model of ``arch``, in
+    HF checkpoint order (so stage after stage is the whole checkpoint's order)."""
+    if arch.num_layers % pp_size != 0:
+        raise ValueError(f"parallel.pp ({pp_size}) must divide config.json num_hidden_layers ({arch.num_layers}) "
+                         f"because every pipeline stage holds the same number of layers; set parallel.pp to a divisor")
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    per_stage = arch.num_layers // pp_size
+    maps = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")] if first else []
+    for local in range(per_stage):
+        i = pp_rank * per_stage + local
+        mc, hf = f"decoder.layers.{local}.", f"model.layers.{i}."
         attn = f"{hf}self_attn."
         maps.append(WeightMapping(f"{mc}input_layernorm.weight", (f"{hf}input_layernorm.weight",), "copy"))
         maps.append(WeightMapping(f"{mc}self_attention.linear_qkv.weight",
@@ -73,9 +88,13 @@ def weight_mappings(arch: ModelArch) -> list[WeightMapping]:
         maps.append(WeightMapping(f"{mc}mlp.linear_fc1.weight",
                                   (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"), "concat"))
         maps.append(WeightMapping(f"{mc}mlp.linear_fc2.weight", (f"{hf}mlp.down_proj.weight",), "copy"))
+    if not last:
+        return maps
     maps.append(WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
     if not arch.tie_embeddings:
         maps.append(WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
+    elif not first:
+        maps.append(WeightMapping("output_layer.weight", ("model.embed_tokens.weight",), "vocab", exported=False))
     return maps
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rlrun.megatron.model import MegatronModel
+from rlrun.megatron.pipeline import last_stage_outputs
 
 
 def vocab_parallel_token_stats(
@@ -62,20 +63,28 @@ def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
 def compute_logprobs(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor,
                      temperature: float) -> torch.Tensor:
     """``log p(tokens[:, 1:] | prefix)`` as ``[B, S-1]`` float32 on the model's device, logits divided
-    by ``temperature``.
+    by ``temperature``, on every rank (with PP > 1, computed on the last stage and broadcast).
 
-    Differentiable; wrap in ``torch.no_grad()`` for forward-only passes (old, reference log-probs).
+    Differentiable at PP=1; wrap in ``torch.no_grad()`` for forward-only passes (old, reference log-probs).
     """
-    logits = forward_logits(model, tokens, position_ids)
-    logprobs, _ = vocab_parallel_token_stats(logits[:, :-1], tokens[:, 1:].to(logits.device), temperature,
-                                             model.arch.vocab_size, with_entropy=False)
+    (logprobs,) = _token_stats(model, tokens, position_ids, temperature, with_entropy=False)
     return logprobs
 
 
 def compute_logprobs_and_entropy(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor,
                                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``compute_logprobs`` plus the entropy ``[B, S-1]`` of each predictive distribution."""
-    logits = forward_logits(model, tokens, position_ids)
-    logprobs, entropy = vocab_parallel_token_stats(logits[:, :-1], tokens[:, 1:].to(logits.device),
-                                                   temperature, model.arch.vocab_size, with_entropy=True)
+    logprobs, entropy = _token_stats(model, tokens, position_ids, temperature, with_entropy=True)
     return logprobs, entropy
+
+
+def _token_stats(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor, temperature: float,
+                 with_entropy: bool) -> list[torch.Tensor]:
+    """[log-probs] or [log-probs, entropy] of ``tokens`` on every rank of the pipeline."""
+    def head(logits: torch.Tensor) -> list[torch.Tensor]:
+        stats = vocab_parallel_token_stats(logits[:, :-1], tokens[:, 1:].to(logits.device), temperature,
+                                           model.arch.vocab_size, with_entropy=with_entropy)
+        return [t for t in stats if t is not None]
+
+    return last_stage_outputs(model, tokens, lambda: forward_logits(model, tokens, position_ids), head,
+                              count=2 if with_entropy else 1)

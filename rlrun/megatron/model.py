@@ -43,7 +43,8 @@ class MegatronModel:
         return self.ddp.module
 
 
-def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32") -> MegatronModel:
+def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
+                distributed_optimizer: bool = False) -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards, in Megatron DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -76,8 +77,9 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32") -> Mega
     # Float16Module does (RoPE's inv_freq is a plain attribute and stays fp32).
     gpt = gpt.to(device=parallel.device, dtype=config.params_dtype)
     load_hf_weights(gpt, arch, HFCheckpoint(hf_dir), parallel)
+    # distributed_optimizer: make_optimizer builds Megatron's distributed optimizer over these grad buffers.
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     return MegatronModel(ddp=ddp, arch=arch, parallel=parallel, dtype=dtype)

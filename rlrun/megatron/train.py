@@ -23,6 +23,7 @@ from rlrun.megatron.model import MegatronModel
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 RESERVED_METRICS = ("loss", "grad_norm")
 
@@ -49,10 +50,11 @@ none of ``RESERVED_METRICS``."""
 
 def make_optimizer(model: MegatronModel, lr: float, weight_decay: float, betas: tuple[float, float],
                    eps: float, clip_grad: float) -> MegatronOptimizer:
-    """Megatron's Adam(W) over the DDP model: fp32 main weights for bf16 models, global-norm clipping.
+    """Megatron's Adam(W) over the DDP model: fp32 main weights for bf16 models, global-norm clipping;
+    the distributed optimizer when the model's DDP was built for it (``build_model``'s flag).
 
-    Megatron keeps per-group ``lr_mult``/``wd_mult`` (no weight decay on biases and norms) for its LR
-    scheduler to apply; with a constant LR there is no scheduler, so they are applied here once.
+    Megatron keeps per-group ``lr_mult``/``wd_mult`` for its LR scheduler to apply; they are applied here
+    once, so the optimizer is right without a scheduler too (:func:`make_scheduler` takes over from there).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -60,13 +62,46 @@ def make_optimizer(model: MegatronModel, lr: float, weight_decay: float, betas: 
     config = OptimizerConfig(
         optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
         adam_beta2=betas[1], adam_eps=eps, clip_grad=clip_grad, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=model.ddp.ddp_config.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, [model.ddp])
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_mult"]
         group["weight_decay"] = weight_decay * group["wd_mult"]
     return optimizer
+
+
+def make_scheduler(optimizer: MegatronOptimizer, cfg: OptimizerSettings, num_steps: int) -> OptimizerParamScheduler:
+    """Megatron's OptimizerParamScheduler for ``cfg`` (rlrun.config.schema.OptimizerConfig): linear warmup
+    from 0 over ``lr_warmup_steps``, then constant / linear / cosine to ``min_lr`` at ``lr_decay_steps``
+    (default ``num_steps``); weight decay constant. Call ``step(1)`` after every optimizer step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = cfg.lr_decay_steps if cfg.lr_decay_steps is not None else num_steps
+    if cfg.lr_decay_style != "constant" and decay_steps <= cfg.lr_warmup_steps:
+        raise ValueError(f"optimizer.lr_decay_steps ({decay_steps}) must exceed optimizer.lr_warmup_steps "
+                         f"({cfg.lr_warmup_steps}) because decay starts after warmup; set lr_decay_steps "
+                         f"(default train.num_steps) larger or warm up for fewer steps")
+    for group in optimizer.param_groups:  # Megatron reads each group's bounds first; make_optimizer set both to lr
+        group["max_lr"], group["min_lr"] = cfg.lr, cfg.min_lr
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=max(decay_steps, cfg.lr_warmup_steps + 1), lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+    )
+
+
+class OptimizerSettings(Protocol):
+    """What :func:`make_scheduler` reads of ``rlrun.config.schema.OptimizerConfig``."""
+
+    lr: float
+    min_lr: float
+    weight_decay: float
+    lr_warmup_steps: int
+    lr_decay_style: str
+    lr_decay_steps: int | None
 
 
 def _sync_grads(model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):

@@ -25,6 +25,7 @@ from rlrun.megatron.hf_config import ModelArch, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint
 from rlrun.megatron.logprobs import forward_logits
 from rlrun.megatron.model import MegatronModel, load_hf_weights
+from rlrun.megatron.pipeline import last_stage_outputs
 from rlrun.megatron.train import optimizer_step
 from rlrun.runtime.dist import Parallel
 
@@ -54,9 +55,6 @@ def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int) -
 
     from rlrun.megatron.attention import layer_spec
 
-    if parallel.pp_size != 1:
-        raise ValueError(f"parallel.pp ({parallel.pp_size}) must be 1 because the critic's value head lives on "
-                         f"the last stage and pipeline stages are not supported yet; set parallel.pp=1")
     arch = ModelArch.from_hf_dir(hf_dir)
     config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype)
     # The same GPTModel arguments as rlrun.megatron.model.build_model: the trunk must load the same
@@ -65,15 +63,17 @@ def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int) -
         config=config,
         transformer_layer_spec=layer_spec(arch),
         vocab_size=arch.padded_vocab_size(parallel.tp_size), max_sequence_length=arch.max_position_embeddings,
-        pre_process=True, post_process=True, parallel_output=True,
+        pre_process=parallel.is_first_stage, post_process=parallel.is_last_stage, parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_embeddings, position_embedding_type="rope",
         rotary_base=arch.rope_theta,
     ).to(device=parallel.device, dtype=config.params_dtype)
     checkpoint = HFCheckpoint(hf_dir)
     load_hf_weights(gpt, arch, checkpoint, parallel)
-    gpt.output_layer = ValueHead(arch.hidden_size, config.params_dtype, parallel.device)
+    # Every stage drops the tie, so no stage all-reduces embedding gradients with a head that is gone.
     gpt.share_embeddings_and_output_weights = False
-    init_value_head(gpt.output_layer, checkpoint, config.init_method_std, seed)
+    if parallel.is_last_stage:
+        gpt.output_layer = ValueHead(arch.hidden_size, config.params_dtype, parallel.device)
+        init_value_head(gpt.output_layer, checkpoint, config.init_method_std, seed)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
@@ -100,8 +100,11 @@ def init_value_head(head: ValueHead, checkpoint: HFCheckpoint, std: float, seed:
 
 def compute_values(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """``[B, S-1]`` float32 values: position ``t`` is the value of the prefix ``tokens[:, :t+1]``, the state
-    in which ``tokens[:, t+1]`` is generated (the layout of log-probs and advantages)."""
-    return forward_logits(model, tokens, position_ids)[:, :-1, 0].float()
+    in which ``tokens[:, t+1]`` is generated (the layout of log-probs and advantages). On every rank: with
+    PP > 1 the last stage computes them and broadcasts them."""
+    (values,) = last_stage_outputs(model, tokens, lambda: forward_logits(model, tokens, position_ids),
+                                   lambda out: [out[:, :-1, 0].float()], count=1)
+    return values
 
 
 def value_train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence,

@@ -75,6 +75,17 @@ class Parallel:
     def is_rank0(self) -> bool:
         return self.rank == 0
 
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank's pipeline stage holds the embedding (Megatron's ``pre_process``)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank's pipeline stage holds the final norm and output layer (``post_process``): only it
+        computes logits, log-probs, values and losses."""
+        return self.pp_rank == self.pp_size - 1
+
 
 def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600) -> Parallel:
     """Start torch.distributed and Megatron's model-parallel groups for this rank; seed its RNGs.

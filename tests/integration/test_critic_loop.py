@@ -8,7 +8,7 @@ the checkpoint files."""
 from __future__ import annotations
 
 import pytest
-import torch
+from megatron.core import dist_checkpointing
 
 from integration.test_train_loop import run_train
 
@@ -33,11 +33,11 @@ def test_ppo_trains_critic_first_checkpoints_and_resumes_both(tiny_model_dirs, t
 
     step2 = tmp_path / "a" / "checkpoints" / "step_000002"
     names = {p.name for p in step2.iterdir()}
-    assert {"rank_00000.pt", "rank_00001.pt", "critic_rank_00000.pt", "critic_rank_00001.pt"} <= names, names
-    shard = torch.load(step2 / "critic_rank_00000.pt", map_location="cpu", weights_only=True)
-    actor = torch.load(step2 / "rank_00000.pt", map_location="cpu", weights_only=True)
-    assert shard["model"]["output_layer.linear.weight"].shape[0] == 1 and "output_layer.weight" not in shard["model"]
-    assert "output_layer.weight" in actor["model"]  # the actor's shard keeps its format (untied LM head)
+    assert {"actor", "critic", "run_state.json", "COMPLETE"} <= names, names
+    critic = dist_checkpointing.load_tensors_metadata(str(step2 / "critic"))
+    actor = dist_checkpointing.load_tensors_metadata(str(step2 / "actor"))
+    assert critic["output_layer.linear.weight"].global_shape[0] == 1 and "output_layer.weight" not in critic
+    assert "output_layer.weight" in actor  # the actor's checkpoint keeps its format (untied LM head)
 
     resumed = run_train(model, tmp_path / "b", *settings, f"checkpoint.resume={step2}")
     assert [r["step"] for r in resumed] == [2, 3]

@@ -1,7 +1,8 @@
 """Megatron vs Hugging Face on tiny Llama (tied), Qwen2 (QKV bias) and Qwen3 (QK-norm) models.
 
 References: HF transformers fp32 log-probs and entropies, and the safetensors on disk for the export
-round trip. Each TP size runs once (one spawn) for all three families.
+round trip. Each layout (TP=1, TP=2, PP=2: one layer per stage, the tied embedding split over the first
+and last stage) runs once (one spawn) for all three families, and every rank must hold the results.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ TEMPERATURE = 0.7
 pytestmark = pytest.mark.slow
 
 
-def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor) -> dict:
+def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor, pp: int = 1) -> dict:
     """Per family: log-probs, entropies and the exported HF weights of this rank."""
     from rlrun.megatron import build_model, compute_logprobs, compute_logprobs_and_entropy, export_hf_weights
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
-    parallel = init_distributed(tp=tp, pp=1, seed=0)
+    parallel = init_distributed(tp=tp, pp=pp, seed=0)
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)  # CPU inputs: moved by the model
     out = {}
     for kind, hf_dir in model_dirs.items():
@@ -48,11 +49,11 @@ def tokens(tiny_model_dirs) -> torch.Tensor:
     return tokens
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def megatron_run(request, tiny_model_dirs, tokens):
-    tp = request.param
+    tp, pp = request.param
     dirs = {kind: str(tiny_model_dirs[kind]) for kind in KINDS}
-    return tp, run_distributed(_parity_worker, tp, dirs, tp, tokens, all_ranks=True)
+    return tp, run_distributed(_parity_worker, tp * pp, dirs, tp, tokens, pp, all_ranks=True)
 
 
 def _hf_reference(hf_dir, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""One Megatron train step: layout invariance (TP, DP, micro-batch split) and an HF + torch AdamW reference.
+"""One Megatron train step: layout invariance (TP, DP, PP, micro-batch split) and an HF + torch AdamW reference.
 
 All runs take the same global batch and the same loss, -(logprobs * advantages * mask).sum() over the
 global token count; gradient clipping is active (clip below the gradient norm) so a wrong gradient
@@ -47,22 +47,39 @@ def make_batch(vocab_size: int, rows: int = 4, seq: int = 12) -> MicroBatch:
     return MicroBatch(tokens, torch.arange(seq).expand(rows, seq), mask, advantages)
 
 
-def _train_worker(hf_dir: str, tp: int, batch: MicroBatch, micro_batch_counts: list[int], dtype: str) -> list[dict]:
-    """For each entry of ``micro_batch_counts``: a fresh model, one train_step over this DP rank's rows
-    cut into that many micro-batches, then the exported weights."""
+RAGGED = ((0, 2, -1), (2, 3, -1), (3, 4, None))
+"""Micro-batches of 2, 1 and 1 rows of ``make_batch``'s 4 rows, the first two cut one token shorter (those
+rows' last target is not trained on): consecutive micro-batches differ in shape."""
+
+
+def _cut(local: MicroBatch, plan: int | tuple) -> list[MicroBatch]:
+    """``plan`` equal micro-batches, or one per (start row, stop row, sequence end) triple of ``plan``
+    (cutting the tokens and the per-position fields at the same ``end`` drops the same trailing targets)."""
+    rows = local.tokens.shape[0]
+    if isinstance(plan, int):
+        plan = tuple((i * rows // plan, (i + 1) * rows // plan, None) for i in range(plan))
+    cut = [local.rows(start, stop) for start, stop, _ in plan]
+    assert all(not mb.loss_mask[:, end:].any() for mb, (_, _, end) in zip(cut, plan) if end), "cut a trained target"
+    return [MicroBatch(mb.tokens[:, :end], mb.position_ids[:, :end], mb.loss_mask[:, :end], mb.advantages[:, :end])
+            for mb, (_, _, end) in zip(cut, plan)]
+
+
+def _train_worker(hf_dir: str, tp: int, batch: MicroBatch, micro_batch_plans: list, dtype: str,
+                  pp: int = 1) -> list[dict]:
+    """For each entry of ``micro_batch_plans`` (see ``_cut``): a fresh model, one train_step over this DP
+    rank's rows cut into micro-batches that way, then the exported weights."""
     from rlrun.megatron import build_model, export_hf_weights, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
-    parallel = init_distributed(tp=tp, pp=1, seed=0)
+    parallel = init_distributed(tp=tp, pp=pp, seed=0)
     rows = batch.tokens.shape[0] // parallel.dp_size
     local = batch.rows(parallel.dp_rank * rows, (parallel.dp_rank + 1) * rows, parallel.device)
     num_global_tokens = int(batch.loss_mask.sum())
     results = []
-    for count in micro_batch_counts:
+    for plan in micro_batch_plans:
         model = build_model(hf_dir, parallel, dtype=dtype)
         optimizer = make_optimizer(model, **OPTIM)
-        step = rows // count
-        micro_batches = [local.rows(i * step, (i + 1) * step) for i in range(count)]
+        micro_batches = _cut(local, plan)
         stats = train_step(model, optimizer, micro_batches, pg_loss, num_global_tokens, TEMPERATURE)
         results.append({"stats": stats, "weights": {k: v.cpu() for k, v in export_hf_weights(model)}})
     destroy_distributed()
@@ -133,6 +150,16 @@ def test_two_micro_batches_match_one(single_rank):
 def test_two_ranks_match_one(tp, single_rank, llama_dir, batch):
     """TP=2 (same rows, sharded model) and DP=2 (rows split, replicated model) vs TP=1, DP=1."""
     for rank_result in run_distributed(_train_worker, 2, llama_dir, tp, batch, [1], "float32", all_ranks=True):
+        _assert_same_step(rank_result[0], single_rank[0])
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2pp2"])
+def test_pipeline_matches_one(tp, pp, single_rank, llama_dir, batch):
+    """PP=2 (1F1B over micro-batches of different shapes; tied embeddings split over the first and last
+    stage) and TP2 x PP2 vs TP=1, one micro-batch: same loss, metrics, grad norm and updated weights on
+    every rank."""
+    ranks = run_distributed(_train_worker, tp * pp, llama_dir, tp, batch, [RAGGED], "float32", pp, all_ranks=True)
+    for rank_result in ranks:
         _assert_same_step(rank_result[0], single_rank[0])
 
 

@@ -35,7 +35,8 @@ def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
         ("data:\n  zzz: 1\n", ":2: unknown key 'data.zzz' (allowed: path, prompt_key, label_key,"),
         ("train: 5\n", ":1: train (5) must be a valid dictionary or instance of TrainConfig"),
         # cross-field (model validator): points at the key the validator names, not just the section
-        ("parallel:\n  tp: 1\n  pp: 2\n", ":3: parallel.pp must be 1: pipeline-parallel training is not supported"),
+        ("debug:\n  load_rollout_data: runs/x\n  rollout_only: true\n",
+         ":3: debug.rollout_only (true) must be false when debug.load_rollout_data is set"),
         ("rollout:\n  temperature: 1\n  temperature: 2\n", ":3: duplicate key 'rollout.temperature' (first set on line 2)"),
         ("model:\n  path: x\nrollout:\n\ttemperature: 1\n", ":4: invalid YAML: found character '\\t' that cannot"),
         ("- 1\n", ":1: the config must be a mapping of sections"),
@@ -99,7 +100,8 @@ def test_override_wins_over_file_and_is_named_in_errors(tmp_path):
         ("roll.temperature=1", "--set roll.temperature=1: unknown key 'roll' (did you mean 'rollout'?)"),
         ("model.path.x=1", "--set model.path.x=1: 'model.path' is a value, not a section; set 'model.path=...'"),
         ("rollout.temperature", "--set rollout.temperature: expected dotted.key=value, e.g. --set rollout.temperature=0.7"),
-        ("parallel.pp=2", "--set parallel.pp=2: parallel.pp must be 1: pipeline-parallel training is not supported yet; use tp and data parallelism"),
+        ("eval.interval=5", "--set eval.interval=5: eval.interval (5) must be 0 when eval.datasets is empty because there "
+         "is nothing to evaluate; add eval.datasets: [{name: ..., path: ...}] or set eval.interval: 0"),
     ],
 )
 def test_bad_overrides(tmp_path, override, expected):
