@@ -28,13 +28,8 @@ class ParallelConfig(Section):
     """Megatron tensor-parallel size. When it does not divide the KV heads, inert zero head groups are
     padded in (stripped on export; the extra compute is logged at start)."""
     pp: int = Field(1, ge=1)
-    """Megatron pipeline-parallel size."""
-
-    @model_validator(mode="after")
-    def _pp_supported(self) -> ParallelConfig:
-        if self.pp != 1:
-            raise ValueError("parallel.pp must be 1: pipeline-parallel training is not supported yet; use tp and data parallelism")
-        return self
+    """Megatron pipeline-parallel size (1F1B schedule). It must divide the model's layers, and ``tp * pp``
+    the number of processes (checked when the model is built and at start-up)."""
 
 
 class DataConfig(Section):

@@ -45,15 +45,13 @@ class MegatronModel:
 
 def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
                 distributed_optimizer: bool = False) -> MegatronModel:
-    """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards, in Megatron DDP."""
+    """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
+    layers, in Megatron DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
 
     from rlrun.megatron.attention import layer_spec
 
-    if parallel.pp_size != 1:
-        raise ValueError(f"parallel.pp ({parallel.pp_size}) must be 1 because pipeline stages are not "
-                         f"loaded or exported yet; set parallel.pp=1")
     arch = ModelArch.from_hf_dir(hf_dir)
     config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype)
     padding_note = head_padding_note(arch, parallel.tp_size)
@@ -66,8 +64,8 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
         transformer_layer_spec=layer_spec(arch),
         vocab_size=arch.padded_vocab_size(parallel.tp_size),
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel.is_first_stage,
+        post_process=parallel.is_last_stage,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
@@ -87,9 +85,9 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
 
 @torch.no_grad()
 def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, parallel: Parallel) -> None:
-    """Copy every HF tensor into this rank's shard of the matching Megatron parameter."""
+    """Copy every HF tensor of this rank's pipeline stage into its shard of the matching Megatron parameter."""
     params = dict(gpt.named_parameters())
-    mappings = weight_mappings(arch)
+    mappings = weight_mappings(arch, parallel.pp_rank, parallel.pp_size)
     unmapped = set(params) - {m.megatron_name for m in mappings}
     if unmapped:
         raise RuntimeError(f"Megatron parameters without an HF source: {sorted(unmapped)}; "

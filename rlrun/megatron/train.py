@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rlrun.megatron.logprobs import forward_logits, vocab_parallel_token_stats
 from rlrun.megatron.model import MegatronModel
+from rlrun.megatron.pipeline import from_last_stage, run_schedule
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -117,8 +118,8 @@ def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches
     """Forward/backward every micro-batch, sync gradients over DP, clip and step.
 
     Returns ``loss`` (sum of ``loss_sum`` over all DP ranks and micro-batches / ``num_global_tokens``),
-    ``grad_norm`` (before clipping) and every metric of ``loss_fn`` summed over micro-batches and DP ranks.
-    Micro-batches may differ in shape (no pipeline parallelism, so no fixed p2p tensor shape).
+    ``grad_norm`` (before clipping) and every metric of ``loss_fn`` summed over micro-batches and DP ranks,
+    the same on every rank. Micro-batches may differ in shape, also with PP > 1 (``rlrun.megatron.pipeline``).
     """
 
     def output_loss(micro_batch, output):
@@ -134,9 +135,10 @@ def optimizer_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_bat
                    output_loss: Callable, num_global_tokens: int) -> dict[str, float]:
     """The schedule shared by the actor and the critic: ``output_loss(micro_batch, model_output)`` gives
     ``(loss_sum, metrics)``; gradients are d(sum over DP ranks and micro-batches of loss_sum) /
-    ``num_global_tokens`` (DDP sums, never averages, over DP)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    ``num_global_tokens`` (DDP sums, never averages, over DP).
 
+    With PP > 1 Megatron's 1F1B schedule runs ``output_loss`` on the last stage only; its sums are then
+    broadcast to the other stages. The grad norm and the step already span the pipeline in Megatron."""
     if num_global_tokens <= 0:
         raise ValueError(f"num_global_tokens ({num_global_tokens}) must be positive because it divides the "
                          f"loss; count the loss-masked tokens of the whole step across DP ranks")
@@ -161,13 +163,8 @@ def optimizer_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_bat
 
         return output, loss_func
 
-    first = micro_batches[0].tokens
-    per_micro_batch = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model.ddp,
-        num_microbatches=len(micro_batches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
-        forward_only=False,
-    )
-    sums = _sum_over_dp(per_micro_batch)
+    per_micro_batch = run_schedule(model, forward_step, micro_batches, forward_only=False)
+    sums = from_last_stage(model, _sum_over_dp(per_micro_batch) if model.parallel.is_last_stage else None)
     update_ok, grad_norm, _ = optimizer.step()
     if not update_ok:
         raise RuntimeError("the Megatron optimizer skipped the update (non-finite gradients)")
@@ -175,7 +172,8 @@ def optimizer_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_bat
 
 
 def _sum_over_dp(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Sum each metric over this rank's micro-batches, then over DP ranks (TP ranks hold copies)."""
+    """Sum each metric over this rank's micro-batches, then over DP ranks (TP ranks hold copies; last
+    pipeline stage only: the other stages have no metrics)."""
     from megatron.core import parallel_state as mpu
 
     names = sorted(per_micro_batch[0])
