@@ -127,6 +127,7 @@ def run(cfg: RunConfig) -> None:
             if parts.logger is not None:
                 parts.logger.close()
         destroy_distributed()
+    parts.offloader.close()
 
 
 def setup(cfg: RunConfig, parallel) -> Components:

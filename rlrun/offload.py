@@ -21,6 +21,7 @@ import functools
 import gc
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -78,6 +79,13 @@ class Offloader:
             # Keep the pinned host copy between sleeps: pinning tens of GB anew each time cost more
             # than the copy itself (2.5 GB/s measured on the H200 without it).
             torch_memory_saver.retain_cpu_backup = True
+            # Activations and logits live in the default pool, and empty_cache can only return a
+            # segment whose blocks are all free: a few small live tensors pinned 4.9 GB of them on the
+            # H200. Expandable segments are unmapped page by page instead. torch applies them to the
+            # default pool only, never to the saver's private pool; a user's own
+            # PYTORCH_CUDA_ALLOC_CONF wins.
+            if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+                torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
 
     @contextlib.contextmanager
     def trainer_region(self) -> Iterator[None]:
@@ -88,6 +96,15 @@ class Offloader:
             return
         with self._saver.region(tag=TRAINER_TAG, enable_cpu_backup=True):
             yield
+
+    def close(self) -> None:
+        """End the process once everything is shut down and flushed, when the trainer's region exists:
+        torch_memory_saver (torch hook mode) aborts the process with exit code 1 on a free of region
+        memory made outside a region, which Python's teardown of the model and optimizer does."""
+        if self._saver is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
     def keep_optimizer_state_in_region(self, optimizer) -> None:
         """Run every ``optimizer.step()`` inside :meth:`trainer_region`, where the Adam moments it
@@ -132,6 +149,7 @@ class Offloader:
     def _release_trainer(self) -> None:
         gc.collect()  # tensors kept alive only by reference cycles would pin their blocks
         torch.cuda.ipc_collect()  # sync buckets whose IPC handles the engine has closed
+        torch._C._cuda_clearCublasWorkspaces()  # re-created on the next matmul
         torch.cuda.empty_cache()
         self._saver.pause(TRAINER_TAG)
 
@@ -162,9 +180,11 @@ class Offloader:
         """Record GPU memory of the trainer, the engine and the whole device at the end of ``phase``."""
         if not self.on_gpu:
             return
-        by_process = process_gpu_gb({"trainer": os.getpid(), "engine": self.engine.process.pid})
-        self.metrics[f"memory/{phase}/trainer_gb"] = by_process["trainer"]
-        self.metrics[f"memory/{phase}/engine_gb"] = by_process["engine"]
+        pids = {"trainer": os.getpid()}
+        if self.engine.process is not None:  # members of an engine group (engine.tp > 1) have no engine
+            pids["engine"] = self.engine.process.pid
+        for name, gb in process_gpu_gb(pids).items():
+            self.metrics[f"memory/{phase}/{name}_gb"] = gb
         self.metrics[f"memory/{phase}/device_gb"] = round(self.device_used_gb(), 3)
         allocated, reserved = default_pool_gb()
         self.metrics[f"memory/{phase}/trainer_default_pool_allocated_gb"] = allocated
