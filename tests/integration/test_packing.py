@@ -1,5 +1,5 @@
 """Packed micro-batches: two samples sharing one row give the same per-token log-probs, loss and
-gradient as the same samples in micro-batches of their own (real Megatron on CPU, fp32, one rank).
+gradient as the same samples in micro-batches of their own (real Megatron on CPU, fp32, TP=1 and TP=2).
 
 The reference is the unpacked run: each sample alone in a row with positions 0..S-1, which is the
 plain causal path with no packing involved. GSPO with per-sample aggregation and TIS at sequence level
@@ -32,7 +32,7 @@ def _samples():
     return samples
 
 
-def _run(hf_dir: str, layouts: list[list[list[int]]]) -> tuple[list[dict], torch.Tensor]:
+def _run(hf_dir: str, tp: int, layouts: list[list[list[int]]]) -> tuple[list[dict], torch.Tensor]:
     """For each layout (micro-batches as lists of sample indices): per-sample log-probs of the response
     tokens, then one GSPO train step from fresh weights, and the updated weights; and the naive
     concatenation's log-probs."""
@@ -43,7 +43,7 @@ def _run(hf_dir: str, layouts: list[list[list[int]]]) -> tuple[list[dict], torch
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
-    parallel = init_distributed(tp=1, pp=1, seed=0)
+    parallel = init_distributed(tp=tp, pp=1, seed=0)
     samples = _samples()
     cfg = AlgorithmConfig(advantage_estimator="gspo", loss_aggregation="sample", entropy_coef=0.01,
                           tis={"mode": "clip", "level": "sequence", "clip": 1.5, "clip_low": 0.5})
@@ -85,10 +85,10 @@ def _naive_concatenation_logprobs(hf_dir: str, parallel) -> torch.Tensor:
     return logprobs[(mb.sample_ids == 1) & (mb.loss_mask > 0)]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_packed_equals_separate(tiny_model_dirs, family):
+@pytest.mark.parametrize("family, tp", [("qwen3", 1), ("llama", 1), ("qwen3", 2)])
+def test_packed_equals_separate(tiny_model_dirs, family, tp):
     hf_dir = str(tiny_model_dirs[family])
-    (separate, packed), naive = run_distributed(_run, 1, hf_dir, [[[0], [1]], [[0, 1]]])
+    (separate, packed), naive = run_distributed(_run, tp, hf_dir, tp, [[[0], [1]], [[0, 1]]])
     for index in (0, 1):
         torch.testing.assert_close(packed["logprobs"][index], separate["logprobs"][index], rtol=0, atol=1e-5)
     for name in ("loss", "grad_norm", "policy_loss", "entropy", "tis_mean", "clip_frac"):
