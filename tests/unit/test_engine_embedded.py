@@ -213,3 +213,16 @@ def test_bf16_on_the_gpu_samples_hf_greedy_and_releases_its_weights(tiny_model_d
     assert torch.cuda.memory_allocated() < resident
     engine.onload_weights()
     assert engine.generate(PROMPTS[:1], {"max_new_tokens": 2, "temperature": 0})[0]["output_ids"]
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_through_the_captured_step_is_reproducible_on_the_gpu(tiny_model_dirs):
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], dtype="bfloat16", device="cuda:0")
+    params = {"max_new_tokens": 40, "temperature": 1.0, "top_p": 0.9, "n": 4, "sampling_seed": 7, "ignore_eos": True}
+    first = engine.generate(PROMPTS, params)
+    assert engine.decode_step_captured
+    engine.generate(PROMPTS[:1], dict(params, sampling_seed=8))  # another shape in between: a new capture
+    again = engine.generate(PROMPTS, params)
+    assert [r["output_ids"] for r in first] == [r["output_ids"] for r in again]
+    assert [r["output_logprobs"] for r in first] == [r["output_logprobs"] for r in again]
+    assert len({tuple(r["output_ids"]) for r in first[:4]}) > 1
