@@ -135,9 +135,10 @@ def resolve_load(setting: str) -> Path:
     found = complete_checkpoints(path)
     if found:
         return found[-1][1]
+    found_what = "it does not exist" if not path.exists() else "it holds none"
     raise ValueError(f"checkpoint.load ('{setting}') must be a complete checkpoint (a directory with a {COMPLETE} "
                      f"marker: a step_* directory or `rlrun convert hf-to-mcore` output) or a directory holding "
-                     f"them because nothing else can be loaded; {'it does not exist' if not path.exists() else 'it has none'}")
+                     f"them because nothing else can be loaded; {found_what}: point it at one")
 
 
 def resolve_start(cfg: CheckpointConfig, ckpt_dir: Path) -> Path | None:

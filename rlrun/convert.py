@@ -57,7 +57,8 @@ class HfToMcore:
         pending.finish()
         if parallel.is_rank0:
             copy_hf_files(self.hf_dir, self.out_dir / HF_FILES)
-            Marker(step=0, layout=Layout.of(parallel), weights_only=True, model_path=str(self.hf_dir)).write(self.out_dir)
+            marker = Marker(step=0, layout=Layout.of(parallel), weights_only=True, model_path=str(self.hf_dir))
+            marker.write(self.out_dir)
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,12 @@ def load(model: MegatronModel, optimizer: MegatronOptimizer | None, scheduler: O
 
     state = training_state(model, optimizer, None, with_rng=with_rng, for_loading=True)
     check_shapes(state["model"], directory)
-    loaded = dist_checkpointing.load(state, str(directory))
+    try:
+        loaded = dist_checkpointing.load(state, str(directory))
+    except Exception as exc:  # noqa: BLE001 - re-raised with the path and what to do
+        raise RuntimeError(f"checkpoint {directory} must be readable because the run starts from it, but Megatron's "
+                           f"reader failed ({type(exc).__name__}: {exc}); the files are damaged or incomplete: pick "
+                           f"another checkpoint (checkpoint.resume=PATH) or start fresh (checkpoint.resume=none)") from exc
     load_model_shard(model, loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])

@@ -3,7 +3,8 @@ for bit, for each tiny family (tied embeddings, QKV bias, QK-norm); config and t
 ``checkpoint.load`` of the converted directory gives the weights ``build_model`` loads from the HF directory.
 
 The families run on one pair of ranks (the conversion classes the CLI runs on its ranks); the CLI itself,
-which starts its ranks, is run end to end for one family.
+which starts its ranks, is run end to end for the tied family at PP=2 (its last stage holds a copy of the
+embedding that must not be exported twice).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ def _round_trips(hf_dirs: dict[str, str], out_root: str) -> dict:
         McoreToHf(ckpt, hf_out, Path(hf_dir), "float32").run(parallel)
     hf_dir = hf_dirs["qwen3"]
     expected = {k: v.clone() for k, v in build_model(hf_dir, parallel).module.state_dict().items() if v is not None}
-    # A model whose weights differ from the HF directory's (one Adam step on a made-up gradient is overkill:
-    # zeroing is enough), then checkpoint.load must bring the converted weights back.
+    # Zeroed weights, so only checkpoint.load can bring the converted ones back.
     model = build_model(hf_dir, parallel)
     with torch.no_grad():
         for param in model.module.parameters():
@@ -84,7 +84,7 @@ def test_cli_round_trip(tiny_model_dirs, tmp_path):
     hf_dir = tiny_model_dirs["llama"]
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     rlrun = [sys.executable, "-m", "rlrun", "convert"]
-    steps = [["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "mcore"), "--tp", "2"],
+    steps = [["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "mcore"), "--pp", "2"],
              ["mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf")]]
     for args in steps:
         proc = subprocess.run(rlrun + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
