@@ -14,10 +14,10 @@ pytestmark = pytest.mark.slow
 
 
 def _pipeline_critic_worker(model_dirs: dict[str, str], tokens, returns, mask) -> dict:
-    from rlrun.config.schema import CriticConfig
+    from rlrun.config.schema import CriticConfig, OptimizerConfig
     from rlrun.critic import Critic
     from rlrun.data.batch import MicroBatch
-    from rlrun.megatron import make_optimizer
+    from rlrun.megatron import make_optimizer, make_scheduler
     from rlrun.megatron.value_head import build_critic_model
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
@@ -28,7 +28,8 @@ def _pipeline_critic_worker(model_dirs: dict[str, str], tokens, returns, mask) -
         model = build_critic_model(hf_dir, parallel, "float32", seed=11)
         head = model.module.output_layer.linear if parallel.is_last_stage else None
         optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=0.0)
-        critic = Critic(settings=CriticConfig(value_clip=0.2), model=model, optimizer=optimizer)
+        scheduler = make_scheduler(optimizer, OptimizerConfig(lr=1e-3, weight_decay=0.0), num_steps=1)
+        critic = Critic(settings=CriticConfig(value_clip=0.2), model=model, optimizer=optimizer, scheduler=scheduler)
         mb = MicroBatch(tokens, position_ids, mask, torch.zeros_like(mask), torch.zeros_like(mask), returns=returns)
         out[kind] = {"head": None if head is None else (head.weight.detach().clone(), head.bias.detach().clone())}
         critic.fill_values([mb])
