@@ -298,6 +298,7 @@ class Checkpointer:
         marker = Marker.read(path)
         if marker.weights_only:
             mcore_ckpt.load_weights(model, path / ACTOR)
+            optimizer.reload_model_params()  # bf16 models: the fp32 main weights follow the loaded ones
             if self.parallel.is_rank0:
                 print(f"[rlrun] model weights loaded from {path}; optimizer and data start fresh", flush=True)
             return {}

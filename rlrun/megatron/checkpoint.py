@@ -3,10 +3,11 @@
 The format is ``megatron.core.dist_checkpointing``'s ``torch_dist``: every tensor is stored once under a
 global key with its global shape, and each rank's TP shard or DP slice is described by offsets and
 replica ids. So a checkpoint written at one data-parallel size loads at another (the optimizer state
-is the parameters' own sharded form: Adam moments and fp32 main weights, for the distributed
-optimizer Megatron's ``fully_sharded_model_space``). TP and PP must match the saving run because the
-vocabulary padding, and with it the embedding's global shape, depends on TP; :func:`load` checks every
-global shape first and says so instead of failing inside the reader.
+is the parameters' own sharded form: Adam moments and fp32 main weights; the distributed optimizer's
+is its DP-reshardable bucket form, see ``OPTIMIZER_METADATA``). TP and PP must match the saving run
+because the vocabulary padding, and with it the embedding's global shape, depends on TP (and the
+distributed optimizer's buckets on both); :func:`load` checks every global shape first and says so
+instead of failing inside the reader.
 
 Writing: Megatron's torch_dist writer forks one process per file and collects their results through a
 ``multiprocessing.Manager``; neither works in a daemonic process (tests), and forking a rank that

@@ -1,6 +1,7 @@
 """``rlrun convert``: HF -> Megatron distributed checkpoint (TP=2) -> HF reproduces every original tensor bit
 for bit, for each tiny family (tied embeddings, QKV bias, QK-norm); config and tokenizer files are copied;
-``checkpoint.load`` of the converted directory gives the weights ``build_model`` loads from the HF directory.
+``checkpoint.load`` of the converted directory into a bf16 model gives the weights ``build_model`` loads from the
+HF directory, also after an update (the optimizer's fp32 main weights follow the load).
 
 The families run on one pair of ranks (the conversion classes the CLI runs on its ranks); the CLI itself,
 which starts its ranks, is run end to end for the tied family at PP=2 (its last stage holds a copy of the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
+@dataclass
+class Batch:
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+
+
 def _round_trips(hf_dirs: dict[str, str], out_root: str) -> dict:
     """On 2 ranks (TP=2): each family to a checkpoint and back; then a converted checkpoint loaded by the
     run's checkpointer (checkpoint.load) into a freshly built model."""
@@ -32,7 +40,7 @@ def _round_trips(hf_dirs: dict[str, str], out_root: str) -> dict:
     from rlrun.checkpoint import ACTOR, Checkpointer
     from rlrun.config.schema import CheckpointConfig
     from rlrun.convert import HfToMcore, McoreToHf
-    from rlrun.megatron import build_model, make_optimizer
+    from rlrun.megatron import build_model, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
     parallel = init_distributed(tp=2, pp=1, seed=0)
@@ -45,15 +53,22 @@ def _round_trips(hf_dirs: dict[str, str], out_root: str) -> dict:
         HfToMcore(Path(hf_dir), ckpt, tp=2, pp=1, dtype="float32").run(parallel)
         McoreToHf(ckpt, hf_out, Path(hf_dir), "float32").run(parallel)
     hf_dir = hf_dirs["qwen3"]
-    expected = {k: v.clone() for k, v in build_model(hf_dir, parallel).module.state_dict().items() if v is not None}
-    # Zeroed weights, so only checkpoint.load can bring the converted ones back.
-    model = build_model(hf_dir, parallel)
+    expected = {k: v.clone() for k, v in build_model(hf_dir, parallel, dtype="bfloat16").module.state_dict().items()
+                if v is not None}
+    # A bf16 model with zeroed weights (and so zeroed fp32 main weights in its optimizer): only checkpoint.load
+    # can bring the converted ones back, and an update with LR 0 copies the main weights back into the model.
+    model = build_model(hf_dir, parallel, dtype="bfloat16")
     with torch.no_grad():
         for param in model.module.parameters():
             param.zero_()
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0)
     cfg = CheckpointConfig(load=str(Path(out_root) / "qwen3" / "mcore"))
     run_state = Checkpointer(cfg, Path(out_root) / "run", parallel).restore(model, optimizer, None)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    tokens = torch.arange(8).reshape(1, 8)
+    train_step(model, optimizer, [Batch(tokens, torch.arange(8).reshape(1, 8))],
+               lambda mb, logprobs: (-logprobs.sum(), {}), num_global_tokens=7, temperature=1.0)
     loaded = {k: v.clone() for k, v in model.module.state_dict().items() if v is not None}
     destroy_distributed()
     return {"expected": expected, "loaded": loaded, "run_state": run_state}
