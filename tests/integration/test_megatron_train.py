@@ -153,12 +153,13 @@ def test_two_ranks_match_one(tp, single_rank, llama_dir, batch):
         _assert_same_step(rank_result[0], single_rank[0])
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2pp2"])
-def test_pipeline_matches_one(tp, pp, single_rank, llama_dir, batch):
+@pytest.mark.parametrize("world_size, tp, pp, plan", [(2, 1, 2, RAGGED), (4, 2, 2, RAGGED), (4, 1, 2, 2)],
+                         ids=["pp2", "tp2pp2", "dp2pp2"])
+def test_pipeline_matches_one(world_size, tp, pp, plan, single_rank, llama_dir, batch):
     """PP=2 (1F1B over micro-batches of different shapes; tied embeddings split over the first and last
-    stage) and TP2 x PP2 vs TP=1, one micro-batch: same loss, metrics, grad norm and updated weights on
-    every rank."""
-    ranks = run_distributed(_train_worker, tp * pp, llama_dir, tp, batch, [RAGGED], "float32", pp, all_ranks=True)
+    stage), TP2 x PP2 and DP2 x PP2 (two rows per replica, one per micro-batch) vs TP=1, one micro-batch:
+    same loss, metrics, grad norm and updated weights on every rank."""
+    ranks = run_distributed(_train_worker, world_size, llama_dir, tp, batch, [plan], "float32", pp, all_ranks=True)
     for rank_result in ranks:
         _assert_same_step(rank_result[0], single_rank[0])
 
