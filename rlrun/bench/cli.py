@@ -41,6 +41,10 @@ def rollout(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwe
             device: Annotated[str | None, typer.Option(help="Default: cuda if available, else cpu.")] = None,
             dtype: Annotated[str | None, typer.Option(help="Default: bfloat16 on cuda, float32 on cpu.")] = None,
             hbm_gbps: Annotated[float, typer.Option(help="HBM bandwidth for the bound, GB/s (H200: 4800).")] = 4800.0,
+            backends: Annotated[str | None, typer.Option(help=(
+                "Comma-separated engine backends (embedded, sglang) to compare through rlrun's engine worker, "
+                "same weights and prompts; without it: the in-process embedded engine vs HF generate."))] = None,
+            run_dir: Annotated[Path, typer.Option(help="With --backends: engine logs and the model directory.")] = Path("runs/bench"),
             out: OutFile = None) -> None:
     """Embedded engine vs transformers generate output tokens/s, and the memory-bandwidth bound."""
     import torch
@@ -49,6 +53,13 @@ def rollout(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwe
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if backends:
+        from rlrun.bench.engines import bench_rollout_backends
+
+        names = [b.strip() for b in backends.split(",") if b.strip()]
+        _emit("rollout", bench_rollout_backends(names, shape, batch, prompt_len, new_tokens, dtype, run_dir,
+                                                hbm_bytes_per_s=hbm_gbps * 1e9), out)
+        return
     result = bench_rollout(shape, batch, prompt_len, new_tokens, device, dtype, hbm_bytes_per_s=hbm_gbps * 1e9)
     _emit("rollout", [result], out)
 
@@ -57,15 +68,17 @@ def rollout(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwe
 def sync(shape: Annotated[str, typer.Option(help="Comma-separated shapes, e.g. qwen3-0.6b,1.7b,4b,8b.")] = "qwen3-0.6b",
          bucket_mib: int = 512, repeats: int = 3,
          run_dir: Annotated[Path, typer.Option(help="Engine logs and temporary model directories.")] = Path("runs/bench"),
+         backends: Annotated[str, typer.Option(help="Comma-separated engine backends: embedded, sglang.")] = "embedded",
          out: OutFile = None) -> None:
     """Megatron -> embedded engine weight sync: seconds and GB/s per shape (median of REPEATS after a warm-up)."""
     from rlrun.bench.sync import bench_sync
 
     shapes = [s.strip() for s in shape.split(",") if s.strip()]
+    names = tuple(b.strip() for b in backends.split(",") if b.strip())
     results = []
-    for result in bench_sync(shapes, run_dir, bucket_bytes=bucket_mib * 2**20, repeats=repeats):
+    for result in bench_sync(shapes, run_dir, bucket_bytes=bucket_mib * 2**20, repeats=repeats, backends=names):
         results.append(result)
-        _emit("sync", results, out, echo=len(results) == len(shapes))  # the file grows shape by shape
+        _emit("sync", results, out, echo=len(results) == len(shapes) * len(names))  # the file grows run by run
 
 
 @bench_app.command("train")

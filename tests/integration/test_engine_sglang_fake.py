@@ -1,11 +1,19 @@
 """The SGLang adapter's side of the contract that the shared suite cannot see: how it starts
 ``sglang.Engine`` (arguments and environment), SGLang 0.5.17's API, and that the fake really dies
-where SGLang dies (which is why the worker refuses those calls up front)."""
+where SGLang dies (which is why the worker refuses those calls up front).
+
+The shared engine contract (every ``test_*`` of ``test_engine_worker.py``, which runs it over the
+embedded backend and the 0.5.23 fake) runs here a second time over the fake in 0.5.17 mode: the
+``engine`` fixture below replaces that module's, so one adapter is held to one contract on both
+versions (docs/sglang-versions.md lists what differs)."""
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -14,15 +22,30 @@ from pathlib import Path
 
 import pytest
 import torch
+import test_engine_worker
 from engine_contract import FAKES_DIR, spawn_engine
+from test_engine_worker import reference  # noqa: F401  (a fixture of the contract tests below)
 from transformers import AutoModelForCausalLM
 
 import rlrun
+from rlrun.engine.backends.sglang import check_payload
+from rlrun.engine.payload import serialize_flattened_bucket
 
 pytestmark = pytest.mark.slow
 
 PACKAGE_ROOT = str(Path(rlrun.__file__).resolve().parents[1])
 NOT_IN_SESSION = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+
+
+globals().update({name: test for name, test in vars(test_engine_worker).items() if name.startswith("test_")})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs, tmp_path_factory):
+    """The contract tests' engine, here the SGLang worker over the fake in 0.5.17 mode."""
+    with spawn_engine("sglang", tiny_model_dirs["llama"], tmp_path_factory.mktemp("sglang-0.5.17"),
+                      request_timeout_s=120, fake_version="0.5.17") as client:
+        yield client
 
 
 def engine_record(log_path: Path) -> dict:
@@ -51,8 +74,8 @@ def test_adapter_starts_sglang_as_the_contract_says_on_0_5_23_and_0_5_17(tiny_mo
 
         # 0.5.17 has no sessions in SGLang; the worker still holds callers to the contract's.
         assert old.update_weights_from_tensor([b"unused"]) == {"success": False, "message": NOT_IN_SESSION}
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        weights = [(name, p.detach().clone()) for name, p in reference.named_parameters()]
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        weights = [(name, p.detach().clone()) for name, p in hf_model.named_parameters()]
         old.update_weights(weights, weight_version="v17", bucket_bytes=2**30)
         assert old.get_weight_version() == "v17"  # read through tokenizer_manager.config_value
         assert old.generate([[1, 2, 3]], {"max_new_tokens": 2})[0]["weight_version"] == "v17"
@@ -97,3 +120,33 @@ def test_fake_dies_where_sglang_dies(scenario, tiny_model_dirs):
         assert "KeyError: 'kv_cache'" in done.stderr
     else:
         assert "AssertionError: release_memory_occupation should be called only when server is idle." in done.stderr
+
+
+def fake_unpickler(version: str, monkeypatch) -> type:
+    """The fake's ``SafeUnpickler`` as the given version's wheel has it (its module reads the version at import)."""
+    monkeypatch.setenv("FAKE_SGLANG_VERSION", version)
+    spec = importlib.util.spec_from_file_location(f"fake_common_{version}", FAKES_DIR / "sglang/srt/utils/common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SafeUnpickler
+
+
+def test_payloads_are_judged_by_the_installed_versions_unpickler(monkeypatch):
+    """``check_payload`` asks the live unpickler, so each version's own rules apply: a real payload passes
+    both; ``_codecs.encode`` (what protocol-2 pickles of bytes use) passes 0.5.23's exact list only;
+    a torch helper outside 0.5.23's list passes 0.5.17's ``torch.`` prefix only."""
+    exact, prefixed = fake_unpickler("0.5.23", monkeypatch), fake_unpickler("0.5.17", monkeypatch)
+    assert hasattr(exact, "ALLOWED_GLOBALS") and hasattr(prefixed, "ALLOWED_MODULE_PREFIXES")
+    payload = serialize_flattened_bucket([("w", torch.ones(3, dtype=torch.bfloat16)), ("b", torch.zeros(2))])
+    codecs_payload = pickle.dumps([b"\x01"], protocol=2)
+    helper = io.BytesIO()
+    pickle.Pickler(helper, protocol=4).dump(torch.nn.functional.relu)
+    for unpickler in (exact, prefixed):
+        check_payload(payload, unpickler)
+    check_payload(codecs_payload, exact)
+    with pytest.raises(ValueError, match=r"_codecs\.encode must be on the installed SGLang's unpickling allowlist .*"
+                                         r"Blocked unsafe class loading"):
+        check_payload(codecs_payload, prefixed)
+    check_payload(helper.getvalue(), prefixed)
+    with pytest.raises(ValueError, match=r"torch\.nn\.functional\.relu .*Blocked unsafe global"):
+        check_payload(helper.getvalue(), exact)

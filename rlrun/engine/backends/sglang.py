@@ -10,28 +10,34 @@ It follows shared/reference/sglang-contract.md, sections 3 and 5:
 * **one event loop**: the worker's RPC server runs on ``engine.loop``; generation is
   ``engine.async_generate`` and controls are awaited on ``engine.tokenizer_manager`` (the ``Engine``
   has no pause/continue/abort), so abort and pause work while a generation is in flight;
-* **versions**: 0.5.23 needs a ``begin_weight_update``/``end_weight_update`` session and reports
-  ``weight_version`` through ``get_model_info``; 0.5.17 has neither. Both are detected with
-  ``hasattr``, never by version number;
+* **versions**: 0.5.17 and 0.5.23 differ where this adapter touches them (docs/sglang-versions.md):
+  0.5.23 needs a ``begin_weight_update``/``end_weight_update`` session, 0.5.17 has none; the weight
+  version is ``tokenizer_manager.config_value("weight_version")`` or ``Engine.get_model_info()``;
+  the payload unpickler allows exact globals (0.5.23) or module prefixes (0.5.17).
+  :class:`SglangCapabilities` reads these off the live objects, never off a version number, and
+  each operation has one code path that consults it;
 * **samples**: ``n`` is expanded here into one request per sample (SGLang would regenerate the
   rids, and give every sample the same ``sampling_seed``), with rid ``<rid>-<j>`` and the same
   per-sample seed as the embedded engine. SGLang only honours ``sampling_seed`` with
   ``enable_deterministic_inference=True`` (pass it in ``server_args``);
-* **payloads**: one flattened_bucket payload per engine TP rank, checked against SGLang's unpickler
-  allowlist before forwarding, because a payload SGLang refuses kills its scheduler.
+* **payloads**: one flattened_bucket payload per engine TP rank, each global of which is first put to
+  the installed SGLang's own ``SafeUnpickler.find_class`` (:func:`check_payload`), because a payload
+  SGLang refuses kills its scheduler.
 
 :func:`to_gen_result` turns SGLang's output dict into the contract's ``GenResult`` (pure function).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from rlrun.engine.backends import BackendSpec
-from rlrun.engine.payload import check_payload_globals
+from rlrun.engine.payload import payload_globals
 from rlrun.engine.sampling import SamplingParams
 from rlrun.engine.types import FinishReason, GenResult, OpResult
 
@@ -85,6 +91,43 @@ def sglang_sampling_params(params: SamplingParams, prompt: list[int], sample_ind
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SglangCapabilities:
+    """What the installed SGLang offers where 0.5.17 and 0.5.23 differ, read off the live objects."""
+
+    weight_update_sessions: bool
+    """Updates must run between ``begin_weight_update``/``end_weight_update`` (0.5.23's
+    ``TokenizerManager`` has them; 0.5.17 has neither, and its updates need no session)."""
+    weight_version_from: Literal["config_value", "model_info"]
+    """``tokenizer_manager.config_value("weight_version")`` (0.5.17; a plain read, safe on the running
+    loop) or, where the manager lacks it, ``Engine.get_model_info()["weight_version"]``."""
+    unpickler: type
+    """``sglang.srt.utils.common.SafeUnpickler``: an exact ``(module, name)`` allowlist in 0.5.23,
+    module prefixes plus a deny list in 0.5.17. Its ``find_class`` is the judge of a payload."""
+
+    @classmethod
+    def detect(cls, engine: Any, unpickler: type) -> SglangCapabilities:
+        tm = engine.tokenizer_manager
+        sessions = hasattr(tm, "begin_weight_update") and hasattr(engine, "begin_weight_update")
+        source = "config_value" if hasattr(tm, "config_value") else "model_info"
+        return cls(weight_update_sessions=sessions, weight_version_from=source, unpickler=unpickler)
+
+
+def check_payload(payload: bytes, unpickler: type) -> None:
+    """Refuse a payload whose globals ``unpickler`` (the installed SGLang's ``SafeUnpickler``) would
+    refuse, reading the globals from the opcodes without unpickling (the payload's file descriptors
+    and CUDA IPC handles stay unclaimed): in SGLang the refusal is raised inside the scheduler,
+    which takes the whole engine down."""
+    probe = unpickler(io.BytesIO(b""))
+    for module, name in payload_globals(payload):
+        try:
+            probe.find_class(module, name)
+        except Exception as exc:  # SGLang raises RuntimeError; an allowed name that fails to import is as fatal
+            raise ValueError(f"payload global {module}.{name} must be on the installed SGLang's unpickling "
+                             f"allowlist because its scheduler dies on a refused payload ({exc}); build payloads "
+                             "with rlrun.engine.payload.serialize_flattened_bucket") from None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -102,6 +145,7 @@ class SglangBackend:
         os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # breaks torch_memory_saver; the client drops it too
         import sglang
         from sglang.srt.managers import io_struct
+        from sglang.srt.utils.common import SafeUnpickler
 
         self._io = io_struct
         kwargs = {"model_path": spec.model_path, "tp_size": spec.tp_size, "base_gpu_id": spec.base_gpu_id,
@@ -111,14 +155,14 @@ class SglangBackend:
         self.tm = self.engine.tokenizer_manager
         self.loop = self.engine.loop
         self.tp_size = spec.tp_size
-        self._has_sessions = hasattr(self.engine, "begin_weight_update")
+        self.capabilities = SglangCapabilities.detect(self.engine, SafeUnpickler)
         self._inflight: set[str] = set()
 
     @property
     def weight_version(self) -> str:
-        if hasattr(self.engine, "get_model_info"):
-            return str(self.engine.get_model_info()["weight_version"])
-        return str(self.tm.config_value("weight_version"))
+        if self.capabilities.weight_version_from == "config_value":
+            return str(self.tm.config_value("weight_version"))
+        return str(self.engine.get_model_info()["weight_version"])
 
     async def generate(self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool,
                        rids: list[str]) -> list[GenResult]:
@@ -161,19 +205,19 @@ class SglangBackend:
         await self.tm.resume_memory_occupation(self._io.ResumeMemoryOccupationReqInput(tags=tags), None)
 
     async def begin_weight_update(self) -> OpResult:
-        if not self._has_sessions:  # 0.5.17: updates need no session (the worker still enforces one)
+        if not self.capabilities.weight_update_sessions:  # 0.5.17: none needed (the worker still enforces one)
             return {"success": True, "message": "Success"}
         return _as_op_result(await self.tm.begin_weight_update(self._io.BeginWeightUpdateReqInput(), None))
 
     async def end_weight_update(self) -> OpResult:
-        if not self._has_sessions:
+        if not self.capabilities.weight_update_sessions:
             return {"success": True, "message": "Success"}
         return _as_op_result(await self.tm.end_weight_update(self._io.EndWeightUpdateReqInput(), None))
 
     async def update_weights_from_tensor(self, payloads: list[bytes], load_format: str,
                                          weight_version: str | None) -> OpResult:
         for payload in payloads:
-            check_payload_globals(payload)
+            check_payload(payload, self.capabilities.unpickler)
         request = self._io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
                                                           flush_cache=False, weight_version=weight_version)
         return _as_op_result(await self.tm.update_weights_from_tensor(request, None))

@@ -1,9 +1,11 @@
-"""A fake ``sglang.Engine`` reproducing 0.5.23's API surface for the SGLang worker's CPU tests.
+"""A fake ``sglang.Engine`` reproducing 0.5.17's or 0.5.23's API surface for the SGLang worker's CPU tests.
 
 The model runs in-process on CPU through rlrun's embedded engine (real generation, so the same
 contract tests pass against it); everything around it -- constructor arguments, ``loop``,
 ``async_generate``'s output shape, ``tokenizer_manager`` controls and their failure modes,
-``get_model_info`` -- follows the 0.5.23 wheel (see ``srt/managers/tokenizer_manager.py``).
+``get_model_info`` -- follows the wheels (see ``srt/managers/tokenizer_manager.py``). ``Engine`` is
+0.5.17's (entrypoints/engine.py:216-1540 there: no sessions, no ``get_model_info``); ``sglang.__version__``
+(``FAKE_SGLANG_VERSION``) >= 0.5.23 swaps in ``Engine0523``, as installing the other wheel would.
 
 Two things are logged for tests to check the adapter's side of the contract: the constructor's
 keyword arguments and the environment facts that matter (one ``fake-sglang-engine {json}`` line).
@@ -24,7 +26,7 @@ from sglang.srt.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
 )
 from sglang.srt.utils.common import MultiprocessingSerializer
-from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.managers.tokenizer_manager import TokenizerManager, TokenizerManager0523
 
 # A subset of ServerArgs' fields (srt/arg_groups/fields/): enough for the adapter and its tests.
 SERVER_ARGS = {
@@ -33,11 +35,13 @@ SERVER_ARGS = {
     "max_total_tokens": None, "enable_memory_saver": False, "enable_weights_cpu_backup": False,
     "skip_tokenizer_init": False, "skip_server_warmup": False, "load_format": "auto", "weight_version": "default",
     "enable_deterministic_inference": False, "disable_cuda_graph": False, "cuda_graph_backend_decode": None,
-    "cuda_graph_backend_prefill": None, "port": 30000,
+    "cuda_graph_backend_prefill": None, "port": 30000, "sampling_backend": None, "attention_backend": None,
 }
 
 
 class Engine:
+    tokenizer_manager_class = TokenizerManager
+
     def __init__(self, **kwargs) -> None:
         unknown = sorted(set(kwargs) - set(SERVER_ARGS))
         if unknown:
@@ -54,7 +58,7 @@ class Engine:
             "torchrun_env": sorted(k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT") if k in os.environ),
         }), file=sys.stderr, flush=True)
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"  # a process-wide side effect, as _set_envs_and_config
-        self.tokenizer_manager = TokenizerManager(self.server_args, sglang.__version__)
+        self.tokenizer_manager = self.tokenizer_manager_class(self.server_args)
         self.loop = self._ensure_event_loop()
 
     @staticmethod
@@ -99,6 +103,8 @@ class Engine:
 
 class Engine0523(Engine):
     """0.5.23 adds weight-update sessions and ``get_model_info`` (engine.py:1587, 1643-1655)."""
+
+    tokenizer_manager_class = TokenizerManager0523
 
     def get_model_info(self) -> dict:
         tm = self.tokenizer_manager

@@ -1,10 +1,16 @@
 """The request objects the SGLang worker builds, with 0.5.23's names, fields and defaults
-(``sglang/srt/managers/io_struct.py``; msgspec kw_only structs there, kw_only dataclasses here)."""
+(``sglang/srt/managers/io_struct.py``; msgspec kw_only structs there, kw_only dataclasses here).
+With ``FAKE_SGLANG_VERSION=0.5.17`` they are 0.5.17's: no Begin/EndWeightUpdateReqInput, and
+UpdateWeightsFromTensorReqInput has ``disable_draft_model`` where 0.5.23 has ``selector`` (0.5.17 l.1699-1721).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal, Optional
+
+SESSIONS = os.environ.get("FAKE_SGLANG_VERSION", "0.5.23") >= "0.5.23"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -30,7 +36,10 @@ class UpdateWeightsFromTensorReqInput(BaseReq):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
-    selector: Literal["target", "draft", "all"] = "all"
+    if SESSIONS:
+        selector: Literal["target", "draft", "all"] = "all"
+    else:
+        disable_draft_model: Optional[bool] = None
     torch_empty_cache: bool = False
 
 
@@ -44,14 +53,14 @@ class ResumeMemoryOccupationReqInput(BaseReq):
     tags: Optional[list[str]] = None
 
 
-@dataclasses.dataclass(kw_only=True)
-class BeginWeightUpdateReqInput(BaseReq):
-    selector: Literal["target", "draft", "all"] = "all"
+if SESSIONS:
+    @dataclasses.dataclass(kw_only=True)
+    class BeginWeightUpdateReqInput(BaseReq):
+        selector: Literal["target", "draft", "all"] = "all"
 
-
-@dataclasses.dataclass(kw_only=True)
-class EndWeightUpdateReqInput(BaseReq):
-    pass
+    @dataclasses.dataclass(kw_only=True)
+    class EndWeightUpdateReqInput(BaseReq):
+        pass
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -1,13 +1,19 @@
-"""The fake's TokenizerManager: 0.5.23's control methods and their locking, plus a one-thread "scheduler".
+"""The fake's TokenizerManager: SGLang's control methods and their locking, plus a one-thread "scheduler".
 
-What is reproduced (file:line of the 0.5.23 wheel):
+``TokenizerManager`` is 0.5.17's (no weight-update sessions; ``FAKE_SGLANG_VERSION=0.5.17``),
+``TokenizerManager0523`` adds what 0.5.23 changed (docs/sglang-versions.md has both with file:line).
+What is reproduced (file:line of the 0.5.23 wheel unless marked 0.5.17):
 * ``abort_request`` ignores an empty rid and unknown rids, the scheduler aborts by rid prefix; an
   aborted request returns its partial output with SGLang's abort finish_reason (tokenizer_manager.py:2241);
 * ``pause_generation``: ``abort`` mode aborts everything until no generation holds the
   model_update_lock (re-checking every 1 s), other modes hold requests in place; new generate calls
   block while paused (l.939, 2267);
-* weight updates take the model_update_lock as writer unless paused (tokenizer_control_mixin.py:471-600);
-  0.5.23 refuses them outside a begin/end session with its exact messages (weight_updater.py:187-335);
+* weight updates take the model_update_lock as writer unless paused (tokenizer_control_mixin.py:471-600;
+  0.5.17: :497-528); 0.5.23 refuses them outside a begin/end session with its exact messages
+  (weight_updater.py:187-335); 0.5.17 has no sessions (scheduler_components/weight_updater.py:153-166);
+* an update asking to flush the cache while requests run: 0.5.23 answers ``(False, "Weights were
+  updated, but the cache was not flushed ...")``, 0.5.17's scheduler asserts and dies (0.5.17
+  scheduler_components/weight_updater.py:103-108);
 * the scheduler *dies* (the whole process, as SGLang's SIGQUIT to its parent does) on: release while
   not idle (assert, weight_updater.py:339), resume of a tag not released (``set.remove`` KeyError),
   generation while memory is released (an illegal memory access on GPU), a payload its
@@ -93,9 +99,8 @@ class _ModelUpdateLock:
 
 
 class TokenizerManager:
-    def __init__(self, server_args: dict, version: str) -> None:
+    def __init__(self, server_args: dict) -> None:
         self.server_args = server_args
-        self.sessions = version >= "0.5.23"
         self.model = EmbeddedEngine(server_args["model_path"], seed=server_args.get("random_seed") or 0,
                                     dtype=server_args.get("dtype", "float32"), device="cpu")
         self.control = DecodeControl()
@@ -104,7 +109,6 @@ class TokenizerManager:
         self.is_pause_cond = asyncio.Condition()
         self.model_update_lock = _ModelUpdateLock()
         self.offload_tags: set[str] = set()
-        self.session_open = False
         self.weight_version = server_args.get("weight_version", "default")
         self._scheduler = ThreadPoolExecutor(1, thread_name_prefix="fake-scheduler")
 
@@ -188,8 +192,10 @@ class TokenizerManager:
             meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in
                                              zip(result["output_logprobs"], result["output_ids"])]
             meta["output_token_logprobs_length"] = len(result["output_ids"])
-        return {"text": self._trimmed_text(result["output_ids"], finish), "output_ids": list(result["output_ids"]),
-                "meta_info": meta}
+        output = {"output_ids": list(result["output_ids"]), "meta_info": meta}
+        if not self.server_args.get("skip_tokenizer_init"):  # token ids only then: no "text" (serving.py:58)
+            output["text"] = self._trimmed_text(result["output_ids"], finish)
+        return output
 
     def _trimmed_text(self, output_ids: list[int], finish: dict) -> str:
         matched = finish.get("matched")
@@ -257,18 +263,6 @@ class TokenizerManager:
                 for param in self.model.named_parameters().values():
                     param.fill_(float("nan"))
 
-    async def begin_weight_update(self, obj, request=None) -> tuple[bool, str]:
-        if self.session_open:
-            return False, "a weight-update session is already open; call end_weight_update() first"
-        self.session_open = True
-        return True, "Success"
-
-    async def end_weight_update(self, obj, request=None) -> tuple[bool, str]:
-        if not self.session_open:
-            return False, "no weight-update session is open; call begin_weight_update() first"
-        self.session_open = False
-        return True, "Success"
-
     async def update_weights_from_tensor(self, obj, request=None) -> tuple[bool, str]:
         if obj.abort_all_requests:
             self.abort_request(abort_all=True)
@@ -286,8 +280,6 @@ class TokenizerManager:
         return success, message
 
     def _load(self, obj) -> tuple[bool, str]:
-        if self.sessions and not self.session_open:
-            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
         try:
             tp_size = self.server_args.get("tp_size", 1)
             assert len(obj.serialized_named_tensors) == tp_size, (
@@ -309,9 +301,11 @@ class TokenizerManager:
                     params[name].copy_(tensor)
         except Exception as exc:  # no try/except on SGLang's flattened path: the scheduler dies
             die(f"{type(exc).__name__}: {exc}")
-        if obj.flush_cache and self.rid_to_state:
-            return False, ("Weights were updated, but the cache was not flushed because requests are still running "
-                           "or queued. Retract or finish them, then call /flush_cache.")
+        return self._flush_after_update(obj)
+
+    def _flush_after_update(self, obj) -> tuple[bool, str]:
+        if obj.flush_cache and self.rid_to_state:  # 0.5.17: `assert flush_cache_success` in the scheduler
+            die("AssertionError: Cache flush failed after updating weights")
         return True, "Success"
 
     @staticmethod
@@ -325,3 +319,35 @@ class TokenizerManager:
     def shutdown(self) -> None:
         self.control.abort(abort_all=True)
         self._scheduler.shutdown(wait=False, cancel_futures=True)
+
+
+class TokenizerManager0523(TokenizerManager):
+    """0.5.23: weight updates only inside a begin/end session (weight_updater.py:187-240, 309-335), and a
+    flush refused while requests run comes back as a message instead of killing the scheduler (l.120-133)."""
+
+    def __init__(self, server_args: dict) -> None:
+        super().__init__(server_args)
+        self.session_open = False
+
+    async def begin_weight_update(self, obj, request=None) -> tuple[bool, str]:
+        if self.session_open:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session_open = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj, request=None) -> tuple[bool, str]:
+        if not self.session_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session_open = False
+        return True, "Success"
+
+    def _load(self, obj) -> tuple[bool, str]:
+        if not self.session_open:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        return super()._load(obj)
+
+    def _flush_after_update(self, obj) -> tuple[bool, str]:
+        if obj.flush_cache and self.rid_to_state:
+            return False, ("Weights were updated, but the cache was not flushed because requests are still running "
+                           "or queued. Retract or finish them, then call /flush_cache.")
+        return True, "Success"

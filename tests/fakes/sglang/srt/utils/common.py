@@ -1,6 +1,8 @@
 """SGLang 0.5.23's payload deserializer: ``SafeUnpickler`` with its allowlist copied verbatim from
 ``sglang/srt/utils/common.py`` (lines 3144-3370), and ``MultiprocessingSerializer``.
 
+``FAKE_SGLANG_VERSION=0.5.17`` swaps in 0.5.17's prefix-based unpickler (``PrefixSafeUnpickler``).
+
 Kept as a separate transcription from ``rlrun.engine.payload.SGLANG_ALLOWED_GLOBALS`` on purpose:
 a payload the trainer builds must pass *this* copy, as it must pass SGLang's.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
@@ -248,6 +251,38 @@ class SafeUnpickler(pickle.Unpickler):
         raise RuntimeError(
             f"Blocked unsafe global ({module}.{name}) during pickle deserialization"
         )
+
+
+class PrefixSafeUnpickler(pickle.Unpickler):
+    """0.5.17's unpickler (``srt/utils/common.py:2797-2869`` there): a global passes when its module
+    starts with an allowed package prefix, unless it is on a short deny list. Looser than 0.5.23's
+    exact list in most places (any ``torch.*`` global passes) but stricter in two: ``_codecs.encode``
+    and ``sglang.srt.multimodal.*`` are refused. The prefixes and denials are that file's, regrouped."""
+
+    ALLOWED_MODULE_PREFIXES = frozenset(
+        f"{m}." for m in (
+            "builtins collections copyreg functools itertools operator types weakref pickletools "
+            "torch torch._tensor torch.storage torch.nn.parameter torch.autograd.function torch.distributed "
+            "torch.distributed._shard torch.distributed._composable torch._C._distributed_c10d "
+            "torch._C._distributed_fsdp torch.distributed.optim multiprocessing.resource_sharer "
+            "multiprocessing.reduction peft transformers huggingface_hub torch_npu "
+            "sglang.srt.weight_sync.tensor_bucket sglang.srt.model_executor.model_runner "
+            "sglang.srt.model_executor.model_runner_components.weight_updater sglang.srt.layers "
+            "sglang.srt.utils sglang.srt.disaggregation sglang.srt.managers").split())
+    DENY_CLASSES = frozenset([("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
+                              ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"),
+                              ("types", "CodeType"), ("types", "FunctionType")])
+
+    def find_class(self, module, name):
+        allowed = any(f"{module}.".startswith(prefix) for prefix in self.ALLOWED_MODULE_PREFIXES)
+        if (module, name) in self.DENY_CLASSES or not allowed:
+            raise RuntimeError(f"Blocked unsafe class loading ({module}.{name}), "
+                               "to prevent exploitation of CVE-2025-10164")
+        return super().find_class(module, name)
+
+
+if os.environ.get("FAKE_SGLANG_VERSION", "0.5.23") < "0.5.23":
+    SafeUnpickler = PrefixSafeUnpickler  # noqa: F811  (the version picks the unpickler, as the wheel would)
 
 
 class MultiprocessingSerializer:

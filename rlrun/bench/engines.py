@@ -1,0 +1,100 @@
+"""``rlrun bench rollout --backends embedded,sglang``: engine backends side by side through rlrun's own
+worker and RPC (``EngineClient``), on one random model of a published shape, in one run.
+
+Every backend gets the same weights (one random HF directory), the same prompts and lengths, and the
+same two timed calls as the in-process benchmark (greedy, then sampled at temperature 1 with top-p
+0.95), each after an untimed call of the same shape (CUDA graphs, JIT). Workers run one at a time,
+each shut down before the next starts, so neither sees the other's memory. Tokens/s includes the RPC
+round trip, which a trainer pays too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlrun.bench.rollout import GREEDY, SAMPLED, H200_HBM_BYTES_PER_S, BandwidthBound, Throughput, _engine_run
+from rlrun.bench.shapes import get_shape, write_random_model
+from rlrun.bench.timing import hardware, timer
+
+SGLANG_SERVER_ARGS: dict[str, Any] = {"mem_fraction_static": 0.3, "sampling_backend": "pytorch",
+                                      "skip_tokenizer_init": True}
+"""What the benchmarks start ``sglang.Engine`` with: KV cache from 30% of the device (a trainer shares
+it in ``bench sync``), PyTorch sampling (no FlashInfer JIT), token ids only (the random model has no
+tokenizer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendRolloutResult:
+    """One backend's measurement in ``bench rollout --backends``."""
+
+    backend: str
+    shape: str
+    hardware: str
+    dtype: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    startup_s: float
+    """Spawn to first ``health`` answer: model load, KV cache, CUDA graphs."""
+    engine: Throughput
+    """Greedy, log-probs on."""
+    engine_sampled: Throughput
+    """Temperature 1, top-p 0.95, seeded."""
+    bound: BandwidthBound
+    fraction_of_bound: float
+
+
+def engine_spawn_kwargs(backend: str) -> dict[str, Any]:
+    """The ``EngineClient.spawn`` options a benchmark adds for ``backend``."""
+    return {"server_args": SGLANG_SERVER_ARGS} if backend == "sglang" else {}
+
+
+def _bench_backend(backend: str, model_dir: Path, run_dir: Path, prompts: list[list[int]], new_tokens: int,
+                   dtype: str, device: torch.device) -> tuple[float, dict[str, Throughput]]:
+    from rlrun.engine.client import EngineClient
+
+    with timer(device) as startup_s:
+        engine = EngineClient.spawn(backend=backend, model_path=model_dir, run_dir=run_dir, rank=0, seed=0,
+                                    dtype=dtype, base_gpu_id=device.index or 0, startup_timeout_s=600,
+                                    **engine_spawn_kwargs(backend))
+    try:
+        runs = {}
+        for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+            _engine_run(engine, prompts, new_tokens, params)  # untimed call of the same shape
+            with timer(device) as seconds:
+                tokens = _engine_run(engine, prompts, new_tokens, params)
+            runs[name] = Throughput.of(seconds[0], tokens)
+    finally:
+        engine.shutdown()
+    return startup_s[0], runs
+
+
+def bench_rollout_backends(backends: list[str], shape: str, batch: int, prompt_len: int, new_tokens: int,
+                           dtype: str, run_dir: Path, hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
+                           seed: int = 0) -> list[BackendRolloutResult]:
+    """Time each backend's worker on the same random model and prompts, one backend at a time."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    spec = get_shape(shape)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prompts = torch.randint(2, spec.vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed)).tolist()
+    torch.manual_seed(seed)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-", dir=run_dir) as tmp:
+        model_dir = write_random_model(spec, Path(tmp), getattr(torch, dtype), str(device))
+        nbytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
+        for backend in backends:
+            startup_s, runs = _bench_backend(backend, Path(model_dir), run_dir, prompts, new_tokens, dtype, device)
+            results.append(BackendRolloutResult(
+                backend=backend, shape=shape, hardware=hardware(device), dtype=dtype, batch=batch,
+                prompt_len=prompt_len, new_tokens=new_tokens, startup_s=startup_s, engine=runs["greedy"],
+                engine_sampled=runs["sampled"], bound=bound,
+                fraction_of_bound=runs["greedy"].tokens_per_s / bound.tokens_per_s))
+    return results
