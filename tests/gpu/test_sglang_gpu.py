@@ -36,9 +36,11 @@ SHAPE = "tiny" if ON_FAKE else "qwen3-0.6b"
 DTYPE = "float32" if ON_FAKE else "bfloat16"
 GAP_GOAL = 0.01
 """Mean |trainer - engine| log-prob of the sampled tokens (issue 12, bf16)."""
-SERVER_ARGS = {"mem_fraction_static": 0.3, "sampling_backend": "pytorch", "skip_tokenizer_init": True}
+SERVER_ARGS = {"mem_fraction_static": 0.3, "sampling_backend": "pytorch", "skip_tokenizer_init": True,
+               **json.loads(os.environ.get("RLRUN_SGLANG_EXTRA_SERVER_ARGS", "{}"))}
 """KV budget from 30% of the device (the trainer shares it); no FlashInfer JIT; token ids only (the
-random model's directory has no tokenizer)."""
+random model's directory has no tokenizer). ``RLRUN_SGLANG_EXTRA_SERVER_ARGS`` (JSON) adds to them,
+e.g. ``{"disable_cuda_graph": true}`` if the engine does not start with CUDA graphs."""
 PROMPT_LEN, NEW_TOKENS, BATCH = 32, 64, 8
 SAMPLED = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}
 BUCKET_BYTES = 64 * 2**10 if ON_FAKE else 256 * 2**20
