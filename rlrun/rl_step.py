@@ -44,9 +44,11 @@ if TYPE_CHECKING:
 
 
 def dp_sum(parallel: Parallel, tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a small CPU tensor over data-parallel replicas. TP peers hold copies of the same micro-batches,
-    so only TP rank 0 contributes; every rank gets the result (gloo, whatever the device)."""
-    total = tensor.detach().clone().float() if parallel.tp_rank == 0 else torch.zeros_like(tensor, dtype=torch.float32)
+    """Sum a small CPU tensor over data-parallel replicas. TP and PP peers hold copies of the same
+    micro-batches, so only the rank at TP 0 and PP stage 0 of each replica contributes; every rank gets
+    the result (gloo, whatever the device)."""
+    replica_head = parallel.tp_rank == 0 and parallel.pp_rank == 0
+    total = tensor.detach().clone().float() if replica_head else torch.zeros_like(tensor, dtype=torch.float32)
     dist.all_reduce(total, group=parallel.cpu_group)
     return total
 

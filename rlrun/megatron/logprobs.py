@@ -41,7 +41,8 @@ def vocab_parallel_token_stats(
 
 
 def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """The model's local vocab-parallel logits ``[B, S, V_local]``; inputs may live on the CPU.
+    """The model's local vocab-parallel logits ``[B, S, V_local]`` (on a stage before the last with PP > 1:
+    its output hidden states); inputs may live on the CPU.
 
     Rows whose ``position_ids`` are ``0..S-1`` are single causal sequences. Rows whose positions
     restart at 0 hold several packed samples (``rlrun.data.batch.collate``): the rows are flattened
@@ -55,9 +56,11 @@ def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
     tokens, position_ids = tokens.to(device), position_ids.to(device)
     if packing is None:
         return model.ddp(input_ids=tokens, position_ids=position_ids, attention_mask=None)
-    logits = model.ddp(input_ids=tokens.reshape(1, -1), position_ids=position_ids.reshape(1, -1),
+    output = model.ddp(input_ids=tokens.reshape(1, -1), position_ids=position_ids.reshape(1, -1),
                        attention_mask=None, packed_seq_params=packing)
-    return logits.reshape(*tokens.shape, logits.shape[-1])
+    if not model.parallel.is_last_stage:  # thd hidden states [T, 1, H] go to the next stage as they are
+        return output
+    return output.reshape(*tokens.shape, output.shape[-1])
 
 
 def compute_logprobs(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor,

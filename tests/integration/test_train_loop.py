@@ -52,11 +52,10 @@ def test_tensor_parallel_run(tiny_model_dirs, tmp_path):
 
 
 def test_pipeline_parallel_run(tiny_model_dirs, tmp_path):
-    """PP=2 on the tied-embedding model: one layer per stage, the 1F1B schedule over micro-batches of one
-    sample each (so of different lengths), and a weight sync that brings both stages' weights to each
-    rank's engine (step 1's log-prob gap checks the synced weights)."""
-    records = run_train(tiny_model_dirs["llama"], tmp_path / "run", "train.num_steps=2", "parallel.pp=2",
-                        "train.max_tokens_per_micro_batch=16")
+    """PP=2 on the tied-embedding model: one layer per stage, the 1F1B schedule over packed micro-batches
+    (thd hidden states cross the stage boundary), and a weight sync that brings both stages' weights to
+    each rank's engine (step 1's log-prob gap checks the synced weights)."""
+    records = run_train(tiny_model_dirs["llama"], tmp_path / "run", "train.num_steps=2", "parallel.pp=2")
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]), r
