@@ -11,6 +11,7 @@ round trip, which a trainer pays too.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,23 @@ class BackendRolloutResult:
     """Temperature 1, top-p 0.95, seeded."""
     bound: BandwidthBound
     fraction_of_bound: float
+
+
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+
+
+def checkpoint_bytes(model_dir: Path) -> int:
+    """Bytes of the tensors in ``model_dir``'s safetensors files (a tied embedding is stored once), read
+    from their headers without loading them."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as checkpoint:
+            for name in checkpoint.keys():
+                tensor = checkpoint.get_slice(name)
+                total += math.prod(tensor.get_shape()) * _DTYPE_BYTES[tensor.get_dtype()]
+    return total
 
 
 def engine_spawn_kwargs(backend: str) -> dict[str, Any]:
@@ -86,7 +104,7 @@ def bench_rollout_backends(backends: list[str], shape: str, batch: int, prompt_l
     results = []
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-", dir=run_dir) as tmp:
         model_dir = write_random_model(spec, Path(tmp), getattr(torch, dtype), str(device))
-        nbytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+        nbytes = checkpoint_bytes(Path(model_dir))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)

@@ -150,3 +150,33 @@ def test_payloads_are_judged_by_the_installed_versions_unpickler(monkeypatch):
     check_payload(helper.getvalue(), prefixed)
     with pytest.raises(ValueError, match=r"torch\.nn\.functional\.relu .*Blocked unsafe global"):
         check_payload(helper.getvalue(), exact)
+
+
+def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
+    """``rlrun bench rollout|sync --backends embedded,sglang`` (issue 12, must-show 2) on CPU, the sglang
+    worker over the 0.5.17 fake: one result per backend, full-length outputs, the bound's formula, the
+    sync's bytes equal to the tiny model's parameter bytes (a parameter-count formula, float32)."""
+    from rlrun.bench.shapes import SHAPES
+
+    s = SHAPES["tiny"]
+    attention = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2 + 2 * s.head_dim
+    weight_bytes = 4 * (s.vocab * s.hidden + s.layers * (attention + 3 * s.hidden * s.intermediate + 2 * s.hidden)
+                        + s.hidden)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "FAKE_SGLANG_VERSION": "0.5.17",
+           "PYTHONPATH": os.pathsep.join([str(FAKES_DIR), PACKAGE_ROOT])}
+    batch, new_tokens = 2, 4
+    records = {}
+    for kind, args in {"rollout": ["--batch", str(batch), "--prompt-len", "4", "--new-tokens", str(new_tokens),
+                                   "--hbm-gbps", "1000"],
+                       "sync": ["--repeats", "1", "--bucket-mib", "1"]}.items():
+        out = tmp_path / f"{kind}.json"
+        subprocess.run([sys.executable, "-m", "rlrun", "bench", kind, "--shape", "tiny", "--backends",
+                        "embedded,sglang", "--run-dir", str(tmp_path / "run"), "--out", str(out), *args],
+                       check=True, env=env, cwd=tmp_path, timeout=300, capture_output=True)
+        records[kind] = json.loads(out.read_text())["results"]
+    assert [r["backend"] for r in records["rollout"]] == ["embedded", "sglang"]
+    for r in records["rollout"]:
+        assert r["engine"]["output_tokens"] == r["engine_sampled"]["output_tokens"] == batch * new_tokens
+        assert r["bound"]["tokens_per_s"] == pytest.approx(batch / (weight_bytes / 1e12))
+    assert [(r["backend"], r["weight_bytes"]) for r in records["sync"]] == [("embedded", weight_bytes),
+                                                                             ("sglang", weight_bytes)]
