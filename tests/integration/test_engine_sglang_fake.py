@@ -79,6 +79,10 @@ def test_adapter_starts_sglang_as_the_contract_says_on_0_5_23_and_0_5_17(tiny_mo
         old.update_weights(weights, weight_version="v17", bucket_bytes=2**30)
         assert old.get_weight_version() == "v17"  # read through tokenizer_manager.config_value
         assert old.generate([[1, 2, 3]], {"max_new_tokens": 2})[0]["weight_version"] == "v17"
+        # Both versions drop the prefix cache (KV of the old weights) when a sync ends.
+        new.update_weights(weights, weight_version="v23", bucket_bytes=2**30)
+        for engine in (old, new):
+            assert engine.log_path.read_text().count("fake-sglang-flush-cache") == 1
     finally:
         new.shutdown()
         old.shutdown()

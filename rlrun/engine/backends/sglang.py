@@ -210,9 +210,16 @@ class SglangBackend:
         return _as_op_result(await self.tm.begin_weight_update(self._io.BeginWeightUpdateReqInput(), None))
 
     async def end_weight_update(self) -> OpResult:
-        if not self.capabilities.weight_update_sessions:
+        """Close the session (0.5.23), then drop SGLang's prefix cache: its KV was computed with the old
+        weights, and the buckets were loaded with ``flush_cache=False``. Requests held by an in-place
+        pause keep their KV (SGLang cannot flush under them), as in SGLang itself."""
+        if self.capabilities.weight_update_sessions:
+            ended = _as_op_result(await self.tm.end_weight_update(self._io.EndWeightUpdateReqInput(), None))
+            if not ended["success"]:
+                return ended
+        if self._inflight:
             return {"success": True, "message": "Success"}
-        return _as_op_result(await self.tm.end_weight_update(self._io.EndWeightUpdateReqInput(), None))
+        return await self.flush_cache()
 
     async def update_weights_from_tensor(self, payloads: list[bytes], load_format: str,
                                          weight_version: str | None) -> OpResult:
