@@ -18,10 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 def _critic_worker(model_dirs: dict[str, str], scored_dir: str, tokens, returns, mask) -> dict:
-    from rlrun.config.schema import CriticConfig
+    from rlrun.config.schema import CriticConfig, OptimizerConfig
     from rlrun.critic import Critic
     from rlrun.data.batch import MicroBatch
-    from rlrun.megatron import make_optimizer
+    from rlrun.megatron import make_optimizer, make_scheduler
     from rlrun.megatron.value_head import build_critic_model
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
@@ -33,7 +33,8 @@ def _critic_worker(model_dirs: dict[str, str], scored_dir: str, tokens, returns,
         head = model.module.output_layer.linear
         initial = (head.weight.detach().clone(), head.bias.detach().clone())
         optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=0.0)
-        critic = Critic(settings=CriticConfig(value_clip=0.2), model=model, optimizer=optimizer)
+        scheduler = make_scheduler(optimizer, OptimizerConfig(lr=1e-3), num_steps=4)  # constant LR
+        critic = Critic(settings=CriticConfig(value_clip=0.2), model=model, optimizer=optimizer, scheduler=scheduler)
         mb = MicroBatch(tokens, position_ids, mask, torch.zeros_like(mask), torch.zeros_like(mask), returns=returns)
         critic.fill_values([mb])
         metrics = critic.train([mb], num_global_tokens=int(mask.sum()))
