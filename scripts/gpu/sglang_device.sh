@@ -82,7 +82,9 @@ step_train() {
     python -c 'import json, os, sys, yaml; c = yaml.safe_load(open(sys.argv[1])); c["engine"]["sglang_server_args"].update(json.loads(os.environ["RLRUN_SGLANG_EXTRA_SERVER_ARGS"])); yaml.safe_dump(c, open(sys.argv[2], "w"))' $config /tmp/sglang_colocate.yaml || return 1
     config=/tmp/sglang_colocate.yaml
   fi
-  timeout 400 torchrun --standalone --nproc-per-node 1 -m rlrun train $config \
+  # python -m torch.distributed.run, not `torchrun`: that script's shebang is the image's Python, whose ranks
+  # (and their engine workers, started with sys.executable) would not see the sglang venv
+  timeout 400 python -m torch.distributed.run --standalone --nproc-per-node 1 -m rlrun train $config \
     --set model.path=$MODEL --set logging.run_dir=/tmp/runs/sglang_colocate; rc=$?
   cp /tmp/runs/sglang_colocate/engine-*.log "$OUT/" 2>/dev/null
   python scripts/gpu/summarise_train.py /tmp/runs/sglang_colocate "$OUT/train_summary.json"
