@@ -35,3 +35,11 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
         "qwen2": make_tiny_model("qwen2", root / "qwen2"),
         "qwen3": make_tiny_model("qwen3", root / "qwen3"),
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE (4 experts, top-2, QK-norm) HF dir, per-expert tensors on disk."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("tiny_moe") / "qwen3_moe")

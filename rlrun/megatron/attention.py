@@ -52,10 +52,16 @@ def transformer_engine_attention() -> type | None:
 
 
 def layer_spec(arch: ModelArch) -> ModuleSpec:
-    """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention."""
+    """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention.
+
+    MoE models get Megatron's ``MoELayer`` as the MLP, with ``SequentialMLP`` experts (one local MLP per
+    expert: no grouped-GEMM kernel, so it runs on CPU; ``rlrun.megatron.moe`` maps its weights).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    num_experts = arch.moe.num_experts if arch.moe is not None else None
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=arch.qk_norm)
     # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
     spec.submodules.self_attention.submodules.core_attention = transformer_engine_attention() or SDPACoreAttention
     return spec

@@ -5,6 +5,8 @@ Supported families (``model_type``) and what distinguishes them:
 * ``llama`` (SmolLM2, Llama 2/3 without rope scaling): no biases, often tied embeddings.
 * ``qwen2``: biases on q/k/v (not on o_proj).
 * ``qwen3``: RMSNorm on each query and key head (QK-norm) and an explicit ``head_dim``.
+* ``qwen3_moe`` / ``qwen2_moe``: ``qwen3`` / ``qwen2`` attention with mixture-of-experts MLPs
+  (``rlrun.megatron.moe``).
 
 All three are pre-norm decoders with RMSNorm, SwiGLU MLPs, grouped-query attention and RoPE; a
 config that asks for anything else (rope scaling, sliding windows, MLP biases) is refused with the
@@ -37,7 +39,9 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from rlrun.megatron.moe import MOE_MODEL_TYPES, MoEArch, MoEOptions, moe_config_kwargs
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 VOCAB_PAD_MULTIPLE = 128
 """The embedding is padded to a multiple of ``VOCAB_PAD_MULTIPLE * tp`` rows (Megatron's convention):
 each TP rank then holds an equal, aligned vocabulary slice."""
@@ -69,6 +73,8 @@ class ModelArch:
     tie_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoEArch | None = None
+    """The mixture-of-experts MLPs; None for a dense model."""
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> ModelArch:
@@ -105,8 +111,9 @@ class ModelArch:
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg["rms_norm_eps"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type in ("qwen2", "qwen2_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=MoEArch.from_dict(cfg, path, cfg["num_hidden_layers"]) if model_type in MOE_MODEL_TYPES else None,
         )
 
     def padded_vocab_size(self, tp: int) -> int:
@@ -171,8 +178,10 @@ def _check_supported_features(cfg: dict, path: Path) -> None:
         raise _unsupported(path, "use_sliding_window", True, "be false", "attention is built as full causal")
 
 
-def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: str):
-    """The Megatron ``TransformerConfig`` of ``arch`` at this TP/PP layout, with dropout off.
+def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1,
+                       moe_options: MoEOptions | None = None):
+    """The Megatron ``TransformerConfig`` of ``arch`` at this TP/PP (and, for MoE, EP/ETP) layout, with
+    dropout off.
 
     ``calculate_per_token_loss=True`` makes Megatron DDP *sum* gradients over data-parallel ranks
     instead of averaging them; ``train_step`` divides each loss by the global token count itself.
@@ -187,6 +196,7 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: str):
             f"every pipeline stage holds the same number of layers; set parallel.pp to a divisor"
         )
     bf16 = dtype == "bfloat16"
+    moe = {} if arch.moe is None else moe_config_kwargs(arch.moe, moe_options or MoEOptions(), ep, etp)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -215,4 +225,5 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: str):
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        **moe,
     )

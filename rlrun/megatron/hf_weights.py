@@ -17,6 +17,8 @@ decoder.final_layernorm.weight               model.norm.weight                  
 output_layer.weight (untied only)            lm_head.weight                                  vocab
 ==========================================  ==============================================  ========
 
+MoE layers map their router, experts and shared expert instead of ``mlp.linear_fc*`` (``rlrun.megatron.moe``).
+
 Layouts: ``linear_qkv`` is ``[num_groups, (heads_per_group + 2) * head_dim, hidden]`` flattened, i.e.
 each query group's q heads, then its k head, then its v head (biases alike), so a TP shard is whole
 query groups. ``linear_proj`` is o_proj, ``[hidden, num_heads * head_dim]``. ``linear_fc1`` is
@@ -46,6 +48,7 @@ import torch
 from safetensors import safe_open
 
 from rlrun.megatron.hf_config import ModelArch
+from rlrun.megatron.moe import moe_mlp_mappings
 
 Kind = Literal["copy", "vocab", "qkv", "o_proj", "concat"]
 
@@ -61,9 +64,11 @@ class WeightMapping:
     """False for a copy of a tensor another stage exports (the last stage's tied output layer)."""
 
 
-def weight_mappings(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> list[WeightMapping]:
+def weight_mappings(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
+                    ep_size: int = 1) -> list[WeightMapping]:
     """Every parameter of pipeline stage ``pp_rank`` of ``pp_size`` of the Megatron model of ``arch``, in
-    HF checkpoint order (so stage after stage is the whole checkpoint's order)."""
+    HF checkpoint order (so stage after stage is the whole checkpoint's order). MoE layers list the
+    experts of expert-parallel rank ``ep_rank`` of ``ep_size`` only (``rlrun.megatron.moe``)."""
     if arch.num_layers % pp_size != 0:
         raise ValueError(f"parallel.pp ({pp_size}) must divide config.json num_hidden_layers ({arch.num_layers}) "
                          f"because every pipeline stage holds the same number of layers; set parallel.pp to a divisor")
@@ -85,6 +90,9 @@ def weight_mappings(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> list
             maps.append(WeightMapping(f"{mc}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy"))
         maps.append(WeightMapping(f"{mc}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "o_proj"))
         maps.append(WeightMapping(f"{mc}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",), "copy"))
+        if arch.moe is not None:
+            maps += [WeightMapping(*row) for row in moe_mlp_mappings(arch.moe, mc, hf, ep_rank, ep_size)]
+            continue
         maps.append(WeightMapping(f"{mc}mlp.linear_fc1.weight",
                                   (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"), "concat"))
         maps.append(WeightMapping(f"{mc}mlp.linear_fc2.weight", (f"{hf}mlp.down_proj.weight",), "copy"))

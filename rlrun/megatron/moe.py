@@ -1,0 +1,176 @@
+"""Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE): their architecture, options and HF weight names.
+
+An MoE decoder layer replaces the dense SwiGLU MLP with a router (``gate``: ``[num_experts, hidden]``)
+that sends each token to its ``topk`` best experts (each a SwiGLU MLP of ``moe_ffn_hidden_size``) and
+sums their outputs weighted by the routing probabilities. Qwen2-MoE adds a shared expert that every
+token passes through, scaled by ``sigmoid(shared_expert_gate(x))``.
+
+Routing, HF vs Megatron (both score with a softmax over the router logits):
+
+* ``norm_topk_prob=False`` (Qwen2-MoE, Qwen3-MoE by default): softmax over all experts, then top-k, the
+  k probabilities used as they are: Megatron's ``moe_router_pre_softmax=True``;
+* ``norm_topk_prob=True``: the top-k probabilities renormalised to sum to 1, which equals a softmax over
+  the top-k logits: Megatron's default (``moe_router_pre_softmax=False``).
+
+Megatron names (local spec, ``SequentialMLP`` experts) and their HF sources, layer ``i``:
+
+==================================================  ===============================================
+decoder.layers.i.mlp.router.weight                  model.layers.i.mlp.gate.weight
+decoder.layers.i.mlp.experts.local_experts.j.       model.layers.i.mlp.experts.e.{gate,up}_proj
+linear_fc1.weight                                   (``[gate; up]``; ``e = ep_rank * local + j``)
+decoder.layers.i.mlp.experts.local_experts.j.       model.layers.i.mlp.experts.e.down_proj
+linear_fc2.weight
+decoder.layers.i.mlp.shared_experts.linear_fc1      model.layers.i.mlp.shared_expert.{gate,up}_proj
+decoder.layers.i.mlp.shared_experts.linear_fc2      model.layers.i.mlp.shared_expert.down_proj
+decoder.layers.i.mlp.shared_experts.gate_weight     model.layers.i.mlp.shared_expert_gate.weight
+==================================================  ===============================================
+
+Expert parallelism: the ``num_experts`` experts are split into ``ep`` equal consecutive blocks, EP rank
+``r`` holding experts ``[r * E/ep, (r + 1) * E/ep)`` as ``local_experts.0 ...``. Each expert's weights
+are further split over the ``etp`` expert-tensor-parallel ranks like a dense MLP (Megatron marks them
+``tensor_model_parallel`` with the same partition attributes, see ``tp_layout``).
+
+The per-expert names are the layout of real Qwen3-MoE checkpoints and of what transformers 5
+``save_pretrained`` writes (it unfuses its in-memory ``experts.gate_up_proj [E, 2I, H]`` on save);
+``HFCheckpoint`` readers see only those names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
+Dispatcher = Literal["auto", "alltoall", "allgather"]
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """The MoE part of an HF ``config.json``."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    """Each routed expert's intermediate size (``moe_intermediate_size``)."""
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
+    """Per layer, whether it is an MoE layer (``decoder_sparse_step`` and ``mlp_only_layers``)."""
+    router_aux_loss_coef: float
+    shared_expert_ffn_hidden_size: int = 0
+    """Qwen2-MoE's ``shared_expert_intermediate_size``; 0: no shared expert."""
+
+    @classmethod
+    def from_dict(cls, cfg: dict, path: Path, num_layers: int) -> MoEArch:
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        topk = cfg["num_experts_per_tok"]
+        if not num_experts or not 1 <= topk <= num_experts:
+            raise ValueError(f"{path}: num_experts_per_tok ({topk}) must be between 1 and num_experts "
+                             f"({num_experts}) because each token picks that many distinct experts; "
+                             f"this config.json does not describe a routed MoE model")
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        return cls(
+            num_experts=num_experts,
+            topk=topk,
+            ffn_hidden_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            moe_layers=moe_layers,
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+            shared_expert_ffn_hidden_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """How the trainer routes and balances (Megatron's ``moe_*`` options; see ``schema.MoEConfig``).
+
+    ``aux_loss_coeff=None`` takes the checkpoint's ``router_aux_loss_coef``. ``dispatcher="auto"`` is
+    ``alltoall`` on CUDA and ``allgather`` on CPU: Megatron 0.16's all-to-all dispatcher creates a
+    ``torch.cuda.Stream`` for its device-to-host copies in its constructor, which fails without CUDA,
+    while the all-gather dispatcher is plain collectives (gloo runs it).
+    """
+
+    load_balancing: LoadBalancing = "aux_loss"
+    aux_loss_coeff: float | None = None
+    z_loss_coeff: float | None = None
+    dispatcher: Dispatcher = "auto"
+
+    def resolved_dispatcher(self) -> str:
+        """The Megatron ``moe_token_dispatcher_type`` on this machine."""
+        import torch
+
+        if self.dispatcher == "auto":
+            return "alltoall" if torch.cuda.is_available() else "allgather"
+        if self.dispatcher == "alltoall" and not torch.cuda.is_available():
+            raise ValueError("moe.token_dispatcher ('alltoall') must run on CUDA because Megatron's all-to-all "
+                             "dispatcher creates CUDA streams; set moe.token_dispatcher to 'allgather' or 'auto'")
+        return self.dispatcher
+
+
+def moe_config_kwargs(moe: MoEArch, options: MoEOptions, ep: int, etp: int) -> dict:
+    """The ``TransformerConfig`` arguments of the MoE layers."""
+    if moe.num_experts % ep != 0:
+        raise ValueError(f"parallel.ep ({ep}) must divide config.json num_experts ({moe.num_experts}) because "
+                         f"every expert-parallel rank holds the same number of experts; set parallel.ep to a divisor")
+    if not all(moe.moe_layers):
+        raise ValueError(f"config.json decoder_sparse_step / mlp_only_layers (MoE layers {moe.moe_layers}) must "
+                         f"make every layer an MoE layer because rlrun builds one layer spec for all layers; "
+                         f"use a model whose layers are all sparse or extend rlrun/megatron/moe.py")
+    balancing = options.load_balancing
+    coeff = moe.router_aux_loss_coef if options.aux_loss_coeff is None else options.aux_loss_coeff
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_topk=moe.topk,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type=balancing,
+        moe_aux_loss_coeff=0.0 if balancing == "none" else coeff,
+        moe_z_loss_coeff=options.z_loss_coeff,
+        moe_token_dispatcher_type=options.resolved_dispatcher(),
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_expert_ffn_hidden_size > 0,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
+def moe_mlp_mappings(moe: MoEArch, mc: str, hf: str, ep_rank: int, ep_size: int) -> list[tuple[str, tuple[str, ...], str]]:
+    """``(megatron_name, hf_names, kind)`` of one MoE layer's MLP on EP rank ``ep_rank``: router, this
+    rank's experts, shared expert. ``mc`` / ``hf`` are the layer prefixes (``decoder.layers.0.``)."""
+    local = moe.num_experts // ep_size
+    rows = [(f"{mc}mlp.router.weight", (f"{hf}mlp.gate.weight",), "copy")]
+    for j in range(local):
+        expert = f"{hf}mlp.experts.{ep_rank * local + j}."
+        mc_expert = f"{mc}mlp.experts.local_experts.{j}."
+        rows.append((f"{mc_expert}linear_fc1.weight", (f"{expert}gate_proj.weight", f"{expert}up_proj.weight"), "concat"))
+        rows.append((f"{mc_expert}linear_fc2.weight", (f"{expert}down_proj.weight",), "copy"))
+    if moe.shared_expert_ffn_hidden_size:
+        shared = f"{hf}mlp.shared_expert."
+        rows.append((f"{mc}mlp.shared_experts.linear_fc1.weight",
+                     (f"{shared}gate_proj.weight", f"{shared}up_proj.weight"), "concat"))
+        rows.append((f"{mc}mlp.shared_experts.linear_fc2.weight", (f"{shared}down_proj.weight",), "copy"))
+        rows.append((f"{mc}mlp.shared_experts.gate_weight", (f"{hf}mlp.shared_expert_gate.weight",), "copy"))
+    return rows
+
+
+def patch_router_without_te() -> None:
+    """Let Megatron's router run without TransformerEngine; idempotent.
+
+    megatron-core 0.16.1 ``moe_utils.RouterGatingLinearFunction`` tests ``te_general_gemm is not None``
+    but defines that name only when TE imports, so without TE the router raises ``NameError``; ``None``
+    selects its own ``torch.mm`` path, which is what it means to do.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def is_expert_param(megatron_name: str) -> bool:
+    """Whether a parameter is one EP rank's routed expert (sharded over EP and ETP, not TP)."""
+    return ".mlp.experts.local_experts." in megatron_name
