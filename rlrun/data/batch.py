@@ -41,6 +41,10 @@ class MicroBatch:
     ref_logprobs, teacher_logprobs: ``[B, S-1]`` from the reference / teacher weights (None when unused).
     returns: ``[B, S-1]`` per-token returns of the advantage estimator (None until computed).
     values: ``[B, S-1]`` critic values for GAE (None: no critic).
+    routed_experts: ``[B, S, moe_layers, topk]`` int32, the engine's expert ids of every token (rollout
+    routing replay), aligned with ``tokens``: each sample's ``Sample.routed_experts`` at its offset; the
+    row's padding repeats the last real token's ids (a causally inert, valid top-k). None when a sample
+    has none.
     """
 
     tokens: torch.Tensor
@@ -53,6 +57,7 @@ class MicroBatch:
     teacher_logprobs: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:
@@ -79,6 +84,7 @@ class MicroBatch:
             loss_mask=torch.zeros_like(self.loss_mask),
             advantages=torch.zeros_like(self.advantages),
             rollout_logprobs=self.rollout_logprobs,
+            routed_experts=self.routed_experts,
         )
 
 
@@ -111,7 +117,22 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
         offset += length
     last_start = offset - samples[-1].total_length
     position_ids[0, offset:] = torch.arange(offset - last_start, seq_len - last_start)
-    return MicroBatch(tokens, position_ids, loss_mask, adv, rollout_lp)
+    return MicroBatch(tokens, position_ids, loss_mask, adv, rollout_lp,
+                      routed_experts=_packed_experts(samples, seq_len))
+
+
+def _packed_experts(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
+    """``MicroBatch.routed_experts`` of one packed row: the samples' ids back to back, padding repeating
+    the last token's; None unless every sample carries them."""
+    if any(s.routed_experts is None for s in samples):
+        return None
+    for s in samples:
+        if s.routed_experts.shape[0] != s.total_length:
+            raise ValueError(f"Sample.routed_experts ({s.routed_experts.shape[0]} rows) must have one row per token "
+                             f"({s.total_length}) because the trainer replays them token by token; see Sample")
+    row = torch.cat([s.routed_experts for s in samples])
+    padding = row[-1:].expand(seq_len - row.shape[0], *row.shape[1:])
+    return torch.cat([row, padding])[None]
 
 
 def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:

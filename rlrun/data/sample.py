@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -47,6 +50,12 @@ class Sample:
     """Per response token: 1 if the model generated it (trained on), 0 if it was inserted by a tool
     or the environment in a multi-turn rollout (context only: no loss, and its ``rollout_logprobs``
     entry is 0). None means every response token is the model's (single-turn generation)."""
+    routed_experts: torch.Tensor | None = None
+    """MoE rollouts: ``[total_length, moe_layers, topk]`` int32 expert ids the engine chose for each token
+    (rollout routing replay). The engine returns ``total_length - 1`` of them (the last token is never
+    forwarded); the last token's row repeats the one before it, as slime pads it: that token's output
+    predicts nothing in the loss, and a valid distinct top-k keeps the trainer's dispatch well formed.
+    None: not recorded (dense model, or a multi-turn ``generate_fn``)."""
 
     @property
     def num_loss_tokens(self) -> int:

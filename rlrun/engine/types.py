@@ -32,6 +32,15 @@ class FinishReason(TypedDict):
     message: NotRequired[str]
 
 
+class RoutedExperts(TypedDict):
+    """``data``: SGLang's ``meta_info["routed_experts"]``, base64 of int32 expert ids of shape
+    ``[prompt_tokens + completion_tokens - 1, layers, topk]``; ``topk`` (which SGLang leaves to the
+    caller's model config) makes it self-describing. ``rlrun.engine.backends.routing_record.decode``."""
+
+    data: str
+    topk: int
+
+
 class GenResult(TypedDict):
     """One sampled response. ``output_logprobs[i]`` is log_softmax(logits / T) of ``output_ids[i]``,
     taken before top-p/top-k filtering, in fp32; None when the caller did not ask for log-probs."""
@@ -43,6 +52,9 @@ class GenResult(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     weight_version: str
+    routed_experts: NotRequired[RoutedExperts]
+    """MoE models, when recorded (rollout routing replay): the experts every MoE layer chose for every
+    forwarded token (the last output token is never forwarded)."""
 
 
 class OpResult(TypedDict):

@@ -62,9 +62,23 @@ def generate_samples(engine, prompts: list[Prompt], cfg: RolloutConfig, seed: in
                 rollout_logprobs=list(result["output_logprobs"]),
                 finish_reason=result["finish_reason"]["type"],
                 weight_version=str(result.get("weight_version", "")),
+                routed_experts=_routed_experts(result, len(prompt.prompt_ids)),
             )
         )
     return samples
+
+
+def _routed_experts(result, prompt_len: int):
+    """The sample's ``[total_length, layers, topk]`` expert ids (``Sample.routed_experts``: the engine's
+    ``total_length - 1`` rows, the last repeated for the never-forwarded last token), or None."""
+    if "routed_experts" not in result:
+        return None
+    import torch
+
+    from rlrun.engine.backends.routing_record import decode
+
+    experts = decode(result["routed_experts"], prompt_len + len(result["output_ids"]))
+    return torch.cat([experts, experts[-1:]])
 
 
 def group_samples(samples: list[Sample], group_size: int) -> list[list[Sample]]:

@@ -33,9 +33,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlrun.engine.backends.cuda_graph import StepGraph
 from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch, Finish
 from rlrun.engine.backends.decode_control import DecodeControl, RequestHandle
+from rlrun.engine.backends.fused_experts import expert_slice
+from rlrun.engine.backends.routing_record import RouterRecorder, encode
 from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, prefill_mask
 from rlrun.engine.sampling import SamplingParams, SamplingTensors, per_prompt_params, row_key, row_rids
-from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, FinishReason, GenResult
+from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, FinishReason, GenResult, RoutedExperts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ABORTED: FinishReason = {"type": "abort", "message": "Aborted"}
@@ -141,6 +143,9 @@ class EmbeddedEngine:
         self._rng = torch.Generator().manual_seed(seed)
         self._decode_slot: tuple[BatchShape, DecodeBatch, StepGraph] | None = None
         """The last call's decode buffers and captured step, reused by calls of the same shape."""
+        self.router_recorder = RouterRecorder.attach(self.model)
+        """Records every forwarded token's experts (MoE models; None for dense ones), see routing_record."""
+        self._prefill_experts: torch.Tensor | None = None
 
     # ---- generation -------------------------------------------------------------------------------
 
@@ -165,7 +170,8 @@ class EmbeddedEngine:
             batch, steps, stop_strings = self._decode(input_ids, params, rows, request, control)
         tokens, logprobs = batch.tokens[:, :steps].tolist(), batch.logprobs[:, :steps].tolist()
         lengths, finish = batch.lengths.tolist(), batch.finish.tolist()
-        return [{
+        experts = self._routed_experts(batch, input_ids, rows, lengths) if self.router_recorder else None
+        results: list[GenResult] = [{
             "rid": request.row_rids[b],
             "output_ids": tokens[b][:lengths[b]],
             "output_logprobs": logprobs[b][:lengths[b]] if return_logprob else None,
@@ -174,6 +180,22 @@ class EmbeddedEngine:
             "completion_tokens": lengths[b],
             "weight_version": self.weight_version,
         } for b, (i, _) in enumerate(rows)]
+        for result, row_experts in zip(results, experts or []):
+            result["routed_experts"] = row_experts
+        return results
+
+    def _routed_experts(self, batch: DecodeBatch, prompts: list[list[int]], rows: Sequence[tuple[int, int]],
+                        lengths: list[int]) -> list[RoutedExperts]:
+        """Per row, SGLang's ``routed_experts`` (with its topk): the prompt's tokens (from the prefill, whose
+        prompts end at the last column) then the output tokens that were forwarded (all but the last)."""
+        width = max(len(p) for p in prompts)
+        prefill = self._prefill_experts.reshape(len(prompts), width, *self._prefill_experts.shape[1:])
+        out = []
+        for b, (i, _) in enumerate(rows):
+            forwarded = len(prompts[i]) + lengths[b] - 1
+            row = torch.cat([prefill[i, width - len(prompts[i]):], batch.routed_experts[b, :max(lengths[b] - 1, 0)]])
+            out.append(encode(row[:forwarded]))
+        return out
 
     @staticmethod
     def _finish_reason(code: int, output_ids: list[int], params: SamplingParams, stop: str | None) -> FinishReason:
@@ -224,11 +246,19 @@ class EmbeddedEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = StaticKVCache(len(prompts), width, self.device)
         cache.columns = torch.arange(width, device=self.device)
-        return self._forward(ids, prefill_mask(mask), positions, cache), cache, mask
+        if self.router_recorder is None:
+            return self._forward(ids, prefill_mask(mask), positions, cache), cache, mask
+        self._prefill_experts = self.router_recorder.prefill_buffer(ids.numel(), self.device)
+        with self.router_recorder.writing(self._prefill_experts):
+            return self._forward(ids, prefill_mask(mask), positions, cache), cache, mask
 
     def _decode_step(self, batch: DecodeBatch) -> None:
         """One decode step on the batch's buffers only (the part that is captured as a CUDA graph)."""
-        logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
+        if self.router_recorder is None:
+            logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
+        else:
+            with self.router_recorder.writing(batch.routed_experts, batch.step):
+                logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
         batch.advance()
         batch.record(logits)
 
@@ -237,6 +267,8 @@ class EmbeddedEngine:
         if self._decode_slot is None or self._decode_slot[0] != shape:
             self._decode_slot = None  # free the previous buffers and graph before allocating new ones
             batch = DecodeBatch.allocate(shape, sampling, self.device)
+            if self.router_recorder is not None:
+                batch.routed_experts = self.router_recorder.decode_buffer(shape.num_rows, shape.max_len, self.device)
             self._decode_slot = (shape, batch, StepGraph(lambda: self._decode_step(batch), self.device))
         return self._decode_slot[1], self._decode_slot[2]
 
@@ -295,19 +327,23 @@ class EmbeddedEngine:
         """Copy full HF-named tensors into the model (cast to its dtype). Every name and shape is
         checked before anything is copied, so a bad bucket leaves the weights untouched."""
         named_tensors = list(named_tensors)
+        targets = []
         for name, tensor in named_tensors:
             if name in self._aliases:
                 raise ValueError(f"weight {name} must not be sent because it is tied to {self._aliases[name]} in this "
                                  f"model; send only {self._aliases[name]} (SGLang ignores it too)")
-            if name not in self._params:
+            # MoE experts arrive under checkpoint names and fill slices of fused parameters.
+            target = self._params.get(name, expert_slice(self._params, name))
+            if target is None:
                 raise ValueError(f"weight {name} must be a parameter of {type(self.model).__name__} because the "
                                  "engine loads HF-named full tensors; expected names like "
                                  f"{', '.join(list(self._params)[:3])}")
-            if tuple(tensor.shape) != tuple(self._params[name].shape):
+            if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(f"shape of weight {name} ({list(tensor.shape)}) must equal the model's "
-                                 f"{list(self._params[name].shape)} because the engine loads full, unsharded tensors")
+                                 f"{list(target.shape)} because the engine loads full, unsharded tensors")
+            targets.append(target)
         # One fused call instead of a Python-level copy_ per tensor (hundreds per bucket for an 8B model).
-        torch._foreach_copy_([self._params[name] for name, _ in named_tensors], [t for _, t in named_tensors])
+        torch._foreach_copy_(targets, [t for _, t in named_tensors])
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters by HF name (tied aliases excluded), for checksums."""

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from rlrun.engine.backends import BackendSpec
@@ -42,7 +44,8 @@ from rlrun.engine.sampling import SamplingParams
 from rlrun.engine.types import FinishReason, GenResult, OpResult
 
 
-def to_gen_result(output: Mapping[str, Any], rid: str, return_logprob: bool) -> GenResult:
+def to_gen_result(output: Mapping[str, Any], rid: str, return_logprob: bool,
+                  routed_topk: int | None = None) -> GenResult:
     """One non-streaming ``async_generate`` output (``{"text", "output_ids", "meta_info"}``) as a ``GenResult``.
 
     ``meta_info["output_token_logprobs"]`` is a list of ``(logprob, token_id, text_or_None)``;
@@ -58,9 +61,13 @@ def to_gen_result(output: Mapping[str, Any], rid: str, return_logprob: bool) -> 
             raise ValueError(f"meta_info.output_token_logprobs of request {meta['id']} must list the output_ids "
                              "in order because each log-prob belongs to one sampled token; SGLang's output changed")
         logprobs = [float(e[0]) for e in entries]
-    return {"rid": rid, "output_ids": output_ids, "output_logprobs": logprobs,
-            "finish_reason": _finish_reason(meta["finish_reason"]), "prompt_tokens": int(meta["prompt_tokens"]),
-            "completion_tokens": int(meta["completion_tokens"]), "weight_version": str(meta["weight_version"])}
+    result: GenResult = {
+        "rid": rid, "output_ids": output_ids, "output_logprobs": logprobs,
+        "finish_reason": _finish_reason(meta["finish_reason"]), "prompt_tokens": int(meta["prompt_tokens"]),
+        "completion_tokens": int(meta["completion_tokens"]), "weight_version": str(meta["weight_version"])}
+    if routed_topk is not None and meta.get("routed_experts"):  # base64 int32 [seqlen - 1, layers, topk]
+        result["routed_experts"] = {"data": meta["routed_experts"], "topk": routed_topk}
+    return result
 
 
 def _finish_reason(reason: Mapping[str, Any] | None) -> FinishReason:
@@ -128,6 +135,15 @@ def check_payload(payload: bytes, unpickler: type) -> None:
                              "with rlrun.engine.payload.serialize_flattened_bucket") from None
 
 
+def _routed_topk(spec: BackendSpec) -> int | None:
+    """``num_experts_per_tok`` of the model when the server was started to return routed experts (SGLang
+    leaves reshaping its flat ids to the caller's model config), else None."""
+    if not spec.server_args.get("enable_return_routed_experts"):
+        return None
+    config = json.loads((Path(spec.model_path) / "config.json").read_text())
+    return int(config.get("text_config", config)["num_experts_per_tok"])
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -156,6 +172,9 @@ class SglangBackend:
         self.loop = self.engine.loop
         self.tp_size = spec.tp_size
         self.capabilities = SglangCapabilities.detect(self.engine, SafeUnpickler)
+        self.routed_topk = _routed_topk(spec)
+        """The model's top-k when the server records routed experts (``enable_return_routed_experts`` in
+        ``engine.sglang_server_args``, for ``algorithm.routing_replay: rollout``); requests then ask for them."""
         self._inflight: set[str] = set()
 
     @property
@@ -174,11 +193,12 @@ class SglangBackend:
                 sample_rids.append(rid if p.n == 1 else f"{rid}-{j}")
         self._inflight.update(sample_rids)
         try:
+            routed = {"return_routed_experts": True} if self.routed_topk is not None else {}
             outputs = await self.engine.async_generate(input_ids=prompts, sampling_params=sglang_params,
-                                                       return_logprob=return_logprob, rid=sample_rids)
+                                                       return_logprob=return_logprob, rid=sample_rids, **routed)
         finally:
             self._inflight.difference_update(sample_rids)
-        return [to_gen_result(out, rid, return_logprob) for out, rid in zip(outputs, sample_rids)]
+        return [to_gen_result(out, rid, return_logprob, self.routed_topk) for out, rid in zip(outputs, sample_rids)]
 
     async def abort(self, rid: str, abort_all: bool) -> None:
         # The TokenizerManager only forwards rids it knows exactly, so the prefix is matched here.

@@ -33,6 +33,7 @@ SERVER_ARGS = {
     "model_path": None, "tp_size": 1, "nccl_port": None, "base_gpu_id": 0, "gpu_id_step": 1, "device": None,
     "random_seed": None, "dtype": "auto", "log_level": "error", "mem_fraction_static": None,
     "max_total_tokens": None, "enable_memory_saver": False, "enable_weights_cpu_backup": False,
+    "enable_return_routed_experts": False,
     "skip_tokenizer_init": False, "skip_server_warmup": False, "load_format": "auto", "weight_version": "default",
     "enable_deterministic_inference": False, "disable_cuda_graph": False, "cuda_graph_backend_decode": None,
     "cuda_graph_backend_prefill": None, "port": 30000, "sampling_backend": None, "attention_backend": None,
@@ -71,11 +72,11 @@ class Engine:
             return loop
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             rid=None, stream=False, **unsupported):
+                             rid=None, stream=False, return_routed_experts=False, **unsupported):
         if unsupported or prompt is not None or stream:
             raise NotImplementedError(f"the fake serves token ids without streaming, not {sorted(unsupported)}")
         obj = GenerateReqInput(input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
-                               rid=rid)
+                               rid=rid, return_routed_experts=return_routed_experts)
         return await self.tokenizer_manager.generate_request(obj, None).__anext__()
 
     def flush_cache(self):

@@ -77,4 +77,5 @@ class GenerateReqInput:
     sampling_params: Optional[dict | list[dict]] = None
     return_logprob: bool = False
     rid: Optional[str | list[str]] = None
+    return_routed_experts: bool = False
     stream: bool = False

@@ -138,7 +138,7 @@ class TokenizerManager:
         try:
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(self._scheduler, self._run_batch, input_ids, parsed, rids,
-                                                 obj.return_logprob)
+                                                 obj.return_logprob, obj.return_routed_experts)
         finally:
             for rid in rids:
                 self.rid_to_state.pop(rid, None)
@@ -170,16 +170,18 @@ class TokenizerManager:
             ours["sampling_seed"] = params["sampling_seed"]  # without it SGLang ignores sampling_seed
         return SamplingParams.from_dict(ours)
 
-    def _run_batch(self, input_ids, params, rids, return_logprob) -> list[dict]:
+    def _run_batch(self, input_ids, params, rids, return_logprob, return_routed_experts=False) -> list[dict]:
         if self.offload_tags:
             die(f"CUDA error: an illegal memory access was encountered (memory tags {sorted(self.offload_tags)} "
                 "are released)")
         start = time.perf_counter()
         with self.control.registered(rids) as handle:
             results = self.model.generate(input_ids, params, True, rids, request=handle, control=self.control)
-        return [self._output(r, p, return_logprob, time.perf_counter() - start) for r, p in zip(results, params)]
+        return [self._output(r, p, return_logprob, time.perf_counter() - start, return_routed_experts)
+                for r, p in zip(results, params)]
 
-    def _output(self, result: dict, params: SamplingParams, return_logprob: bool, latency_s: float) -> dict:
+    def _output(self, result: dict, params: SamplingParams, return_logprob: bool, latency_s: float,
+                return_routed_experts: bool = False) -> dict:
         """The non-streaming output dict of tokenizer_manager.py:2507-2718."""
         finish = dict(result["finish_reason"])
         if finish["type"] == "abort":
@@ -192,6 +194,8 @@ class TokenizerManager:
             meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in
                                              zip(result["output_logprobs"], result["output_ids"])]
             meta["output_token_logprobs_length"] = len(result["output_ids"])
+        if return_routed_experts and self.server_args.get("enable_return_routed_experts"):
+            meta["routed_experts"] = result["routed_experts"]["data"]  # base64 int32 (state_capturer)
         output = {"output_ids": list(result["output_ids"]), "meta_info": meta}
         if not self.server_args.get("skip_tokenizer_init"):  # token ids only then: no "text" (serving.py:58)
             output["text"] = self._trimmed_text(result["output_ids"], finish)

@@ -1,0 +1,96 @@
+"""The embedded engine's record of which experts every MoE layer chose for every token it forwarded.
+
+Rollout routing replay (R3, arXiv 2510.11370) needs the engine's expert choices so the trainer can
+replay them. SGLang returns them as ``meta_info["routed_experts"]`` when asked with
+``return_routed_experts=True`` (0.5.17 ``srt/state_capturer/routed_experts.py``, ``base.py get_topk``):
+int32 ids of shape ``[seqlen - 1, num_layers, topk]``, base64 of the raw bytes (the last generated
+token is never forwarded, so it has no routing). :func:`encode` / :func:`decode` are that encoding.
+
+Recording: forward hooks on the HF model's routers (transformers 5 ``*TopKRouter`` modules, which
+return ``(router_logits, router_weights, router_indices)``, indices ``[tokens, topk]``) copy the indices
+into a buffer that :meth:`RouterRecorder.writing` points them at. The prefill writes a fresh
+``[rows * width, layers, topk]`` tensor; a decode step writes column ``step - 1`` (the token it
+forwards) of the decode batch's static ``[rows, max_len, layers, topk]`` buffer through an index that
+is a device tensor, so the copies are captured into the decode step's CUDA graph and replay with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from rlrun.engine.types import RoutedExperts
+
+ROUTER_SUFFIX = "TopKRouter"
+"""transformers 5 names its MoE routers ``<Family>TopKRouter`` (Qwen3-MoE, Qwen2-MoE, Mixtral...)."""
+
+
+class RouterRecorder:
+    """Hooks on every router of one HF model, writing their top-k ids where :meth:`writing` says."""
+
+    def __init__(self, routers: list[torch.nn.Module], top_k: int) -> None:
+        self.num_layers = len(routers)
+        self.top_k = top_k
+        self._sink: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(self._hook(layer))
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module) -> RouterRecorder | None:
+        """A recorder on ``model``'s routers (in layer order), or None for a dense model."""
+        routers = [m for m in model.modules() if type(m).__name__.endswith(ROUTER_SUFFIX)]
+        if not routers:
+            return None
+        return cls(routers, int(routers[0].top_k))
+
+    def _hook(self, layer: int):
+        def write(_module, _args, output) -> None:
+            if self._sink is None:
+                return
+            buffer, column = self._sink
+            indices = output[2].to(buffer.dtype)
+            if column is None:  # prefill: [tokens, topk] for the whole [rows * width] block
+                buffer[:, layer].copy_(indices)
+            else:  # decode: one token per row, at the column of the token being forwarded
+                buffer[:, :, layer].index_copy_(1, column, indices[:, None])
+        return write
+
+    def prefill_buffer(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=torch.int32, device=device)
+
+    def decode_buffer(self, num_rows: int, max_len: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(num_rows, max_len, self.num_layers, self.top_k, dtype=torch.int32, device=device)
+
+    @contextlib.contextmanager
+    def writing(self, buffer: torch.Tensor, step: torch.Tensor | None = None) -> Iterator[None]:
+        """Route the hooks' writes into ``buffer``: the prefill's (``step`` None) or a decode batch's,
+        at column ``step - 1`` (``step``: the batch's device counter of the next token to sample;
+        clamped so the capture's warm-up runs, before the batch is loaded, write in bounds)."""
+        column = None if step is None else (step - 1).clamp(min=0)
+        self._sink = (buffer, column)
+        try:
+            yield
+        finally:
+            self._sink = None
+
+
+def encode(experts: torch.Tensor) -> RoutedExperts:
+    """SGLang's wire form (base64 of the int32 bytes of ``[tokens, layers, topk]``) with its ``topk``."""
+    data = base64.b64encode(experts.to(torch.int32).cpu().numpy().tobytes()).decode("ascii")
+    return {"data": data, "topk": int(experts.shape[-1])}
+
+
+def decode(routed: RoutedExperts, num_tokens: int) -> torch.Tensor:
+    """``[num_tokens - 1, layers, topk]`` int32 from :func:`encode`'s (or SGLang's, wrapped) routing of a
+    sample with ``num_tokens`` tokens (prompt + output)."""
+    flat, top_k = np.frombuffer(base64.b64decode(routed["data"]), dtype=np.int32), routed["topk"]
+    rows = max(num_tokens - 1, 0)
+    if rows == 0 or flat.size % (rows * top_k):
+        raise ValueError(f"routed_experts ({flat.size} ids) must hold (num_tokens - 1) x layers x topk ids "
+                         f"({rows} x ? x {top_k}) because SGLang returns one routing per forwarded token; "
+                         "check the engine and model.moe topk")
+    return torch.from_numpy(flat.copy()).reshape(rows, -1, top_k)

@@ -1,0 +1,64 @@
+"""The embedded engine records every forwarded token's experts (SGLang's ``routed_experts``), checked
+against the HF model's own router run over the whole sequence (prompt + output) in one eager forward."""
+
+import pytest
+import torch
+
+from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.backends.routing_record import decode, encode
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("moe"), seed=3)
+
+
+def _hf_topk(model_dir, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), layers, topk] expert ids from HF's router logits (softmax, top-k), sorted per token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([logits.softmax(-1).topk(k).indices for logits in out.router_logits], dim=1).sort(-1).values
+
+
+def test_engine_routing_equals_hf_router_for_every_forwarded_token(moe_dir):
+    engine = EmbeddedEngine(moe_dir, seed=0)
+    prompts = [[5, 17, 99, 3, 42, 7], [11, 12]]  # different lengths: left padding in the prefill
+    results = engine.generate(prompts, {"max_new_tokens": 20, "temperature": 1.0, "n": 2, "ignore_eos": True,
+                                        "sampling_seed": 1})
+    assert len(results) == 4
+    for b, result in enumerate(results):
+        tokens = prompts[b // 2] + result["output_ids"]
+        experts = decode(result["routed_experts"], len(tokens))
+        assert experts.shape == (len(tokens) - 1, 2, 2)
+        reference = _hf_topk(moe_dir, tokens)[:-1]
+        assert torch.equal(experts.sort(-1).values, reference.to(torch.int32)), b
+
+
+def test_routing_encoding_round_trips_sglang_form():
+    experts = torch.randint(0, 128, (9, 3, 8), dtype=torch.int32)
+    assert torch.equal(decode(encode(experts), num_tokens=10), experts)
+    with pytest.raises(ValueError, match="num_tokens - 1"):
+        decode(encode(experts), num_tokens=8)
+
+
+def test_dense_model_records_nothing(tiny_model_dirs):
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"])
+    assert engine.router_recorder is None
+    (result,) = engine.generate([[1, 2, 3]], {"max_new_tokens": 3})
+    assert "routed_experts" not in result
+
+
+def test_sglang_adapter_reads_meta_info_routed_experts():
+    from rlrun.engine.backends.sglang import to_gen_result
+
+    experts = torch.randint(0, 8, (5, 2, 2), dtype=torch.int32)
+    meta = {"id": "r", "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": 3, "completion_tokens": 3,
+            "weight_version": "default", "routed_experts": encode(experts)["data"]}
+    result = to_gen_result({"output_ids": [1, 2, 3], "meta_info": meta}, "r", False, routed_topk=2)
+    assert torch.equal(decode(result["routed_experts"], 6), experts)
+    assert "routed_experts" not in to_gen_result({"output_ids": [1, 2, 3], "meta_info": meta}, "r", False)
