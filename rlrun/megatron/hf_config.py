@@ -196,7 +196,7 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: str, ep: int = 
             f"every pipeline stage holds the same number of layers; set parallel.pp to a divisor"
         )
     bf16 = dtype == "bfloat16"
-    moe = {} if arch.moe is None else moe_config_kwargs(arch.moe, moe_options or MoEOptions(), ep, etp)
+    moe = {} if arch.moe is None else moe_config_kwargs(arch.moe, moe_options or MoEOptions(), tp, ep, etp)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

@@ -110,8 +110,12 @@ class MoEOptions:
         return self.dispatcher
 
 
-def moe_config_kwargs(moe: MoEArch, options: MoEOptions, ep: int, etp: int) -> dict:
+def moe_config_kwargs(moe: MoEArch, options: MoEOptions, tp: int, ep: int, etp: int) -> dict:
     """The ``TransformerConfig`` arguments of the MoE layers."""
+    if tp > 1:
+        raise ValueError(f"parallel.tp ({tp}) must be 1 for MoE models because Megatron's MoE layer refuses to "
+                         f"train with TP > 1 without sequence parallelism, which the local (non-TE) layer spec's "
+                         f"torch norms do not support; split the experts with parallel.ep / parallel.etp instead")
     if moe.num_experts % ep != 0:
         raise ValueError(f"parallel.ep ({ep}) must divide config.json num_experts ({moe.num_experts}) because "
                          f"every expert-parallel rank holds the same number of experts; set parallel.ep to a divisor")
