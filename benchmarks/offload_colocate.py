@@ -3,7 +3,8 @@
 Runs ``rlrun train configs/quickstart.yaml`` under torchrun (1 rank, embedded engine, bf16) on a random-init
 Qwen3-0.6B-shaped model with the tests' byte-level ChatML tokenizer (a random model's ids beyond its
 vocabulary decode to nothing, so rewards are 0 and ``skip_tied_groups`` is off to keep every step training),
-once with ``offload.train/rollout`` on and once off, and summarises each run's metrics.jsonl.
+with ``offload.train/rollout`` on (NCCL communicators torn down around sleep), on with
+``offload.teardown_nccl=false`` (communicators kept), and off, and summarises each run's metrics.jsonl.
 
     python benchmarks/offload_colocate.py --out benchmarks/results/offload_qwen3-0.6b_h200.json
 """
@@ -29,18 +30,23 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
        "OMP_NUM_THREADS": "4"}
 
 
-def overrides(model_dir: Path, run_dir: Path, offload: bool, steps: int) -> list[str]:
+RUNS = {"offload_on": (True, True), "offload_on_keep_nccl": (True, False), "offload_off": (False, False)}
+"""Run name -> (offload.train/rollout, offload.teardown_nccl)."""
+
+
+def overrides(model_dir: Path, run_dir: Path, offload: bool, steps: int, teardown_nccl: bool) -> list[str]:
     sets = {"model.path": model_dir, "model.dtype": "bfloat16", "train.num_steps": steps,
             "rollout.prompts_per_step": 8, "rollout.samples_per_prompt": 8, "rollout.max_new_tokens": 64,
             "train.max_tokens_per_micro_batch": 8192, "algorithm.skip_tied_groups": "false",
             "offload.train": str(offload).lower(), "offload.rollout": str(offload).lower(),
+            "offload.teardown_nccl": str(teardown_nccl).lower(),
             "logging.run_dir": run_dir}
     return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
 
 
-def run(model_dir: Path, run_dir: Path, offload: bool, steps: int, timeout_s: float) -> dict:
+def run(model_dir: Path, run_dir: Path, offload: bool, steps: int, timeout_s: float, teardown_nccl: bool) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "rlrun",
-           "train", "configs/quickstart.yaml", *overrides(model_dir, run_dir, offload, steps)]
+           "train", "configs/quickstart.yaml", *overrides(model_dir, run_dir, offload, steps, teardown_nccl)]
     start = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "torchrun.log"
@@ -53,7 +59,7 @@ def run(model_dir: Path, run_dir: Path, offload: bool, steps: int, timeout_s: fl
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "metrics.jsonl").exists() else []
-    out = {"offload": offload, "command": " ".join(cmd[1:]), "returncode": returncode, "wall_s": round(wall, 1),
+    out = {"offload": offload, "teardown_nccl": teardown_nccl, "command": " ".join(cmd[1:]), "returncode": returncode, "wall_s": round(wall, 1),
            "steps": rows, "summary": summarise(rows)}
     if returncode != 0:
         out["log_tail"] = log.read_text()[-4000:]
@@ -84,6 +90,7 @@ def summarise(rows: list[dict]) -> dict:
         "peak_step5_over_step2": peak[4] / peak[1],
         "device_peak_step5_over_step2": rows[4]["memory/train/device_gb"] / rows[1]["memory/train/device_gb"],
         "step_s_mean": sum(_col(rows, "time/step_s")[steady]) / (len(rows) - 1),
+        "nccl_groups_destroyed_per_step": _col(rows, "offload/nccl_groups_destroyed"),
     }
     for what in ("sleep", "wake"):
         for unit in ("s", "gb", "gb_per_s"):
@@ -107,18 +114,24 @@ def main() -> None:
                          capture_output=True, text=True, check=False).stdout.strip()
     result = {"model": "random-init Qwen3-0.6B shape, bf16, tied embeddings", "gpu": smi,
               "config": "configs/quickstart.yaml + " + " ".join(overrides(Path("<model>"), Path("<run>"), True,
-                                                                           args.steps)),
+                                                                           args.steps, True)),
               "runs": {}}
-    for offload in (True, False):
-        name = "offload_on" if offload else "offload_off"
-        result["runs"][name] = run(model_dir, args.work / name, offload, args.steps, args.timeout_s)
+    for name, (offload, teardown_nccl) in RUNS.items():
+        result["runs"][name] = run(model_dir, args.work / name, offload, args.steps, args.timeout_s, teardown_nccl)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    on, off = (result["runs"][k]["summary"] for k in ("offload_on", "offload_off"))
+    on, keep, off = (result["runs"][k]["summary"] for k in RUNS)
     if "error" not in on and "error" not in off:
         result["saved_gb"] = {
             "device_during_rollout": off["device_during_rollout_gb_per_step"][-1] - on["device_during_rollout_gb_per_step"][-1],
             "device_during_train": off["device_during_train_gb_per_step"][-1] - on["device_during_train_gb_per_step"][-1],
+        }
+    if "error" not in on and "error" not in keep:
+        result["nccl_teardown_saved_gb"] = {
+            "trainer_during_rollout": keep["trainer_during_rollout_gb_per_step"][-1]
+            - on["trainer_during_rollout_gb_per_step"][-1],
+            "trainer_rollout_over_peak": {"teardown": on["trainer_rollout_over_peak"],
+                                          "keep_nccl": keep["trainer_rollout_over_peak"]},
         }
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v["summary"] for k, v in result["runs"].items()}, indent=1))

@@ -12,6 +12,10 @@ allocates its moments lazily at the first step. Activations and logits stay in t
 and go back to the driver at sleep (``empty_cache``): backing them up would copy gigabytes of freed
 cache blocks to the host at every sleep. Megatron sets the saver's hook mode when it is imported, so
 the saver is first touched here, after ``rlrun.runtime.dist``.
+
+With ``offload.teardown_nccl`` the sleeping trainer also destroys the NCCL communicators of Megatron's
+groups (~0.4 GB of device memory each, outside every pool) and rebuilds them at wake, before any
+collective runs; ``init_distributed`` made those groups reloadable (rlrun/runtime/reloadable_groups.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Iterator
 import torch
 
 from rlrun.config.schema import OffloadConfig
+from rlrun.runtime import reloadable_groups
 
 ENGINE_TAGS_AFTER_SYNC = ["kv_cache", "cuda_graph"]
 TRAINER_TAG = "trainer"
@@ -150,15 +155,23 @@ class Offloader:
         gc.collect()  # tensors kept alive only by reference cycles would pin their blocks
         torch.cuda.ipc_collect()  # sync buckets whose IPC handles the engine has closed
         torch._C._cuda_clearCublasWorkspaces()  # re-created on the next matmul
+        if self.cfg.teardown_nccl:  # after the device sync in _timed: no kernel still uses them
+            self.metrics["offload/nccl_groups_destroyed"] = reloadable_groups.destroy_all()
         torch.cuda.empty_cache()
         self._saver.pause(TRAINER_TAG)
 
     def trainer_wake(self) -> None:
-        """Counterpart of :meth:`trainer_sleep`: the region comes back with its contents."""
+        """Counterpart of :meth:`trainer_sleep`: the region comes back with its contents, and the NCCL
+        groups with new communicators (NCCL creates them lazily, at each group's first collective)."""
         if self._saver is None or not self._trainer_asleep:
             return
-        self._timed("wake", lambda: self._saver.resume(TRAINER_TAG))
+        self._timed("wake", self._restore_trainer)
         self._trainer_asleep = False
+
+    def _restore_trainer(self) -> None:
+        self._saver.resume(TRAINER_TAG)
+        if self.cfg.teardown_nccl:
+            self.metrics["offload/nccl_groups_rebuilt"] = reloadable_groups.rebuild_all()
 
     def _timed(self, what: str, fn) -> None:
         before = self.device_used_gb()

@@ -1,0 +1,204 @@
+"""Process groups whose communicators can be destroyed while the trainer sleeps and rebuilt at wake.
+
+Why: every NCCL communicator holds ~0.41 GB of device memory outside torch's allocator, even for a
+one-rank group (benchmarks/results/nccl_comm_memory_h200.json), and Megatron creates several; a sleeping
+trainer would keep them resident during rollout. Only ``torch.distributed.destroy_process_group`` gives
+that memory back, but Megatron's parallel_state, its DDP buckets, the optimizer and every module's
+``tp_group`` / ``pg_collection`` hold the group *objects*. So each group is a :class:`ReloadableGroup`:
+a ``ProcessGroup`` that forwards to a replaceable inner group. :func:`destroy_all` destroys the inner
+groups, :func:`rebuild_all` re-creates them with the arguments Megatron first gave, and the objects
+everyone holds stay valid.
+
+The patches, and why each exists (the minimum Megatron 0.16.1's code paths need):
+
+* ``torch.distributed.new_group`` (:func:`install`, before ``initialize_model_parallel``): Megatron's
+  ``parallel_state.create_group`` creates every group through it, so this is the one place to hand out
+  wrappers and record the arguments to replay. Every call is recorded, also those that return
+  ``NON_GROUP_MEMBER`` on this rank: torch names groups by a per-process counter, so all ranks must
+  replay the same calls in the same order for the new groups' names (and store prefixes) to agree.
+* torch's group tables (``_world.pg_map``, ``pg_names``, ``pg_group_ranks``, ``pg_backend_config``,
+  ``pg_to_tag``) get an entry for the wrapper mirroring its inner group: ``get_rank(group)``,
+  ``get_process_group_ranks``, ``get_global_rank``, ``get_backend`` and ``destroy_process_group`` look
+  the group up there by object. Mirroring the tables instead of wrapping those functions also covers
+  code that bound them at import (Megatron's ``from torch.distributed import _coalescing_manager``).
+* Collectives need no patch: torch's collective functions call the group's own methods
+  (``group.allreduce``, ``group._allgather_base``, ``group._start_coalescing``, ``group.send`` ...),
+  which the wrapper forwards, and object collectives and barriers read ``group._device_types``, which it
+  forwards too. A collective on a destroyed group raises at once instead of hanging.
+
+Not reloadable: the default (WORLD) group, which exists before :func:`install` and which torch resolves
+``group=None`` to internally (NCCL creates its communicator lazily, only once a CUDA collective runs on
+WORLD, since rlrun's ``init_process_group`` passes no ``device_id``), and groups of other backends (gloo
+control groups stay up while the trainer sleeps).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+_KEPT = {"rank", "size", "shutdown", "abort", "_pybind11_conduit_v1_", "unbox"}
+"""ProcessGroup members the wrapper answers itself: rank and size are fixed for its life and answered
+without a communicator (Megatron asks for sizes while the trainer sleeps); shutdown and abort are
+no-ops because torch shuts the inner group down under its own table entry (destroy_process_group()
+walks every registered group), so forwarding would shut it down twice or fail while it is destroyed."""
+_TABLES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag")
+
+
+class ReloadableGroup(dist.ProcessGroup):
+    """A process group whose inner group (and so its communicator) can be destroyed and re-created,
+    with this object staying the one Megatron and torch's tables know."""
+
+    def __init__(self, inner: dist.ProcessGroup, ranks: list[int]) -> None:
+        super().__init__(inner.rank(), inner.size())
+        self._inner: dist.ProcessGroup | None = None
+        self.ranks = ranks
+        self.attach(inner)
+
+    @property
+    def inner(self) -> dist.ProcessGroup:
+        """The live inner group; raises while it is destroyed (between destroy_all and rebuild_all)."""
+        if self._inner is None:
+            raise RuntimeError(
+                f"process group of ranks {self.ranks} is destroyed (rlrun.runtime.reloadable_groups."
+                f"destroy_all, trainer asleep) and must be rebuilt before it is used because its "
+                f"communicator no longer exists; call reloadable_groups.rebuild_all() (Offloader.trainer_wake)"
+            )
+        return self._inner
+
+    def attach(self, inner: dist.ProcessGroup) -> None:
+        """Make ``inner`` the live group and point torch's tables for this wrapper at its entries."""
+        world = c10d._world
+        for name in _TABLES:
+            table = getattr(world, name)
+            if inner in table:
+                table[self] = table[inner]
+        self._inner = inner
+
+    def detach(self) -> dist.ProcessGroup:
+        """Forget the inner group (the caller destroys it); this wrapper's table entries stay."""
+        inner, self._inner = self.inner, None
+        return inner
+
+    def shutdown(self) -> None:
+        """No-op: see ``_KEPT``."""
+
+    def abort(self) -> None:
+        """No-op: see ``_KEPT``."""
+
+
+def _forward_method(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def _forward_property(name: str) -> property:
+    def get(self):
+        return getattr(self.inner, name)
+
+    def set_(self, value):
+        setattr(self.inner, name, value)
+
+    return property(get, set_)
+
+
+for _name, _member in inspect.getmembers(dist.ProcessGroup):
+    if _name.startswith("__") or _name in _KEPT or isinstance(_member, type):
+        continue
+    if isinstance(inspect.getattr_static(dist.ProcessGroup, _name), property):
+        setattr(ReloadableGroup, _name, _forward_property(_name))
+    elif callable(_member):
+        setattr(ReloadableGroup, _name, _forward_method(_name))
+
+
+@dataclass
+class _Call:
+    """One ``new_group`` call as Megatron made it, and the wrapper it returned (None on a non-member)."""
+
+    arguments: dict
+    group: ReloadableGroup | None
+
+
+@dataclass
+class _Registry:
+    world: dist.ProcessGroup
+    """The default group at install: after destroy_process_group() and a new init this record is stale."""
+    backends: frozenset[str]
+    sync_group: dist.ProcessGroup
+    calls: list[_Call] = field(default_factory=list)
+    destroyed: bool = False
+    """Between destroy_all and rebuild_all; the same on every rank, so both stay collective."""
+
+
+_original_new_group = dist.new_group
+_registry: _Registry | None = None
+
+
+def install(backends: frozenset[str]) -> None:
+    """From now on, groups that ``torch.distributed.new_group`` creates on one of ``backends`` (``None``
+    meaning the default group's) are :class:`ReloadableGroup` s. Call after ``init_process_group`` and
+    before Megatron creates its groups; calling again starts a fresh record (a new world)."""
+    global _registry
+    backends = frozenset(b.lower() for b in backends)
+    _registry = _Registry(dist.GroupMember.WORLD, backends, _original_new_group(backend="gloo"))
+    dist.new_group = _new_group
+
+
+def _active() -> _Registry | None:
+    """The record of the current world, or None (never installed, or installed in a world since destroyed)."""
+    return _registry if _registry is not None and _registry.world is dist.GroupMember.WORLD else None
+
+
+def _new_group(*args, **kwargs):
+    bound = inspect.signature(_original_new_group).bind(*args, **kwargs)
+    group = _original_new_group(*bound.args, **bound.kwargs)
+    registry = _active()
+    backend = bound.arguments.get("backend") or dist.get_backend()
+    if registry is None or str(backend).lower() not in registry.backends:
+        return group
+    wrapper = None
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        wrapper = ReloadableGroup(group, dist.get_process_group_ranks(group))
+    registry.calls.append(_Call(dict(bound.arguments), wrapper))
+    return wrapper if wrapper is not None else group
+
+
+def groups() -> list[ReloadableGroup]:
+    """This rank's reloadable groups, in creation order."""
+    registry = _active()
+    return [call.group for call in (registry.calls if registry else []) if call.group is not None]
+
+
+def destroy_all() -> int:
+    """Destroy every reloadable group's inner group (its communicator and memory); returns how many.
+
+    Collective over all ranks: a gloo barrier first, so no rank tears a group down while a peer may still
+    be about to use it. The caller must have finished (synchronised) its work on these groups."""
+    registry = _active()
+    if registry is None or registry.destroyed:
+        return 0
+    dist.barrier(group=registry.sync_group)
+    for group in groups():
+        dist.destroy_process_group(group.detach())
+    registry.destroyed = True
+    return len(groups())
+
+
+def rebuild_all() -> int:
+    """Re-create the inner groups :func:`destroy_all` destroyed, replaying every recorded ``new_group``
+    call in order on every rank (collective over all ranks); returns how many this rank rebuilt."""
+    registry = _active()
+    if registry is None or not registry.destroyed:
+        return 0
+    for call in registry.calls:
+        inner = _original_new_group(**call.arguments)
+        if call.group is not None:
+            call.group.attach(inner)
+    registry.destroyed = False
+    return len(groups())
