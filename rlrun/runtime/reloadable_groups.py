@@ -160,13 +160,19 @@ def _new_group(*args, **kwargs):
     group = _original_new_group(*bound.args, **bound.kwargs)
     registry = _active()
     backend = bound.arguments.get("backend") or dist.get_backend()
-    if registry is None or str(backend).lower() not in registry.backends:
+    if registry is None or not backend_names(backend) & registry.backends:
         return group
     wrapper = None
     if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         wrapper = ReloadableGroup(group, dist.get_process_group_ranks(group))
     registry.calls.append(_Call(dict(bound.arguments), wrapper))
     return wrapper if wrapper is not None else group
+
+
+def backend_names(backend: str) -> set[str]:
+    """``"nccl"`` -> {nccl}; a backend per device, ``"cpu:gloo,cuda:nccl"`` -> {gloo, nccl}: a group whose
+    backends include a reloadable one is reloadable as a whole."""
+    return {part.rpartition(":")[2].strip().lower() for part in str(backend).split(",")}
 
 
 def groups() -> list[ReloadableGroup]:
