@@ -75,8 +75,9 @@ def train_policy(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, model, o
     local_samples = torch.tensor(sum(mb.num_loss_samples for mb in micro_batches))  # packed rows: not per row
     counts = StepCounts(num_tokens=num_global_tokens, num_samples=int(dp_sum(parallel, local_samples).item()),
                         max_response_len=cfg.rollout.max_new_tokens)
-    out = train_step(model, optimizer, micro_batches, Objective(cfg.algorithm, counts),
-                     num_global_tokens=num_global_tokens, temperature=cfg.rollout.temperature, with_entropy=True)
+    with roles.training_forward(micro_batches):  # MoE routing replay, when configured
+        out = train_step(model, optimizer, micro_batches, Objective(cfg.algorithm, counts),
+                         num_global_tokens=num_global_tokens, temperature=cfg.rollout.temperature, with_entropy=True)
     roles.after_train_step(step)
     metrics = {f"train/{name}": value / num_global_tokens for name, value in out.items()
                if name not in ("loss", "grad_norm")}

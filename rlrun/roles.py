@@ -19,6 +19,7 @@ The old-policy forward is skipped when the training forward can reuse its own lo
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from rlrun.config.schema import AlgorithmConfig
     from rlrun.data.batch import MicroBatch
     from rlrun.megatron.model import MegatronModel
+    from rlrun.megatron.routing_replay import RoutingReplay
 
 
 def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bool:
@@ -47,7 +49,9 @@ def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bo
     not GSPO                         (slime: its sequence ratio needs the full old sequence up front)
     no custom advantage              a user estimator may read ``old_logprobs``
     slime's "no mismatch metrics" and "no routing replay" have no counterpart: rlrun computes mismatch
-    metrics inside the loss, from the same old log-probs either way, and has no MoE routing replay.
+    metrics inside the loss, from the same old log-probs either way; with routing replay the training
+    forward replays the engine's routing (``rollout``: what the old forward would replay too) or routes
+    at the old weights (``trainer``: what the old forward would record), so reuse stays exact.
     """
     return (num_optimizer_steps == 1 and cfg.loss_type == "policy" and cfg.kl.reward_coef == 0
             and not cfg.use_rollout_logprobs and cfg.advantage_estimator not in ("ppo", "gspo")
@@ -58,11 +62,15 @@ class ModelRoles:
     """The role weights of one rank's model and the forward passes that fill micro-batch log-probs."""
 
     def __init__(self, cfg: AlgorithmConfig, model: MegatronModel, backup: WeightBackup | None) -> None:
+        from rlrun.megatron.routing_replay import RoutingReplay
+
         self.cfg = cfg
         self.model = model
         self.backup = backup
         """None when no role other than the actor exists (nothing is ever swapped)."""
         self.reuse_logprobs = can_reuse_logprobs(cfg)
+        self.routing: RoutingReplay | None = RoutingReplay.create(model, cfg.routing_replay)
+        """MoE routing replay around the forwards (``algorithm.routing_replay``); None when off."""
 
     @classmethod
     def create(cls, cfg: AlgorithmConfig, model: MegatronModel) -> ModelRoles:
@@ -101,6 +109,12 @@ class ModelRoles:
             self._fill(micro_batches, field, temperature)
         self.backup.restore("actor")
 
+    def training_forward(self, micro_batches: list[MicroBatch]) -> contextlib.AbstractContextManager:
+        """Wrap the training step: it replays the routing the config asks for (nothing when off)."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        return self.routing.training_forward(micro_batches)
+
     def on_actor_loaded(self) -> None:
         """Call after the actor's weights were replaced outside training (checkpoint restore): the old
         actor must be the weights the engine gets next, not the ones the model was built with."""
@@ -120,7 +134,8 @@ class ModelRoles:
     def _fill(self, micro_batches: list[MicroBatch], field: str, temperature: float) -> None:
         from rlrun.megatron import compute_logprobs
 
-        with torch.no_grad():
+        routing = contextlib.nullcontext() if self.routing is None else self.routing.role_forward(field, micro_batches)
+        with torch.no_grad(), routing:
             for mb in micro_batches:
                 logprobs = compute_logprobs(self.model, mb.tokens, mb.position_ids, temperature)
                 setattr(mb, field, logprobs.float().cpu())

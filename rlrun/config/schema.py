@@ -340,6 +340,10 @@ class AlgorithmConfig(Section):
     rollout_data_postprocess: str | None = None
     """``fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None`` called on every
     rank after advantages are computed and before training; may edit the micro-batches in place."""
+    routing_replay: Literal["none", "trainer", "rollout"] = "none"
+    """MoE models only (rlrun/megatron/routing_replay.py): ``trainer`` (R2) records the old-policy forward's
+    expert choices and replays them in the training forward; ``rollout`` (R3) replays the engine's choices
+    in every forward of the step (the engine records them; SGLang needs ``enable_return_routed_experts``)."""
     kl: KLConfig = KLConfig()
     ref: RefConfig = RefConfig()
     tis: TISConfig = TISConfig()

@@ -18,8 +18,10 @@ backward never re-runs a router (``REPLAY_BACKWARD`` is not needed).
 
 Token layout the router sees (``TopKRouter.routing``: ``logits.view(-1, experts)``): the decoder input
 flattened sequence-major, i.e. ``[S, B]`` for plain rows and the rows' concatenation for packed ones
-(thd ``[T, 1]``); with sequence parallelism each TP rank holds a contiguous ``1/tp`` of it. Layers:
-each pipeline stage's routers take their own MoE layers' slice of the engine's ``[.., moe_layers, topk]``.
+(thd ``[T, 1]``); every rank of a pipeline stage sees all of its micro-batch's tokens, because MoE models
+run at TP 1 (``rlrun.megatron.moe.moe_config_kwargs``: no sequence parallelism to split them) and expert
+parallelism dispatches tokens only after routing. Layers: each pipeline stage's routers take their own
+MoE layers' slice of the engine's ``[.., moe_layers, topk]``.
 """
 
 from __future__ import annotations
@@ -107,8 +109,6 @@ class RoutingReplay:
     def engine_targets(self, mb: MicroBatch) -> list[torch.Tensor]:
         """Per router of this stage, ``[tokens, topk]`` int64 ids from ``mb.routed_experts`` in the token
         order this rank's router sees (module docstring)."""
-        from megatron.core import parallel_state as mpu
-
         from rlrun.megatron.attention import packed_seq_params
 
         if mb.routed_experts is None:
@@ -119,9 +119,6 @@ class RoutingReplay:
         if packed_seq_params(mb.position_ids, torch.device("cpu")) is None:
             experts = experts.transpose(0, 1)  # sbhd: the router sees [S, B]
         flat = experts.reshape(-1, *experts.shape[2:])
-        if self.model.module.config.sequence_parallel:
-            tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
-            flat = flat.chunk(tp)[rank]
         device = self.model.parallel.device
         return [flat[:, layer].to(device=device, dtype=torch.long) for layer in self.moe_layers]
 
