@@ -108,13 +108,19 @@ def _forward_property(name: str) -> property:
     return property(get, set_)
 
 
-for _name, _member in inspect.getmembers(dist.ProcessGroup):
-    if _name.startswith("__") or _name in _KEPT or isinstance(_member, type):
-        continue
-    if isinstance(inspect.getattr_static(dist.ProcessGroup, _name), property):
-        setattr(ReloadableGroup, _name, _forward_property(_name))
-    elif callable(_member):
-        setattr(ReloadableGroup, _name, _forward_method(_name))
+def _add_forwarders() -> None:
+    """Forward every method and property of the installed torch's ProcessGroup but ``_KEPT`` to the inner
+    group: generated from the class itself, so a torch release adding a collective needs no edit here."""
+    for name, member in inspect.getmembers(dist.ProcessGroup):
+        if name.startswith("__") or name in _KEPT or name in vars(ReloadableGroup) or isinstance(member, type):
+            continue  # vars(ReloadableGroup): its own members (inner, attach, detach) stay its own
+        if isinstance(inspect.getattr_static(dist.ProcessGroup, name), property):
+            setattr(ReloadableGroup, name, _forward_property(name))
+        elif callable(member):
+            setattr(ReloadableGroup, name, _forward_method(name))
+
+
+_add_forwarders()
 
 
 @dataclass
