@@ -67,7 +67,7 @@ class DecodeBatch:
     """[B, stop_width] token ids that end each row, padded with -1."""
     sampling: SamplingTensors
     routed_experts: torch.Tensor | None = None
-    """[B, max_len, layers, topk] int32: the experts of the token each decode step forwarded (column
+    """[B, max_len, layers, topk] (uint8 or int32, ``RouterRecorder.dtype``): the experts of the token each decode step forwarded (column
     ``step - 1``), written by the engine's router hooks (MoE models only; ``routing_record``)."""
 
     @classmethod

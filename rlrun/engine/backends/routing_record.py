@@ -32,9 +32,12 @@ ROUTER_SUFFIX = "TopKRouter"
 class RouterRecorder:
     """Hooks on every router of one HF model, writing their top-k ids where :meth:`writing` says."""
 
-    def __init__(self, routers: list[torch.nn.Module], top_k: int) -> None:
+    def __init__(self, routers: list[torch.nn.Module], top_k: int, num_experts: int) -> None:
         self.num_layers = len(routers)
         self.top_k = top_k
+        self.dtype = torch.uint8 if num_experts <= 256 else torch.int32
+        """Buffer dtype: one byte per id when it fits (Qwen3-30B-A3B, 128 experts: a 64-row x 8k-token
+        decode buffer of 48 layers x top-8 is 200 MB instead of 800 MB); encoded as int32 regardless."""
         self._sink: tuple[torch.Tensor, torch.Tensor | None] | None = None
         for layer, router in enumerate(routers):
             router.register_forward_hook(self._hook(layer))
@@ -45,7 +48,7 @@ class RouterRecorder:
         routers = [m for m in model.modules() if type(m).__name__.endswith(ROUTER_SUFFIX)]
         if not routers:
             return None
-        return cls(routers, int(routers[0].top_k))
+        return cls(routers, int(routers[0].top_k), int(routers[0].weight.shape[0]))
 
     def _hook(self, layer: int):
         def write(_module, _args, output) -> None:
@@ -60,10 +63,10 @@ class RouterRecorder:
         return write
 
     def prefill_buffer(self, num_tokens: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=torch.int32, device=device)
+        return torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=self.dtype, device=device)
 
     def decode_buffer(self, num_rows: int, max_len: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(num_rows, max_len, self.num_layers, self.top_k, dtype=torch.int32, device=device)
+        return torch.zeros(num_rows, max_len, self.num_layers, self.top_k, dtype=self.dtype, device=device)
 
     @contextlib.contextmanager
     def writing(self, buffer: torch.Tensor, step: torch.Tensor | None = None) -> Iterator[None]:
