@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from rlrun.config.schema import AlgorithmConfig
     from rlrun.data.batch import MicroBatch
     from rlrun.megatron.model import MegatronModel
-    from rlrun.megatron.routing_replay import RoutingReplay
 
 
 def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bool:
