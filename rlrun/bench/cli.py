@@ -1,4 +1,4 @@
-"""``rlrun bench rollout``, ``rlrun bench sync`` and ``rlrun bench train``: run a benchmark, print its JSON, optionally save it.
+"""``rlrun bench rollout``, ``sync``, ``train`` and ``step``: run a benchmark, print its JSON, optionally save it.
 
 The JSON records the command line and the UTC date next to the figures, so a committed result says
 how it was produced. torch and the benchmark modules are imported only when a command runs.
@@ -94,3 +94,20 @@ def train(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3
     layouts = [name.strip() for name in layout.split(",") if name.strip()]
     _emit("train", bench_train(shape, layouts, sample_len, samples_per_micro_batch, micro_batches, steps,
                                peak_tflops, profile), out)
+
+
+@bench_app.command("step")
+def step(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-0.6b",
+         backend: Annotated[str, typer.Option(help="Engine backend: embedded or sglang.")] = "embedded",
+         prompts: int = 16, samples: Annotated[int, typer.Option(help="Responses per prompt (GRPO group).")] = 8,
+         prompt_len: int = 128, new_tokens: Annotated[int, typer.Option(help="Every response's length (EOS ignored).")] = 512,
+         steps: int = 5, micro_batch_samples: int = 32, lr: float = 1e-6, seed: int = 0,
+         work: Annotated[Path, typer.Option(help="Model, prompts (shared across runs) and each backend's run directory.")] = Path("runs/bench_step"),
+         timeout_s: float = 1800.0, out: OutFile = None) -> None:
+    """Seconds per GRPO step of ``rlrun train`` (1 rank, colocated, offload on), split by phase, tokens/s, memory."""
+    from rlrun.bench.step import StepSettings, bench_step
+
+    settings = StepSettings(shape=shape, backend=backend, prompts=prompts, samples=samples, prompt_len=prompt_len,
+                            new_tokens=new_tokens, steps=steps, micro_batch_samples=micro_batch_samples, lr=lr,
+                            seed=seed)
+    _emit("step", [bench_step(settings, work, timeout_s)], out)

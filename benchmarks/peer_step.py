@@ -1,0 +1,127 @@
+"""rlrun (each engine backend) vs TRL's GRPOTrainer, seconds per GRPO step, in one invocation (issue 10).
+
+Runs, one after another on the same device and the same inputs (one model directory and prompt file in
+``--work/inputs``, written by the first run): ``rlrun bench step --backend B`` for every backend, then
+benchmarks/trl_grpo.py. Each run is its own process, so none sees another's memory. Writes one JSON with
+every result, the ratios (TRL median seconds per step / rlrun's: how many times faster rlrun is) and
+the issue's goals, and prints a table. A run that fails is recorded with its output's tail; the others
+still run.
+
+    python benchmarks/peer_step.py --shape qwen3-0.6b --steps 5 --backends embedded,sglang \\
+        --work /tmp/peer_step --out benchmarks/results/peer_step_qwen3-0.6b_h200.json
+
+``--trl-python``: the interpreter that has trl (default: this one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trl_grpo import add_settings_args, settings_from  # noqa: E402
+
+from rlrun.bench.step import StepSettings  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GOALS = {"sglang": 4.0, "embedded": 2.5}
+"""Issue 10: rlrun at least this many times faster than TRL per step."""
+
+
+def settings_flags(settings: StepSettings) -> list[str]:
+    """The settings as the ``--flag value`` pairs both ``rlrun bench step`` and trl_grpo.py take."""
+    return [arg for field in dataclasses.fields(StepSettings) if field.name != "backend"
+            for arg in ("--" + field.name.replace("_", "-"), str(getattr(settings, field.name)))]
+
+
+def run_json(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict:
+    """Run ``cmd`` (which writes its JSON to ``out``); its output goes to ``out`` with ``.log``."""
+    log = out.with_suffix(".log")
+    with log.open("w") as sink:
+        try:
+            code = subprocess.run(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0 or not out.exists():
+        return {"name": name, "command": " ".join(cmd), "error": f"exit {code}", "log_tail": log.read_text()[-3000:]}
+    return json.loads(out.read_text())
+
+
+def median_step_s(result: dict) -> float | None:
+    """The median seconds per step of a ``bench step`` record or a trl_grpo.py record."""
+    if "error" in result:
+        return None
+    body = result["results"][0] if "results" in result else result
+    return body["median_step_s"]
+
+
+def compare(results: dict[str, dict]) -> dict[str, dict]:
+    """Per backend: TRL s/step over rlrun s/step, and whether it meets the issue's goal (empty until TRL ran)."""
+    trl = median_step_s(results["trl"]) if "trl" in results else None
+    out = {}
+    for backend, result in results.items():
+        mine = median_step_s(result)
+        if backend == "trl" or mine is None or trl is None:
+            continue
+        speedup = trl / mine
+        out[backend] = {"rlrun_s_per_step": mine, "trl_s_per_step": trl, "speedup_vs_trl": speedup,
+                        "goal": GOALS.get(backend), "meets_goal": speedup >= GOALS.get(backend, 0.0)}
+    return out
+
+
+def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, dict]) -> str:
+    lines = [f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
+             f"{settings.new_tokens}-token responses, {settings.steps} steps (median after the first)",
+             "| run | s/step | output tok/s | x faster than TRL (goal) |", "|---|---|---|---|"]
+    for name, result in results.items():
+        if "error" in result:
+            lines.append(f"| {name} | failed: {result['error']} | | |")
+            continue
+        body = result["results"][0] if "results" in result else result
+        ratio = ratios.get(name)
+        vs = f"{ratio['speedup_vs_trl']:.2f} ({ratio['goal']})" if ratio else ""
+        lines.append(f"| {name} | {body['median_step_s']:.2f} | {body['median_tokens_per_s']:.0f} | {vs} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_settings_args(parser)
+    parser.add_argument("--backends", default="embedded,sglang")
+    parser.add_argument("--trl-python", default=sys.executable)
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL only (rlrun does not recompute).")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="Per run.")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    settings = settings_from(args, "trl")
+    args.work.mkdir(parents=True, exist_ok=True)
+    flags = settings_flags(settings) + ["--work", str(args.work)]
+    runs = {}
+    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        runs[backend] = [sys.executable, "-m", "rlrun", "bench", "step", "--backend", backend, *flags,
+                         "--out", str(args.work / f"rlrun_{backend}.json"), "--timeout-s", str(args.timeout_s)]
+    runs["trl"] = [args.trl_python, str(REPO / "benchmarks" / "trl_grpo.py"), *flags, "--out", str(args.work / "trl.json")]
+    runs["trl"] += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
+    results: dict[str, dict] = {}
+    for name, cmd in runs.items():
+        results[name] = run_json(name, cmd, Path(cmd[cmd.index("--out") + 1]), args.timeout_s + 60)
+        write_record(args.out, settings, results)  # after every run: a later timeout keeps what finished
+    print(table(settings, results, compare(results)))
+
+
+def write_record(path: Path, settings: StepSettings, results: dict[str, dict]) -> None:
+    record = {"benchmark": "peer_step", "command": "python " + " ".join(sys.argv),
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "backend"},
+              "ratios": compare(results), "results": results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

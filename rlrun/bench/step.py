@@ -1,0 +1,286 @@
+"""``rlrun bench step``: seconds per GRPO step through the real loop, split by phase, on one device.
+
+Each run is ``rlrun train`` under torchrun (one rank, trainer and engine colocated, offload on) on a
+random-init model of a published shape, so the figures are the loop's own: ``time/<phase>_s`` and
+``memory/*`` from ``metrics.jsonl`` (rlrun/loop.py), not a re-timing. The inputs are built once per
+work directory and shared by every backend and by the TRL comparison (benchmarks/trl_grpo.py):
+
+* the model: ``rlrun.bench.shapes.write_random_model`` plus a WordLevel tokenizer over the whole
+  vocabulary (token ``i`` is the word ``w<i>``; 0 is ``<pad>``, 1 is ``<eos>``, as the model's config says),
+  so any sampled id decodes and a prompt of ``k`` words is exactly ``k`` tokens without a chat template;
+* ``prompts.jsonl``: ``prompts`` rows of ``prompt_len`` random words (every step draws all of them).
+
+Responses are forced to ``new_tokens`` tokens: the rollout runs through ``fixed_length_generate``
+(``rollout.generate_fn``), which asks the engine for ``ignore_eos`` because the run config has no key
+for it; the engine contract carries it to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
+The reward (``even_token_reward``) has spread within a group so GRPO's advantages are not all zero.
+
+Per step: the phases' seconds, output tokens (prompts x samples x new_tokens when the length held),
+output tokens/s over the whole step and over the rollout, and memory (device-wide GB at each phase
+mark, the trainer's peak allocation). Medians leave out the first ``warmup_steps`` (engine start-up
+effects, CUDA graph capture, allocator growth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from rlrun.bench.engines import SGLANG_SERVER_ARGS
+from rlrun.bench.shapes import get_shape
+
+TORCHRUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                "OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+WARMUP_STEPS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What one ``bench step`` run does; the TRL script takes the same numbers (benchmarks/trl_grpo.py)."""
+
+    shape: str = "qwen3-0.6b"
+    backend: str = "embedded"
+    prompts: int = 16
+    samples: int = 8
+    prompt_len: int = 128
+    new_tokens: int = 512
+    steps: int = 5
+    micro_batch_samples: int = 32
+    """Samples per training micro-batch (the token budget is this many full samples)."""
+    lr: float = 1e-6
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One step as the loop logged it."""
+
+    step: int
+    step_s: float
+    phases_s: dict[str, float]
+    """``time/<phase>_s`` of the step; they add up to ``step_s`` (the loop's PhaseTimer sums them)."""
+    output_tokens: int
+    tokens_per_s: float
+    """Output tokens / step seconds."""
+    rollout_tokens_per_s: float
+    """Output tokens / rollout seconds."""
+    peak_device_gb: float
+    """Largest ``memory/<phase>/device_gb`` of the step (whole device, engine included; 0 on CPU)."""
+    trainer_max_allocated_gb: float
+    """torch.cuda.max_memory_allocated of the trainer process over the step (0 on CPU)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One backend's ``bench step`` run: settings, every step, medians after warm-up, environment."""
+
+    settings: StepSettings
+    hardware: str
+    dtype: str
+    versions: dict[str, str]
+    fixed_length: bool
+    """Every response of every step had exactly ``new_tokens`` tokens."""
+    warmup_steps: int
+    median_step_s: float
+    median_phases_s: dict[str, float]
+    median_tokens_per_s: float
+    peak_device_gb: float
+    trainer_max_allocated_gb: float
+    steps: list[StepRecord]
+    run_dir: str
+
+
+def even_fraction(ids: list[int]) -> float:
+    """Fraction of even token ids: a reward a random model scores with spread within every group."""
+    return sum(1 for i in ids if i % 2 == 0) / max(len(ids), 1)
+
+
+def even_token_reward(sample) -> float:
+    """``rollout.reward`` of the benchmark runs."""
+    return even_fraction(sample.response_ids)
+
+
+async def fixed_length_generate(traj) -> None:
+    """``rollout.generate_fn`` of the benchmark runs: one turn that ignores EOS, so every response is
+    ``rollout.max_new_tokens`` long on every backend."""
+    traj.sampling = {**traj.sampling, "ignore_eos": True}
+    await traj.generate()
+
+
+def write_word_tokenizer(out_dir: Path, vocab: int) -> None:
+    """A WordLevel tokenizer over ``vocab`` ids saved to ``out_dir`` (module docstring)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<pad>",
+                            unk_token="<pad>").save_pretrained(out_dir)
+
+
+def prompt_rows(settings: StepSettings, vocab: int) -> list[dict[str, str]]:
+    """``settings.prompts`` prompts of ``settings.prompt_len`` random words, seeded."""
+    import random
+
+    rng = random.Random(settings.seed)
+    return [{"prompt": " ".join(f"w{rng.randrange(2, vocab)}" for _ in range(settings.prompt_len))}
+            for _ in range(settings.prompts)]
+
+
+def _write_inputs(settings: StepSettings, inputs_dir: Path, dtype: str, device: str) -> None:
+    import torch
+
+    from rlrun.bench.shapes import write_random_model
+
+    spec = get_shape(settings.shape)
+    torch.manual_seed(settings.seed)
+    write_random_model(spec, inputs_dir / "model", getattr(torch, dtype), device)
+    write_word_tokenizer(inputs_dir / "model", spec.vocab)
+    rows = prompt_rows(settings, spec.vocab)
+    (inputs_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def prepare_inputs(settings: StepSettings, work_dir: Path, dtype: str, device: str) -> Path:
+    """``work_dir/inputs`` with ``model/`` and ``prompts.jsonl`` for these settings, written unless an
+    earlier run left the same ones. Written in a child process, so this process never holds GPU memory."""
+    inputs_dir = work_dir / "inputs"
+    key = {"shape": settings.shape, "prompts": settings.prompts, "prompt_len": settings.prompt_len,
+           "seed": settings.seed, "dtype": dtype}
+    marker = inputs_dir / "inputs.json"
+    if marker.exists() and json.loads(marker.read_text()) == key:
+        return inputs_dir
+    inputs_dir.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    child = multiprocessing.get_context("spawn").Process(target=_write_inputs, args=(settings, inputs_dir, dtype, device))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"writing the benchmark inputs into {inputs_dir} failed (exit {child.exitcode})")
+    marker.write_text(json.dumps(key))
+    return inputs_dir
+
+
+def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: str) -> dict:
+    """The ``rlrun train`` config of one run (written next to its metrics as ``bench_step.yaml``)."""
+    engine: dict = {"backend": settings.backend, "startup_timeout_s": 600}
+    if settings.backend == "sglang":
+        engine["sglang_server_args"] = dict(SGLANG_SERVER_ARGS)
+    sample_len = settings.prompt_len + settings.new_tokens
+    return {
+        "model": {"path": str(inputs_dir / "model"), "dtype": dtype},
+        "data": {"path": str(inputs_dir / "prompts.jsonl"), "prompt_key": "prompt", "label_key": None,
+                 "apply_chat_template": False, "shuffle": True},
+        "rollout": {"prompts_per_step": settings.prompts, "samples_per_prompt": settings.samples,
+                    "max_new_tokens": settings.new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                    "reward": f"{__name__}:even_token_reward", "generate_fn": f"{__name__}:fixed_length_generate"},
+        "engine": engine,
+        "offload": {"train": True, "rollout": True},
+        "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2,
+                      "skip_tied_groups": False},
+        "optimizer": {"lr": settings.lr, "clip_grad": 1.0},
+        "train": {"num_steps": settings.steps, "seed": settings.seed,
+                  "max_tokens_per_micro_batch": settings.micro_batch_samples * sample_len},
+        "checkpoint": {"save_interval": 0, "resume": "none"},
+        "logging": {"run_dir": str(run_dir), "console": True},
+    }
+
+
+def launch(config_path: Path, run_dir: Path, timeout_s: float) -> None:
+    """``torchrun --nproc-per-node 1 -m rlrun train CONFIG``, output in ``run_dir/torchrun.log``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "-m", "rlrun", "train", str(config_path)]
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, **TORCHRUN_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    log = run_dir / "torchrun.log"
+    with log.open("w") as sink:
+        try:
+            code = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0:
+        raise RuntimeError(f"rlrun train ({config_path}) must exit 0 but ended with {code}; its output "
+                           f"({log}) ends with:\n{log.read_text()[-3000:]}")
+
+
+def step_record(row: dict, settings: StepSettings) -> StepRecord:
+    """One metrics.jsonl row as a :class:`StepRecord`."""
+    phases = {key[len("time/"):-len("_s")]: value for key, value in row.items()
+              if key.startswith("time/") and key.endswith("_s") and key != "time/step_s"}
+    tokens = round(row["rollout/response_len_mean"] * settings.prompts * settings.samples)
+    device_gb = [v for k, v in row.items() if k.startswith("memory/") and k.endswith("/device_gb")]
+    return StepRecord(step=row["step"], step_s=row["time/step_s"], phases_s=phases, output_tokens=tokens,
+                      tokens_per_s=tokens / row["time/step_s"], rollout_tokens_per_s=tokens / phases["rollout"],
+                      peak_device_gb=max(device_gb, default=0.0),
+                      trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0))
+
+
+def summarise(rows: list[dict], settings: StepSettings, hardware: str, dtype: str, run_dir: Path) -> StepResult:
+    """Per-step records and medians over the steps after ``WARMUP_STEPS`` (all steps if there are no more)."""
+    if len(rows) != settings.steps:
+        raise RuntimeError(f"metrics.jsonl in {run_dir} has {len(rows)} steps but the run was set to "
+                           f"{settings.steps}; see {run_dir / 'torchrun.log'}")
+    records = [step_record(row, settings) for row in rows]
+    warmup = WARMUP_STEPS if len(records) > WARMUP_STEPS else 0
+    timed = records[warmup:]
+    phases = sorted({p for r in timed for p in r.phases_s})
+    expected = settings.prompts * settings.samples * settings.new_tokens
+    return StepResult(
+        settings=settings, hardware=hardware, dtype=dtype, versions=versions(settings.backend),
+        fixed_length=all(r.output_tokens == expected for r in records), warmup_steps=warmup,
+        median_step_s=statistics.median(r.step_s for r in timed),
+        median_phases_s={p: statistics.median(r.phases_s.get(p, 0.0) for r in timed) for p in phases},
+        median_tokens_per_s=statistics.median(r.tokens_per_s for r in timed),
+        peak_device_gb=max(r.peak_device_gb for r in records),
+        trainer_max_allocated_gb=max(r.trainer_max_allocated_gb for r in records),
+        steps=records, run_dir=str(run_dir))
+
+
+def versions(backend: str) -> dict[str, str]:
+    """Installed versions of what the run's figures depend on."""
+    names = ["torch", "transformers", "megatron-core"] + (["sglang"] if backend == "sglang" else [])
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def device_name() -> str:
+    """The GPU's name (``cpu`` without one); asked only after the run, so no CUDA context is held during it."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def bench_step(settings: StepSettings, work_dir: Path, timeout_s: float = 1800.0) -> StepResult:
+    """Run ``settings.steps`` GRPO steps with ``settings.backend`` and summarise the loop's metrics."""
+    import torch
+
+    from rlrun.config import load_config
+
+    if settings.steps < 1:
+        raise ValueError(f"steps ({settings.steps}) must be >= 1 because a result needs a step; set --steps")
+    on_gpu = torch.cuda.is_available()
+    dtype = "bfloat16" if on_gpu else "float32"
+    inputs_dir = prepare_inputs(settings, work_dir, dtype, "cuda" if on_gpu else "cpu")
+    run_dir = work_dir / settings.backend
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    config_path = run_dir / "bench_step.yaml"
+    config_path.write_text(yaml.safe_dump(run_config(settings, inputs_dir, run_dir, dtype), sort_keys=False))
+    load_config(config_path)  # a bad setting fails here, before torchrun starts
+    launch(config_path, run_dir, timeout_s)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return summarise(rows, settings, device_name(), dtype, run_dir)
