@@ -8,7 +8,9 @@ Adam settings and batch (``prompts x samples`` completions per optimizer step, m
 ``micro_batch_samples``), the same reward (``even_fraction`` of the completion ids), GRPO without a
 reference model (beta 0), token-level loss (``dapo``, rlrun's ``loss_aggregation: token``).
 Gradient checkpointing is off unless ``--gradient-checkpointing`` (TRL's default is on; rlrun does not
-recompute), so both sides do the same FLOPs.
+recompute), so both sides do the same FLOPs. On GPU the model loads in bf16 and TRL trains those weights
+directly, as TRL's recipes do; rlrun's Megatron optimizer keeps fp32 main weights (more memory, the same
+matmuls).
 
 Timing: a step is the optimizer step as the trainer's callbacks see it (``on_step_begin`` ..
 ``on_step_end``, CUDA synchronised); ``generate`` is ``_generate_single_turn`` (transformers generate),

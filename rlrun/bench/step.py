@@ -40,6 +40,8 @@ from rlrun.bench.shapes import get_shape
 
 TORCHRUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                 "OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+"""Defaults for the training processes; the caller's environment overrides them. NVLink multicast off
+(the device notes say why), a few OpenMP threads per rank."""
 WARMUP_STEPS = 1
 
 
@@ -200,7 +202,8 @@ def launch(config_path: Path, run_dir: Path, timeout_s: float) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            "-m", "rlrun", "train", str(config_path)]
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, **TORCHRUN_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    env = {**TORCHRUN_ENV, **os.environ,  # what the caller set wins (OMP_NUM_THREADS=1 on a shared CPU)
+           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     log = run_dir / "torchrun.log"
     with log.open("w") as sink:
         try:
