@@ -138,16 +138,6 @@ def payload_globals(payload: bytes) -> list[tuple[str, str]]:
     return found
 
 
-def check_payload_globals(payload: bytes) -> None:
-    """Refuse a payload that SGLang's unpickler would refuse, before it reaches SGLang: there the
-    refusal is raised inside the scheduler, which takes the whole engine down."""
-    for module, name in payload_globals(payload):
-        if (module, name) not in SGLANG_ALLOWED_GLOBALS and (module, name) != ("torch.storage", "_load_from_bytes"):
-            raise ValueError(f"payload global {module}.{name} must be on SGLang's unpickling allowlist because "
-                             "SGLang's scheduler dies on 'Blocked unsafe global'; build payloads with "
-                             "rlrun.engine.payload.serialize_flattened_bucket")
-
-
 def serialize_flattened_bucket(named_tensors: NamedTensors) -> bytes:
     """Pack ``(hf_name, full_tensor)`` pairs into one flattened-bucket payload (mixed dtypes ok).
 

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlrun.engine.backends.sglang import sglang_sampling_params, to_gen_result
+from rlrun.engine.backends.sglang import check_payload, sglang_sampling_params, to_gen_result
 from rlrun.engine.payload import (
     SGLANG_ALLOWED_GLOBALS,
     _SafeUnpickler,
-    check_payload_globals,
     payload_globals,
     serialize_flattened_bucket,
 )
@@ -68,7 +67,7 @@ def test_payload_globals_are_read_without_unpickling():
     found = payload_globals(payload)
     Recording(io.BytesIO(payload)).load()  # the real unpickling, as the reference
     assert found == seen
-    check_payload_globals(payload)
+    check_payload(payload, _SafeUnpickler)
 
 
 @dataclasses.dataclass
@@ -85,10 +84,10 @@ class Gadget:
 def test_payloads_sglang_would_refuse_are_refused_before_sending(foreign, named):
     buf = io.BytesIO()
     ForkingPickler(buf).dump({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [foreign]})
-    with pytest.raises(ValueError, match=rf"payload global .*{named} must be on SGLang's unpickling allowlist"):
-        check_payload_globals(buf.getvalue())
+    with pytest.raises(ValueError, match=rf"payload global .*{named} must be on the installed SGLang's unpickling"):
+        check_payload(buf.getvalue(), _SafeUnpickler)  # 0.5.23's allowlist, as rlrun mirrors it
     with pytest.raises(ValueError):
-        check_payload_globals(pickle.dumps([foreign], protocol=2))  # GLOBAL opcodes (protocol < 4) too
+        check_payload(pickle.dumps([foreign], protocol=2), _SafeUnpickler)  # GLOBAL opcodes (protocol < 4) too
 
 
 def test_allowlist_matches_the_fakes_verbatim_copy_of_sglangs():
