@@ -5,6 +5,10 @@
 #
 #   bash scripts/gpu/trl_peer.sh qwen3-0.6b [STEPS] [BACKENDS]     # -> $OUT/peer_step_<shape>.json + logs
 #
+# PEER_ARGS adds peer_step.py flags (e.g. "--prompts 2 --new-tokens 6" for a dry run on CPU against the
+# sglang fake: SGL_VENV pointing at a folder whose env.sh activates a Python with trl and puts
+# tests/fakes on PYTHONPATH).
+#
 # The sglang venv's Python runs everything (rlrun's extras from /tmp/rlrun_site, TRL from /tmp/trl_site,
 # both after the venv's own packages). The whole script stays under the 600 s a call may take, so the
 # logs always come back; peer_step.py rewrites its JSON after every run, so a run cut short keeps the others.
@@ -13,14 +17,15 @@ SHAPE=${1:?usage: trl_peer.sh SHAPE [STEPS] [BACKENDS]}
 STEPS=${2:-4}
 BACKENDS=${3:-embedded,sglang}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-[ -f /root/sgl/env.sh ] || { echo "no /root/sgl/env.sh: run sglang_device.sh install first (machine cold?)"; exit 1; }
-. /root/sgl/env.sh
-export PYTHONPATH=$PWD:/tmp/rlrun_site:/tmp/trl_site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+VENV=${SGL_VENV:-/root/sgl}
+[ -f $VENV/env.sh ] || { echo "no $VENV/env.sh: run sglang_device.sh install first (machine cold?)"; exit 1; }
+. $VENV/env.sh
+export PYTHONPATH=$PWD:/tmp/rlrun_site${PYTHONPATH:+:$PYTHONPATH}:/tmp/trl_site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 WORK=/tmp/peer_$SHAPE
-nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
 timeout 560 python benchmarks/peer_step.py --shape "$SHAPE" --steps "$STEPS" --backends "$BACKENDS" \
-  --work "$WORK" --timeout-s 240 --out "$OUT/peer_step_$SHAPE.json"; rc=$?
+  --work "$WORK" --timeout-s 240 --out "$OUT/peer_step_$SHAPE.json" ${PEER_ARGS:-}; rc=$?
 for log in "$WORK"/rlrun_*.log "$WORK"/trl.log; do [ -f "$log" ] && tail -c 20000 "$log" > "$OUT/$(basename "$log")"; done
 tail -n 40 "$WORK"/sglang/engine-*.log > "$OUT/sglang_engine_tail.log" 2>/dev/null
 echo "peer_step rc=$rc"
