@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face models built from real configs (Llama, Qwen2, Qwen3, Qwen3-MoE), saved as real
-HF directories (config.json + safetensors + tokenizer with a ChatML template), for tests.
+"""Tiny random Hugging Face models built from real configs (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE),
+saved as real HF directories (config.json + safetensors + tokenizer with a ChatML template), for tests.
 
 Every parameter is perturbed (biases and norm weights included) so a wrong mapping cannot hide
 behind zeros or ones.
@@ -39,7 +39,7 @@ def make_tokenizer():
 
 def tiny_config(kind: str, vocab_size: int = 264, tie: bool = False):
     """A 2-layer config of the given family with GQA (4 query heads, 2 KV heads)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -67,7 +67,12 @@ def tiny_config(kind: str, vocab_size: int = 264, tie: bool = False):
         return Qwen3MoeConfig(rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=16, num_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                               router_aux_loss_coef=0.01, **common)
-    raise ValueError(f"unknown tiny model kind {kind!r}; expected llama, qwen2, qwen3 or qwen3_moe")
+    if kind == "qwen2_moe":
+        # QKV bias, 4 experts top-2 and a gated shared expert every token goes through.
+        return Qwen2MoeConfig(rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                              router_aux_loss_coef=0.01, **common)
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected llama, qwen2, qwen3, qwen3_moe or qwen2_moe")
 
 
 def make_tiny_model(kind: str, out_dir: str | Path, *, tie: bool = False, seed: int = 0,

@@ -16,11 +16,29 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
+class MoEConfig(Section):
+    """Routing and load balancing of mixture-of-experts models (Megatron's ``moe_*`` options; ignored for
+    dense models). The fields are ``rlrun.megatron.moe.MoEOptions``'s."""
+
+    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    """Megatron's ``moe_router_load_balancing_type``: the auxiliary loss over each micro-batch's tokens
+    (``aux_loss``), per sequence (``seq_aux_loss``), over the global batch (``global_aux_loss``), or none."""
+    aux_loss_coeff: float | None = Field(None, ge=0)
+    """Weight of the load-balancing loss; None: the checkpoint's ``router_aux_loss_coef``."""
+    z_loss_coeff: float | None = Field(None, ge=0)
+    """Weight of the router z-loss (mean squared logsumexp of the router logits); None: off."""
+    token_dispatcher: Literal["auto", "alltoall", "allgather"] = "auto"
+    """How tokens reach their experts' EP ranks. ``auto``: ``alltoall`` on CUDA, ``allgather`` on CPU
+    (Megatron's all-to-all dispatcher needs CUDA streams)."""
+
+
 class ModelConfig(Section):
     path: str = ".cache/models/SmolLM2-135M-Instruct"
     """Hugging Face model directory (config.json + safetensors + tokenizer files)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trainer. float32 on CPU; bfloat16 on GPU."""
+    moe: MoEConfig = MoEConfig()
+    """Mixture-of-experts options (Qwen3-MoE, Qwen2-MoE)."""
 
 
 class ParallelConfig(Section):
@@ -30,6 +48,16 @@ class ParallelConfig(Section):
     pp: int = Field(1, ge=1)
     """Megatron pipeline-parallel size (1F1B schedule). It must divide the model's layers, and ``tp * pp``
     the number of processes (checked when the model is built and at start-up)."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel size of MoE models: each EP rank holds ``num_experts / ep`` experts. It must divide
+    the experts, and ``ep * etp`` the processes of one pipeline stage (EP ranks are data-parallel ranks
+    for the dense layers). MoE models need ``tp == 1`` (see rlrun/megatron/moe.py)."""
+    etp: int = Field(1, ge=1)
+    """Expert tensor-parallel size: each expert's weights split over ``etp`` ranks."""
+
+    def __str__(self) -> str:
+        """``tp=2 pp=1``, plus ``ep`` / ``etp`` when they split experts: dense layouts read as they always did."""
+        return " ".join(f"{name}={value}" for name, value in self if name in ("tp", "pp") or value != 1)
 
 
 class DataConfig(Section):

@@ -3,11 +3,13 @@
 Every rank yields the whole model (each rank drives its own engine). Every rank of a pipeline must
 iterate the generator in lockstep: each parameter is one all-gather over its stage's TP group and,
 with PP > 1, one broadcast from its stage over the pipeline group (preceded by one broadcast of the
-stage's names, shapes and dtypes). DP replicas hold identical weights and need no communication.
+stage's names, shapes and dtypes). MoE experts are gathered over the expert-TP group, then over the
+expert-parallel group. DP replicas hold identical weights and need no communication.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from rlrun.megatron.hf_weights import to_hf, weight_mappings
 from rlrun.megatron.model import MegatronModel
+from rlrun.megatron.moe import is_expert_param
 from rlrun.megatron.tp_layout import Partition
 
 
@@ -33,22 +36,51 @@ def export_hf_weights(model: MegatronModel) -> Iterator[tuple[str, torch.Tensor]
         yield from _broadcast_stage(model, stage)
 
 
-def _stage_tensors(model: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's pipeline stage as HF tensors, TP shards gathered."""
+def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's pipeline stage as HF tensors, TP shards gathered; with EP > 1, each layer's routed
+    experts gathered from every EP rank (rank ``r``'s block after rank ``r - 1``'s: HF expert order).
+
+    ``meta``: no communication, meta tensors of the right shapes (what the other stages must receive).
+    """
+    params = dict(model.module.named_parameters())
+    parallel = model.parallel
+    per_rank = [weight_mappings(model.arch, parallel.pp_rank, parallel.pp_size, r, parallel.ep_size)
+                for r in range(parallel.ep_size)]
+    mine = per_rank[parallel.ep_rank]
+    indexed = [(i, m) for i, m in enumerate(mine) if m.exported]
+    for experts, group in itertools.groupby(indexed, key=lambda item: is_expert_param(item[1].megatron_name)):
+        gathered = [(i, _gather(model, params[m.megatron_name], experts, meta)) for i, m in group]
+        ranks = range(parallel.ep_size) if experts else [parallel.ep_rank]
+        for rank in ranks:
+            for i, fulls in gathered:
+                mapping = per_rank[rank][i]
+                full = fulls[rank] if experts else fulls[0]
+                yield from zip(mapping.hf_names, (t.contiguous() for t in to_hf(model.arch, mapping, full)))
+
+
+def _gather(model: MegatronModel, param: torch.Tensor, expert: bool, meta: bool) -> list[torch.Tensor]:
+    """The full (TP-, or for experts ETP-, gathered) tensor of ``param``; for experts one per EP rank."""
     from megatron.core import parallel_state as mpu
 
-    params = dict(model.module.named_parameters())
-    tp_group = mpu.get_tensor_model_parallel_group()
-    for mapping in _exported_mappings(model):
-        param = params[mapping.megatron_name]
-        partition = Partition.of(param)
-        if partition.dim is None or model.parallel.tp_size == 1:
-            full = param.detach().clone()
-        else:
-            shards = [torch.empty_like(param) for _ in range(model.parallel.tp_size)]
-            dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
-            full = partition.unshard(shards)
-        yield from zip(mapping.hf_names, (t.contiguous() for t in to_hf(model.arch, mapping, full)))
+    parallel = model.parallel
+    partition = Partition.of(param)
+    size = parallel.etp_size if expert else parallel.tp_size
+    if meta:
+        shape = list(param.shape)
+        if partition.dim is not None:
+            shape[partition.dim] *= size
+        return [torch.empty(shape, dtype=param.dtype, device="meta")] * (parallel.ep_size if expert else 1)
+    full = param.detach().clone()
+    if partition.dim is not None and size > 1:
+        group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
+        shards = [torch.empty_like(param) for _ in range(size)]
+        dist.all_gather(shards, param.detach().contiguous(), group=group)
+        full = partition.unshard(shards)
+    if not expert or parallel.ep_size == 1:
+        return [full]
+    fulls = [torch.empty_like(full) for _ in range(parallel.ep_size)]
+    dist.all_gather(fulls, full, group=mpu.get_expert_model_parallel_group())
+    return fulls
 
 
 def _broadcast_stage(model: MegatronModel, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -71,19 +103,4 @@ def _broadcast_stage(model: MegatronModel, stage: int) -> Iterator[tuple[str, to
 
 def _stage_specs(model: MegatronModel) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(HF name, shape, dtype) of what ``_stage_tensors`` yields, worked out on meta tensors."""
-    params = dict(model.module.named_parameters())
-    specs = []
-    for mapping in _exported_mappings(model):
-        param = params[mapping.megatron_name]
-        shape = list(param.shape)
-        dim = Partition.of(param).dim
-        if dim is not None:
-            shape[dim] *= model.parallel.tp_size
-        full = torch.empty(shape, dtype=param.dtype, device="meta")
-        specs += [(name, t.shape, t.dtype) for name, t in zip(mapping.hf_names, to_hf(model.arch, mapping, full))]
-    return specs
-
-
-def _exported_mappings(model: MegatronModel):
-    """This stage's mappings minus copies another stage exports (the tied output layer)."""
-    return [m for m in weight_mappings(model.arch, model.parallel.pp_rank, model.parallel.pp_size) if m.exported]
+    return [(name, t.shape, t.dtype) for name, t in _stage_tensors(model, meta=True)]

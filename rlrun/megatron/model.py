@@ -15,6 +15,7 @@ import torch
 
 from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
+from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
 
@@ -44,16 +45,21 @@ class MegatronModel:
 
 
 def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
-                distributed_optimizer: bool = False) -> MegatronModel:
+                distributed_optimizer: bool = False, moe_options: MoEOptions | None = None) -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
-    layers, in Megatron DDP."""
+    layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
+
+    ``moe_options``: routing and load-balancing options of MoE models (ignored for dense ones)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
 
     from rlrun.megatron.attention import layer_spec
 
     arch = ModelArch.from_hf_dir(hf_dir)
-    config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype)
+    if arch.moe is not None:
+        patch_router_without_te()
+    config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size,
+                                parallel.etp_size, moe_options)
     padding_note = head_padding_note(arch, parallel.tp_size)
     if padding_note and parallel.is_rank0:
         # A warning, not info: it costs compute the user may avoid, and the trainer sets up no logging
@@ -85,9 +91,10 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
 
 @torch.no_grad()
 def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, parallel: Parallel) -> None:
-    """Copy every HF tensor of this rank's pipeline stage into its shard of the matching Megatron parameter."""
+    """Copy every HF tensor of this rank's pipeline stage (and EP rank's experts) into its shard of the
+    matching Megatron parameter; routed experts are sharded over the expert-TP ranks, the rest over TP."""
     params = dict(gpt.named_parameters())
-    mappings = weight_mappings(arch, parallel.pp_rank, parallel.pp_size)
+    mappings = weight_mappings(arch, parallel.pp_rank, parallel.pp_size, parallel.ep_rank, parallel.ep_size)
     unmapped = set(params) - {m.megatron_name for m in mappings}
     if unmapped:
         raise RuntimeError(f"Megatron parameters without an HF source: {sorted(unmapped)}; "
@@ -96,7 +103,10 @@ def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, pa
         param = params[mapping.megatron_name]
         hf_tensors = [checkpoint.get(name) for name in mapping.hf_names]
         full = to_megatron(arch, mapping, hf_tensors, parallel.tp_size)
-        shard = Partition.of(param).shard(full, parallel.tp_rank, parallel.tp_size)
+        if is_expert_param(mapping.megatron_name):
+            shard = Partition.of(param).shard(full, parallel.etp_rank, parallel.etp_size)
+        else:
+            shard = Partition.of(param).shard(full, parallel.tp_rank, parallel.tp_size)
         if shard.shape != param.shape:
             raise RuntimeError(
                 f"{checkpoint.hf_dir}: {mapping.hf_names} give {mapping.megatron_name} a shard of "

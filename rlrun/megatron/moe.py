@@ -85,9 +85,10 @@ class MoEArch:
 
 @dataclass(frozen=True)
 class MoEOptions:
-    """How the trainer routes and balances (Megatron's ``moe_*`` options; see ``schema.MoEConfig``).
+    """How the trainer routes and balances (Megatron's ``moe_*`` options): ``schema.MoEConfig``'s fields,
+    ``MoEOptions(**cfg.model.moe.model_dump())``.
 
-    ``aux_loss_coeff=None`` takes the checkpoint's ``router_aux_loss_coef``. ``dispatcher="auto"`` is
+    ``aux_loss_coeff=None`` takes the checkpoint's ``router_aux_loss_coef``. ``token_dispatcher="auto"`` is
     ``alltoall`` on CUDA and ``allgather`` on CPU: Megatron 0.16's all-to-all dispatcher creates a
     ``torch.cuda.Stream`` for its device-to-host copies in its constructor, which fails without CUDA,
     while the all-gather dispatcher is plain collectives (gloo runs it).
@@ -96,18 +97,18 @@ class MoEOptions:
     load_balancing: LoadBalancing = "aux_loss"
     aux_loss_coeff: float | None = None
     z_loss_coeff: float | None = None
-    dispatcher: Dispatcher = "auto"
+    token_dispatcher: Dispatcher = "auto"
 
     def resolved_dispatcher(self) -> str:
         """The Megatron ``moe_token_dispatcher_type`` on this machine."""
         import torch
 
-        if self.dispatcher == "auto":
+        if self.token_dispatcher == "auto":
             return "alltoall" if torch.cuda.is_available() else "allgather"
-        if self.dispatcher == "alltoall" and not torch.cuda.is_available():
-            raise ValueError("moe.token_dispatcher ('alltoall') must run on CUDA because Megatron's all-to-all "
-                             "dispatcher creates CUDA streams; set moe.token_dispatcher to 'allgather' or 'auto'")
-        return self.dispatcher
+        if self.token_dispatcher == "alltoall" and not torch.cuda.is_available():
+            raise ValueError("model.moe.token_dispatcher ('alltoall') must run on CUDA because Megatron's all-to-all "
+                             "dispatcher creates CUDA streams; set model.moe.token_dispatcher to 'allgather' or 'auto'")
+        return self.token_dispatcher
 
 
 def moe_config_kwargs(moe: MoEArch, options: MoEOptions, tp: int, ep: int, etp: int) -> dict:
@@ -173,6 +174,25 @@ def patch_router_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def aux_loss_metrics(moe: MoEArch, num_micro_batches: int) -> dict[str, float]:
+    """This train step's router losses from Megatron's tracker, then reset it; a collective (every rank).
+
+    Megatron's routers record each load-balancing / z-loss (before its coefficient) per layer, summed over
+    the step's micro-batches (training forwards only). Returned as ``moe_<name>`` (``moe_load_balancing_loss``,
+    ``moe_z_loss``, ...): the mean over MoE layers and micro-batches, averaged over data-parallel ranks
+    (Megatron's ``reduce_aux_losses_tracker_across_ranks``; PP stages' layers are summed in first).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    names = sorted(tracker)
+    moe_utils.reduce_aux_losses_tracker_across_ranks(names)
+    per = sum(moe.moe_layers) * num_micro_batches
+    metrics = {f"moe_{name}": float(tracker[name]["values"].sum()) / per for name in names}
+    moe_utils.clear_aux_losses_tracker()
+    return metrics
 
 
 def is_expert_param(megatron_name: str) -> bool:

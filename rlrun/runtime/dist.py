@@ -70,6 +70,12 @@ class Parallel:
     cpu_group: dist.ProcessGroup
     env: DistEnv
     """The launcher's view; ``master_addr:master_port`` is the rendezvous store (rlrun/runtime/watchdog.py)."""
+    ep_rank: int = 0
+    ep_size: int = 1
+    """Expert parallelism (MoE models): the EP ranks of one group hold disjoint blocks of experts. Megatron
+    folds EP into the data-parallel ranks: ``ep`` divides ``dp * tp / etp`` (``etp`` = expert TP)."""
+    etp_rank: int = 0
+    etp_size: int = 1
 
     @property
     def is_rank0(self) -> bool:
@@ -87,8 +93,10 @@ class Parallel:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600) -> Parallel:
+def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: int = 1, etp: int = 1) -> Parallel:
     """Start torch.distributed and Megatron's model-parallel groups for this rank; seed its RNGs.
+
+    ``ep`` / ``etp``: expert model- and tensor-parallel sizes of MoE layers (1 for dense models).
 
     CPU (no CUDA): gloo and the Megatron CPU patches. GPU: NCCL with ``device = cuda:local_rank``.
     """
@@ -101,6 +109,12 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600) -> Par
             f"world_size ({env.world_size}) must be divisible by tp*pp ({tp}*{pp}) because every "
             f"data-parallel replica holds one full tp x pp model; set parallel.tp and parallel.pp so "
             f"that their product divides the number of processes"
+        )
+    if (env.world_size // pp) % (ep * etp) != 0:
+        raise ValueError(
+            f"world_size / pp ({env.world_size // pp}) must be divisible by ep*etp ({ep}*{etp}) because "
+            f"Megatron lays the expert-parallel x expert-tensor-parallel grid over the ranks of one pipeline "
+            f"stage; set parallel.ep and parallel.etp so that their product divides it"
         )
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank)
@@ -127,6 +141,8 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600) -> Par
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=max(1, round(timeout_s / 60)),
     )
     torch.manual_seed(seed)
@@ -143,6 +159,10 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600) -> Par
         device=device,
         cpu_group=cpu_group,
         env=env,
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        ep_size=ep,
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        etp_size=etp,
     )
 
 

@@ -1,0 +1,130 @@
+"""Megatron vs Hugging Face on tiny random Qwen3-MoE (4 experts, top-2, QK-norm) and Qwen2-MoE (QKV bias, a
+gated shared expert) models, fp32.
+
+References: HF transformers' log-probs and entropies, and the safetensors on disk for the export round
+trip. Layouts: EP=1 (one rank), EP=2 (two ranks, two experts each, the all-gather token dispatcher) and
+expert-TP=2 (every expert's weights split over two ranks). TP > 1 is refused for MoE models (see
+``moe_config_kwargs``). Each layout runs once (one spawn) for both families and every rank must hold the
+results.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_utils import run_distributed
+
+TEMPERATURE = 0.7
+KINDS = ("qwen3_moe", "qwen2_moe")
+LAYOUTS = {"ep1": (1, 1, 1), "ep2": (1, 2, 1), "etp2": (1, 1, 2)}  # (tp, ep, etp)
+pytestmark = pytest.mark.slow
+
+
+def _parity_worker(hf_dirs: dict[str, str], tp: int, ep: int, etp: int, tokens: torch.Tensor) -> dict:
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    parallel = init_distributed(tp=tp, pp=1, seed=0, ep=ep, etp=etp)
+    out = {kind: _family_results(hf_dir, parallel, tokens) for kind, hf_dir in hf_dirs.items()}
+    destroy_distributed()
+    return out
+
+
+def _family_results(hf_dir: str, parallel, tokens: torch.Tensor) -> dict:
+    from rlrun.megatron import build_model, compute_logprobs_and_entropy, export_hf_weights
+
+    model = build_model(hf_dir, parallel)
+    params = dict(model.module.named_parameters())
+    local_experts = sum(".local_experts." in name for name in params)
+    fc1_rows = params["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"].shape[0]
+    position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        logprobs, entropy = compute_logprobs_and_entropy(model, tokens, position_ids, TEMPERATURE)
+    weights = {name: tensor.cpu() for name, tensor in export_hf_weights(model)}
+    return {"logprobs": logprobs.cpu(), "entropy": entropy.cpu(), "weights": weights,
+            "local_expert_params": local_experts, "fc1_rows": fc1_rows}
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny_moe_dir) -> torch.Tensor:
+    vocab_size = json.loads((tiny_moe_dir / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, vocab_size, (3, 12), generator=torch.Generator().manual_seed(5))
+    tokens[0, -1] = vocab_size - 1
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tiny_moe_dir, tmp_path_factory) -> dict[str, Path]:
+    from tiny_models import make_tiny_model
+
+    return {"qwen3_moe": tiny_moe_dir, "qwen2_moe": make_tiny_model("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe"))}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
+def megatron_run(request, moe_dirs, tokens):
+    tp, ep, etp = LAYOUTS[request.param]
+    dirs = {kind: str(path) for kind, path in moe_dirs.items()}
+    return request.param, run_distributed(_parity_worker, max(tp, ep, etp), dirs, tp, ep, etp, tokens, all_ranks=True)
+
+
+def _hf_reference(hf_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(tokens).logits[:, :-1].float() / TEMPERATURE, dim=-1)
+    return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logprobs_and_entropy_match_hf(kind, megatron_run, moe_dirs, tokens):
+    layout, ranks = megatron_run
+    ref_logprobs, ref_entropy = _hf_reference(moe_dirs[kind], tokens)
+    _, ep, etp = LAYOUTS[layout]
+    for result in (rank[kind] for rank in ranks):
+        assert result["local_expert_params"] == 2 * 2 * (4 // ep)  # layers x (fc1, fc2) x experts
+        assert result["fc1_rows"] == 2 * 32 // etp  # [gate; up] rows of moe_intermediate_size, ETP-split
+        torch.testing.assert_close(result["logprobs"], ref_logprobs, rtol=0, atol=1e-4)
+        torch.testing.assert_close(result["entropy"], ref_entropy, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_round_trips_exactly(kind, megatron_run, moe_dirs):
+    _, ranks = megatron_run
+    on_disk = load_file(moe_dirs[kind] / "model.safetensors")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in on_disk  # the per-expert layout
+    for result in ranks:
+        exported = result[kind]["weights"]
+        assert list(exported) == [name for name in exported if name in on_disk] and set(exported) == set(on_disk)
+        for name, tensor in on_disk.items():
+            assert exported[name].dtype == tensor.dtype, name
+            assert torch.equal(exported[name], tensor), name
+
+
+def _convert_worker(hf_dir: str, out_root: str) -> None:
+    from pathlib import Path
+
+    from rlrun.checkpoint import ACTOR
+    from rlrun.convert import HfToMcore, McoreToHf
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    parallel = init_distributed(tp=1, pp=1, seed=0)
+    ckpt, hf_out = Path(out_root) / "mcore", Path(out_root) / "hf"
+    (ckpt / ACTOR).mkdir(parents=True)
+    hf_out.mkdir(parents=True)
+    HfToMcore(Path(hf_dir), ckpt, tp=1, pp=1, dtype="float32").run(parallel)
+    McoreToHf(ckpt, hf_out, Path(hf_dir), "float32").run(parallel)
+    destroy_distributed()
+
+
+def test_convert_hf_to_mcore_to_hf_is_exact(tiny_moe_dir, tmp_path):
+    """``rlrun convert`` hf -> Megatron distributed checkpoint -> hf gives back every tensor bit for bit."""
+    run_distributed(_convert_worker, 1, str(tiny_moe_dir), str(tmp_path))
+    want, got = load_file(tiny_moe_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
