@@ -43,6 +43,8 @@ TORCHRUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 """Defaults for the training processes; the caller's environment overrides them. NVLink multicast off
 (the device notes say why), a few OpenMP threads per rank."""
 WARMUP_STEPS = 1
+INPUTS = "inputs"
+"""The folder of ``--work`` that holds the model and prompts every run shares."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +157,7 @@ def _write_inputs(settings: StepSettings, inputs_dir: Path, dtype: str, device: 
 def prepare_inputs(settings: StepSettings, work_dir: Path, dtype: str, device: str) -> Path:
     """``work_dir/inputs`` with ``model/`` and ``prompts.jsonl`` for these settings, written unless an
     earlier run left the same ones. Written in a child process, so this process never holds GPU memory."""
-    inputs_dir = work_dir / "inputs"
+    inputs_dir = work_dir / INPUTS
     key = {"shape": settings.shape, "prompts": settings.prompts, "prompt_len": settings.prompt_len,
            "seed": settings.seed, "dtype": dtype}
     marker = inputs_dir / "inputs.json"
@@ -273,17 +275,16 @@ def bench_step(settings: StepSettings, work_dir: Path, timeout_s: float = 1800.0
 
     from rlrun.config import load_config
 
-    if settings.steps < 1:
-        raise ValueError(f"steps ({settings.steps}) must be >= 1 because a result needs a step; set --steps")
     on_gpu = torch.cuda.is_available()
     dtype = "bfloat16" if on_gpu else "float32"
-    inputs_dir = prepare_inputs(settings, work_dir, dtype, "cuda" if on_gpu else "cpu")
     run_dir = work_dir / settings.backend
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     config_path = run_dir / "bench_step.yaml"
-    config_path.write_text(yaml.safe_dump(run_config(settings, inputs_dir, run_dir, dtype), sort_keys=False))
-    load_config(config_path)  # a bad setting fails here, before torchrun starts
+    config = run_config(settings, work_dir / INPUTS, run_dir, dtype)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    load_config(config_path)  # a bad setting (backend, steps, ...) fails here, before any model is written
+    prepare_inputs(settings, work_dir, dtype, "cuda" if on_gpu else "cpu")
     launch(config_path, run_dir, timeout_s)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return summarise(rows, settings, device_name(), dtype, run_dir)
