@@ -1,8 +1,8 @@
 """rlrun (each engine backend) vs TRL's GRPOTrainer, seconds per GRPO step, in one invocation (issue 10).
 
 Runs, one after another on the same device and the same inputs (one model directory and prompt file in
-``--work/inputs``, written by the first run): ``rlrun bench step --backend B`` for every backend, then
-benchmarks/trl_grpo.py. Each run is its own process, so none sees another's memory. Writes one JSON with
+``--work/inputs``, written by the first run): benchmarks/trl_grpo.py, then ``rlrun bench step --backend B``
+for every backend. Each run is its own process, so none sees another's memory. Writes one JSON with
 every result, the ratios (TRL median seconds per step / rlrun's: how many times faster rlrun is) and
 the issue's goals, and prints a table. A run that fails is recorded with its output's tail; the others
 still run.
@@ -101,12 +101,12 @@ def main() -> None:
     settings = settings_from(args, "trl")
     args.work.mkdir(parents=True, exist_ok=True)
     flags = settings_flags(settings) + ["--work", str(args.work)]
-    runs = {}
+    # TRL first: the reference survives if a later run (SGLang's start-up is the slowest) runs out of time
+    runs = {"trl": [args.trl_python, str(REPO / "benchmarks" / "trl_grpo.py"), *flags, "--out", str(args.work / "trl.json")]
+            + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])}
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         runs[backend] = [sys.executable, "-m", "rlrun", "bench", "step", "--backend", backend, *flags,
                          "--out", str(args.work / f"rlrun_{backend}.json"), "--timeout-s", str(args.timeout_s)]
-    runs["trl"] = [args.trl_python, str(REPO / "benchmarks" / "trl_grpo.py"), *flags, "--out", str(args.work / "trl.json")]
-    runs["trl"] += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
     results: dict[str, dict] = {}
     for name, cmd in runs.items():
         results[name] = run_json(name, cmd, Path(cmd[cmd.index("--out") + 1]), args.timeout_s + 60)
