@@ -93,12 +93,15 @@ class Parallel:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: int = 1, etp: int = 1) -> Parallel:
+def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: int = 1, etp: int = 1,
+                     reloadable_backends: tuple[str, ...] = ()) -> Parallel:
     """Start torch.distributed and Megatron's model-parallel groups for this rank; seed its RNGs.
 
     ``ep`` / ``etp``: expert model- and tensor-parallel sizes of MoE layers (1 for dense models).
 
     CPU (no CUDA): gloo and the Megatron CPU patches. GPU: NCCL with ``device = cuda:local_rank``.
+    Megatron's groups on ``reloadable_backends`` can be destroyed and rebuilt around trainer sleep
+    (rlrun/runtime/reloadable_groups.py; ``OffloadConfig.reloadable_backends``).
     """
     env = DistEnv.from_env()
     # Megatron warns on import, once per module, that TE/Apex are missing; the local spec is our choice.
@@ -138,6 +141,10 @@ def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: in
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    if reloadable_backends:
+        from rlrun.runtime import reloadable_groups
+
+        reloadable_groups.install(frozenset(reloadable_backends))
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
