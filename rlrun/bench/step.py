@@ -10,9 +10,8 @@ work directory and shared by every backend and by the TRL comparison (benchmarks
   so any sampled id decodes and a prompt of ``k`` words is exactly ``k`` tokens without a chat template;
 * ``prompts.jsonl``: ``prompts`` rows of ``prompt_len`` random words (every step draws all of them).
 
-Responses are forced to ``new_tokens`` tokens: the rollout runs through ``fixed_length_generate``
-(``rollout.generate_fn``), which asks the engine for ``ignore_eos`` because the run config has no key
-for it; the engine contract carries it to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
+Responses are forced to ``new_tokens`` tokens by ``rollout.ignore_eos``; the engine contract carries it
+to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
 The reward (``even_token_reward``) has spread within a group so GRPO's advantages are not all zero.
 
 Per step: the phases' seconds, output tokens (prompts x samples x new_tokens when the length held),
@@ -113,13 +112,6 @@ def even_token_reward(sample) -> float:
     return even_fraction(sample.response_ids)
 
 
-async def fixed_length_generate(traj) -> None:
-    """``rollout.generate_fn`` of the benchmark runs: one turn that ignores EOS, so every response is
-    ``rollout.max_new_tokens`` long on every backend."""
-    traj.sampling = {**traj.sampling, "ignore_eos": True}
-    await traj.generate()
-
-
 def write_word_tokenizer(out_dir: Path, vocab: int) -> None:
     """A WordLevel tokenizer over ``vocab`` ids saved to ``out_dir`` (module docstring)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -186,7 +178,7 @@ def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: s
                  "apply_chat_template": False, "shuffle": True},
         "rollout": {"prompts_per_step": settings.prompts, "samples_per_prompt": settings.samples,
                     "max_new_tokens": settings.new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
-                    "reward": f"{__name__}:even_token_reward", "generate_fn": f"{__name__}:fixed_length_generate"},
+                    "reward": f"{__name__}:even_token_reward", "ignore_eos": True},
         "engine": engine,
         "offload": {"train": True, "rollout": True},
         "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2,

@@ -33,6 +33,7 @@ def sampling_params(cfg: RolloutConfig, seed: int) -> dict:
         "top_k": cfg.top_k,
         "n": cfg.samples_per_prompt,
         "sampling_seed": seed,
+        "ignore_eos": cfg.ignore_eos,
     }
 
 
