@@ -104,6 +104,9 @@ class RolloutConfig(Section):
     """Group size n (GRPO needs >= 2 for a non-zero advantage)."""
     max_new_tokens: int = Field(8, ge=1)
     """Maximum response length in tokens."""
+    ignore_eos: bool = False
+    """Keep generating past EOS and stop tokens up to ``max_new_tokens`` (fixed-length responses, for
+    benchmarks that must compare equal work)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer divides its logits by the same value for log-probs."""
     top_p: float = Field(1.0, gt=0, le=1)
