@@ -144,7 +144,8 @@ def moe_config_kwargs(moe: MoEArch, options: MoEOptions, tp: int, ep: int, etp: 
     )
 
 
-def moe_mlp_mappings(moe: MoEArch, mc: str, hf: str, ep_rank: int, ep_size: int) -> list[tuple[str, tuple[str, ...], str]]:
+def moe_mlp_mappings(moe: MoEArch, mc: str, hf: str, ep_rank: int,
+                     ep_size: int) -> list[tuple[str, tuple[str, ...], str]]:
     """``(megatron_name, hf_names, kind)`` of one MoE layer's MLP on EP rank ``ep_rank``: router, this
     rank's experts, shared expert. ``mc`` / ``hf`` are the layer prefixes (``decoder.layers.0.``)."""
     local = moe.num_experts // ep_size
@@ -152,7 +153,8 @@ def moe_mlp_mappings(moe: MoEArch, mc: str, hf: str, ep_rank: int, ep_size: int)
     for j in range(local):
         expert = f"{hf}mlp.experts.{ep_rank * local + j}."
         mc_expert = f"{mc}mlp.experts.local_experts.{j}."
-        rows.append((f"{mc_expert}linear_fc1.weight", (f"{expert}gate_proj.weight", f"{expert}up_proj.weight"), "concat"))
+        rows.append((f"{mc_expert}linear_fc1.weight", (f"{expert}gate_proj.weight", f"{expert}up_proj.weight"),
+                     "concat"))
         rows.append((f"{mc_expert}linear_fc2.weight", (f"{expert}down_proj.weight",), "copy"))
     if moe.shared_expert_ffn_hidden_size:
         shared = f"{hf}mlp.shared_expert."
