@@ -2,10 +2,10 @@
 gated shared expert) models, fp32.
 
 References: HF transformers' log-probs and entropies, and the safetensors on disk for the export round
-trip. Layouts: EP=1 (one rank), EP=2 (two ranks, two experts each, the all-gather token dispatcher) and
-expert-TP=2 (every expert's weights split over two ranks). TP > 1 is refused for MoE models (see
-``moe_config_kwargs``). Each layout runs once (one spawn) for both families and every rank must hold the
-results.
+trip. Layouts: EP=1 (one rank), EP=2 (two ranks, two experts each, the all-gather token dispatcher),
+expert-TP=2 (every expert's weights split over two ranks) and PP=2 (one MoE layer per stage). TP > 1 is
+refused for MoE models (see ``moe_config_kwargs``). Each layout runs once (one spawn) for both families
+and every rank must hold the results.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from dist_utils import run_distributed
 
 TEMPERATURE = 0.7
 KINDS = ("qwen3_moe", "qwen2_moe")
-LAYOUTS = {"ep1": (1, 1, 1), "ep2": (1, 2, 1), "etp2": (1, 1, 2)}  # (tp, ep, etp)
+LAYOUTS = {"ep1": (1, 1, 1, 1), "ep2": (1, 2, 1, 1), "etp2": (1, 1, 2, 1), "pp2": (1, 1, 1, 2)}  # (tp, ep, etp, pp)
 pytestmark = pytest.mark.slow
 
 
-def _parity_worker(hf_dirs: dict[str, str], tp: int, ep: int, etp: int, tokens: torch.Tensor) -> dict:
+def _parity_worker(hf_dirs: dict[str, str], tp: int, ep: int, etp: int, pp: int, tokens: torch.Tensor) -> dict:
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
-    parallel = init_distributed(tp=tp, pp=1, seed=0, ep=ep, etp=etp)
+    parallel = init_distributed(tp=tp, pp=pp, seed=0, ep=ep, etp=etp)
     out = {kind: _family_results(hf_dir, parallel, tokens) for kind, hf_dir in hf_dirs.items()}
     destroy_distributed()
     return out
@@ -66,9 +66,10 @@ def moe_dirs(tiny_moe_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
 def megatron_run(request, moe_dirs, tokens):
-    tp, ep, etp = LAYOUTS[request.param]
+    tp, ep, etp, pp = LAYOUTS[request.param]
     dirs = {kind: str(path) for kind, path in moe_dirs.items()}
-    return request.param, run_distributed(_parity_worker, max(tp, ep, etp), dirs, tp, ep, etp, tokens, all_ranks=True)
+    return request.param, run_distributed(_parity_worker, max(tp, ep, etp) * pp, dirs, tp, ep, etp, pp, tokens,
+                                          all_ranks=True)
 
 
 def _hf_reference(hf_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +85,9 @@ def _hf_reference(hf_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, tor
 def test_logprobs_and_entropy_match_hf(kind, megatron_run, moe_dirs, tokens):
     layout, ranks = megatron_run
     ref_logprobs, ref_entropy = _hf_reference(moe_dirs[kind], tokens)
-    _, ep, etp = LAYOUTS[layout]
+    _, ep, etp, pp = LAYOUTS[layout]
     for result in (rank[kind] for rank in ranks):
-        assert result["local_expert_params"] == 2 * 2 * (4 // ep)  # layers x (fc1, fc2) x experts
+        assert result["local_expert_params"] == 2 // pp * 2 * (4 // ep)  # layers x (fc1, fc2) x experts
         assert result["fc1_rows"] == 2 * 32 // etp  # [gate; up] rows of moe_intermediate_size, ETP-split
         torch.testing.assert_close(result["logprobs"], ref_logprobs, rtol=0, atol=1e-4)
         torch.testing.assert_close(result["entropy"], ref_entropy, rtol=0, atol=1e-4)
