@@ -486,6 +486,16 @@ class OffloadConfig(Section):
     """Device memory (GB) that allocations in the trainer's offload region must leave free: one that
     would leave less fails as out-of-memory instead of taking what the engine needs to resume
     (torch_memory_saver's margin). 0 turns the check off."""
+    teardown_nccl: bool = True
+    """With ``train`` on CUDA: destroy every NCCL communicator of Megatron's groups (~0.4 GB each, also
+    for one-rank groups) while the trainer sleeps and rebuild them at wake, keeping the group objects
+    (rlrun/runtime/reloadable_groups.py). gloo groups and the default group stay. No-op on CPU."""
+
+    @property
+    def reloadable_backends(self) -> tuple[str, ...]:
+        """Backends whose groups ``init_distributed`` makes reloadable: NCCL's when this config tears
+        them down (on CPU no group is NCCL, so nothing changes there)."""
+        return ("nccl",) if self.train and self.teardown_nccl else ()
 
 
 class CriticConfig(Section):
