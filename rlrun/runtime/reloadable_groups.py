@@ -27,9 +27,13 @@ The patches, and why each exists (the minimum Megatron 0.16.1's code paths need)
   forwards too. A collective on a destroyed group raises at once instead of hanging.
 
 Not reloadable: the default (WORLD) group, which exists before :func:`install` and which torch resolves
-``group=None`` to internally (NCCL creates its communicator lazily, only once a CUDA collective runs on
-WORLD, since rlrun's ``init_process_group`` passes no ``device_id``), and groups of other backends (gloo
-control groups stay up while the trainer sleeps).
+``group=None`` to internally, and groups of other backends (gloo control groups stay up while the trainer
+sleeps). NCCL creates WORLD's communicator lazily (rlrun's ``init_process_group`` passes no
+``device_id``); traced on CPU, the one WORLD collective of model build, train steps and weight export is
+the ``all_gather_object`` of Megatron's optimizer setup (megatron/core/optimizer/__init__.py:181). On an
+NCCL-only default group that object collective runs on CUDA and creates the communicator (likely the
+0.58 GB above the CUDA context a trainer holds before its first step, BENCHMARKS.md); a default group of
+``"cpu:gloo,cuda:nccl"`` would run it on gloo instead (:func:`backend_names` reads that form).
 """
 
 from __future__ import annotations
