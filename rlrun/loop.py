@@ -88,7 +88,8 @@ def run(cfg: RunConfig) -> None:
     from rlrun.runtime.preemption import StopRequest
     from rlrun.runtime.watchdog import Watchdog
 
-    parallel = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed)
+    parallel = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, ep=cfg.parallel.ep,
+                                etp=cfg.parallel.etp, reloadable_backends=cfg.offload.reloadable_backends)
     stop, watchdog, parts = StopRequest.install(), Watchdog.start(parallel), None
     try:
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
