@@ -106,7 +106,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeout-s", type=float, default=150)
     parser.add_argument("--work", type=Path, default=Path("/tmp/offload_bench"))
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     args = parser.parse_args()
+    runs = {name: RUNS[name] for name in args.runs.split(",")}
     model_dir = write_random_model(get_shape("qwen3-0.6b"), args.work / "qwen3-0.6b", torch.bfloat16, "cuda")
     make_tokenizer().save_pretrained(model_dir)
     torch.cuda.empty_cache()
@@ -116,11 +118,12 @@ def main() -> None:
               "config": "configs/quickstart.yaml + " + " ".join(overrides(Path("<model>"), Path("<run>"), True,
                                                                            args.steps, True)),
               "runs": {}}
-    for name, (offload, teardown_nccl) in RUNS.items():
+    for name, (offload, teardown_nccl) in runs.items():
         result["runs"][name] = run(model_dir, args.work / name, offload, args.steps, args.timeout_s, teardown_nccl)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    on, keep, off = (result["runs"][k]["summary"] for k in RUNS)
+    summary = {name: result["runs"].get(name, {}).get("summary", {"error": "not run"}) for name in RUNS}
+    on, keep, off = (summary[name] for name in RUNS)
     if "error" not in on and "error" not in off:
         result["saved_gb"] = {
             "device_during_rollout": off["device_during_rollout_gb_per_step"][-1] - on["device_during_rollout_gb_per_step"][-1],
