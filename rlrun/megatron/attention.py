@@ -37,6 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from rlrun.megatron.hf_config import ModelArch
 
@@ -51,17 +52,30 @@ def transformer_engine_attention() -> type | None:
     return TEDotProductAttention if HAVE_TE else None
 
 
-def layer_spec(arch: ModelArch) -> ModuleSpec:
+def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention.
 
     MoE models get Megatron's ``MoELayer`` as the MLP, with ``SequentialMLP`` experts (one local MLP per
-    expert: no grouped-GEMM kernel, so it runs on CPU; ``rlrun.megatron.moe`` maps its weights).
+    expert: no grouped-GEMM kernel, so it runs on CPU; ``rlrun.megatron.moe`` maps its weights). When only
+    some layers are MoE (``mlp_only_layers``), the result is pipeline stage ``pp_rank``'s list of layer specs.
     """
+    moe_layers = arch.moe.moe_layers if arch.moe is not None else (False,) * arch.num_layers
+    if all(moe_layers) or not any(moe_layers):
+        return _layer_spec(arch, moe=any(moe_layers))
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    per_stage = arch.num_layers // pp_size
+    stage = moe_layers[pp_rank * per_stage:(pp_rank + 1) * per_stage]
+    sparse, dense = _layer_spec(arch, moe=True), _layer_spec(arch, moe=False)
+    return TransformerBlockSubmodules(layer_specs=[sparse if moe else dense for moe in stage],
+                                      layer_norm=LayerNormImpl)  # the final norm Megatron adds to a layer spec
+
+
+def _layer_spec(arch: ModelArch, moe: bool) -> ModuleSpec:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    num_experts = arch.moe.num_experts if arch.moe is not None else None
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
-                                    qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=arch.moe.num_experts if moe else None, moe_grouped_gemm=False,
+                                    normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
     spec.submodules.self_attention.submodules.core_attention = transformer_engine_attention() or SDPACoreAttention
     return spec

@@ -17,7 +17,8 @@ decoder.final_layernorm.weight               model.norm.weight                  
 output_layer.weight (untied only)            lm_head.weight                                  vocab
 ==========================================  ==============================================  ========
 
-MoE layers map their router, experts and shared expert instead of ``mlp.linear_fc*`` (``rlrun.megatron.moe``).
+MoE layers map their router, experts and shared expert instead of ``mlp.linear_fc*`` (``rlrun.megatron.moe``);
+the dense layers of an MoE model (``mlp_only_layers``, ``decoder_sparse_step``) map as above.
 
 Layouts: ``linear_qkv`` is ``[num_groups, (heads_per_group + 2) * head_dim, hidden]`` flattened, i.e.
 each query group's q heads, then its k head, then its v head (biases alike), so a TP shard is whole
@@ -90,7 +91,7 @@ def weight_mappings(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank
             maps.append(WeightMapping(f"{mc}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy"))
         maps.append(WeightMapping(f"{mc}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "o_proj"))
         maps.append(WeightMapping(f"{mc}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",), "copy"))
-        if arch.moe is not None:
+        if arch.moe is not None and arch.moe.moe_layers[i]:
             maps += [WeightMapping(*row) for row in moe_mlp_mappings(arch.moe, mc, hf, ep_rank, ep_size)]
             continue
         maps.append(WeightMapping(f"{mc}mlp.linear_fc1.weight",

@@ -67,7 +67,7 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
         log.warning("%s: %s", hf_dir, padding_note)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=layer_spec(arch, parallel.pp_rank, parallel.pp_size),
         vocab_size=arch.padded_vocab_size(parallel.tp_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel.is_first_stage,

@@ -120,14 +120,11 @@ def moe_config_kwargs(moe: MoEArch, options: MoEOptions, tp: int, ep: int, etp: 
     if moe.num_experts % ep != 0:
         raise ValueError(f"parallel.ep ({ep}) must divide config.json num_experts ({moe.num_experts}) because "
                          f"every expert-parallel rank holds the same number of experts; set parallel.ep to a divisor")
-    if not all(moe.moe_layers):
-        raise ValueError(f"config.json decoder_sparse_step / mlp_only_layers (MoE layers {moe.moe_layers}) must "
-                         f"make every layer an MoE layer because rlrun builds one layer spec for all layers; "
-                         f"use a model whose layers are all sparse or extend rlrun/megatron/moe.py")
     balancing = options.load_balancing
     coeff = moe.router_aux_loss_coef if options.aux_loss_coeff is None else options.aux_loss_coeff
     return dict(
         num_moe_experts=moe.num_experts,
+        moe_layer_freq=[int(sparse) for sparse in moe.moe_layers],
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_router_topk=moe.topk,
         moe_router_pre_softmax=not moe.norm_topk_prob,

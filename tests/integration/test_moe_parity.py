@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from dist_utils import run_distributed
 
 TEMPERATURE = 0.7
-KINDS = ("qwen3_moe", "qwen2_moe")
+KINDS = ("qwen3_moe", "qwen2_moe", "qwen3_moe_dense0")
+"""``qwen3_moe_dense0``: layer 0 a dense MLP (``mlp_only_layers: [0]``), layer 1 MoE."""
 LAYOUTS = {"ep1": (1, 1, 1, 1), "ep2": (1, 2, 1, 1), "etp2": (1, 1, 2, 1), "pp2": (1, 1, 1, 2)}  # (tp, ep, etp, pp)
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,8 @@ def _family_results(hf_dir: str, parallel, tokens: torch.Tensor) -> dict:
     model = build_model(hf_dir, parallel)
     params = dict(model.module.named_parameters())
     local_experts = sum(".local_experts." in name for name in params)
-    fc1_rows = params["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"].shape[0]
+    fc1_rows = {int(name.split(".")[2]): param.shape[0] for name, param in params.items()
+                if name.endswith("local_experts.0.linear_fc1.weight")}  # per local layer with experts
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         logprobs, entropy = compute_logprobs_and_entropy(model, tokens, position_ids, TEMPERATURE)
@@ -61,7 +63,9 @@ def tokens(tiny_moe_dir) -> torch.Tensor:
 def moe_dirs(tiny_moe_dir, tmp_path_factory) -> dict[str, Path]:
     from tiny_models import make_tiny_model
 
-    return {"qwen3_moe": tiny_moe_dir, "qwen2_moe": make_tiny_model("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe"))}
+    return {"qwen3_moe": tiny_moe_dir, "qwen2_moe": make_tiny_model("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe")),
+            "qwen3_moe_dense0": make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("dense0"),
+                                                config_overrides={"mlp_only_layers": [0]})}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
@@ -86,9 +90,12 @@ def test_logprobs_and_entropy_match_hf(kind, megatron_run, moe_dirs, tokens):
     layout, ranks = megatron_run
     ref_logprobs, ref_entropy = _hf_reference(moe_dirs[kind], tokens)
     _, ep, etp, pp = LAYOUTS[layout]
-    for result in (rank[kind] for rank in ranks):
-        assert result["local_expert_params"] == 2 // pp * 2 * (4 // ep)  # layers x (fc1, fc2) x experts
-        assert result["fc1_rows"] == 2 * 32 // etp  # [gate; up] rows of moe_intermediate_size, ETP-split
+    sparse = [kind != "qwen3_moe_dense0" or layer == 1 for layer in range(2)]
+    for rank, result in enumerate(rank[kind] for rank in ranks):
+        stage = sparse[rank // (len(ranks) // pp) * (2 // pp):][:2 // pp]  # this rank's layers
+        assert sorted(result["fc1_rows"]) == [local for local, moe in enumerate(stage) if moe]
+        assert result["local_expert_params"] == sum(stage) * 2 * (4 // ep)  # MoE layers x (fc1, fc2) x experts
+        assert set(result["fc1_rows"].values()) <= {2 * 32 // etp}  # [gate; up] of moe_intermediate_size / etp
         torch.testing.assert_close(result["logprobs"], ref_logprobs, rtol=0, atol=1e-4)
         torch.testing.assert_close(result["entropy"], ref_entropy, rtol=0, atol=1e-4)
 
