@@ -117,8 +117,8 @@ def test_cpu_path_is_untouched():
     from rlrun.config.schema import OffloadConfig
 
     assert OffloadConfig().reloadable_backends == ()
-    assert OffloadConfig(train=True, teardown_nccl=True).reloadable_backends == ("nccl",)
-    assert OffloadConfig(train=True).reloadable_backends == ()  # off by default until measured on a GPU
+    assert OffloadConfig(train=True).reloadable_backends == ("nccl",)
+    assert OffloadConfig(train=True, teardown_nccl=False).reloadable_backends == ()
     out = run_distributed(_plain_worker, 1)
     assert out.pop("gloo").startswith("ReloadableGroup/")  # the same calls do wrap when asked for gloo
     assert out == {"without_offload": "ProcessGroup/0", "patched_without_offload": False,
