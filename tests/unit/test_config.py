@@ -126,3 +126,11 @@ def test_quickstart_config_matches_the_measured_recipe():
     assert 40 <= cfg.train.num_steps <= 60
     assert cfg.data.system_prompt is None and cfg.model.path == ".cache/models/SmolLM2-135M-Instruct"
     assert cfg.logging.run_dir == "runs/quickstart"
+
+
+def test_colocate_turns_both_offloads_on_unless_set(tmp_path):
+    path = write(tmp_path, "offload:\n  colocate: true\n")
+    offload = load_config(path).offload
+    assert (offload.train, offload.rollout) == (True, True)
+    assert load_config(path, ["offload.rollout=false"]).offload.rollout is False
+    assert load_config(write(tmp_path, "{}\n")).offload.train is False
