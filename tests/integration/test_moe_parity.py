@@ -5,7 +5,8 @@ References: HF transformers' log-probs and entropies, and the safetensors on dis
 trip. Layouts: EP=1 (one rank), EP=2 (two ranks, two experts each, the all-gather token dispatcher),
 expert-TP=2 (every expert's weights split over two ranks) and PP=2 (one MoE layer per stage). TP > 1 is
 refused for MoE models (see ``moe_config_kwargs``). Each layout runs once (one spawn) for both families
-and every rank must hold the results.
+and every rank must hold the results. Conversion: ``rlrun convert`` hf -> mcore -> hf, and a Megatron
+checkpoint saved at EP=2 loaded at EP=1.
 """
 
 from __future__ import annotations
@@ -136,3 +137,47 @@ def test_convert_hf_to_mcore_to_hf_is_exact(tiny_moe_dir, tmp_path):
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def _save_worker(hf_dir: str, out: str, ep: int) -> dict[str, torch.Tensor]:
+    """Perturb every parameter (each EP rank's experts differently), save a Megatron checkpoint; the HF export."""
+    from rlrun.megatron import build_model, export_hf_weights
+    from rlrun.megatron.checkpoint import start_save, training_state
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    parallel = init_distributed(tp=1, pp=1, seed=0, ep=ep)
+    model = build_model(hf_dir, parallel)
+    with torch.no_grad():
+        for name, param in model.module.named_parameters():
+            param.add_(0.01 * (len(name) + (parallel.ep_rank if ".local_experts." in name else 0)))
+    exported = {name: tensor.clone() for name, tensor in export_hf_weights(model)}
+    pending = start_save(training_state(model, None, None, with_rng=False), Path(out))
+    pending.write()
+    pending.finish()
+    destroy_distributed()
+    return exported
+
+
+def _load_worker(hf_dir: str, out: str, ep: int) -> dict[str, torch.Tensor]:
+    from rlrun.megatron import build_model, export_hf_weights
+    from rlrun.megatron.checkpoint import load_weights
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    parallel = init_distributed(tp=1, pp=1, seed=0, ep=ep)
+    model = build_model(hf_dir, parallel)
+    load_weights(model, Path(out))
+    exported = dict(export_hf_weights(model))
+    destroy_distributed()
+    return exported
+
+
+def test_checkpoint_saved_at_ep2_loads_at_ep1(tiny_moe_dir, tmp_path):
+    """Megatron's distributed checkpoint reshards the experts: saved over two EP ranks, loaded on one layout
+    that holds all four experts on each rank, the HF weights are the saved ones bit for bit."""
+    saved = run_distributed(_save_worker, 2, str(tiny_moe_dir), str(tmp_path), 2)
+    assert not torch.equal(saved["model.layers.0.mlp.experts.0.up_proj.weight"],
+                           load_file(tiny_moe_dir / "model.safetensors")["model.layers.0.mlp.experts.0.up_proj.weight"])
+    for loaded in run_distributed(_load_worker, 2, str(tiny_moe_dir), str(tmp_path), 1, all_ranks=True):
+        assert loaded.keys() == saved.keys()
+        for name, tensor in saved.items():
+            assert torch.equal(loaded[name], tensor), name
