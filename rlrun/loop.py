@@ -138,6 +138,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.engine.group import EngineGroup, GroupLayout
     from rlrun.megatron import build_model, make_optimizer, make_scheduler
+    from rlrun.megatron.moe import MoEOptions
     from rlrun.roles import ModelRoles
 
     run_dir = Path(cfg.logging.run_dir)
@@ -160,7 +161,8 @@ def setup(cfg: RunConfig, parallel) -> Components:
     with offloader.trainer_region():  # weights, grad buffers and optimizer state (actor and critic) can sleep
         opt = cfg.optimizer
         model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype,
-                            distributed_optimizer=opt.use_distributed_optimizer)
+                            distributed_optimizer=opt.use_distributed_optimizer,
+                            moe_options=MoEOptions(**cfg.model.moe.model_dump()))
         optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
         scheduler = make_scheduler(optimizer, opt, cfg.train.num_steps)
         critic = Critic.build(cfg, parallel)

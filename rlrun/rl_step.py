@@ -21,6 +21,8 @@ Logged names (token means over the step unless said otherwise; "agg" = ``algorit
   train/grad_norm          global gradient norm before clipping
   train/num_loss_tokens    response tokens that carried loss this step
   train/reused_logprobs    1 when the old-policy forward was skipped (``rlrun.roles.can_reuse_logprobs``)
+  train/moe_*              MoE router losses before their coefficients (``moe_load_balancing_loss``, ``moe_z_loss``):
+                           mean over MoE layers and micro-batches (rlrun/megatron/moe.py aux_loss_metrics)
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def train_policy(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, model, o
         out = train_step(model, optimizer, micro_batches, Objective(cfg.algorithm, counts),
                          num_global_tokens=num_global_tokens, temperature=cfg.rollout.temperature, with_entropy=True)
     roles.after_train_step(step)
-    metrics = {f"train/{name}": value / num_global_tokens for name, value in out.items()
-               if name not in ("loss", "grad_norm")}
+    metrics = {f"train/{name}": value if name.startswith("moe_") else value / num_global_tokens
+               for name, value in out.items() if name not in ("loss", "grad_norm")}
     metrics.update({"train/loss": out["loss"], "train/grad_norm": out["grad_norm"],
                     "train/num_loss_tokens": num_global_tokens, "train/reused_logprobs": float(roles.reuse_logprobs)})
     return metrics

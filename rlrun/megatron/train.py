@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rlrun.megatron.logprobs import forward_logits, vocab_parallel_token_stats
 from rlrun.megatron.model import MegatronModel
+from rlrun.megatron.moe import aux_loss_metrics
 from rlrun.megatron.pipeline import from_last_stage, run_schedule
 
 if TYPE_CHECKING:
@@ -145,6 +146,9 @@ def optimizer_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_bat
     config = model.module.config
     config.no_sync_func = model.ddp.no_sync
     config.finalize_model_grads_func = _sync_grads
+    # 1/N through grad_scale_func, not in loss_func: Megatron scales MoE aux-loss gradients by the same
+    # function (its per-token aux loss is multiplied by the micro-batch's tokens, expecting this division).
+    config.grad_scale_func = lambda loss: loss / num_global_tokens
     model.ddp.zero_grad_buffer()
     optimizer.zero_grad()
 
@@ -157,18 +161,18 @@ def optimizer_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_bat
             reserved = set(RESERVED_METRICS) & set(metrics)
             if reserved:
                 raise ValueError(f"loss_fn metric names {sorted(reserved)} are reserved by train_step; rename them")
-            loss = loss_sum / num_global_tokens
             no_token_count = torch.zeros([], dtype=torch.int, device=out.device)
-            return loss, no_token_count, {**metrics, "loss": loss.detach()}
+            return loss_sum, no_token_count, {**metrics, "loss": (loss_sum / num_global_tokens).detach()}
 
         return output, loss_func
 
     per_micro_batch = run_schedule(model, forward_step, micro_batches, forward_only=False)
+    router_losses = aux_loss_metrics(model.arch.moe, len(micro_batches)) if model.arch.moe is not None else {}
     sums = from_last_stage(model, _sum_over_dp(per_micro_batch) if model.parallel.is_last_stage else None)
     update_ok, grad_norm, _ = optimizer.step()
     if not update_ok:
         raise RuntimeError("the Megatron optimizer skipped the update (non-finite gradients)")
-    return {**sums, "grad_norm": float(grad_norm)}
+    return {**sums, **router_losses, "grad_norm": float(grad_norm)}
 
 
 def _sum_over_dp(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:

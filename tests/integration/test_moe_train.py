@@ -125,11 +125,6 @@ def _hf_grad_norm(hf_dir, batch, micro_batches: tuple[slice, ...]) -> float:
     return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rlrun/megatron/train.py divides the loss by num_global_tokens itself and leaves config.grad_scale_func "
-    "unset, so Megatron's per-token aux loss (aux * micro-batch tokens) reaches the gradient undivided: N times "
-    "too strong. Fix: return loss_sum from loss_func and set config.grad_scale_func = lambda t: t / N "
-    "(then drop this marker)"))
 def test_aux_loss_gradient_has_megatron_per_token_scale(tiny_moe_dir, batch):
     got = run_distributed(_grad_norm_worker, 1, str(tiny_moe_dir), batch)
     want = _hf_grad_norm(tiny_moe_dir, batch, (slice(0, 2), slice(2, 4)))
