@@ -22,6 +22,7 @@ from rlrun.runtime.dist import Parallel
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,18 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
     layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
 
     ``moe_options``: routing and load-balancing options of MoE models (ignored for dense ones)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options)
+    if parallel.is_rank0 and (padding_note := head_padding_note(arch, parallel.tp_size)):
+        # A warning, not info: it costs compute the user may avoid, and the trainer sets up no logging
+        # handlers, so only warnings reach the console.
+        log.warning("%s: %s", hf_dir, padding_note)
+    return wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
+
+
+def build_gpt(hf_dir: str, parallel: Parallel, dtype: str,
+              moe_options: MoEOptions | None = None) -> tuple[GPTModel, ModelArch, TransformerConfig]:
+    """The bare GPTModel of ``hf_dir`` for this rank (its pipeline stage, TP/EP shards), HF weights loaded;
+    shared by the actor (:func:`build_model`) and the critic (rlrun/megatron/value_head.py)."""
     from megatron.core.models.gpt import GPTModel
 
     from rlrun.megatron.attention import layer_spec
@@ -60,11 +72,6 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
         patch_router_without_te()
     config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size,
                                 parallel.etp_size, moe_options)
-    padding_note = head_padding_note(arch, parallel.tp_size)
-    if padding_note and parallel.is_rank0:
-        # A warning, not info: it costs compute the user may avoid, and the trainer sets up no logging
-        # handlers, so only warnings reach the console.
-        log.warning("%s: %s", hf_dir, padding_note)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, parallel.pp_rank, parallel.pp_size),
@@ -81,7 +88,15 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
     # Float16Module does (RoPE's inv_freq is a plain attribute and stays fp32).
     gpt = gpt.to(device=parallel.device, dtype=config.params_dtype)
     load_hf_weights(gpt, arch, HFCheckpoint(hf_dir), parallel)
-    # distributed_optimizer: make_optimizer builds Megatron's distributed optimizer over these grad buffers.
+    return gpt, arch, config
+
+
+def wrap_ddp(gpt: GPTModel, arch: ModelArch, config: TransformerConfig, parallel: Parallel, dtype: str,
+             distributed_optimizer: bool = False) -> MegatronModel:
+    """``gpt`` in Megatron DDP (fp32 grad buffers); ``distributed_optimizer``: make_optimizer builds
+    Megatron's distributed optimizer over these buffers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )

@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlrun.megatron.hf_config import ModelArch, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint
 from rlrun.megatron.logprobs import forward_logits
-from rlrun.megatron.model import MegatronModel, load_hf_weights
+from rlrun.megatron.model import MegatronModel, build_gpt, wrap_ddp
 from rlrun.megatron.pipeline import last_stage_outputs
 from rlrun.megatron.train import optimizer_step
 from rlrun.runtime.dist import Parallel
@@ -50,34 +49,13 @@ class ValueHead(torch.nn.Module):
 
 def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int) -> MegatronModel:
     """The critic of ``hf_dir`` on this rank (TP shards of the trunk, the whole head), in Megatron DDP."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-
-    from rlrun.megatron.attention import layer_spec
-
-    arch = ModelArch.from_hf_dir(hf_dir)
-    config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype)
-    # The same GPTModel arguments as rlrun.megatron.model.build_model: the trunk must load the same
-    # HF weights (the LM head is loaded too, then dropped).
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(arch),
-        vocab_size=arch.padded_vocab_size(parallel.tp_size), max_sequence_length=arch.max_position_embeddings,
-        pre_process=parallel.is_first_stage, post_process=parallel.is_last_stage, parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_embeddings, position_embedding_type="rope",
-        rotary_base=arch.rope_theta,
-    ).to(device=parallel.device, dtype=config.params_dtype)
-    checkpoint = HFCheckpoint(hf_dir)
-    load_hf_weights(gpt, arch, checkpoint, parallel)
+    gpt, arch, config = build_gpt(hf_dir, parallel, dtype)  # the actor's trunk (its LM head is dropped)
     # Every stage drops the tie, so no stage all-reduces embedding gradients with a head that is gone.
     gpt.share_embeddings_and_output_weights = False
     if parallel.is_last_stage:
         gpt.output_layer = ValueHead(arch.hidden_size, config.params_dtype, parallel.device)
-        init_value_head(gpt.output_layer, checkpoint, config.init_method_std, seed)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
-    return MegatronModel(ddp=ddp, arch=arch, parallel=parallel, dtype=dtype)
+        init_value_head(gpt.output_layer, HFCheckpoint(hf_dir), config.init_method_std, seed)
+    return wrap_ddp(gpt, arch, config, parallel, dtype)
 
 
 @torch.no_grad()
