@@ -53,7 +53,9 @@ class RoutingReplay:
                                                                                 TopKRouter)]
         moe_flags = model.arch.moe.moe_layers
         self.moe_layers = [sum(moe_flags[:layer.layer_number - 1]) for layer in layers]
-        """This stage's routers as indices into the engine's MoE-layer axis."""
+        """This stage's routers as indices into an engine layer axis of MoE layers only (embedded engine)."""
+        self.model_layers = [layer.layer_number - 1 for layer in layers]
+        """The same as indices into an axis of every decoder layer (SGLang returns one row per layer)."""
         for layer in layers:
             if layer.mlp.router.router_replay is None:
                 layer.mlp.router.router_replay = RouterReplay()
@@ -119,8 +121,16 @@ class RoutingReplay:
         if packed_seq_params(mb.position_ids, torch.device("cpu")) is None:
             experts = experts.transpose(0, 1)  # sbhd: the router sees [S, B]
         flat = experts.reshape(-1, *experts.shape[2:])
+        moe_flags = self.model.arch.moe.moe_layers
+        if flat.shape[1] == sum(moe_flags):
+            index = self.moe_layers
+        elif flat.shape[1] == len(moe_flags):
+            index = self.model_layers
+        else:
+            raise ValueError(f"routed experts have {flat.shape[1]} layers but the model has {len(moe_flags)} "
+                             f"decoder layers, {sum(moe_flags)} of them MoE; the engine must serve model.path")
         device = self.model.parallel.device
-        return [flat[:, layer].to(device=device, dtype=torch.long) for layer in self.moe_layers]
+        return [flat[:, layer].to(device=device, dtype=torch.long) for layer in index]
 
     # ---- the hooks ----------------------------------------------------------------------------------
 
