@@ -346,6 +346,13 @@ class RpcClient:
             self._state.notify_all()
 
     def close(self) -> None:
-        with self._socket_lock:
+        """Close the socket. A pump holds the lock for one poll slice at most, so a lock still held after
+        many slices belongs to a pump that will never release it: a KeyboardInterrupt that landed between
+        its acquire and its ``try`` (then this very thread holds it, and waiting would hang Ctrl-C)."""
+        acquired = self._socket_lock.acquire(timeout=20 * PUMP_SLICE_S)
+        try:
             self._socket.close(linger=0)
             self._context.term()
+        finally:
+            if acquired:
+                self._socket_lock.release()

@@ -183,3 +183,15 @@ def test_requests_without_the_token_are_refused(tmp_path):
         owner = RpcClient(endpoint, timeout_s=10, token=b"secret")
         assert owner.call("echo", x=1) == {"x": 1}
         owner.close()
+
+
+def test_close_does_not_hang_on_a_pump_lock_left_held_by_an_interrupt(tmp_path):
+    """Ctrl-C between a pump's acquire and its ``try`` leaves the socket lock held by the interrupted
+    thread itself; the shutdown that follows must still close the client instead of waiting forever."""
+    client = RpcClient(f"ipc://{tmp_path}/nobody.sock", timeout_s=1.0)
+    assert client._socket_lock.acquire(blocking=False)  # what the interrupted pump left behind
+    closer = threading.Thread(target=client.close, daemon=True)  # a hang fails the test instead of hanging it
+    closer.start()
+    closer.join(timeout=5.0)
+    assert not closer.is_alive(), "close() waits forever for a lock nobody will release"
+    assert client._socket.closed
