@@ -80,8 +80,11 @@ def test_stopped_worker_misses_heartbeats_and_fails_the_call_within_10_s(tiny_mo
 
 
 TRAINER = textwrap.dedent("""
+    import signal
     import sys
     from pathlib import Path
+    # As in a terminal: a test runner started in the background (``cmd &``) passes SIGINT on ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from rlrun.engine.client import EngineClient
     with EngineClient.spawn(backend="embedded", model_path=sys.argv[1], run_dir=Path(sys.argv[2]), rank=0,
                             seed=0) as engine:
