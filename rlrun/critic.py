@@ -57,16 +57,13 @@ class Critic:
         if not cfg.uses_critic:
             return None
         from rlrun.config.critic import load_critic_config
-        from rlrun.megatron import make_optimizer, make_scheduler
+        from rlrun.megatron import make_optimizer_and_scheduler
         from rlrun.megatron.value_head import build_critic_model
 
         spec = load_critic_config(cfg)
         model = build_critic_model(spec.model.path, parallel, dtype=spec.model.dtype, seed=cfg.train.seed)
-        opt = spec.optimizer
-        optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay,
-                                   betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
-        return cls(settings=cfg.critic, model=model, optimizer=optimizer,
-                   scheduler=make_scheduler(optimizer, opt, cfg.train.num_steps))
+        optimizer, scheduler = make_optimizer_and_scheduler(model, spec.optimizer, cfg.train.num_steps)
+        return cls(settings=cfg.critic, model=model, optimizer=optimizer, scheduler=scheduler)
 
     def actor_trains(self, step: int) -> bool:
         return step >= self.settings.num_critic_only_steps

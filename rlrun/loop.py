@@ -137,7 +137,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
     from rlrun.critic import Critic
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.engine.group import EngineGroup, GroupLayout
-    from rlrun.megatron import build_model, make_optimizer, make_scheduler
+    from rlrun.megatron import build_model, make_optimizer_and_scheduler
     from rlrun.megatron.moe import MoEOptions
     from rlrun.roles import ModelRoles
 
@@ -163,8 +163,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
         model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype,
                             distributed_optimizer=opt.use_distributed_optimizer,
                             moe_options=MoEOptions(**cfg.model.moe.model_dump()))
-        optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, clip_grad=opt.clip_grad)
-        scheduler = make_scheduler(optimizer, opt, cfg.train.num_steps)
+        optimizer, scheduler = make_optimizer_and_scheduler(model, opt, cfg.train.num_steps)
         critic = Critic.build(cfg, parallel)
     for trained in [optimizer] + ([critic.optimizer] if critic else []):
         offloader.keep_optimizer_state_in_region(trained)

@@ -95,12 +95,25 @@ def make_scheduler(optimizer: MegatronOptimizer, cfg: OptimizerSettings, num_ste
     )
 
 
+def make_optimizer_and_scheduler(model: MegatronModel, cfg: OptimizerSettings,
+                                 num_steps: int) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """:func:`make_optimizer` and :func:`make_scheduler` from one optimizer config (the actor's or the
+    critic's)."""
+    optimizer = make_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                               eps=cfg.adam_eps, clip_grad=cfg.clip_grad)
+    return optimizer, make_scheduler(optimizer, cfg, num_steps)
+
+
 class OptimizerSettings(Protocol):
-    """What :func:`make_scheduler` reads of ``rlrun.config.schema.OptimizerConfig``."""
+    """What :func:`make_optimizer_and_scheduler` reads of ``rlrun.config.schema.OptimizerConfig``."""
 
     lr: float
     min_lr: float
     weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
     lr_warmup_steps: int
     lr_decay_style: str
     lr_decay_steps: int | None
