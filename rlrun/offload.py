@@ -33,15 +33,16 @@ import torch
 
 from rlrun.config.schema import OffloadConfig
 from rlrun.runtime import reloadable_groups
+from rlrun.runtime.processes import process_tree
 
 ENGINE_TAGS_AFTER_SYNC = ["kv_cache", "cuda_graph"]
 TRAINER_TAG = "trainer"
 GB = 1e9
 
 
-def process_gpu_gb(pids: dict[str, int]) -> dict[str, float]:
-    """GPU memory (GB) each named process holds, as the driver reports it (CUDA context included),
-    because torch's own counters cannot see the engine process nor a paused region."""
+def process_gpu_gb(groups: dict[str, list[int]]) -> dict[str, float]:
+    """GPU memory (GB) each named group of processes holds, as the driver reports it (CUDA contexts
+    included), because torch's own counters cannot see the engine nor a paused region."""
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=30, check=False).stdout
     used = {}
@@ -49,7 +50,11 @@ def process_gpu_gb(pids: dict[str, int]) -> dict[str, float]:
         pid, _, mib = line.partition(",")
         if pid.strip().isdigit() and mib.strip().isdigit():
             used[int(pid)] = int(mib) * 2**20 / GB
-    return {name: round(used.get(pid, float("nan")), 3) for name, pid in pids.items()}
+    totals = {}
+    for name, pids in groups.items():
+        held = [used[pid] for pid in pids if pid in used]
+        totals[name] = round(sum(held), 3) if held else float("nan")
+    return totals
 
 
 def default_pool_gb() -> tuple[float, float]:
@@ -193,10 +198,11 @@ class Offloader:
         """Record GPU memory of the trainer, the engine and the whole device at the end of ``phase``."""
         if not self.on_gpu:
             return
-        pids = {"trainer": os.getpid()}
+        groups = {"trainer": [os.getpid()]}  # not its tree: that holds the engine worker
         if self.engine.process is not None:  # members of an engine group (engine.tp > 1) have no engine
-            pids["engine"] = self.engine.process.pid
-        for name, gb in process_gpu_gb(pids).items():
+            # SGLang's memory belongs to the scheduler processes below the worker (seen on the H200)
+            groups["engine"] = process_tree(self.engine.process.pid)
+        for name, gb in process_gpu_gb(groups).items():
             self.metrics[f"memory/{phase}/{name}_gb"] = gb
         self.metrics[f"memory/{phase}/device_gb"] = round(self.device_used_gb(), 3)
         allocated, reserved = default_pool_gb()

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlrun.runtime.processes import process_alive, process_tree
+
 ON_FAKE = os.environ.get("RLRUN_SGLANG_SUITE_ON_FAKE") == "1"
 pytestmark = pytest.mark.slow if ON_FAKE else pytest.mark.gpu
 if not ON_FAKE and not (torch.cuda.is_available() and importlib.util.find_spec("sglang")):
@@ -54,24 +56,6 @@ def used_gb() -> float:
         return math.nan
     free, total = torch.cuda.mem_get_info()
     return (total - free) / GB
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it, from /proc (children of all its threads)."""
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            children = task / "children"
-            if children.exists():
-                todo.extend(int(c) for c in children.read_text().split())
-    return found
-
-
-def alive(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +242,7 @@ def test_pause_abort_returns_partial_output_and_continue_serves_again(engine, re
 def test_shutdown_leaves_no_process_and_gives_the_memory_back(engine, trainer, record):
     """The worker exits on its own after ``shutdown`` (no kill needed), with every process SGLang started,
     and the device gets back what the engine held (polled: it is not free the moment shutdown returns)."""
-    tree = descendants(engine.process.pid)
+    tree = process_tree(engine.process.pid)
     record["engine_processes"] = len(tree)
     held = record["memory_gb"]["after_engine_start"] - record["memory_gb"]["before_engine"]
     before = used_gb()
@@ -268,9 +252,9 @@ def test_shutdown_leaves_no_process_and_gives_the_memory_back(engine, trainer, r
     record["seconds"]["shutdown"] = time.perf_counter() - start
     record["worker_exit_code"] = engine.process.returncode
     deadline = time.monotonic() + 60
-    while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [pid for pid in tree if alive(pid)]
+    left = [pid for pid in tree if process_alive(pid)]
     engine.shutdown()  # closes the client's socket; kills the group if anything was left
     assert engine.process.returncode == 0 and not left, (engine.process.returncode, left)
     if torch.cuda.is_available():

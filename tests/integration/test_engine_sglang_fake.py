@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 import rlrun
 from rlrun.engine.backends.sglang import check_payload
 from rlrun.engine.payload import serialize_flattened_bucket
+from rlrun.runtime.processes import process_alive, process_tree
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +72,9 @@ def test_adapter_starts_sglang_as_the_contract_says_on_0_5_23_and_0_5_17(tiny_mo
             assert record["torchrun_env"] == []
             assert record["kwargs"]["enable_memory_saver"] is True and record["kwargs"]["tp_size"] == 1
         assert records[0]["kwargs"]["nccl_port"] != records[1]["kwargs"]["nccl_port"]
+        # SGLang's memory is held by the processes its Engine starts (scheduler, detokenizer): seen on the H200
+        trees = [process_tree(e.process.pid) for e in (new, old)]
+        assert all(len(tree) >= 2 for tree in trees), trees
 
         # 0.5.17 has no sessions in SGLang; the worker still holds callers to the contract's.
         assert old.update_weights_from_tensor([b"unused"]) == {"success": False, "message": NOT_IN_SESSION}
@@ -86,6 +90,7 @@ def test_adapter_starts_sglang_as_the_contract_says_on_0_5_23_and_0_5_17(tiny_mo
     finally:
         new.shutdown()
         old.shutdown()
+    assert not [pid for tree in trees for pid in tree if process_alive(pid)], "shutdown left processes behind"
 
 
 SCENARIOS = {

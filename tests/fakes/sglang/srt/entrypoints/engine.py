@@ -7,6 +7,10 @@ contract tests pass against it); everything around it -- constructor arguments, 
 0.5.17's (entrypoints/engine.py:216-1540 there: no sessions, no ``get_model_info``); ``sglang.__version__``
 (``FAKE_SGLANG_VERSION``) >= 0.5.23 swaps in ``Engine0523``, as installing the other wheel would.
 
+Like the real one it starts a scheduler process (sglang's schedulers and detokenizer hold the GPU
+memory, not the process that built the ``Engine``; they die with their parent) and ``shutdown`` ends
+it, so leftover-process checks and per-process memory accounting meet the real process layout.
+
 Two things are logged for tests to check the adapter's side of the contract: the constructor's
 keyword arguments and the environment facts that matter (one ``fake-sglang-engine {json}`` line).
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 
 import sglang
@@ -40,6 +45,11 @@ SERVER_ARGS = {
 }
 
 
+# The scheduler stand-in: idles until shutdown kills it, or ends itself once its parent is gone
+# (sglang's kill_itself_when_parent_died).
+SCHEDULER = "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent: time.sleep(0.2)"
+
+
 class Engine:
     tokenizer_manager_class = TokenizerManager
 
@@ -61,6 +71,7 @@ class Engine:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"  # a process-wide side effect, as _set_envs_and_config
         self.tokenizer_manager = self.tokenizer_manager_class(self.server_args)
         self.loop = self._ensure_event_loop()
+        self.scheduler = subprocess.Popen([sys.executable, "-S", "-c", SCHEDULER], stdin=subprocess.DEVNULL)
 
     @staticmethod
     def _ensure_event_loop() -> asyncio.AbstractEventLoop:
@@ -99,7 +110,10 @@ class Engine:
         return self.loop.run_until_complete(self.tokenizer_manager.update_weights_from_tensor(obj, None))
 
     def shutdown(self) -> None:
+        """As entrypoints/engine.py:1207-1230: stop serving, then kill the processes below this one."""
         self.tokenizer_manager.shutdown()
+        self.scheduler.kill()
+        self.scheduler.wait()
 
 
 class Engine0523(Engine):
