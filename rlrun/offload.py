@@ -133,18 +133,21 @@ class Offloader:
     def engine_sleep(self) -> None:
         """After rollout: the engine gives back weights, KV cache and graphs (never mid-request)."""
         if self.cfg.rollout:
-            self.engine.release_memory_occupation()
+            with self._seconds("offload/engine_release_s"):
+                self.engine.release_memory_occupation()
             self._engine_kv_released = True
 
     def engine_wake_for_sync(self) -> None:
         """Before weight sync: only the weights come back, the KV cache waits until after."""
         if self.cfg.rollout:
-            self.engine.resume_memory_occupation(["weights"])
+            with self._seconds("offload/engine_resume_weights_s"):
+                self.engine.resume_memory_occupation(["weights"])
 
     def engine_wake_for_rollout(self) -> None:
         """Before rollout: the KV cache and graphs come back (nothing to do before the first rollout)."""
         if self.cfg.rollout and self._engine_kv_released:
-            self.engine.resume_memory_occupation(ENGINE_TAGS_AFTER_SYNC)
+            with self._seconds("offload/engine_resume_kv_s"):
+                self.engine.resume_memory_occupation(ENGINE_TAGS_AFTER_SYNC)
             self._engine_kv_released = False
 
     def trainer_sleep(self) -> None:
@@ -157,13 +160,17 @@ class Offloader:
         self._trainer_asleep = True
 
     def _release_trainer(self) -> None:
-        gc.collect()  # tensors kept alive only by reference cycles would pin their blocks
+        with self._seconds("offload/trainer_gc_s"):
+            gc.collect()  # tensors kept alive only by reference cycles would pin their blocks
         torch.cuda.ipc_collect()  # sync buckets whose IPC handles the engine has closed
         torch._C._cuda_clearCublasWorkspaces()  # re-created on the next matmul
         if self.cfg.teardown_nccl:  # after the device sync in _timed: no kernel still uses them
-            self.metrics["offload/nccl_groups_destroyed"] = reloadable_groups.destroy_all()
-        torch.cuda.empty_cache()
-        self._saver.pause(TRAINER_TAG)
+            with self._seconds("offload/nccl_destroy_s"):
+                self.metrics["offload/nccl_groups_destroyed"] = reloadable_groups.destroy_all()
+        with self._seconds("offload/trainer_empty_cache_s"):
+            torch.cuda.empty_cache()
+        with self._seconds("offload/trainer_pause_s"):
+            self._saver.pause(TRAINER_TAG)
 
     def trainer_wake(self) -> None:
         """Counterpart of :meth:`trainer_sleep`: the region comes back with its contents, and the NCCL
@@ -174,9 +181,20 @@ class Offloader:
         self._trainer_asleep = False
 
     def _restore_trainer(self) -> None:
-        self._saver.resume(TRAINER_TAG)
-        if self.cfg.teardown_nccl:
-            self.metrics["offload/nccl_groups_rebuilt"] = reloadable_groups.rebuild_all()
+        with self._seconds("offload/trainer_resume_s"):
+            self._saver.resume(TRAINER_TAG)
+        if self.cfg.teardown_nccl:  # the communicators themselves are created at each group's first collective
+            with self._seconds("offload/nccl_rebuild_s"):
+                self.metrics["offload/nccl_groups_rebuilt"] = reloadable_groups.rebuild_all()
+
+    @contextlib.contextmanager
+    def _seconds(self, key: str) -> Iterator[None]:
+        """Wall seconds of the body as ``metrics[key]``: the parts of a sleep or wake (and the engine's
+        release/resume RPCs, which return once the engine is done), so a slow offload phase says which
+        part was slow."""
+        start = time.perf_counter()
+        yield
+        self.metrics[key] = round(time.perf_counter() - start, 4)
 
     def _timed(self, what: str, fn) -> None:
         before = self.device_used_gb()
@@ -210,7 +228,8 @@ class Offloader:
         self.metrics[f"memory/{phase}/trainer_default_pool_reserved_gb"] = reserved
 
     def step_metrics(self) -> dict[str, float]:
-        """This step's timeline and sleep/wake figures (empty on CPU), then a fresh record for the next."""
+        """This step's timeline and sleep/wake figures (on CPU only the engine's release/resume seconds),
+        then a fresh record for the next."""
         out, self.metrics = self.metrics, {}
         if self.on_gpu:
             out["memory/trainer_max_allocated_gb"] = round(torch.cuda.max_memory_allocated(self.device) / GB, 3)
