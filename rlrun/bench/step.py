@@ -1,6 +1,7 @@
-"""``rlrun bench step``: seconds per GRPO step through the real loop, split by phase, on one device.
+"""``rlrun bench step``: seconds per GRPO step through the real loop, split by phase, on one device or
+``ranks`` of them (DP=ranks, the same work per rank: weak scaling).
 
-Each run is ``rlrun train`` under torchrun (one rank, trainer and engine colocated, offload on) on a
+Each run is ``rlrun train`` under torchrun (one rank per device, trainer and engine colocated, offload on) on a
 random-init model of a published shape, so the figures are the loop's own: ``time/<phase>_s`` and
 ``memory/*`` from ``metrics.jsonl`` (rlrun/loop.py), not a re-timing. The inputs are built once per
 work directory and shared by every backend and by the TRL comparison (benchmarks/trl_grpo.py):
@@ -87,6 +88,9 @@ class StepResult:
     """One backend's ``bench step`` run: settings, every step, medians after warm-up, environment."""
 
     settings: StepSettings
+    ranks: int
+    samples_per_rank: int
+    """Responses each rank generates and trains on per step (``prompts`` x ``samples`` / ``ranks``)."""
     hardware: str
     dtype: str
     versions: dict[str, str]
@@ -191,9 +195,9 @@ def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: s
     }
 
 
-def launch(config_path: Path, run_dir: Path, timeout_s: float) -> None:
-    """``torchrun --nproc-per-node 1 -m rlrun train CONFIG``, output in ``run_dir/torchrun.log``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+def launch(config_path: Path, run_dir: Path, timeout_s: float, ranks: int = 1) -> None:
+    """``torchrun --nproc-per-node RANKS -m rlrun train CONFIG``, output in ``run_dir/torchrun.log``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "-m", "rlrun", "train", str(config_path)]
     repo = str(Path(__file__).resolve().parents[2])
     env = {**TORCHRUN_ENV, **os.environ,  # what the caller set wins (OMP_NUM_THREADS=1 on a shared CPU)
@@ -221,7 +225,8 @@ def step_record(row: dict, settings: StepSettings) -> StepRecord:
                       trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0))
 
 
-def summarise(rows: list[dict], settings: StepSettings, hardware: str, dtype: str, run_dir: Path) -> StepResult:
+def summarise(rows: list[dict], settings: StepSettings, hardware: str, dtype: str, run_dir: Path,
+              ranks: int = 1) -> StepResult:
     """Per-step records and medians over the steps after ``WARMUP_STEPS`` (all steps if there are no more)."""
     if len(rows) != settings.steps:
         raise RuntimeError(f"metrics.jsonl in {run_dir} has {len(rows)} steps but the run was set to "
@@ -232,7 +237,8 @@ def summarise(rows: list[dict], settings: StepSettings, hardware: str, dtype: st
     phases = sorted({p for r in timed for p in r.phases_s})
     expected = settings.prompts * settings.samples * settings.new_tokens
     return StepResult(
-        settings=settings, hardware=hardware, dtype=dtype, versions=versions(settings.backend),
+        settings=settings, ranks=ranks, samples_per_rank=settings.prompts * settings.samples // ranks,
+        hardware=hardware, dtype=dtype, versions=versions(settings.backend),
         fixed_length=all(r.output_tokens == expected for r in records), warmup_steps=warmup,
         median_step_s=statistics.median(r.step_s for r in timed),
         median_phases_s={p: statistics.median(r.phases_s.get(p, 0.0) for r in timed) for p in phases},
@@ -261,15 +267,20 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def bench_step(settings: StepSettings, work_dir: Path, timeout_s: float = 1800.0) -> StepResult:
-    """Run ``settings.steps`` GRPO steps with ``settings.backend`` and summarise the loop's metrics."""
+def bench_step(settings: StepSettings, work_dir: Path, timeout_s: float = 1800.0, ranks: int = 1) -> StepResult:
+    """Run ``settings.steps`` GRPO steps with ``settings.backend`` and summarise the loop's metrics. With
+    ``ranks`` > 1, torchrun starts that many ranks (DP=ranks, an engine each), which share ``settings.prompts``:
+    for weak scaling pass ``ranks`` times the one-rank prompts (scripts/gpu/multi_gpu.sh does)."""
+    if settings.prompts % ranks:
+        raise ValueError(f"prompts ({settings.prompts}) must be a multiple of ranks ({ranks}) because every rank "
+                         f"generates and trains on the same share; set prompts to {ranks} x the prompts per rank")
     import torch
 
     from rlrun.config import load_config
 
     on_gpu = torch.cuda.is_available()
     dtype = "bfloat16" if on_gpu else "float32"
-    run_dir = work_dir / settings.backend
+    run_dir = work_dir / (settings.backend + ("" if ranks == 1 else f"_ranks{ranks}"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     config_path = run_dir / "bench_step.yaml"
@@ -277,6 +288,6 @@ def bench_step(settings: StepSettings, work_dir: Path, timeout_s: float = 1800.0
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     load_config(config_path)  # a bad setting (backend, steps, ...) fails here, before any model is written
     prepare_inputs(settings, work_dir, dtype, "cuda" if on_gpu else "cpu")
-    launch(config_path, run_dir, timeout_s)
+    launch(config_path, run_dir, timeout_s, ranks)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return summarise(rows, settings, device_name(), dtype, run_dir)
+    return summarise(rows, settings, device_name(), dtype, run_dir, ranks)
