@@ -4,9 +4,9 @@
 # $OUT/<step>.log and its exit code in $OUT/steps.txt; a failed step does not stop the next.
 # Calls, carry lists and what changes for x4/x8: scripts/gpu/multi_gpu_session.md.
 #
-#   bash scripts/gpu/multi_gpu.sh install prepare baseline tp2 dp2   # call 1 (carry .whl)
-#   bash scripts/gpu/multi_gpu.sh pp2 engine_tp2 summary              # call 2 (carry .whl)
-#   bash scripts/gpu/multi_gpu.sh scaling                             # call 3 (carry .whl)
+#   bash scripts/gpu/multi_gpu.sh install prepare baseline tp2 dp2 summary   # call 1 (carry .whl)
+#   bash scripts/gpu/multi_gpu.sh pp2 engine_tp2 summary                      # call 2 (carry .whl)
+#   bash scripts/gpu/multi_gpu.sh scaling                                     # call 3 (carry .whl)
 #
 # Steps:
 #   install     the wheels the image lacks (.whl: megatron-core, pyzmq, pydantic, ...) into /tmp/site
@@ -19,8 +19,8 @@
 #   engine_tp2  trainer TP=2 and engine.tp=2 on 2 GPUs, generating its own samples: after each sync
 #               (steps 1, 2) train/logprob_gap is the engine-vs-trainer gap of the synced weights
 #   summary     scripts/gpu/summarise_multi_gpu.py layouts -> $OUT/multi_gpu_layouts.json
-#   scaling     `rlrun bench step` (rlrun/bench/step.py) at 1 rank and at each of $SCALE_RANKS, the
-#               same prompts x samples per rank -> $OUT/weak_scaling.json (efficiency t(1)/t(N))
+#   scaling     `rlrun bench step` (rlrun/bench/step.py bench_step) at 1 rank and at each of $SCALE_RANKS
+#               (default 2), SCALE_SETTINGS' prompts per rank -> $OUT/weak_scaling.json (efficiency t(1)/t(N))
 # A layout step on a machine that lost the baseline (cold start) runs prepare and baseline first.
 #
 # CPU rehearsal (gloo, the tiny shape in float32, the repo's venv): RLRUN_MULTI_GPU_CPU=1, e.g.
@@ -47,9 +47,11 @@ fi
 # One config for every layout: quickstart.yaml's data and GRPO settings on the random model, 3 steps,
 # colocated with offload on; an entropy bonus makes the step-0 loss depend on the model's numerics (the
 # policy term at step 0 has ratio 1 in every layout), and a reward on token ids gives every group spread.
+# RLRUN_MULTI_GPU_SETS adds KEY=VALUE pairs to every run (e.g. offload.teardown_nccl=false for a retry).
 COMMON=(model.path=$MODEL model.dtype=$DTYPE train.num_steps=3 offload.colocate=true "${SIZE[@]}"
         rollout.reward=rlrun.bench.step:even_token_reward rollout.ignore_eos=true
-        algorithm.skip_tied_groups=false algorithm.entropy_coef=0.01 checkpoint.save_interval=0)
+        algorithm.skip_tied_groups=false algorithm.entropy_coef=0.01 checkpoint.save_interval=0
+        ${RLRUN_MULTI_GPU_SETS:-})
 
 activate() {  # the repo and the wheels on PYTHONPATH (GPU: installs them when the machine is fresh)
   if [ "$CPU" = 1 ]; then . .venv/bin/activate; export PYTHONPATH=$PWD; return; fi
@@ -63,7 +65,7 @@ step_install() {
 
 step_prepare() {
   activate || return 1
-  [ -f "$MODEL/config.json" ] || python scripts/gpu/prepare_model.py "$MODEL" --shape $SHAPE --dtype $DTYPE
+  [ -f "$MODEL/config.json" ] || python3 scripts/gpu/prepare_model.py "$MODEL" --shape $SHAPE --dtype $DTYPE
 }
 
 train() {  # NAME NPROC KEY=VALUE...: `rlrun train` under torchrun with COMMON and the layout's settings
@@ -73,7 +75,7 @@ train() {  # NAME NPROC KEY=VALUE...: `rlrun train` under torchrun with COMMON a
   rm -rf "${RUNS:?}/$name"
   echo "rlrun train configs/quickstart.yaml (nproc $nproc) ${sets[*]}"
   # python -m torch.distributed.run: the same Python for the ranks and their engine workers
-  timeout $TRAIN_TIMEOUT python -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+  timeout $TRAIN_TIMEOUT python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     -m rlrun train configs/quickstart.yaml "${sets[@]}"
 }
 
@@ -94,7 +96,7 @@ step_engine_tp2() { activate && step_prepare && train engine_tp2 2 parallel.tp=2
 
 step_summary() {
   activate || return 1
-  python scripts/gpu/summarise_multi_gpu.py layouts "$RUNS" "$OUT/multi_gpu_layouts.json"
+  python3 scripts/gpu/summarise_multi_gpu.py layouts "$RUNS" "$OUT/multi_gpu_layouts.json"
 }
 
 step_scaling() {
@@ -111,10 +113,10 @@ result = bench_step(settings, work, timeout_s=270, ranks=ranks)
 (work / f"bench_step_ranks{ranks}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
 print(f"ranks {ranks}: median {result.median_step_s:.3f} s/step, {result.samples_per_rank} samples per rank")'
   rm -rf "$RUNS/scaling"
-  for n in 1 $SCALE_RANKS; do
-    python -c "$bench" "$n" "$RUNS/scaling" "$SCALE_SETTINGS" || rc=$?
+  for n in 1 $SCALE_RANKS; do  # summarised after every run: a call cut short keeps what finished
+    python3 -c "$bench" "$n" "$RUNS/scaling" "$SCALE_SETTINGS" || rc=$?
+    python3 scripts/gpu/summarise_multi_gpu.py scaling "$OUT/weak_scaling.json" "$RUNS"/scaling/bench_step_ranks*.json || rc=$?
   done
-  python scripts/gpu/summarise_multi_gpu.py scaling "$OUT/weak_scaling.json" "$RUNS"/scaling/bench_step_ranks*.json || rc=$?
   return $rc
 }
 

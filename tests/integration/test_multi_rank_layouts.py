@@ -61,7 +61,7 @@ def test_layouts_match_the_one_rank_baseline(tmp_path):
             assert got["rollout/loaded_from_disk"] == 1.0 and got["train/num_loss_tokens"] == want["train/num_loss_tokens"]
             assert rel_diff(got["train/loss"], want["train/loss"]) < 10 * REL, (name, got["step"])
             assert got["train/logprob_gap"] < 1e-5  # the baseline engine's log-probs, this layout's trainer
-        assert summary["layouts"][name]["ok"] is True
+        assert summary["layouts"][name]["ok"] is True and summary["layouts"][name]["ranks"] == 2
         assert summary["layouts"][name]["train/loss"]["baseline"] == baseline[0]["train/loss"]
 
     engine = rows(runs / "engine_tp2")
