@@ -7,7 +7,12 @@ every result, the ratios (TRL median seconds per step / rlrun's: how many times 
 the issue's goals, and prints a table. A run that fails is recorded with its output's tail; the others
 still run.
 
-    python benchmarks/peer_step.py --shape qwen3-0.6b --steps 5 --backends embedded,sglang \\
+``--backends`` lists rlrun variants, each ``BACKEND`` plus optional suffixes (the names
+``rlrun.bench.step.Variant.label`` gives): ``_resident`` (``--offload off``: trainer and engine both stay
+on the device, as TRL's do) and ``_keepnccl`` (``--teardown-nccl off``). TRL runs once, first.
+
+    python benchmarks/peer_step.py --shape qwen3-0.6b --steps 5 \\
+        --backends embedded,sglang,sglang_keepnccl,sglang_resident \\
         --work /tmp/peer_step --out benchmarks/results/peer_step_qwen3-0.6b_h200.json
 
 ``--trl-python``: the interpreter that has trl (default: this one).
@@ -26,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import add_settings_args, settings_from  # noqa: E402
 
-from rlrun.bench.step import StepSettings  # noqa: E402
+from rlrun.bench.step import StepSettings, Variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"sglang": 4.0, "embedded": 2.5}
@@ -37,6 +42,25 @@ def settings_flags(settings: StepSettings) -> list[str]:
     """The settings as the ``--flag value`` pairs both ``rlrun bench step`` and trl_grpo.py take."""
     return [arg for field in dataclasses.fields(StepSettings) if field.name != "backend"
             for arg in ("--" + field.name.replace("_", "-"), str(getattr(settings, field.name)))]
+
+
+def parse_variant(spec: str) -> tuple[str, Variant]:
+    """``sglang_resident_keepnccl`` -> ("sglang", Variant(offload=False, teardown_nccl=False))."""
+    backend, *suffixes = spec.split("_")
+    unknown = set(suffixes) - {"resident", "keepnccl"}
+    if unknown:
+        raise SystemExit(f"--backends entry {spec!r} must be a backend plus _resident and/or _keepnccl because "
+                         f"those are the variants bench step runs; drop {sorted(unknown)}")
+    variant = Variant(offload="resident" not in suffixes, teardown_nccl="keepnccl" not in suffixes)
+    if variant.label(backend) != spec:
+        raise SystemExit(f"--backends entry {spec!r} must be written {variant.label(backend)!r} (the run's folder name)")
+    return backend, variant
+
+
+def variant_flags(backend: str, variant: Variant) -> list[str]:
+    """The ``rlrun bench step`` flags of one variant."""
+    return ["--backend", backend, "--offload", "on" if variant.offload else "off",
+            "--teardown-nccl", "on" if variant.teardown_nccl else "off"]
 
 
 def run_json(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict:
@@ -69,23 +93,25 @@ def compare(results: dict[str, dict]) -> dict[str, dict]:
         if backend == "trl" or mine is None or trl is None:
             continue
         speedup = trl / mine
+        goal = GOALS.get(backend.split("_")[0])
         out[backend] = {"rlrun_s_per_step": mine, "trl_s_per_step": trl, "speedup_vs_trl": speedup,
-                        "goal": GOALS.get(backend), "meets_goal": speedup >= GOALS.get(backend, 0.0)}
+                        "goal": goal, "meets_goal": speedup >= (goal or 0.0)}
     return out
 
 
 def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, dict]) -> str:
     lines = [f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
              f"{settings.new_tokens}-token responses, {settings.steps} steps (median after the first)",
-             "| run | s/step | output tok/s | x faster than TRL (goal) |", "|---|---|---|---|"]
+             "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) |", "|---|---|---|---|---|"]
     for name, result in results.items():
         if "error" in result:
-            lines.append(f"| {name} | failed: {result['error']} | | |")
+            lines.append(f"| {name} | failed: {result['error']} | | | |")
             continue
         body = result["results"][0] if "results" in result else result
         ratio = ratios.get(name)
         vs = f"{ratio['speedup_vs_trl']:.2f} ({ratio['goal']})" if ratio else ""
-        lines.append(f"| {name} | {body['median_step_s']:.2f} | {body['median_tokens_per_s']:.0f} | {vs} |")
+        phases = " ".join(f"{k} {v:.2f}" for k, v in body["median_phases_s"].items() if v >= 0.01)
+        lines.append(f"| {name} | {body['median_step_s']:.2f} | {phases} | {body['median_tokens_per_s']:.0f} | {vs} |")
     return "\n".join(lines)
 
 
@@ -95,7 +121,12 @@ def main() -> None:
     parser.add_argument("--backends", default="embedded,sglang")
     parser.add_argument("--trl-python", default=sys.executable)
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL only (rlrun does not recompute).")
+    parser.add_argument("--reuse-trl", action="store_true",
+                        help="Take TRL's result from --work/trl.json (an earlier invocation, same settings) instead "
+                             "of running it again: for variant runs split over several device calls.")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="Per run.")
+    parser.add_argument("--profile-step", type=int, default=None,
+                        help="rlrun runs only: profile this step (its train phase's top ops go into the JSON).")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     settings = settings_from(args, "trl")
@@ -104,14 +135,32 @@ def main() -> None:
     # TRL first: the reference survives if a later run (SGLang's start-up is the slowest) runs out of time
     runs = {"trl": [args.trl_python, str(REPO / "benchmarks" / "trl_grpo.py"), *flags, "--out", str(args.work / "trl.json")]
             + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])}
-    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
-        runs[backend] = [sys.executable, "-m", "rlrun", "bench", "step", "--backend", backend, *flags,
-                         "--out", str(args.work / f"rlrun_{backend}.json"), "--timeout-s", str(args.timeout_s)]
+    profile = [] if args.profile_step is None else ["--profile-step", str(args.profile_step)]
+    for spec in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        runs[spec] = [sys.executable, "-m", "rlrun", "bench", "step", *variant_flags(*parse_variant(spec)), *flags,
+                      *profile, "--out", str(args.work / f"rlrun_{spec}.json"), "--timeout-s", str(args.timeout_s)]
     results: dict[str, dict] = {}
+    if args.reuse_trl:
+        results["trl"] = reused_trl(args.work / "trl.json", settings)
+        del runs["trl"]
     for name, cmd in runs.items():
         results[name] = run_json(name, cmd, Path(cmd[cmd.index("--out") + 1]), args.timeout_s + 60)
         write_record(args.out, settings, results)  # after every run: a later timeout keeps what finished
     print(table(settings, results, compare(results)))
+
+
+def reused_trl(path: Path, settings: StepSettings) -> dict:
+    """An earlier invocation's TRL record, if it ran the same work (marked ``reused_from``)."""
+    if not path.exists():
+        raise SystemExit(f"--reuse-trl needs {path} because it takes TRL's figures from there; run without "
+                         f"--reuse-trl first (same --work) or drop the flag")
+    record = json.loads(path.read_text())
+    ran = {k: v for k, v in record.get("settings", {}).items() if k != "backend"}
+    wanted = {k: v for k, v in dataclasses.asdict(settings).items() if k != "backend"}
+    if ran != wanted:
+        raise SystemExit(f"--reuse-trl: {path} ran {ran}, this invocation wants {wanted}; they must match "
+                         f"because the ratios compare the same work; drop --reuse-trl")
+    return {**record, "reused_from": str(path)}
 
 
 def write_record(path: Path, settings: StepSettings, results: dict[str, dict]) -> None:

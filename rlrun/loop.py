@@ -199,7 +199,8 @@ def train_one_step(parts: Components, state: RunState) -> None:
         parts.offloader.engine_wake_for_rollout()
     with timer("rollout"):
         samples = rollout(parts, state.step, metrics)
-    parts.offloader.mark("rollout")
+    with timer("memory"):  # the timeline's nvidia-smi calls: timed, so step_s is the step's whole wall time
+        parts.offloader.mark("rollout")
     with timer("offload"):
         parts.offloader.engine_sleep()
         parts.offloader.trainer_wake()
@@ -214,14 +215,16 @@ def train_one_step(parts: Components, state: RunState) -> None:
         maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, micro_batches)
         with timer("train"):
             metrics.update(train(parts, micro_batches, num_global_tokens, state.step))
-    parts.offloader.mark("train")
+    with timer("memory"):
+        parts.offloader.mark("train")
     with timer("offload"):
         parts.offloader.engine_wake_for_sync()
     if micro_batches:
         with timer("sync"):  # reads the trainer's weights: the trainer sleeps at the next step's start
             state.weight_version += 1
             sync_weights(parts, state.weight_version)
-    parts.offloader.mark("sync")
+    with timer("memory"):
+        parts.offloader.mark("sync")
     metrics.update(parts.offloader.step_metrics())
     if parts.logger is not None:
         parts.logger.log(state.step, {**metrics, **timer.as_metrics()})

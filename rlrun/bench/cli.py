@@ -103,11 +103,24 @@ def step(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-
          prompt_len: int = 128, new_tokens: Annotated[int, typer.Option(help="Every response's length (EOS ignored).")] = 512,
          steps: int = 5, micro_batch_samples: int = 32, lr: float = 1e-6, seed: int = 0,
          work: Annotated[Path, typer.Option(help="Model, prompts (shared across runs) and each backend's run directory.")] = Path("runs/bench_step"),
-         timeout_s: float = 1800.0, out: OutFile = None) -> None:
+         timeout_s: float = 1800.0,
+         offload: Annotated[str, typer.Option(help="on: trainer and engine take turns on the device; off: both resident (as TRL).")] = "on",
+         teardown_nccl: Annotated[str, typer.Option(help="on|off: offload.teardown_nccl (only with --offload on).")] = "on",
+         profile_step: Annotated[int | None, typer.Option(help="Profile this step; its train phase's top ops go into the JSON.")] = None,
+         out: OutFile = None) -> None:
     """Seconds per GRPO step of ``rlrun train`` (1 rank, colocated, offload on), split by phase, tokens/s, memory."""
-    from rlrun.bench.step import StepSettings, bench_step
+    from rlrun.bench.step import StepSettings, Variant, bench_step
 
     settings = StepSettings(shape=shape, backend=backend, prompts=prompts, samples=samples, prompt_len=prompt_len,
                             new_tokens=new_tokens, steps=steps, micro_batch_samples=micro_batch_samples, lr=lr,
                             seed=seed)
-    _emit("step", [bench_step(settings, work, timeout_s)], out)
+    variant = Variant(offload=_on_off("--offload", offload), teardown_nccl=_on_off("--teardown-nccl", teardown_nccl))
+    _emit("step", [bench_step(settings, work, timeout_s, variant, profile_step)], out)
+
+
+def _on_off(flag: str, value: str) -> bool:
+    """``on``/``off`` as a bool: the flags read as the issue's variants do (offload on/off), not as typer's
+    ``--x/--no-x`` pairs, so peer_step.py passes one value per flag."""
+    if value not in ("on", "off"):
+        raise typer.BadParameter(f"{flag} ({value}) must be on or off because it switches one mechanism; set {flag} on")
+    return value == "on"

@@ -15,6 +15,13 @@ Responses are forced to ``new_tokens`` tokens by ``rollout.ignore_eos``; the eng
 to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
 The reward (``even_token_reward``) has spread within a group so GRPO's advantages are not all zero.
 
+Variants (:class:`Variant`, ``--offload`` and ``--teardown-nccl``) change how rlrun runs the same work:
+offload off keeps trainer and engine resident (what TRL does), with a smaller SGLang memory fraction so
+both fit. Every step also carries the offloader's ``offload/*`` figures (trainer sleep/wake seconds and
+GB and their parts, NCCL teardown/rebuild, the engine's release/resume seconds), so a slow ``offload``
+phase says where its seconds went. ``--profile-step K`` records step K with the torch profiler and puts
+the train phase's top ops into the JSON (rlrun/bench/trace_ops.py); that step is left out of the medians.
+
 Per step: the phases' seconds, output tokens (prompts x samples x new_tokens when the length held),
 output tokens/s over the whole step and over the rollout, and memory (device-wide GB at each phase
 mark, the trainer's peak allocation). Medians leave out the first ``warmup_steps`` (engine start-up
@@ -37,12 +44,18 @@ import yaml
 
 from rlrun.bench.engines import SGLANG_SERVER_ARGS
 from rlrun.bench.shapes import get_shape
+from rlrun.bench.trace_ops import PhaseProfile, phase_profile
 
 TORCHRUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                 "OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 """Defaults for the training processes; the caller's environment overrides them. NVLink multicast off
 (the device notes say why), a few OpenMP threads per rank."""
 WARMUP_STEPS = 1
+RESIDENT_SGLANG_MEM_FRACTION = 0.15
+"""SGLang's ``mem_fraction_static`` with offload off: weights + KV cache for 128 x 640 tokens (9.4 GB at
+Qwen3-0.6B/1.7B) fit in 21 GB of an H200, next to a 1.7B trainer's 106 GB peak (measured 2026-11-29);
+the offload runs keep SGLANG_SERVER_ARGS' 0.3, since the engine has the device to itself while it generates."""
+PROFILED_PHASE = "train"
 INPUTS = "inputs"
 """The folder of ``--work`` that holds the model and prompts every run shares."""
 
@@ -65,6 +78,29 @@ class StepSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """How rlrun runs the step (the work itself is :class:`StepSettings`', shared with TRL)."""
+
+    offload: bool = True
+    """Trainer and engine take turns on the device (``offload.train`` / ``offload.rollout``); off: both
+    stay resident, as TRL's trainer and generation do."""
+    teardown_nccl: bool = True
+    """``offload.teardown_nccl``: destroy and rebuild Megatron's NCCL communicators at every sleep/wake
+    (only with offload)."""
+
+    def label(self, base: str) -> str:
+        """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
+        return base + ("" if self.offload else "_resident") + ("" if self.teardown_nccl else "_keepnccl")
+
+    def engine_memory(self, backend: str) -> str:
+        """How the engine's memory was sized, for the JSON."""
+        if backend != "sglang":
+            return "embedded: static KV cache sized to the batch (prompts x samples x (prompt_len + new_tokens))"
+        fraction = SGLANG_SERVER_ARGS["mem_fraction_static"] if self.offload else RESIDENT_SGLANG_MEM_FRACTION
+        return f"sglang mem_fraction_static {fraction}"
+
+
+@dataclasses.dataclass(frozen=True)
 class StepRecord:
     """One step as the loop logged it."""
 
@@ -81,6 +117,12 @@ class StepRecord:
     """Largest ``memory/<phase>/device_gb`` of the step (whole device, engine included; 0 on CPU)."""
     trainer_max_allocated_gb: float
     """torch.cuda.max_memory_allocated of the trainer process over the step (0 on CPU)."""
+    offload: dict[str, float]
+    """The step's ``offload/*`` metrics without the prefix (rlrun/offload.py: ``trainer_{sleep,wake}_{s,gb}``,
+    ``trainer_{gc,pause,resume,empty_cache}_s``, ``nccl_{destroy,rebuild}_s``, ``nccl_groups_{destroyed,rebuilt}``,
+    ``engine_{release,resume_weights,resume_kv}_s``); on CPU only the engine's."""
+    profiled: bool = False
+    """Recorded by the torch profiler (slower): left out of the medians."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +130,9 @@ class StepResult:
     """One backend's ``bench step`` run: settings, every step, medians after warm-up, environment."""
 
     settings: StepSettings
+    variant: Variant
+    label: str
+    engine_memory: str
     ranks: int
     samples_per_rank: int
     """Responses each rank generates and trains on per step (``prompts`` x ``samples`` / ``ranks``)."""
@@ -100,10 +145,13 @@ class StepResult:
     median_step_s: float
     median_phases_s: dict[str, float]
     median_tokens_per_s: float
+    median_offload: dict[str, float]
     peak_device_gb: float
     trainer_max_allocated_gb: float
     steps: list[StepRecord]
     run_dir: str
+    profile: PhaseProfile | None = None
+    """With ``--profile-step``: the top ops of that step's train phase."""
 
 
 def even_fraction(ids: list[int]) -> float:
@@ -170,11 +218,14 @@ def prepare_inputs(settings: StepSettings, work_dir: Path, dtype: str, device: s
     return inputs_dir
 
 
-def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: str) -> dict:
+def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: str, variant: Variant = Variant(),
+               profile_step: int | None = None) -> dict:
     """The ``rlrun train`` config of one run (written next to its metrics as ``bench_step.yaml``)."""
     engine: dict = {"backend": settings.backend, "startup_timeout_s": 600}
     if settings.backend == "sglang":
         engine["sglang_server_args"] = dict(SGLANG_SERVER_ARGS)
+        if not variant.offload:
+            engine["sglang_server_args"]["mem_fraction_static"] = RESIDENT_SGLANG_MEM_FRACTION
     sample_len = settings.prompt_len + settings.new_tokens
     return {
         "model": {"path": str(inputs_dir / "model"), "dtype": dtype},
@@ -184,14 +235,15 @@ def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: s
                     "max_new_tokens": settings.new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
                     "reward": f"{__name__}:even_token_reward", "ignore_eos": True},
         "engine": engine,
-        "offload": {"train": True, "rollout": True},
+        "offload": {"train": variant.offload, "rollout": variant.offload, "teardown_nccl": variant.teardown_nccl},
         "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2,
                       "skip_tied_groups": False},
         "optimizer": {"lr": settings.lr, "clip_grad": 1.0},
         "train": {"num_steps": settings.steps, "seed": settings.seed,
                   "max_tokens_per_micro_batch": settings.micro_batch_samples * sample_len},
         "checkpoint": {"save_interval": 0, "resume": "none"},
-        "logging": {"run_dir": str(run_dir), "console": True},
+        "logging": {"run_dir": str(run_dir), "console": True,
+                    "profile_steps": [] if profile_step is None else [profile_step]},
     }
 
 
@@ -213,7 +265,7 @@ def launch(config_path: Path, run_dir: Path, timeout_s: float, ranks: int = 1) -
                            f"({log}) ends with:\n{log.read_text()[-3000:]}")
 
 
-def step_record(row: dict, settings: StepSettings) -> StepRecord:
+def step_record(row: dict, settings: StepSettings, profile_step: int | None = None) -> StepRecord:
     """One metrics.jsonl row as a :class:`StepRecord`."""
     phases = {key[len("time/"):-len("_s")]: value for key, value in row.items()
               if key.startswith("time/") and key.endswith("_s") and key != "time/step_s"}
@@ -222,30 +274,37 @@ def step_record(row: dict, settings: StepSettings) -> StepRecord:
     return StepRecord(step=row["step"], step_s=row["time/step_s"], phases_s=phases, output_tokens=tokens,
                       tokens_per_s=tokens / row["time/step_s"], rollout_tokens_per_s=tokens / phases["rollout"],
                       peak_device_gb=max(device_gb, default=0.0),
-                      trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0))
+                      trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0),
+                      offload={k[len("offload/"):]: v for k, v in row.items() if k.startswith("offload/")},
+                      profiled=row["step"] == profile_step)
 
 
 def summarise(rows: list[dict], settings: StepSettings, hardware: str, dtype: str, run_dir: Path,
-              ranks: int = 1) -> StepResult:
-    """Per-step records and medians over the steps after ``WARMUP_STEPS`` (all steps if there are no more)."""
+              variant: Variant = Variant(), profile: PhaseProfile | None = None, ranks: int = 1) -> StepResult:
+    """Per-step records and medians over the steps after ``WARMUP_STEPS`` (all steps if there are no more),
+    leaving out the profiled step."""
     if len(rows) != settings.steps:
         raise RuntimeError(f"metrics.jsonl in {run_dir} has {len(rows)} steps but the run was set to "
                            f"{settings.steps}; see {run_dir / 'torchrun.log'}")
-    records = [step_record(row, settings) for row in rows]
+    records = [step_record(row, settings, profile.step if profile else None) for row in rows]
     warmup = WARMUP_STEPS if len(records) > WARMUP_STEPS else 0
-    timed = records[warmup:]
+    timed = [r for r in records[warmup:] if not r.profiled] or records[warmup:]
     phases = sorted({p for r in timed for p in r.phases_s})
+    offload_keys = sorted({k for r in timed for k in r.offload})
     expected = settings.prompts * settings.samples * settings.new_tokens
     return StepResult(
-        settings=settings, ranks=ranks, samples_per_rank=settings.prompts * settings.samples // ranks,
+        settings=settings, variant=variant, label=run_dir.name,
+        engine_memory=variant.engine_memory(settings.backend),
+        ranks=ranks, samples_per_rank=settings.prompts * settings.samples // ranks,
         hardware=hardware, dtype=dtype, versions=versions(settings.backend),
         fixed_length=all(r.output_tokens == expected for r in records), warmup_steps=warmup,
         median_step_s=statistics.median(r.step_s for r in timed),
         median_phases_s={p: statistics.median(r.phases_s.get(p, 0.0) for r in timed) for p in phases},
         median_tokens_per_s=statistics.median(r.tokens_per_s for r in timed),
+        median_offload={k: statistics.median(r.offload[k] for r in timed if k in r.offload) for k in offload_keys},
         peak_device_gb=max(r.peak_device_gb for r in records),
         trainer_max_allocated_gb=max(r.trainer_max_allocated_gb for r in records),
-        steps=records, run_dir=str(run_dir))
+        steps=records, run_dir=str(run_dir), profile=profile)
 
 
 def versions(backend: str) -> dict[str, str]:
@@ -267,27 +326,37 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def bench_step(settings: StepSettings, work_dir: Path, timeout_s: float = 1800.0, ranks: int = 1) -> StepResult:
-    """Run ``settings.steps`` GRPO steps with ``settings.backend`` and summarise the loop's metrics. With
-    ``ranks`` > 1, torchrun starts that many ranks (DP=ranks, an engine each), which share ``settings.prompts``:
-    for weak scaling pass ``ranks`` times the one-rank prompts (scripts/gpu/multi_gpu.sh does)."""
+def bench_step(settings: StepSettings, work_dir: Path, timeout_s: float = 1800.0, variant: Variant = Variant(),
+               profile_step: int | None = None, ranks: int = 1) -> StepResult:
+    """Run ``settings.steps`` GRPO steps with ``settings.backend`` as ``variant`` says and summarise the
+    loop's metrics; with ``profile_step``, also that step's train-phase ops. With ``ranks`` > 1, torchrun
+    starts that many ranks (DP=ranks, an engine each), which share ``settings.prompts``: for weak scaling
+    pass ``ranks`` times the one-rank prompts (scripts/gpu/multi_gpu.sh does)."""
     if settings.prompts % ranks:
         raise ValueError(f"prompts ({settings.prompts}) must be a multiple of ranks ({ranks}) because every rank "
                          f"generates and trains on the same share; set prompts to {ranks} x the prompts per rank")
+    if profile_step is not None and not 0 <= profile_step < settings.steps:
+        raise ValueError(f"--profile-step ({profile_step}) must be one of the run's steps 0..{settings.steps - 1} "
+                         f"because only those run; set it to {settings.steps - 1} (the last) or raise --steps")
     import torch
 
     from rlrun.config import load_config
 
     on_gpu = torch.cuda.is_available()
     dtype = "bfloat16" if on_gpu else "float32"
-    run_dir = work_dir / (settings.backend + ("" if ranks == 1 else f"_ranks{ranks}"))
+    run_dir = work_dir / variant.label(settings.backend + ("" if ranks == 1 else f"_ranks{ranks}"))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     config_path = run_dir / "bench_step.yaml"
-    config = run_config(settings, work_dir / INPUTS, run_dir, dtype)
+    config = run_config(settings, work_dir / INPUTS, run_dir, dtype, variant, profile_step)
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     load_config(config_path)  # a bad setting (backend, steps, ...) fails here, before any model is written
     prepare_inputs(settings, work_dir, dtype, "cuda" if on_gpu else "cpu")
     launch(config_path, run_dir, timeout_s, ranks)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return summarise(rows, settings, device_name(), dtype, run_dir, ranks)
+    profile = None
+    if profile_step is not None:
+        from rlrun.profiler import trace_path
+
+        profile = phase_profile(trace_path(run_dir, profile_step, 0), PROFILED_PHASE, profile_step)
+    return summarise(rows, settings, device_name(), dtype, run_dir, variant, profile, ranks)

@@ -5,6 +5,11 @@
 #
 #   bash scripts/gpu/trl_peer.sh qwen3-0.6b [STEPS] [BACKENDS]     # -> $OUT/peer_step_<shape>.json + logs
 #
+# BACKENDS: rlrun variants, comma-separated: embedded, sglang, each optionally with _resident (offload off)
+# and/or _keepnccl (NCCL teardown off), e.g. sglang,sglang_keepnccl,sglang_resident (peer_step.py).
+# OUT_NAME=x names the JSON peer_step_<shape>_x.json (a second call on the same shape, e.g. with
+# PEER_ARGS="--reuse-trl", which takes TRL's figures from the first call's /tmp/peer_<shape>/trl.json).
+#
 # PEER_ARGS adds peer_step.py flags (e.g. "--prompts 2 --new-tokens 6" for a dry run on CPU against the
 # sglang fake: SGL_VENV pointing at a folder whose env.sh activates a Python with trl and puts
 # tests/fakes on PYTHONPATH).
@@ -25,8 +30,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 WORK=/tmp/peer_$SHAPE
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
 timeout 560 python benchmarks/peer_step.py --shape "$SHAPE" --steps "$STEPS" --backends "$BACKENDS" \
-  --work "$WORK" --timeout-s 240 --out "$OUT/peer_step_$SHAPE.json" ${PEER_ARGS:-}; rc=$?
-for log in "$WORK"/rlrun_*.log "$WORK"/trl.log; do [ -f "$log" ] && tail -c 20000 "$log" > "$OUT/$(basename "$log")"; done
+  --work "$WORK" --timeout-s 240 --out "$OUT/peer_step_$SHAPE${OUT_NAME:+_$OUT_NAME}.json" ${PEER_ARGS:-}; rc=$?
+for log in "$WORK"/trl.log $(for b in ${BACKENDS//,/ }; do echo "$WORK/rlrun_$b.log"; done); do
+  [ -f "$log" ] && tail -c 20000 "$log" > "$OUT/$(basename "$log")"
+done
 tail -n 40 "$WORK"/sglang/engine-*.log > "$OUT/sglang_engine_tail.log" 2>/dev/null
 echo "peer_step rc=$rc"
 exit $rc

@@ -1,0 +1,73 @@
+"""``rlrun bench step`` variants (rlrun/bench/step.py Variant) and their names in benchmarks/peer_step.py.
+
+References: the config schema (load_config parses what run_config writes), the offload fields the loop
+reads, and the round trip label -> parse_variant -> flags.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlrun.bench.engines import SGLANG_SERVER_ARGS
+from rlrun.bench.step import RESIDENT_SGLANG_MEM_FRACTION, StepSettings, Variant, run_config
+from rlrun.config import load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from peer_step import parse_variant, variant_flags  # noqa: E402
+
+
+@pytest.mark.parametrize("backend", ["embedded", "sglang"])
+@pytest.mark.parametrize("variant", [Variant(), Variant(offload=False), Variant(teardown_nccl=False)])
+def test_run_config_applies_the_variant(tmp_path, backend, variant):
+    config = run_config(StepSettings(backend=backend), tmp_path / "inputs", tmp_path / "run", "float32", variant,
+                        profile_step=3)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cfg = load_config(path)
+    assert (cfg.offload.train, cfg.offload.rollout) == (variant.offload, variant.offload)
+    assert cfg.offload.teardown_nccl is variant.teardown_nccl
+    assert cfg.offload.reloadable_backends == (("nccl",) if variant.offload and variant.teardown_nccl else ())
+    assert tuple(cfg.logging.profile_steps) == (3,)
+    if backend == "sglang":
+        fraction = SGLANG_SERVER_ARGS["mem_fraction_static"] if variant.offload else RESIDENT_SGLANG_MEM_FRACTION
+        assert cfg.engine.sglang_server_args["mem_fraction_static"] == fraction
+        assert str(fraction) in variant.engine_memory(backend)
+    assert SGLANG_SERVER_ARGS["mem_fraction_static"] == 0.3  # the shared default is copied, never changed
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("teardown", [True, False])
+def test_variant_names_round_trip(offload, teardown):
+    variant = Variant(offload=offload, teardown_nccl=teardown)
+    label = variant.label("sglang")
+    assert parse_variant(label) == ("sglang", variant)
+    flags = variant_flags("sglang", variant)
+    assert flags[flags.index("--offload") + 1] == ("on" if offload else "off")
+    assert flags[flags.index("--teardown-nccl") + 1] == ("on" if teardown else "off")
+
+
+@pytest.mark.parametrize("spec", ["sglang_fast", "sglang_keepnccl_resident"])
+def test_unknown_or_misordered_variants_are_refused(spec):
+    with pytest.raises(SystemExit, match="must"):
+        parse_variant(spec)
+
+
+def test_reused_trl_result_must_have_run_the_same_work(tmp_path):
+    import dataclasses
+    import json
+
+    from peer_step import reused_trl
+
+    settings = StepSettings(shape="tiny", prompts=2)
+    path = tmp_path / "trl.json"
+    with pytest.raises(SystemExit, match="run without"):
+        reused_trl(path, settings)
+    record = {"settings": {**dataclasses.asdict(settings), "backend": "trl"}, "median_step_s": 3.0}
+    path.write_text(json.dumps(record))
+    assert reused_trl(path, settings) == {**record, "reused_from": str(path)}
+    with pytest.raises(SystemExit, match="must match"):
+        reused_trl(path, dataclasses.replace(settings, prompts=4))
