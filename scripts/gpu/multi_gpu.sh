@@ -18,6 +18,9 @@
 #   tp2dp2 tp2pp2 (x4) and tp2pp2dp2 (x8): the same on 4 / 8 GPUs
 #   engine_tp2  trainer TP=2 and engine.tp=2 on 2 GPUs, generating its own samples: after each sync
 #               (steps 1, 2) train/logprob_gap is the engine-vs-trainer gap of the synced weights
+#   engine_tp2_sglang  the same with engine.backend=sglang: ONE SGLang engine sharded over both GPUs
+#               (tp_size 2), one CUDA-IPC payload per engine TP rank; needs the sglang venv
+#               (/root/sgl, sglang_session.md calls 1-5 and `bash scripts/gpu/sglang_device.sh install`)
 #   summary     scripts/gpu/summarise_multi_gpu.py layouts -> $OUT/multi_gpu_layouts.json
 #   scaling     `rlrun bench step` (rlrun/bench/step.py bench_step) at 1 rank and at each of $SCALE_RANKS
 #               (default 2), SCALE_SETTINGS' prompts per rank -> $OUT/weak_scaling.json (efficiency t(1)/t(N))
@@ -70,13 +73,13 @@ step_prepare() {
 
 train() {  # NAME NPROC KEY=VALUE...: `rlrun train` under torchrun with COMMON and the layout's settings
   local name=$1 nproc=$2; shift 2
-  local sets=() kv
+  local sets=() kv config=${CONFIG:-configs/quickstart.yaml}
   for kv in "${COMMON[@]}" logging.run_dir=$RUNS/$name "$@"; do sets+=(--set "$kv"); done
   rm -rf "${RUNS:?}/$name"
-  echo "rlrun train configs/quickstart.yaml (nproc $nproc) ${sets[*]}"
+  echo "rlrun train $config (nproc $nproc) ${sets[*]}"
   # python -m torch.distributed.run: the same Python for the ranks and their engine workers
   timeout $TRAIN_TIMEOUT python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-    -m rlrun train configs/quickstart.yaml "${sets[@]}"
+    -m rlrun train "$config" "${sets[@]}"
 }
 
 layout() {  # NAME NPROC KEY=VALUE...: a layout trained on the baseline's saved samples
@@ -93,6 +96,18 @@ step_tp2dp2() { layout tp2dp2 4 parallel.tp=2; }
 step_tp2pp2() { layout tp2pp2 4 parallel.tp=2 parallel.pp=2; }
 step_tp2pp2dp2() { layout tp2pp2dp2 8 parallel.tp=2 parallel.pp=2; }
 step_engine_tp2() { activate && step_prepare && train engine_tp2 2 parallel.tp=2 engine.tp=2; }
+step_engine_tp2_sglang() {  # sglang_colocate.yaml brings the SGLang server args (KV from 30% of each GPU)
+  step_prepare && activate_sglang || return 1  # (prepare re-activates the plain environment)
+  CONFIG=configs/gpu/sglang_colocate.yaml TRAIN_TIMEOUT=400 \
+    train engine_tp2_sglang 2 parallel.tp=2 engine.tp=2 engine.backend=sglang
+}
+
+activate_sglang() {  # GPU: the sglang venv of sglang_device.sh install; CPU: the fake sglang (0.5.17)
+  if [ "$CPU" = 1 ]; then activate && export PYTHONPATH=$PWD/tests/fakes:$PYTHONPATH FAKE_SGLANG_VERSION=0.5.17; return; fi
+  [ -f /root/sgl/env.sh ] || { echo "no /root/sgl/env.sh: stage sglang first (scripts/gpu/sglang_session.md calls 1-5, then bash scripts/gpu/sglang_device.sh install)"; return 1; }
+  . /root/sgl/env.sh
+  export PYTHONPATH=$PWD:/tmp/rlrun_site${PYTHONPATH:+:$PYTHONPATH}
+}
 
 step_summary() {
   activate || return 1

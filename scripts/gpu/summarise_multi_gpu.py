@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 LAYOUTS = ("tp2", "dp2", "pp2", "tp2dp2", "tp2pp2", "tp2pp2dp2")
+ENGINE_RUNS = ("engine_tp2", "engine_tp2_sglang")  # trainer TP=2 feeding one engine of engine.tp=2
 """Runs compared with ``baseline`` (the step names of multi_gpu.sh)."""
 COMPARED = ("train/loss", "train/entropy", "train/grad_norm")
 """Step-0 metrics each layout must reproduce. The policy term of the loss has ratio 1 at step 0 in any
@@ -79,6 +80,7 @@ def engine_tp2(run: dict, tol: Tolerance) -> dict:
     gaps = [row["train/logprob_gap"] for row in run["rows"]]
     synced = gaps[1:]
     return {"steps_logged": len(gaps), "parallel": run["config"]["parallel"], "engine_tp": run["config"]["engine"]["tp"],
+            "backend": run["config"]["engine"]["backend"],
             "logprob_gap_per_step": gaps, "bound": tol.logprob_gap,
             "ok": len(synced) >= 1 and max(synced) <= tol.logprob_gap}
 
@@ -90,13 +92,14 @@ def layouts(runs: Path) -> dict:
                          "with it; run the baseline step of scripts/gpu/multi_gpu.sh")
     dtype = baseline["config"]["model"]["dtype"]
     tol = TOLERANCES[dtype]
-    found = {name: read_run(runs / name) for name in (*LAYOUTS, "engine_tp2")}
+    found = {name: read_run(runs / name) for name in (*LAYOUTS, *ENGINE_RUNS)}
     out = {"dtype": dtype, "tolerance": dataclasses.asdict(tol), "baseline_rows": baseline["rows"],
            "layouts": {name: compare(run, baseline, tol) for name, run in found.items()
-                       if run is not None and name != "engine_tp2"},
+                       if run is not None and name not in ENGINE_RUNS},
            "not_run": [name for name, run in found.items() if run is None]}
-    if found["engine_tp2"] is not None:
-        out["engine_tp2"] = engine_tp2(found["engine_tp2"], tol)
+    for name in ENGINE_RUNS:
+        if found[name] is not None:
+            out[name] = engine_tp2(found[name], tol)
     out["rows"] = {name: run["rows"] for name, run in found.items() if run is not None}
     return out
 

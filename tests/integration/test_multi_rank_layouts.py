@@ -37,7 +37,7 @@ def rel_diff(got: float, want: float) -> float:
 def test_layouts_match_the_one_rank_baseline(tmp_path):
     runs, out = tmp_path / "runs", tmp_path / "out"
     env = {**os.environ, "RLRUN_MULTI_GPU_CPU": "1", "RLRUN_MULTI_GPU_RUNS": str(runs), "OUT": str(out)}
-    steps = ["prepare", "baseline", *LAYOUTS, "engine_tp2", "summary"]
+    steps = ["prepare", "baseline", *LAYOUTS, "engine_tp2", "engine_tp2_sglang", "summary"]
     proc = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh", *steps], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
     results = (out / "steps.txt").read_text().split("\n")
@@ -64,9 +64,10 @@ def test_layouts_match_the_one_rank_baseline(tmp_path):
         assert summary["layouts"][name]["ok"] is True and summary["layouts"][name]["ranks"] == 2
         assert summary["layouts"][name]["train/loss"]["baseline"] == baseline[0]["train/loss"]
 
-    engine = rows(runs / "engine_tp2")
-    assert [r["step"] for r in engine] == [0, 1, 2]
-    assert all(r["train/logprob_gap"] < 1e-4 for r in engine), [r["train/logprob_gap"] for r in engine]
-    assert sorted(p.name for p in (runs / "engine_tp2").glob("engine-*.log")) == ["engine-0.log"]
-    assert summary["engine_tp2"]["ok"] is True and summary["engine_tp2"]["engine_tp"] == 2
+    for name, backend in (("engine_tp2", "embedded"), ("engine_tp2_sglang", "sglang")):  # (the fake, 0.5.17)
+        engine = rows(runs / name)
+        assert [r["step"] for r in engine] == [0, 1, 2]
+        assert all(r["train/logprob_gap"] < 1e-4 for r in engine), (name, [r["train/logprob_gap"] for r in engine])
+        assert sorted(p.name for p in (runs / name).glob("engine-*.log")) == ["engine-0.log"]
+        assert summary[name]["ok"] is True and (summary[name]["engine_tp"], summary[name]["backend"]) == (2, backend)
     assert summary["dtype"] == "float32" and set(summary["not_run"]) == {"tp2dp2", "tp2pp2", "tp2pp2dp2"}
