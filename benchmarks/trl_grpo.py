@@ -130,7 +130,7 @@ def step_record(clock: StepClock, step_s: float) -> dict:
 
 
 def summarise(settings: StepSettings, records: list[dict]) -> dict:
-    """Per-step records with output tokens and tokens/s; medians after the warm-up step."""
+    """Per-step records with output tokens and tokens/s; medians after the warm-up steps (rlrun's)."""
     tokens = settings.prompts * settings.samples * settings.new_tokens
     for record in records:
         record["output_tokens"] = tokens

@@ -35,7 +35,7 @@ def test_bench_step_json_matches_the_loop_metrics(tmp_path):
     out = tmp_path / "step.json"
     cmd = [sys.executable, "-m", "rlrun", "bench", "step", "--shape", "tiny", "--prompts", "2", "--samples", "4",
            "--prompt-len", "8", "--new-tokens", "6", "--steps", "3", "--micro-batch-samples", "4",
-           "--work", str(work), "--out", str(out), "--timeout-s", "400", "--profile-step", "2"]
+           "--work", str(work), "--out", str(out), "--timeout-s", "400", "--profile-step", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -63,17 +63,17 @@ def test_bench_step_json_matches_the_loop_metrics(tmp_path):
         kv = {"engine_resume_kv_s"} if step["step"] > 0 else set()  # no KV cache to resume before the first rollout
         assert set(step["offload"]) == {"engine_release_s", "engine_resume_weights_s"} | kv
         assert 0 < sum(step["offload"].values()) <= step["phases_s"]["offload"]
-        assert step["profiled"] is (step["step"] == 2)
-    assert result["fixed_length"] is True and result["warmup_steps"] == 1
+        assert step["profiled"] is (step["step"] == 1)
+    assert result["fixed_length"] is True and result["warmup_steps"] == 2
     assert result["variant"] == {"offload": True, "teardown_nccl": True} and result["label"] == "embedded"
 
-    # step 2's train phase, from the profiler's trace: its range lasts as long as the loop timed the phase
+    # step 1's train phase, from the profiler's trace: its range lasts as long as the loop timed the phase
     profile = result["profile"]
-    assert (profile["phase"], profile["step"]) == ("train", 2) and Path(profile["trace"]).exists()
-    assert profile["phase_us"] / 1e6 == pytest.approx(rows[2]["time/train_s"], rel=0.05, abs=0.02)
+    assert (profile["phase"], profile["step"]) == ("train", 1) and Path(profile["trace"]).exists()
+    assert profile["phase_us"] / 1e6 == pytest.approx(rows[1]["time/train_s"], rel=0.05, abs=0.02)
     assert 0 < len(profile["ops"]) <= 25 and any(op["name"].startswith("aten::") for op in profile["ops"])
     assert all(0 < op["cpu_self_us"] <= op["cpu_total_us"] <= profile["phase_us"] for op in profile["ops"])
-    timed = result["steps"][1:2]  # after warm-up, without the profiled step
+    timed = result["steps"][2:]  # after warm-up (the profiled step 1 is in it)
     assert result["median_step_s"] == pytest.approx(statistics.median(s["step_s"] for s in timed))
     for phase in PHASES:
         assert result["median_phases_s"][phase] == pytest.approx(statistics.median(s["phases_s"][phase] for s in timed))

@@ -71,3 +71,20 @@ def test_reused_trl_result_must_have_run_the_same_work(tmp_path):
     assert reused_trl(path, settings) == {**record, "reused_from": str(path)}
     with pytest.raises(SystemExit, match="must match"):
         reused_trl(path, dataclasses.replace(settings, prompts=4))
+
+
+def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
+    from rlrun.bench.step import WARMUP_STEPS, summarise
+    from rlrun.bench.trace_ops import PhaseProfile
+
+    settings = StepSettings(shape="tiny", prompts=2, samples=4, new_tokens=6, steps=6)
+    step_s = [40.0, 20.0, 3.0, 5.0, 90.0, 4.0]  # one-time costs in 0 and 1, the profiler's in 4
+    rows = [{"step": i, "time/step_s": s, "time/rollout_s": s / 2, "time/train_s": s / 2,
+             "rollout/response_len_mean": 6.0, "offload/trainer_sleep_s": s / 10} for i, s in enumerate(step_s)]
+    profile = PhaseProfile(phase="train", step=4, trace="t.json", phase_us=1.0, device_us=0.0, ops=[], kernels=[])
+    result = summarise(rows, settings, "cpu", "float32", tmp_path / "sglang", Variant(), profile)
+    assert WARMUP_STEPS == 2 and result.warmup_steps == 2
+    assert [r.profiled for r in result.steps] == [False] * 4 + [True, False]
+    assert result.median_step_s == 4.0  # median of 3, 5 and 4
+    assert result.median_offload == {"trainer_sleep_s": 0.4}
+    assert result.median_phases_s == {"rollout": 2.0, "train": 2.0}
