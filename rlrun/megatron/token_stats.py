@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlrun.runtime.dist import all_reduce
+
 CHUNK_BYTES = 1 << 30
 """fp32 bytes of one chunk's ``[tokens, V_local]`` slice: two such buffers live at a time."""
 
@@ -60,14 +62,14 @@ class _TokenStats(torch.autograd.Function):
         for row, start, stop in _pieces(x.shape, x.shape[-1]):
             u = x[row, start:stop, :valid]
             m = u.amax(dim=-1).float() / temperature
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            all_reduce(m, group, op=dist.ReduceOp.MAX)
             z = torch.add(-m.unsqueeze(-1), u, alpha=1.0 / temperature)  # z - m, fp32; the logits stay as they are
             e = z.exp()
             piece = stats[:, row, start:stop]
             piece[0], piece[1] = m, e.sum(dim=-1)
             piece[2] = z.gather(-1, t[row, start:stop].unsqueeze(-1)).squeeze(-1) * owned[row, start:stop]
             piece[3] = (e.unsqueeze(-2) @ z.unsqueeze(-1)).reshape(-1)  # sum_v e_v (z_v - m), without an e * z buffer
-        dist.all_reduce(stats[1:], group=group)  # S, the owner's z_t - m and sum e (z - m) over the vocabulary
+        all_reduce(stats[1:], group)  # S, the owner's z_t - m and sum e (z - m) over the vocabulary
         log_sum = stats[1].log()
         logprobs, entropy = stats[2] - log_sum, log_sum - stats[3] / stats[1]
         log_normalizer = stats[0] + log_sum

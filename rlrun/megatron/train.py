@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
 
 from rlrun.megatron.logprobs import forward_logits, vocab_parallel_token_stats
 from rlrun.megatron.model import MegatronModel
 from rlrun.megatron.moe import aux_loss_metrics
 from rlrun.megatron.pipeline import from_last_stage, run_schedule
+from rlrun.runtime.dist import all_reduce
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -198,5 +198,5 @@ def _sum_over_dp(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, fl
         raise ValueError(f"loss_fn must return the same metric names for every micro-batch; got "
                          f"{[sorted(m) for m in per_micro_batch]}")
     totals = torch.stack([sum(m[name].detach().float().reshape(()) for m in per_micro_batch) for name in names])
-    dist.all_reduce(totals, group=mpu.get_data_parallel_group())
+    all_reduce(totals, mpu.get_data_parallel_group())
     return dict(zip(names, totals.tolist()))
