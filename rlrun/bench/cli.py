@@ -107,15 +107,20 @@ def step(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-
          offload: Annotated[str, typer.Option(help="on: trainer and engine take turns on the device; off: both resident (as TRL).")] = "on",
          teardown_nccl: Annotated[str, typer.Option(help="on|off: offload.teardown_nccl (only with --offload on).")] = "on",
          profile_step: Annotated[int | None, typer.Option(help="Profile this step; its train phase's top ops go into the JSON.")] = None,
+         ranks: Annotated[int, typer.Option(help="torchrun ranks (DP, an engine each); --prompts counts over all of them.")] = 1,
          out: OutFile = None) -> None:
-    """Seconds per GRPO step of ``rlrun train`` (1 rank, colocated, offload on), split by phase, tokens/s, memory."""
+    """Seconds per GRPO step of ``rlrun train`` (colocated, offload on by default), split by phase, tokens/s, memory."""
     from rlrun.bench.step import StepSettings, Variant, bench_step
 
     settings = StepSettings(shape=shape, backend=backend, prompts=prompts, samples=samples, prompt_len=prompt_len,
                             new_tokens=new_tokens, steps=steps, micro_batch_samples=micro_batch_samples, lr=lr,
                             seed=seed)
     variant = Variant(offload=_on_off("--offload", offload), teardown_nccl=_on_off("--teardown-nccl", teardown_nccl))
-    _emit("step", [bench_step(settings, work, timeout_s, variant, profile_step)], out)
+    try:
+        result = bench_step(settings, work, timeout_s, variant, profile_step, ranks)
+    except ValueError as exc:  # settings that cannot run (prompts not divisible by ranks, profile step out of range)
+        raise typer.BadParameter(str(exc)) from None
+    _emit("step", [result], out)
 
 
 def _on_off(flag: str, value: str) -> bool:

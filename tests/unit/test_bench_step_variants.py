@@ -88,3 +88,16 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
     assert result.median_step_s == 4.0  # median of 3, 5 and 4
     assert result.median_offload == {"trainer_sleep_s": 0.4}
     assert result.median_phases_s == {"rollout": 2.0, "train": 2.0}
+
+
+def test_cli_refuses_prompts_that_ranks_cannot_share(tmp_path):
+    """``rlrun bench step --ranks`` checks the split before anything starts, naming the flag's values."""
+    from typer.testing import CliRunner
+
+    from rlrun.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "step", "--shape", "tiny", "--prompts", "3", "--ranks", "2",
+                                      "--work", str(tmp_path)])
+    text = " ".join(result.output.replace("│", " ").split())  # rich's error box, unwrapped
+    assert result.exit_code == 2 and "prompts (3) must be a multiple of ranks (2)" in text, result.output
+    assert not any(tmp_path.iterdir())  # nothing was written
