@@ -101,9 +101,5 @@ step_bench() {
   return $rc
 }
 
-for step in "$@"; do
-  start=$(date +%s)
-  "step_$step" > "$OUT/$step.log" 2>&1; rc=$?
-  echo "$step rc=$rc $(( $(date +%s) - start ))s" | tee -a "$OUT/steps.txt"
-  tail -n 15 "$OUT/$step.log"
-done
+. "$(dirname "$0")/run_steps.sh"
+run_steps "$@"
