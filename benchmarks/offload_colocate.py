@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rlrun.bench.logged import run_logged  # noqa: E402
 from rlrun.bench.shapes import get_shape, write_random_model  # noqa: E402
+from rlrun.bench.step import TORCHRUN_ENV  # noqa: E402
 from tests.tiny_models import make_tokenizer  # noqa: E402
-
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-       "OMP_NUM_THREADS": "4"}
 
 
 RUNS = {"offload_on": (True, True), "offload_on_keep_nccl": (True, False), "offload_off": (False, False)}
@@ -50,12 +49,7 @@ def run(model_dir: Path, run_dir: Path, offload: bool, steps: int, timeout_s: fl
     start = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "torchrun.log"
-    with log.open("w") as sink:
-        try:
-            returncode = subprocess.run(cmd, env={**os.environ, **ENV}, stdout=sink, stderr=subprocess.STDOUT,
-                                        timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            returncode = "timeout"
+    returncode = run_logged(cmd, log, timeout_s, env={**os.environ, **TORCHRUN_ENV})
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "metrics.jsonl").exists() else []

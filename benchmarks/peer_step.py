@@ -24,14 +24,14 @@ import argparse
 import dataclasses
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import add_settings_args, settings_from  # noqa: E402
 
-from rlrun.bench.step import StepSettings, Variant  # noqa: E402
+from rlrun.bench.logged import run_logged  # noqa: E402
+from rlrun.bench.step import WARMUP_STEPS, StepSettings, Variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"sglang": 4.0, "embedded": 2.5}
@@ -66,11 +66,7 @@ def variant_flags(backend: str, variant: Variant) -> list[str]:
 def run_json(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict:
     """Run ``cmd`` (which writes its JSON to ``out``); its output goes to ``out`` with ``.log``."""
     log = out.with_suffix(".log")
-    with log.open("w") as sink:
-        try:
-            code = subprocess.run(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+    code = run_logged(cmd, log, timeout_s, cwd=REPO)
     if code != 0 or not out.exists():
         return {"name": name, "command": " ".join(cmd), "error": f"exit {code}", "log_tail": log.read_text()[-3000:]}
     return json.loads(out.read_text())
@@ -101,7 +97,7 @@ def compare(results: dict[str, dict]) -> dict[str, dict]:
 
 def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, dict]) -> str:
     lines = [f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
-             f"{settings.new_tokens}-token responses, {settings.steps} steps (median after the first)",
+             f"{settings.new_tokens}-token responses, {settings.steps} steps (median after {WARMUP_STEPS} warm-up steps)",
              "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) |", "|---|---|---|---|---|"]
     for name, result in results.items():
         if "error" in result:

@@ -15,7 +15,8 @@ matmuls).
 Timing: a step is the optimizer step as the trainer's callbacks see it (``on_step_begin`` ..
 ``on_step_end``, CUDA synchronised); ``generate`` is ``_generate_single_turn`` (transformers generate),
 ``score`` is the rest of ``_generate_and_score_completions`` (decode, reward, advantages), ``train`` the
-remainder (forward/backward of every micro-batch and the optimizer). Medians leave out the first step.
+remainder (forward/backward of every micro-batch and the optimizer). Medians leave out the warm-up steps
+(``rlrun.bench.step.WARMUP_STEPS``, as rlrun's runs do).
 
     python benchmarks/trl_grpo.py --work runs/bench_step --shape qwen3-0.6b --steps 5 --out trl.json
 

@@ -37,13 +37,13 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
 from rlrun.bench.engines import SGLANG_SERVER_ARGS
+from rlrun.bench.logged import run_logged
 from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
 
@@ -261,11 +261,7 @@ def launch(config_path: Path, run_dir: Path, timeout_s: float, ranks: int = 1) -
     env = {**TORCHRUN_ENV, **os.environ,  # what the caller set wins (OMP_NUM_THREADS=1 on a shared CPU)
            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     log = run_dir / "torchrun.log"
-    with log.open("w") as sink:
-        try:
-            code = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+    code = run_logged(cmd, log, timeout_s, env=env)
     if code != 0:
         raise RuntimeError(f"rlrun train ({config_path}) must exit 0 but ended with {code}; its output "
                            f"({log}) ends with:\n{log.read_text()[-3000:]}")

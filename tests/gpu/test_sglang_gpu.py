@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlrun.bench.engines import SGLANG_SERVER_ARGS
 from rlrun.runtime.processes import process_alive, process_tree
 
 ON_FAKE = os.environ.get("RLRUN_SGLANG_SUITE_ON_FAKE") == "1"
@@ -38,11 +39,10 @@ SHAPE = "tiny" if ON_FAKE else "qwen3-0.6b"
 DTYPE = "float32" if ON_FAKE else "bfloat16"
 GAP_GOAL = 0.01
 """Mean |trainer - engine| log-prob of the sampled tokens (issue 12, bf16)."""
-SERVER_ARGS = {"mem_fraction_static": 0.3, "sampling_backend": "pytorch", "skip_tokenizer_init": True,
-               **json.loads(os.environ.get("RLRUN_SGLANG_EXTRA_SERVER_ARGS", "{}"))}
-"""KV budget from 30% of the device (the trainer shares it); no FlashInfer JIT; token ids only (the
-random model's directory has no tokenizer). ``RLRUN_SGLANG_EXTRA_SERVER_ARGS`` (JSON) adds to them,
-e.g. ``{"disable_cuda_graph": true}`` if the engine does not start with CUDA graphs."""
+SERVER_ARGS = {**SGLANG_SERVER_ARGS, **json.loads(os.environ.get("RLRUN_SGLANG_EXTRA_SERVER_ARGS", "{}"))}
+"""The benchmarks' server args (KV budget from 30% of the device, which the trainer shares; no FlashInfer
+JIT; token ids only). ``RLRUN_SGLANG_EXTRA_SERVER_ARGS`` (JSON) adds to them, e.g.
+``{"disable_cuda_graph": true}`` if the engine does not start with CUDA graphs."""
 PROMPT_LEN, NEW_TOKENS, BATCH = 32, 64, 8
 SAMPLED = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}
 BUCKET_BYTES = 64 * 2**10 if ON_FAKE else 256 * 2**20
