@@ -27,8 +27,9 @@ def main() -> None:
     run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    out.write_text(json.dumps({"run_dir": str(run_dir), **summarise(rows), "rows": rows}, indent=1))
-    print(json.dumps({k: v for k, v in summarise(rows).items() if k != "per_step"}))
+    summary = summarise(rows)
+    out.write_text(json.dumps({"run_dir": str(run_dir), **summary, "rows": rows}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "per_step"}))
 
 
 if __name__ == "__main__":
