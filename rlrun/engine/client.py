@@ -20,6 +20,7 @@ when it answers heartbeats but never the call. Calls may come from several threa
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import multiprocessing
 import os
@@ -28,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -211,7 +212,9 @@ class EngineClient:
     # ---- conveniences ------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
-                       bucket_bytes: int, verify: bool = False) -> dict[str, Any]:
+                       bucket_bytes: int, verify: bool = False,
+                       serialize: Callable[[list[tuple[str, torch.Tensor]]], list[bytes]] | None = None
+                       ) -> dict[str, Any]:
         """Push full HF-named tensors in flattened buckets inside one update session.
 
         Each bucket call carries ``weight_version`` (as slime does), so the version flips with the
@@ -221,8 +224,13 @@ class EngineClient:
         fails, so the next sync can begin again; when this returns, the engine has finished its
         copies (the embedded engine answers ``end_weight_update`` after them). ``verify`` (debug)
         hashes every tensor as sent (cast to the engine's dtype) and checks the engine holds exactly
-        those bytes afterwards. Returns {num_buckets, num_bytes, seconds}.
+        those bytes afterwards. ``serialize`` turns a bucket into the engine TP ranks' payloads
+        (default: one flat buffer on this process's device for every TP rank; an engine group whose
+        TP ranks sit on the group's GPUs passes payloads gathered from each rank's own GPU instead).
+        Returns {num_buckets, num_bytes, seconds}.
         """
+        if serialize is None:
+            serialize = functools.partial(serialize_for_tp_ranks, tp_size=self.tp_size)
         start = time.perf_counter()
         num_buckets = num_bytes = 0
         sent: dict[str, str] = {}
@@ -232,7 +240,7 @@ class EngineClient:
             with ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.rank}-sync") as sender:
                 for bucket in iter_buckets(named_tensors, bucket_bytes):
                     # A fresh payload per bucket; its memory is released once the worker has loaded it.
-                    payloads = serialize_for_tp_ranks(bucket, self.tp_size)
+                    payloads = serialize(bucket)
                     if in_flight is not None:
                         self._expect_success("update_weights_from_tensor", in_flight.result())
                     in_flight = sender.submit(self.update_weights_from_tensor, payloads, flush_cache=False,

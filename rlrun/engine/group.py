@@ -20,19 +20,23 @@ shutdown are leader-only calls that the other ranks skip. What each role does:
   stages broadcast, DP replicas identical), so the leader holds everything its engine needs without
   a second gather. SGLang's ``update_weights_from_tensor`` takes one payload per
   engine TP rank (rank r unpickles only entry r, and every rank loads full tensors and shards them
-  itself); the leader sends ``engine.tp`` payloads over **one** flat buffer per bucket on its own
-  device: on one host every engine TP rank can open it (CUDA IPC across GPUs of one host, shared
-  memory on CPU). The price on GPU is a CUDA context of each other TP rank on the leader's GPU and a
-  GPU-to-GPU copy per bucket, instead of slime's per-rank buffers gathered to the leader.
+  itself). As in slime, payload r is built by group rank r from its own copy of the bucket, on its
+  own GPU, which is the GPU of engine TP rank r, and gathered to the leader over the gloo group. A
+  payload over the leader's buffer for every TP rank (one flat copy instead of ``engine.tp``) failed
+  on the H200 pair: SGLang's TP rank 1 got ``CUDA error: invalid argument`` copying from the IPC
+  handle of GPU 0's memory (benchmarks/results/logs/engine_tp2_sglang_first_run_h200x2.log). On CPU the payloads
+  are shared-memory descriptors fetched from each member's resource sharer, so the members take the
+  leader's multiprocessing ``authkey`` (which the engine worker is given) when the group forms.
 * **backends**: ``sglang`` gets ``tp_size=engine.tp`` and ``base_gpu_id`` = the leader's local rank,
   so its TP ranks sit on exactly the group's GPUs. The ``embedded`` engine is not sharded: one engine
-  on the leader's device serves the whole group (tp_size 1, one payload per bucket).
+  on the leader's device serves the whole group (tp_size 1, one payload per bucket from the leader).
 
 A dead engine is noticed by the leader's watchdog (rlrun/runtime/watchdog.py), which ends every rank.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from rlrun.engine.client import EngineClient
+from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -108,10 +113,15 @@ class EngineGroup:
     process_group: dist.ProcessGroup | None
     """Gloo group of the group's ranks; None when ``tp == 1`` (nothing to forward)."""
 
-    def __init__(self, layout: GroupLayout, client: EngineClient | None, process_group: dist.ProcessGroup | None):
+    sharded: bool
+    """The engine's TP ranks sit on the group's GPUs (sglang, tp > 1): every rank builds its TP rank's payload."""
+
+    def __init__(self, layout: GroupLayout, client: EngineClient | None, process_group: dist.ProcessGroup | None,
+                 sharded: bool = False):
         self.layout = layout
         self.client = client
         self.process_group = process_group
+        self.sharded = sharded
 
     @classmethod
     def spawn(cls, layout: GroupLayout, *, backend: str, **spawn_kwargs: Any) -> EngineGroup:
@@ -124,7 +134,10 @@ class EngineGroup:
                 created = dist.new_group(ranks, backend="gloo")
                 if layout.rank in ranks:
                     process_group = created
-        group = cls(layout, None, process_group)
+            authkey = [bytes(multiprocessing.current_process().authkey)]
+            dist.broadcast_object_list(authkey, group=process_group, group_src=0)
+            multiprocessing.current_process().authkey = authkey[0]
+        group = cls(layout, None, process_group, sharded=backend == "sglang" and layout.tp > 1)
         group.client = group._on_leader(lambda: EngineClient.spawn(
             backend=backend, tp_size=layout.tp, base_gpu_id=layout.local_leader, **spawn_kwargs))
         return group
@@ -148,15 +161,27 @@ class EngineGroup:
         if self.client is not None:
             self.client.resume_memory_occupation(tags)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], **kwargs: Any) -> dict | None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                       **kwargs: Any) -> dict | None:
         """The leader pushes the full tensors (``EngineClient.update_weights``, one payload per engine
-        TP rank); the other ranks only drain the iterator, whose collectives (TP all-gathers, PP
-        broadcasts) their peers wait on."""
+        TP rank). The other ranks iterate the export too, whose collectives (TP all-gathers, PP
+        broadcasts) their peers wait on; in a sharded group they also bucket it alike and hand the
+        leader their TP rank's payload of each bucket, and wait until the leader's session is over."""
+        if not self.sharded:
+            if self.client is not None:
+                return self.client.update_weights(named_tensors, bucket_bytes=bucket_bytes, **kwargs)
+            for _ in named_tensors:
+                pass
+            return None
+        result = None
         if self.client is not None:
-            return self.client.update_weights(named_tensors, **kwargs)
-        for _ in named_tensors:
-            pass
-        return None
+            result = self.client.update_weights(named_tensors, bucket_bytes=bucket_bytes,
+                                                serialize=self._gather_payloads, **kwargs)
+        else:
+            for bucket in iter_buckets(named_tensors, bucket_bytes):
+                self._gather_payloads(bucket)
+        dist.barrier(group=self.process_group)  # the members' buffers stay until the engine has loaded them
+        return result
 
     def run_on_leader(self, items: list[T], fn: Callable[[list[T]], list[R]], outputs_per_item: int) -> list[R]:
         """Every rank passes its ``items``; the leader calls ``fn`` once on the group's items (in rank
@@ -186,6 +211,12 @@ class EngineGroup:
             self.client.shutdown()
 
     # ---- internals --------------------------------------------------------------------------------
+
+    def _gather_payloads(self, bucket: list[tuple[str, torch.Tensor]]) -> list[bytes]:
+        """This rank's payload of ``bucket`` (its own device's buffer); the leader gets all, in rank order."""
+        gathered = [None] * self.layout.tp if self.layout.is_leader else None
+        dist.gather_object(serialize_flattened_bucket(bucket), gathered, group=self.process_group, group_dst=0)
+        return gathered
 
     def _on_leader(self, fn: Callable[[], R]) -> R | None:
         """Run ``fn`` on the leader and let the members know whether it worked (they get None)."""

@@ -86,14 +86,19 @@ def engine_tp2(run: dict, tol: Tolerance) -> dict:
 
 
 def layouts(runs: Path) -> dict:
+    """Every layout against the baseline, and the engine runs (which need no baseline: a call that
+    starts on a cold machine may hold only an engine run)."""
     baseline = read_run(runs / "baseline")
-    if baseline is None:
+    found = {name: read_run(runs / name) for name in (*LAYOUTS, *ENGINE_RUNS)}
+    if baseline is None and any(found[name] is not None for name in LAYOUTS):
         raise SystemExit(f"baseline run ({runs / 'baseline'}) must exist because every layout is compared "
                          "with it; run the baseline step of scripts/gpu/multi_gpu.sh")
-    dtype = baseline["config"]["model"]["dtype"]
+    first = baseline or next((run for run in found.values() if run is not None), None)
+    if first is None:
+        raise SystemExit(f"no run under {runs}: run the steps of scripts/gpu/multi_gpu.sh first")
+    dtype = first["config"]["model"]["dtype"]
     tol = TOLERANCES[dtype]
-    found = {name: read_run(runs / name) for name in (*LAYOUTS, *ENGINE_RUNS)}
-    out = {"dtype": dtype, "tolerance": dataclasses.asdict(tol), "baseline_rows": baseline["rows"],
+    out = {"dtype": dtype, "tolerance": dataclasses.asdict(tol), "baseline_rows": baseline["rows"] if baseline else [],
            "layouts": {name: compare(run, baseline, tol) for name, run in found.items()
                        if run is not None and name not in ENGINE_RUNS},
            "not_run": [name for name, run in found.items() if run is None]}

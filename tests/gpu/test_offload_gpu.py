@@ -65,3 +65,25 @@ def test_embedded_engine_release_returns_weights_and_cache(tmp_path):
     engine.onload_weights()
     for name, tensor in before.items():
         torch.testing.assert_close(engine.named_parameters()[name].cpu(), tensor, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_embedded_engine_on_a_second_gpu_captures_its_decode_step_there(tmp_path):
+    """An engine process serves one GPU that need not be cuda:0 (rank r's engine is on cuda:r)."""
+    from rlrun.bench.shapes import get_shape, write_random_model
+    from rlrun.engine.backends.embedded import EmbeddedEngine
+
+    model_dir = write_random_model(get_shape("tiny"), tmp_path / "m", torch.bfloat16, "cpu")
+    greedy = {"max_new_tokens": 16, "temperature": 0.0}
+    outputs = {}
+    try:
+        for device in ("cuda:0", f"cuda:{torch.cuda.device_count() - 1}"):
+            engine = EmbeddedEngine(model_dir, dtype="bfloat16", device=device)
+            results = engine.generate([[5, 6, 7]] * 4, greedy, True, [f"r{i}" for i in range(4)])
+            assert engine.decode_step_captured, f"the decode step on {device} ran eagerly"
+            outputs[device] = [r["output_ids"] for r in results]
+            del engine
+    finally:
+        torch.cuda.set_device(0)
+    first, second = outputs.values()
+    assert first == second

@@ -123,6 +123,11 @@ class EmbeddedEngine:
                              "computes in one of those; set model.dtype accordingly")
         model_path = Path(model_path)
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            # What names no device acts on the current one: CUDA graph capture's side stream, empty_cache,
+            # cuBLAS workspaces. Without this, rank 1's engine on cuda:1 captured on a cuda:0 stream and its
+            # rollout ran 2.8x slower (2-GPU weak scaling, benchmarks/results/weak_scaling_h200x2.json).
+            torch.cuda.set_device(self.device)
         # SDPA-based attention that takes the static cache's ready boolean masks (see static_cache.py).
         self.model = (AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
                       .to(self.device).eval().requires_grad_(False))
