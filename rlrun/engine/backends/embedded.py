@@ -125,8 +125,8 @@ class EmbeddedEngine:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             # What names no device acts on the current one: CUDA graph capture's side stream, empty_cache,
-            # cuBLAS workspaces. Without this, rank 1's engine on cuda:1 captured on a cuda:0 stream and its
-            # rollout ran 2.8x slower (2-GPU weak scaling, benchmarks/results/weak_scaling_h200x2.json).
+            # cuBLAS workspaces. Without this, rank 1's engine on cuda:1 made its capture stream on cuda:0,
+            # and the 2-GPU rollout took 2.8x one GPU's (benchmarks/results/weak_scaling_h200x2.json).
             torch.cuda.set_device(self.device)
         # SDPA-based attention that takes the static cache's ready boolean masks (see static_cache.py).
         self.model = (AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
