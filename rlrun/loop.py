@@ -28,6 +28,7 @@ Slurm:   see launch/ (srun + torchrun with a c10d rendezvous on the first node).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,9 @@ def run(cfg: RunConfig) -> None:
         if parts.logger is not None:
             parts.logger.start(state.step)
         stopping = False
+        # The setup's objects (~0.5M: Megatron, transformers, torch) live for the whole run; frozen, they
+        # are not walked again by each collection (the offloader's before every sleep took 0.3 s of it).
+        gc.freeze()
         while state.step < cfg.train.num_steps and not stopping:
             watchdog.step = state.step
             with profile_step(cfg.logging, parallel.rank, state.step):
@@ -123,6 +127,7 @@ def run(cfg: RunConfig) -> None:
         watchdog.fail(exc)
         raise
     finally:
+        gc.unfreeze()
         if parts is not None:
             parts.engine.shutdown()
             if parts.logger is not None:
