@@ -9,7 +9,8 @@ still run.
 
 ``--backends`` lists rlrun variants, each ``BACKEND`` plus optional suffixes (the names
 ``rlrun.bench.step.Variant.label`` gives): ``_resident`` (``--offload off``: trainer and engine both stay
-on the device, as TRL's do) and ``_keepnccl`` (``--teardown-nccl off``). TRL runs once, first.
+on the device, as TRL's do), ``_keepnccl`` (``--teardown-nccl off``) and ``_varlen``
+(``--packed-attention flash_varlen``). TRL runs once, first.
 
     python benchmarks/peer_step.py --shape qwen3-0.6b --steps 5 \\
         --backends embedded,sglang,sglang_keepnccl,sglang_resident \\
@@ -47,11 +48,12 @@ def settings_flags(settings: StepSettings) -> list[str]:
 def parse_variant(spec: str) -> tuple[str, Variant]:
     """``sglang_resident_keepnccl`` -> ("sglang", Variant(offload=False, teardown_nccl=False))."""
     backend, *suffixes = spec.split("_")
-    unknown = set(suffixes) - {"resident", "keepnccl"}
+    unknown = set(suffixes) - {"resident", "keepnccl", "varlen"}
     if unknown:
-        raise SystemExit(f"--backends entry {spec!r} must be a backend plus _resident and/or _keepnccl because "
-                         f"those are the variants bench step runs; drop {sorted(unknown)}")
-    variant = Variant(offload="resident" not in suffixes, teardown_nccl="keepnccl" not in suffixes)
+        raise SystemExit(f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl and/or _varlen "
+                         f"because those are the variants bench step runs; drop {sorted(unknown)}")
+    variant = Variant(offload="resident" not in suffixes, teardown_nccl="keepnccl" not in suffixes,
+                      varlen="varlen" in suffixes)
     if variant.label(backend) != spec:
         raise SystemExit(f"--backends entry {spec!r} must be written {variant.label(backend)!r} (the run's folder name)")
     return backend, variant
@@ -60,7 +62,8 @@ def parse_variant(spec: str) -> tuple[str, Variant]:
 def variant_flags(backend: str, variant: Variant) -> list[str]:
     """The ``rlrun bench step`` flags of one variant."""
     return ["--backend", backend, "--offload", "on" if variant.offload else "off",
-            "--teardown-nccl", "on" if variant.teardown_nccl else "off"]
+            "--teardown-nccl", "on" if variant.teardown_nccl else "off",
+            "--packed-attention", "flash_varlen" if variant.varlen else "per_sample"]
 
 
 def run_json(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict:

@@ -61,7 +61,8 @@ class Critic:
         from rlrun.megatron.value_head import build_critic_model
 
         spec = load_critic_config(cfg)
-        model = build_critic_model(spec.model.path, parallel, dtype=spec.model.dtype, seed=cfg.train.seed)
+        model = build_critic_model(spec.model.path, parallel, dtype=spec.model.dtype, seed=cfg.train.seed,
+                                   packed_attention=spec.model.packed_attention)
         optimizer, scheduler = make_optimizer_and_scheduler(model, spec.optimizer, cfg.train.num_steps)
         return cls(settings=cfg.critic, model=model, optimizer=optimizer, scheduler=scheduler)
 

@@ -167,7 +167,8 @@ def setup(cfg: RunConfig, parallel) -> Components:
         opt = cfg.optimizer
         model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype,
                             distributed_optimizer=opt.use_distributed_optimizer,
-                            moe_options=MoEOptions(**cfg.model.moe.model_dump()))
+                            moe_options=MoEOptions(**cfg.model.moe.model_dump()),
+                            packed_attention=cfg.model.packed_attention)
         optimizer, scheduler = make_optimizer_and_scheduler(model, opt, cfg.train.num_steps)
         critic = Critic.build(cfg, parallel)
     for trained in [optimizer] + ([critic.optimizer] if critic else []):

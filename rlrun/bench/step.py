@@ -15,9 +15,9 @@ Responses are forced to ``new_tokens`` tokens by ``rollout.ignore_eos``; the eng
 to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
 The reward (``even_token_reward``) has spread within a group so GRPO's advantages are not all zero.
 
-Variants (:class:`Variant`, ``--offload`` and ``--teardown-nccl``) change how rlrun runs the same work:
-offload off keeps trainer and engine resident (what TRL does), with a smaller SGLang memory fraction so
-both fit. Every step also carries the offloader's ``offload/*`` figures (trainer sleep/wake seconds and
+Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl`` and ``--packed-attention``) change how
+rlrun runs the same work: offload off keeps trainer and engine resident (what TRL does), with a smaller
+SGLang memory fraction so both fit. Every step also carries the offloader's ``offload/*`` figures (trainer sleep/wake seconds and
 GB and their parts, NCCL teardown/rebuild, the engine's release/resume seconds), so a slow ``offload``
 phase says where its seconds went. ``--profile-step K`` records step K with the torch profiler and puts
 the train phase's top ops into the JSON (rlrun/bench/trace_ops.py); that step is left out of the medians.
@@ -93,10 +93,14 @@ class Variant:
     teardown_nccl: bool = True
     """``offload.teardown_nccl``: destroy and rebuild Megatron's NCCL communicators at every sleep/wake
     (only with offload)."""
+    varlen: bool = False
+    """``model.packed_attention: flash_varlen`` (one varlen attention call per layer; CUDA only) instead of
+    one SDPA call per sample."""
 
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
-        return base + ("" if self.offload else "_resident") + ("" if self.teardown_nccl else "_keepnccl")
+        return (base + ("" if self.offload else "_resident") + ("" if self.teardown_nccl else "_keepnccl")
+                + ("_varlen" if self.varlen else ""))
 
     def engine_memory(self, backend: str) -> str:
         """How the engine's memory was sized, for the JSON."""
@@ -234,7 +238,8 @@ def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: s
             engine["sglang_server_args"]["mem_fraction_static"] = RESIDENT_SGLANG_MEM_FRACTION
     sample_len = settings.prompt_len + settings.new_tokens
     return {
-        "model": {"path": str(inputs_dir / "model"), "dtype": dtype},
+        "model": {"path": str(inputs_dir / "model"), "dtype": dtype,
+                  "packed_attention": "flash_varlen" if variant.varlen else "per_sample"},
         "data": {"path": str(inputs_dir / "prompts.jsonl"), "prompt_key": "prompt", "label_key": None,
                  "apply_chat_template": False, "shuffle": True},
         "rollout": {"prompts_per_step": settings.prompts, "samples_per_prompt": settings.samples,

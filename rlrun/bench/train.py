@@ -118,7 +118,7 @@ def bench_train(shape_name: str, layouts: list[str], sample_len: int, samples_pe
     """Measure each layout on one model (random weights; the optimizer keeps stepping between layouts,
     which changes no shape or FLOP). ``profile``: also write the kernel-time table of one step there."""
     from rlrun.megatron import build_model, make_optimizer
-    from rlrun.megatron.attention import SDPACoreAttention, transformer_engine_attention
+    from rlrun.megatron.attention import core_attention
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
     shape = get_shape(shape_name)
@@ -133,7 +133,7 @@ def bench_train(shape_name: str, layouts: list[str], sample_len: int, samples_pe
             model = build_model(str(hf_dir), parallel, dtype=dtype)
         optimizer = make_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
         samples = synthetic_samples(samples_per_micro_batch * num_micro_batches, sample_len, shape.vocab, seed=0)
-        attention = (transformer_engine_attention() or SDPACoreAttention).__name__
+        attention = core_attention().__name__
         results = []
         for layout in layouts:
             batches = micro_batches(samples, layout, samples_per_micro_batch)

@@ -39,6 +39,10 @@ class ModelConfig(Section):
     """Parameter dtype of the trainer. float32 on CPU; bfloat16 on GPU."""
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts options (Qwen3-MoE, Qwen2-MoE)."""
+    packed_attention: Literal["per_sample", "flash_varlen"] = "per_sample"
+    """How the trainer attends packed rows (several samples in one row) without TransformerEngine:
+    ``per_sample``, one SDPA call per sample (everywhere); ``flash_varlen``, one FlashAttention varlen call
+    per layer for the whole row (CUDA only: fewer host launches when samples are many and short)."""
 
 
 class ParallelConfig(Section):

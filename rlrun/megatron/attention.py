@@ -16,6 +16,12 @@ Packing is described by ``position_ids`` alone: a row holding several samples re
 at 0 for each of them. ``packed_seq_params`` turns that into Megatron's ``PackedSeqParams`` (``thd``),
 under which Megatron's RoPE also restarts per sample (``rope_utils._apply_rotary_pos_emb_thd``).
 
+One SDPA call per sample is host-bound at RL batch sizes: on the H200 a Qwen3-0.6B train phase of 128
+samples of 640 tokens made 3,584 SDPA calls forward and as many backward per step, and the GPU was busy
+1.4 s of it (benchmarks/results/bench_step_qwen3-0.6b_sglang_profile_h200.json). ``model.packed_attention:
+flash_varlen`` (:class:`FlashVarlenCoreAttention`, CUDA only) attends all samples of a row in one
+FlashAttention-2 varlen call per layer instead.
+
 When TransformerEngine is importable, its ``TEDotProductAttention`` (cuDNN / flash, ``thd`` with
 ``cu_seqlens``) is the core attention instead. Only the core attention is swapped, not the whole TE
 spec: the TE spec fuses the norms into the linear layers, renaming the parameters that
@@ -26,6 +32,7 @@ Imports Megatron at import time: import this module lazily, like every Megatron 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -52,7 +59,27 @@ def transformer_engine_attention() -> type | None:
     return TEDotProductAttention if HAVE_TE else None
 
 
-def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> ModuleSpec | TransformerBlockSubmodules:
+PACKED_ATTENTION = ("per_sample", "flash_varlen")
+"""How packed rows are attended without TransformerEngine (``model.packed_attention``)."""
+
+
+def core_attention(packed_attention: str = "per_sample") -> type:
+    """The core attention class: TransformerEngine's when importable, else SDPA with packed rows attended
+    per sample or (``flash_varlen``, CUDA) in one varlen call."""
+    if packed_attention not in PACKED_ATTENTION:
+        raise ValueError(f"model.packed_attention ({packed_attention!r}) must be one of {list(PACKED_ATTENTION)}")
+    if transformer_engine_attention() is not None:
+        return transformer_engine_attention()
+    if packed_attention == "per_sample":
+        return SDPACoreAttention
+    if not torch.cuda.is_available():
+        raise ValueError("model.packed_attention (flash_varlen) needs CUDA because FlashAttention's varlen kernel "
+                         "has no CPU implementation; use per_sample on CPU")
+    return FlashVarlenCoreAttention
+
+
+def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1,
+               packed_attention: str = "per_sample") -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention.
 
     MoE models get Megatron's ``MoELayer`` as the MLP, with ``SequentialMLP`` experts (one local MLP per
@@ -60,25 +87,34 @@ def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> ModuleSpe
     some layers are MoE (``mlp_only_layers``), the result is pipeline stage ``pp_rank``'s list of layer specs.
     """
     moe_layers = arch.moe.moe_layers if arch.moe is not None else (False,) * arch.num_layers
+    attention = core_attention(packed_attention)
     if all(moe_layers) or not any(moe_layers):
-        return _layer_spec(arch, moe=any(moe_layers))
+        return _layer_spec(arch, any(moe_layers), attention)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     per_stage = arch.num_layers // pp_size
     stage = moe_layers[pp_rank * per_stage:(pp_rank + 1) * per_stage]
-    sparse, dense = _layer_spec(arch, moe=True), _layer_spec(arch, moe=False)
+    sparse, dense = _layer_spec(arch, True, attention), _layer_spec(arch, False, attention)
     return TransformerBlockSubmodules(layer_specs=[sparse if moe else dense for moe in stage],
                                       layer_norm=LayerNormImpl)  # the final norm Megatron adds to a layer spec
 
 
-def _layer_spec(arch: ModelArch, moe: bool) -> ModuleSpec:
+def _layer_spec(arch: ModelArch, moe: bool, attention: type) -> ModuleSpec:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=arch.moe.num_experts if moe else None, moe_grouped_gemm=False,
                                     normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
-    spec.submodules.self_attention.submodules.core_attention = transformer_engine_attention() or SDPACoreAttention
+    spec.submodules.self_attention.submodules.core_attention = attention
     return spec
+
+
+@dataclasses.dataclass
+class PackedRows(PackedSeqParams):
+    """Megatron's ``thd`` parameters plus a device copy of the sample bounds (FlashAttention's varlen
+    kernel reads them on the GPU; RoPE and the per-sample path read the CPU ones as Python ints)."""
+
+    cu_seqlens_device: torch.Tensor | None = None
 
 
 def packed_seq_params(position_ids: torch.Tensor, device: torch.device) -> PackedSeqParams | None:
@@ -100,11 +136,13 @@ def packed_seq_params(position_ids: torch.Tensor, device: torch.device) -> Packe
     bounds = torch.cat([starts.nonzero().flatten(), torch.tensor([flat.numel()])]).to(torch.int32)
     max_len = int((bounds[1:] - bounds[:-1]).max())
     # cu_seqlens stay on the CPU for the SDPA path: RoPE and SDPACoreAttention read them as Python ints,
-    # and a CUDA copy would cost a device sync in every layer. TE kernels need them on the device.
+    # and a CUDA copy would cost a device sync in every layer. TE kernels need them on the device; the
+    # varlen kernel reads the one device copy made here, per micro-batch.
+    on_device = bounds.to(device) if device.type == "cuda" else None
     if transformer_engine_attention() is not None:
-        bounds = bounds.to(device)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        bounds = on_device
+    return PackedRows(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                      max_seqlen_q=max_len, max_seqlen_kv=max_len, cu_seqlens_device=on_device)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -133,6 +171,10 @@ class SDPACoreAttention(MegatronModule):
             seq, batch = query.shape[:2]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, dim]
             return self._sdpa(q, k, v).permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        return self._packed(query, key, value, packed_seq_params).reshape(query.shape[0], -1)
+
+    def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        """Causal attention within each sample of a packed ``[T, heads, dim]`` row."""
         bounds = packed_seq_params.cu_seqlens_q
         lengths = (bounds[1:] - bounds[:-1]).tolist()
         # split, not slicing: its backward concatenates the samples' gradients once, where each slice's
@@ -142,10 +184,26 @@ class SDPACoreAttention(MegatronModule):
             self._sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in sample))[0].transpose(0, 1)
             for sample in zip(*(t.split(lengths) for t in (query, key, value)))
         ]
-        return torch.cat(outputs).reshape(query.shape[0], -1)
+        return torch.cat(outputs)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over ``[..., heads, S, dim]``; key/value may have fewer (grouped) heads."""
         return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
                                               is_causal=True, scale=self.softmax_scale,
                                               enable_gqa=k.shape[-3] != q.shape[-3])
+
+
+class FlashVarlenCoreAttention(SDPACoreAttention):
+    """:class:`SDPACoreAttention` with packed rows in one FlashAttention-2 varlen call per layer (CUDA, bf16
+    or fp16): ``aten._flash_attention_forward`` with the rows' ``cu_seqlens``, whose autograd formula is
+    torch's own flash backward. Grouped-query heads are native to the kernel (no copies)."""
+
+    def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        bounds = packed_seq_params.cu_seqlens_device
+        if bounds is None:
+            raise ValueError("packed_seq_params must carry cu_seqlens_device because the varlen kernel reads "
+                             "the sample bounds on the GPU; build it with rlrun.megatron.attention.packed_seq_params")
+        max_len = packed_seq_params.max_seqlen_q
+        return torch.ops.aten._flash_attention_forward(
+            query, key, value, bounds, bounds, max_len, max_len, self.dropout_p if self.training else 0.0,
+            True, False, scale=self.softmax_scale)[0]

@@ -46,12 +46,14 @@ class MegatronModel:
 
 
 def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
-                distributed_optimizer: bool = False, moe_options: MoEOptions | None = None) -> MegatronModel:
+                distributed_optimizer: bool = False, moe_options: MoEOptions | None = None,
+                packed_attention: str = "per_sample") -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
     layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
 
-    ``moe_options``: routing and load-balancing options of MoE models (ignored for dense ones)."""
-    gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options)
+    ``moe_options``: routing and load-balancing options of MoE models (ignored for dense ones);
+    ``packed_attention``: ``model.packed_attention`` (rlrun/megatron/attention.py)."""
+    gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options, packed_attention)
     if parallel.is_rank0 and (padding_note := head_padding_note(arch, parallel.tp_size)):
         # A warning, not info: it costs compute the user may avoid, and the trainer sets up no logging
         # handlers, so only warnings reach the console.
@@ -59,8 +61,8 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
     return wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
 
 
-def build_gpt(hf_dir: str, parallel: Parallel, dtype: str,
-              moe_options: MoEOptions | None = None) -> tuple[GPTModel, ModelArch, TransformerConfig]:
+def build_gpt(hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptions | None = None,
+              packed_attention: str = "per_sample") -> tuple[GPTModel, ModelArch, TransformerConfig]:
     """The bare GPTModel of ``hf_dir`` for this rank (its pipeline stage, TP/EP shards), HF weights loaded;
     shared by the actor (:func:`build_model`) and the critic (rlrun/megatron/value_head.py)."""
     from megatron.core.models.gpt import GPTModel
@@ -74,7 +76,7 @@ def build_gpt(hf_dir: str, parallel: Parallel, dtype: str,
                                 parallel.etp_size, moe_options)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, parallel.pp_rank, parallel.pp_size),
+        transformer_layer_spec=layer_spec(arch, parallel.pp_rank, parallel.pp_size, packed_attention),
         vocab_size=arch.padded_vocab_size(parallel.tp_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel.is_first_stage,

@@ -47,9 +47,11 @@ class ValueHead(torch.nn.Module):
         return self.linear(hidden_states), None
 
 
-def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int) -> MegatronModel:
+def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int,
+                       packed_attention: str = "per_sample") -> MegatronModel:
     """The critic of ``hf_dir`` on this rank (TP shards of the trunk, the whole head), in Megatron DDP."""
-    gpt, arch, config = build_gpt(hf_dir, parallel, dtype)  # the actor's trunk (its LM head is dropped)
+    # the actor's trunk (its LM head is dropped)
+    gpt, arch, config = build_gpt(hf_dir, parallel, dtype, packed_attention=packed_attention)
     # Every stage drops the tie, so no stage all-reduces embedding gradients with a head that is gone.
     gpt.share_embeddings_and_output_weights = False
     if parallel.is_last_stage:

@@ -84,3 +84,15 @@ def test_layer_spec_swaps_only_the_core_attention(tiny_model_dirs):
     got, want = spec.submodules.self_attention.submodules, local.submodules.self_attention.submodules
     assert got.core_attention is (transformer_engine_attention() or SDPACoreAttention)
     assert got.linear_qkv is want.linear_qkv and got.q_layernorm is want.q_layernorm
+
+
+def test_packed_attention_choice_is_checked():
+    from rlrun.megatron.attention import SDPACoreAttention, core_attention, transformer_engine_attention
+
+    if transformer_engine_attention() is None:
+        assert core_attention() is SDPACoreAttention
+    with pytest.raises(ValueError, match="model.packed_attention"):
+        core_attention("flash")
+    if not torch.cuda.is_available() and transformer_engine_attention() is None:
+        with pytest.raises(ValueError, match="needs CUDA"):
+            core_attention("flash_varlen")

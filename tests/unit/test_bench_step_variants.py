@@ -21,7 +21,8 @@ from peer_step import parse_variant, variant_flags  # noqa: E402
 
 
 @pytest.mark.parametrize("backend", ["embedded", "sglang"])
-@pytest.mark.parametrize("variant", [Variant(), Variant(offload=False), Variant(teardown_nccl=False)])
+@pytest.mark.parametrize("variant", [Variant(), Variant(offload=False), Variant(teardown_nccl=False),
+                                     Variant(varlen=True)])
 def test_run_config_applies_the_variant(tmp_path, backend, variant):
     config = run_config(StepSettings(backend=backend), tmp_path / "inputs", tmp_path / "run", "float32", variant,
                         profile_step=3)
@@ -30,6 +31,7 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     cfg = load_config(path)
     assert (cfg.offload.train, cfg.offload.rollout) == (variant.offload, variant.offload)
     assert cfg.offload.teardown_nccl is variant.teardown_nccl
+    assert cfg.model.packed_attention == ("flash_varlen" if variant.varlen else "per_sample")
     assert cfg.offload.reloadable_backends == (("nccl",) if variant.offload and variant.teardown_nccl else ())
     assert tuple(cfg.logging.profile_steps) == (3,)
     if backend == "sglang":
@@ -41,16 +43,18 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
 
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("teardown", [True, False])
-def test_variant_names_round_trip(offload, teardown):
-    variant = Variant(offload=offload, teardown_nccl=teardown)
+@pytest.mark.parametrize("varlen", [True, False])
+def test_variant_names_round_trip(offload, teardown, varlen):
+    variant = Variant(offload=offload, teardown_nccl=teardown, varlen=varlen)
     label = variant.label("sglang")
     assert parse_variant(label) == ("sglang", variant)
     flags = variant_flags("sglang", variant)
     assert flags[flags.index("--offload") + 1] == ("on" if offload else "off")
     assert flags[flags.index("--teardown-nccl") + 1] == ("on" if teardown else "off")
+    assert flags[flags.index("--packed-attention") + 1] == ("flash_varlen" if varlen else "per_sample")
 
 
-@pytest.mark.parametrize("spec", ["sglang_fast", "sglang_keepnccl_resident"])
+@pytest.mark.parametrize("spec", ["sglang_fast", "sglang_keepnccl_resident", "sglang_varlen_keepnccl"])
 def test_unknown_or_misordered_variants_are_refused(spec):
     with pytest.raises(SystemExit, match="must"):
         parse_variant(spec)
