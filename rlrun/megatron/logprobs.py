@@ -18,7 +18,6 @@ fp32 work to one token chunk at a time). Padded entries are left out of the sums
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from rlrun.megatron.model import MegatronModel
 from rlrun.megatron.pipeline import last_stage_outputs
