@@ -60,6 +60,13 @@ def train(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006 
     """Run RL training (one process per rank; launch with torchrun)."""
     cfg = _load(config, overrides)
     from rlrun.loop import run
+    from rlrun.megatron.attention import core_attention
+
+    try:  # what the machine must offer the config (CUDA for flash_varlen), before any rank starts work
+        core_attention(cfg.model.packed_attention)
+    except ValueError as err:
+        typer.echo(f"{config}: {err}", err=True)
+        raise typer.Exit(1) from None
 
     run(cfg)
 

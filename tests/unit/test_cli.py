@@ -48,6 +48,16 @@ def test_train_with_a_bad_override_exits_cleanly(good_config):
     assert result.stderr == "--set rollout.max_new_tokens=0: rollout.max_new_tokens (0) must be greater than or equal to 1\n"
 
 
+def test_train_refuses_flash_varlen_without_cuda_in_one_line(good_config):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = rlrun("train", str(good_config), "--set", "model.packed_attention=flash_varlen")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"{good_config}: model.packed_attention (flash_varlen) needs CUDA")
+
+
 def test_validate_checks_model_dir_and_prompt_rows(tmp_path, good_config):
     missing_model = rlrun("config", "validate", str(good_config), "--set", f"model.path={tmp_path}/none")
     assert missing_model.returncode == 1
