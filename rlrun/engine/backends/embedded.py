@@ -124,6 +124,8 @@ class EmbeddedEngine:
         model_path = Path(model_path)
         self.device = torch.device(device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda": the current device, named, so set_device can take it
+                self.device = torch.device("cuda", torch.cuda.current_device())
             # What names no device acts on the current one: CUDA graph capture's side stream, empty_cache,
             # cuBLAS workspaces. Without this, rank 1's engine on cuda:1 made its capture stream on cuda:0,
             # and the 2-GPU rollout took 2.8x one GPU's (benchmarks/results/weak_scaling_h200x2.json).
