@@ -34,6 +34,7 @@ import time
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import resource_sharer
 
 import torch
 
@@ -58,12 +59,35 @@ def die(message: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def record_update(weight_version, per_rank: list) -> None:
+def record_update(weight_version, per_rank: list, senders: list) -> None:
     """One ``fake-sglang-update {json}`` line per payload list: the sha256 of every tensor each TP rank
-    received, so tests can check what every rank got against the trainer's weights."""
+    received, so tests can check what every rank got against the trainer's weights, and each payload's
+    sender (see :func:`deserialize_recording_sender`)."""
     payloads = [{name: tensor_checksum(tensor) for name, tensor in named} for named in per_rank]
-    print("fake-sglang-update " + json.dumps({"weight_version": weight_version, "payloads": payloads}),
-          file=sys.stderr, flush=True)
+    print("fake-sglang-update " + json.dumps({"weight_version": weight_version, "payloads": payloads,
+                                              "senders": senders}), file=sys.stderr, flush=True)
+
+
+def deserialize_recording_sender(payload: bytes) -> tuple[object, str | None]:
+    """The payload, unpickled as SGLang does, and the address of the resource sharer its CPU tensors were
+    fetched from: the process that built it. The real TP rank r can only use a payload whose CUDA memory
+    is on its own GPU, which in a colocated engine group is group rank r's (seen on two H200s); on CPU the
+    analogue tests can check is that payload r was built by group rank r's process."""
+    senders = set()
+    detach = resource_sharer.DupFd.detach
+
+    def recording_detach(self):
+        senders.add(self._id[0])
+        return detach(self)
+
+    resource_sharer.DupFd.detach = recording_detach
+    try:
+        loaded = MultiprocessingSerializer.deserialize(payload)
+    finally:
+        resource_sharer.DupFd.detach = detach
+    if len(senders) > 1:
+        raise AssertionError(f"one payload's tensors came from {len(senders)} processes: {sorted(senders)}")
+    return loaded, next(iter(senders), None)
 
 
 class _ModelUpdateLock:
@@ -290,14 +314,14 @@ class TokenizerManager:
             assert len(obj.serialized_named_tensors) == tp_size, (
                 f"{len(obj.serialized_named_tensors)} serialized_named_tensors for tp_size {tp_size}")
             # TP rank r unpickles entry r and loads full tensors; the fake's one model stands for every rank.
-            per_rank = [self._named_tensors(MultiprocessingSerializer.deserialize(payload), obj.load_format)
-                        for payload in obj.serialized_named_tensors]
+            loaded = [deserialize_recording_sender(payload) for payload in obj.serialized_named_tensors]
+            per_rank = [self._named_tensors(payload, obj.load_format) for payload, _ in loaded]
             params = self.model.named_parameters()
             for named in per_rank:
                 for name, tensor in named:
                     assert name not in params or params[name].shape == tensor.shape, (
                         f"{name}: {params[name].shape} != {tensor.shape}")
-            record_update(obj.weight_version, per_rank)
+            record_update(obj.weight_version, per_rank, [sender for _, sender in loaded])
             for name, tensor in per_rank[0]:
                 if name not in params:
                     print(f"Parameter {name} not found in params_dict", file=sys.stderr, flush=True)
