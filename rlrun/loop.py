@@ -200,13 +200,17 @@ def engine_server_args(cfg: RunConfig) -> dict:
 def train_one_step(parts: Components, state: RunState) -> None:
     timer = PhaseTimer(parts.logger)
     metrics: dict[str, float] = {}
+
+    def mark(phase: str) -> None:  # the timeline's nvidia-smi calls: timed, so step_s is the step's whole wall time
+        with timer("memory"):
+            parts.offloader.mark(phase)
+
     with timer("offload"):  # here, not at the end of a step, so checkpoints between steps see an awake trainer
         parts.offloader.trainer_sleep()
         parts.offloader.engine_wake_for_rollout()
     with timer("rollout"):
         samples = rollout(parts, state.step, metrics)
-    with timer("memory"):  # the timeline's nvidia-smi calls: timed, so step_s is the step's whole wall time
-        parts.offloader.mark("rollout")
+    mark("rollout")
     with timer("offload"):
         parts.offloader.engine_sleep()
         parts.offloader.trainer_wake()
@@ -221,16 +225,14 @@ def train_one_step(parts: Components, state: RunState) -> None:
         maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, micro_batches)
         with timer("train"):
             metrics.update(train(parts, micro_batches, num_global_tokens, state.step))
-    with timer("memory"):
-        parts.offloader.mark("train")
+    mark("train")
     with timer("offload"):
         parts.offloader.engine_wake_for_sync()
     if micro_batches:
         with timer("sync"):  # reads the trainer's weights: the trainer sleeps at the next step's start
             state.weight_version += 1
             sync_weights(parts, state.weight_version)
-    with timer("memory"):
-        parts.offloader.mark("sync")
+    mark("sync")
     metrics.update(parts.offloader.step_metrics())
     if parts.logger is not None:
         parts.logger.log(state.step, {**metrics, **timer.as_metrics()})

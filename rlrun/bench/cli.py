@@ -11,7 +11,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import typer
 
@@ -112,13 +112,14 @@ def step(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-
          out: OutFile = None) -> None:
     """Seconds per GRPO step of ``rlrun train`` (colocated, offload on by default), split by phase, tokens/s, memory."""
     from rlrun.bench.step import StepSettings, Variant, bench_step
+    from rlrun.config.schema import PackedAttention
 
     settings = StepSettings(shape=shape, backend=backend, prompts=prompts, samples=samples, prompt_len=prompt_len,
                             new_tokens=new_tokens, steps=steps, micro_batch_samples=micro_batch_samples, lr=lr,
                             seed=seed)
-    if packed_attention not in ("per_sample", "flash_varlen"):
-        raise typer.BadParameter(f"--packed-attention ({packed_attention}) must be per_sample or flash_varlen "
-                                 "because those are model.packed_attention's values")
+    if packed_attention not in get_args(PackedAttention):
+        raise typer.BadParameter(f"--packed-attention ({packed_attention}) must be one of "
+                                 f"{list(get_args(PackedAttention))} because those are model.packed_attention's values")
     variant = Variant(offload=_on_off("--offload", offload), teardown_nccl=_on_off("--teardown-nccl", teardown_nccl),
                       varlen=packed_attention == "flash_varlen")
     try:

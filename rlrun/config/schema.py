@@ -32,6 +32,10 @@ class MoEConfig(Section):
     (Megatron's all-to-all dispatcher needs CUDA streams)."""
 
 
+PackedAttention = Literal["per_sample", "flash_varlen"]
+"""``model.packed_attention``'s values (rlrun/megatron/attention.py)."""
+
+
 class ModelConfig(Section):
     path: str = ".cache/models/SmolLM2-135M-Instruct"
     """Hugging Face model directory (config.json + safetensors + tokenizer files)."""
@@ -39,7 +43,7 @@ class ModelConfig(Section):
     """Parameter dtype of the trainer. float32 on CPU; bfloat16 on GPU."""
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts options (Qwen3-MoE, Qwen2-MoE)."""
-    packed_attention: Literal["per_sample", "flash_varlen"] = "per_sample"
+    packed_attention: PackedAttention = "per_sample"
     """How the trainer attends packed rows (several samples in one row) without TransformerEngine:
     ``per_sample``, one SDPA call per sample (everywhere); ``flash_varlen``, one FlashAttention varlen call
     per layer for the whole row (CUDA only: fewer host launches when samples are many and short)."""

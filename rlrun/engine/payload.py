@@ -152,12 +152,18 @@ def serialize_flattened_bucket(named_tensors: NamedTensors) -> bytes:
 def serialize_for_tp_ranks(named_tensors: NamedTensors, tp_size: int) -> list[bytes]:
     """One flattened-bucket payload per engine TP rank, all over the same flat buffer.
 
-    SGLang's TP rank r unpickles only entry r and loads full tensors (it shards them itself), so on
-    one host every rank can be sent the same buffer; each entry is pickled separately because a
-    payload's file descriptor (CPU) can be claimed only once.
+    SGLang's TP rank r unpickles only entry r and loads full tensors (it shards them itself). Host
+    tensors can share one buffer (each entry is pickled separately because a payload's file
+    descriptor can be claimed only once); CUDA ones cannot: TP rank r must get memory on its own GPU
+    (a shared buffer on GPU 0 killed TP rank 1 on two H200s), so an engine group builds payload r on
+    group rank r instead (rlrun/engine/group.py).
     """
     if tp_size < 1:
         raise ValueError(f"tp_size ({tp_size}) must be >= 1 because every engine has at least one TP rank")
+    if tp_size > 1 and any(tensor.is_cuda for _, tensor in named_tensors):
+        raise ValueError(f"named_tensors must be on the host for tp_size ({tp_size}) > 1 because each SGLang TP "
+                         "rank needs its payload on its own GPU; sync through rlrun.engine.group.EngineGroup, "
+                         "which builds payload r on group rank r")
     bucket = _flatten(named_tensors)
     payloads = []
     for _ in range(tp_size):

@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from rlrun.config.schema import PackedAttention
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -59,15 +61,11 @@ def transformer_engine_attention() -> type | None:
     return TEDotProductAttention if HAVE_TE else None
 
 
-PACKED_ATTENTION = ("per_sample", "flash_varlen")
-"""How packed rows are attended without TransformerEngine (``model.packed_attention``)."""
-
-
 def core_attention(packed_attention: str = "per_sample") -> type:
     """The core attention class: TransformerEngine's when importable, else SDPA with packed rows attended
     per sample or (``flash_varlen``, CUDA) in one varlen call."""
-    if packed_attention not in PACKED_ATTENTION:
-        raise ValueError(f"model.packed_attention ({packed_attention!r}) must be one of {list(PACKED_ATTENTION)}")
+    if packed_attention not in get_args(PackedAttention):
+        raise ValueError(f"model.packed_attention ({packed_attention!r}) must be one of {list(get_args(PackedAttention))}")
     if transformer_engine_attention() is not None:
         return transformer_engine_attention()
     if packed_attention == "per_sample":
