@@ -34,6 +34,7 @@ from rlrun.engine.backends.cuda_graph import StepGraph
 from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch, Finish
 from rlrun.engine.backends.decode_control import DecodeControl, RequestHandle
 from rlrun.engine.backends.fused_experts import expert_slice
+from rlrun.engine.backends.fused_norm import fuse_rms_norms
 from rlrun.engine.backends.routing_record import RouterRecorder, encode
 from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, prefill_mask
 from rlrun.engine.sampling import SamplingParams, SamplingTensors, per_prompt_params, row_key, row_rids
@@ -133,6 +134,7 @@ class EmbeddedEngine:
         # SDPA-based attention that takes the static cache's ready boolean masks (see static_cache.py).
         self.model = (AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
                       .to(self.device).eval().requires_grad_(False))
+        fuse_rms_norms(self.model)
         self.tokenizer = (AutoTokenizer.from_pretrained(model_path)
                           if (model_path / "tokenizer_config.json").exists() else None)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
