@@ -9,8 +9,9 @@ still run.
 
 ``--backends`` lists rlrun variants, each ``BACKEND`` plus optional suffixes (the names
 ``rlrun.bench.step.Variant.label`` gives): ``_resident`` (``--offload off``: trainer and engine both stay
-on the device, as TRL's do), ``_keepnccl`` (``--teardown-nccl off``) and ``_varlen``
-(``--packed-attention flash_varlen``). TRL runs once, first.
+on the device, as TRL's do), ``_keepnccl`` (``--teardown-nccl off``) and ``_varlen`` or ``_persample``
+(``--packed-attention flash_varlen`` / ``per_sample``; without either, ``auto``: varlen on CUDA in bf16).
+TRL runs once, first.
 
     python benchmarks/peer_step.py --shape qwen3-0.6b --steps 5 \\
         --backends embedded,sglang,sglang_keepnccl,sglang_resident \\
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import add_settings_args, settings_from  # noqa: E402
 
 from rlrun.bench.logged import run_logged  # noqa: E402
-from rlrun.bench.step import WARMUP_STEPS, StepSettings, Variant  # noqa: E402
+from rlrun.bench.step import ATTENTION_SUFFIX, WARMUP_STEPS, StepSettings, Variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"sglang": 4.0, "embedded": 2.5}
@@ -48,12 +49,14 @@ def settings_flags(settings: StepSettings) -> list[str]:
 def parse_variant(spec: str) -> tuple[str, Variant]:
     """``sglang_resident_keepnccl`` -> ("sglang", Variant(offload=False, teardown_nccl=False))."""
     backend, *suffixes = spec.split("_")
-    unknown = set(suffixes) - {"resident", "keepnccl", "varlen"}
+    attention = {suffix[1:]: name for name, suffix in ATTENTION_SUFFIX.items() if suffix}
+    unknown = set(suffixes) - {"resident", "keepnccl", *attention}
     if unknown:
-        raise SystemExit(f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl and/or _varlen "
-                         f"because those are the variants bench step runs; drop {sorted(unknown)}")
+        raise SystemExit(f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl and/or one of "
+                         f"{sorted('_' + s for s in attention)} because those are the variants bench step runs; "
+                         f"drop {sorted(unknown)}")
     variant = Variant(offload="resident" not in suffixes, teardown_nccl="keepnccl" not in suffixes,
-                      varlen="varlen" in suffixes)
+                      packed_attention=next((attention[s] for s in suffixes if s in attention), "auto"))
     if variant.label(backend) != spec:
         raise SystemExit(f"--backends entry {spec!r} must be written {variant.label(backend)!r} (the run's folder name)")
     return backend, variant
@@ -63,7 +66,7 @@ def variant_flags(backend: str, variant: Variant) -> list[str]:
     """The ``rlrun bench step`` flags of one variant."""
     return ["--backend", backend, "--offload", "on" if variant.offload else "off",
             "--teardown-nccl", "on" if variant.teardown_nccl else "off",
-            "--packed-attention", "flash_varlen" if variant.varlen else "per_sample"]
+            "--packed-attention", variant.packed_attention]
 
 
 def run_json(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict:

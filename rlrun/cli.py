@@ -63,7 +63,7 @@ def train(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006 
     from rlrun.megatron.attention import core_attention
 
     try:  # what the machine must offer the config (CUDA for flash_varlen), before any rank starts work
-        core_attention(cfg.model.packed_attention)
+        core_attention(cfg.model.packed_attention, cfg.model.dtype)
     except ValueError as err:
         typer.echo(f"{config}: {err}", err=True)
         raise typer.Exit(1) from None

@@ -106,7 +106,7 @@ def step(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-
          timeout_s: float = 1800.0,
          offload: Annotated[str, typer.Option(help="on: trainer and engine take turns on the device; off: both resident (as TRL).")] = "on",
          teardown_nccl: Annotated[str, typer.Option(help="on|off: offload.teardown_nccl (only with --offload on).")] = "on",
-         packed_attention: Annotated[str, typer.Option(help="per_sample or flash_varlen (CUDA): model.packed_attention.")] = "per_sample",
+         packed_attention: Annotated[str, typer.Option(help="auto, per_sample or flash_varlen (CUDA, bf16): model.packed_attention.")] = "auto",
          profile_step: Annotated[int | None, typer.Option(help="Profile this step; its train phase's top ops go into the JSON.")] = None,
          ranks: Annotated[int, typer.Option(help="torchrun ranks (DP, an engine each); --prompts counts over all of them.")] = 1,
          out: OutFile = None) -> None:
@@ -121,7 +121,7 @@ def step(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-
         raise typer.BadParameter(f"--packed-attention ({packed_attention}) must be one of "
                                  f"{list(get_args(PackedAttention))} because those are model.packed_attention's values")
     variant = Variant(offload=_on_off("--offload", offload), teardown_nccl=_on_off("--teardown-nccl", teardown_nccl),
-                      varlen=packed_attention == "flash_varlen")
+                      packed_attention=packed_attention)
     try:
         result = bench_step(settings, work, timeout_s, variant, profile_step, ranks)
     except ValueError as exc:  # settings that cannot run (prompts not divisible by ranks, profile step out of range)

@@ -46,6 +46,7 @@ from rlrun.bench.engines import SGLANG_SERVER_ARGS
 from rlrun.bench.logged import run_logged
 from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
+from rlrun.config.schema import PackedAttention
 
 TORCHRUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                 "OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -61,6 +62,8 @@ RESIDENT_SGLANG_MEM_FRACTION = 0.15
 """SGLang's ``mem_fraction_static`` with offload off: weights + KV cache for 128 x 640 tokens (9.4 GB at
 Qwen3-0.6B/1.7B) fit in 21 GB of an H200, next to a 1.7B trainer's 106 GB peak (measured 2026-11-29);
 the offload runs keep SGLANG_SERVER_ARGS' 0.3, since the engine has the device to itself while it generates."""
+ATTENTION_SUFFIX: dict[str, str] = {"auto": "", "per_sample": "_persample", "flash_varlen": "_varlen"}
+"""A variant's label suffix for each ``model.packed_attention`` (``auto``, the default, adds none)."""
 PROFILED_PHASE = "train"
 INPUTS = "inputs"
 """The folder of ``--work`` that holds the model and prompts every run shares."""
@@ -93,14 +96,14 @@ class Variant:
     teardown_nccl: bool = True
     """``offload.teardown_nccl``: destroy and rebuild Megatron's NCCL communicators at every sleep/wake
     (only with offload)."""
-    varlen: bool = False
-    """``model.packed_attention: flash_varlen`` (one varlen attention call per layer; CUDA only) instead of
-    one SDPA call per sample."""
+    packed_attention: PackedAttention = "auto"
+    """``model.packed_attention``: ``auto`` (the config's default: one varlen attention call per layer on
+    CUDA in bf16, else one SDPA call per sample) or either of them by name."""
 
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
         return (base + ("" if self.offload else "_resident") + ("" if self.teardown_nccl else "_keepnccl")
-                + ("_varlen" if self.varlen else ""))
+                + ATTENTION_SUFFIX[self.packed_attention])
 
     def engine_memory(self, backend: str) -> str:
         """How the engine's memory was sized, for the JSON."""
@@ -239,7 +242,7 @@ def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: s
     sample_len = settings.prompt_len + settings.new_tokens
     return {
         "model": {"path": str(inputs_dir / "model"), "dtype": dtype,
-                  "packed_attention": "flash_varlen" if variant.varlen else "per_sample"},
+                  "packed_attention": variant.packed_attention},
         "data": {"path": str(inputs_dir / "prompts.jsonl"), "prompt_key": "prompt", "label_key": None,
                  "apply_chat_template": False, "shuffle": True},
         "rollout": {"prompts_per_step": settings.prompts, "samples_per_prompt": settings.samples,

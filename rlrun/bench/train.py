@@ -133,7 +133,7 @@ def bench_train(shape_name: str, layouts: list[str], sample_len: int, samples_pe
             model = build_model(str(hf_dir), parallel, dtype=dtype)
         optimizer = make_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
         samples = synthetic_samples(samples_per_micro_batch * num_micro_batches, sample_len, shape.vocab, seed=0)
-        attention = core_attention().__name__
+        attention = core_attention(dtype=dtype).__name__
         results = []
         for layout in layouts:
             batches = micro_batches(samples, layout, samples_per_micro_batch)

@@ -19,8 +19,9 @@ under which Megatron's RoPE also restarts per sample (``rope_utils._apply_rotary
 One SDPA call per sample is host-bound at RL batch sizes: on the H200 a Qwen3-0.6B train phase of 128
 samples of 640 tokens made 3,584 SDPA calls forward and as many backward per step, and the GPU was busy
 1.4 s of it (benchmarks/results/bench_step_qwen3-0.6b_sglang_profile_h200.json). ``model.packed_attention:
-flash_varlen`` (:class:`FlashVarlenCoreAttention`, CUDA only) attends all samples of a row in one
-FlashAttention-2 varlen call per layer instead.
+flash_varlen`` (:class:`FlashVarlenCoreAttention`, CUDA and bfloat16; the default ``auto`` picks it there)
+attends all samples of a row in one FlashAttention-2 varlen call per layer instead: the same phase took
+1.64 s instead of 2.10 (benchmarks/results/peer_step_qwen3-0.6b_offload_h200.json).
 
 When TransformerEngine is importable, its ``TEDotProductAttention`` (cuDNN / flash, ``thd`` with
 ``cu_seqlens``) is the core attention instead. Only the core attention is swapped, not the whole TE
@@ -61,23 +62,29 @@ def transformer_engine_attention() -> type | None:
     return TEDotProductAttention if HAVE_TE else None
 
 
-def core_attention(packed_attention: str = "per_sample") -> type:
+def core_attention(packed_attention: str = "auto", dtype: str = "bfloat16") -> type:
     """The core attention class: TransformerEngine's when importable, else SDPA with packed rows attended
-    per sample or (``flash_varlen``, CUDA) in one varlen call."""
+    per sample or (``flash_varlen``: CUDA, bfloat16) in one varlen call; ``auto`` takes the varlen call
+    where it can run. ``dtype`` is ``model.dtype``."""
     if packed_attention not in get_args(PackedAttention):
         raise ValueError(f"model.packed_attention ({packed_attention!r}) must be one of {list(get_args(PackedAttention))}")
     if transformer_engine_attention() is not None:
         return transformer_engine_attention()
+    if packed_attention == "auto":
+        packed_attention = "flash_varlen" if torch.cuda.is_available() and dtype == "bfloat16" else "per_sample"
     if packed_attention == "per_sample":
         return SDPACoreAttention
     if not torch.cuda.is_available():
         raise ValueError("model.packed_attention (flash_varlen) needs CUDA because FlashAttention's varlen kernel "
-                         "has no CPU implementation; use per_sample on CPU")
+                         "has no CPU implementation; use per_sample or auto on CPU")
+    if dtype != "bfloat16":
+        raise ValueError(f"model.packed_attention (flash_varlen) needs model.dtype bfloat16 (not {dtype}) because "
+                         "FlashAttention has no float32 kernel; use per_sample or auto")
     return FlashVarlenCoreAttention
 
 
-def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1,
-               packed_attention: str = "per_sample") -> ModuleSpec | TransformerBlockSubmodules:
+def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, packed_attention: str = "auto",
+               dtype: str = "bfloat16") -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention.
 
     MoE models get Megatron's ``MoELayer`` as the MLP, with ``SequentialMLP`` experts (one local MLP per
@@ -85,7 +92,7 @@ def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1,
     some layers are MoE (``mlp_only_layers``), the result is pipeline stage ``pp_rank``'s list of layer specs.
     """
     moe_layers = arch.moe.moe_layers if arch.moe is not None else (False,) * arch.num_layers
-    attention = core_attention(packed_attention)
+    attention = core_attention(packed_attention, dtype)
     if all(moe_layers) or not any(moe_layers):
         return _layer_spec(arch, any(moe_layers), attention)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules

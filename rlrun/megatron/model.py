@@ -47,7 +47,7 @@ class MegatronModel:
 
 def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
                 distributed_optimizer: bool = False, moe_options: MoEOptions | None = None,
-                packed_attention: str = "per_sample") -> MegatronModel:
+                packed_attention: str = "auto") -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
     layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
 
@@ -62,7 +62,7 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
 
 
 def build_gpt(hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptions | None = None,
-              packed_attention: str = "per_sample") -> tuple[GPTModel, ModelArch, TransformerConfig]:
+              packed_attention: str = "auto") -> tuple[GPTModel, ModelArch, TransformerConfig]:
     """The bare GPTModel of ``hf_dir`` for this rank (its pipeline stage, TP/EP shards), HF weights loaded;
     shared by the actor (:func:`build_model`) and the critic (rlrun/megatron/value_head.py)."""
     from megatron.core.models.gpt import GPTModel
@@ -76,7 +76,7 @@ def build_gpt(hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptio
                                 parallel.etp_size, moe_options)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, parallel.pp_rank, parallel.pp_size, packed_attention),
+        transformer_layer_spec=layer_spec(arch, parallel.pp_rank, parallel.pp_size, packed_attention, dtype),
         vocab_size=arch.padded_vocab_size(parallel.tp_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel.is_first_stage,

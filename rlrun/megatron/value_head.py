@@ -48,7 +48,7 @@ class ValueHead(torch.nn.Module):
 
 
 def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int,
-                       packed_attention: str = "per_sample") -> MegatronModel:
+                       packed_attention: str = "auto") -> MegatronModel:
     """The critic of ``hf_dir`` on this rank (TP shards of the trunk, the whole head), in Megatron DDP."""
     # the actor's trunk (its LM head is dropped)
     gpt, arch, config = build_gpt(hf_dir, parallel, dtype, packed_attention=packed_attention)

@@ -50,21 +50,25 @@ def test_embedded_engine_release_returns_weights_and_cache(tmp_path):
     from rlrun.engine.backends.embedded import EmbeddedEngine
 
     model_dir = write_random_model(get_shape("qwen3-0.6b"), tmp_path / "m", torch.bfloat16, "cuda")
-    torch.cuda.empty_cache()
-    baseline = used_bytes()
     engine = EmbeddedEngine(model_dir, dtype="bfloat16", device="cuda")
     before = {name: t.detach().cpu().clone() for name, t in list(engine.named_parameters().items())[:3]}
-    engine.generate([[5, 6, 7]] * 8, {"max_new_tokens": 64, "temperature": 1.0}, True, [f"r{i}" for i in range(8)])
     weight_bytes = sum(t.numel() * t.element_size() for t in engine.named_parameters().values())
-    assert used_bytes() - baseline >= weight_bytes
+    prompts, params, rids = [[5, 6, 7]] * 8, {"max_new_tokens": 64, "temperature": 1.0}, [f"r{i}" for i in range(8)]
+    engine.generate(prompts, params, True, rids)
     engine.offload_weights()
     engine.free_cache()
-    # Measured on the H200: 120 MB left before cuBLAS workspaces were cleared, 86 MB (7% of 1.19 GB) after;
-    # the rest is not identified yet, so the bound is 10% of the weights, not zero.
-    assert used_bytes() - baseline < 0.10 * weight_bytes, "released engine still holds device memory"
+    # The first cycle loads kernels and library handles the process keeps (157 MB on the H200 with
+    # torch 2.11, outside torch's allocator, and the same after a second cycle), so the release is
+    # measured from the second cycle on: what a colocated step sees every step.
+    released = used_bytes()
     engine.onload_weights()
     for name, tensor in before.items():
         torch.testing.assert_close(engine.named_parameters()[name].cpu(), tensor, rtol=0, atol=0)
+    engine.generate(prompts, params, True, rids)
+    assert used_bytes() - released >= weight_bytes
+    engine.offload_weights()
+    engine.free_cache()
+    assert used_bytes() - released < 8 * 2**20, "released engine still holds device memory"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")

@@ -65,7 +65,8 @@ def test_bench_step_json_matches_the_loop_metrics(tmp_path):
         assert 0 < sum(step["offload"].values()) <= step["phases_s"]["offload"]
         assert step["profiled"] is (step["step"] == 1)
     assert result["fixed_length"] is True and result["warmup_steps"] == 2
-    assert result["variant"] == {"offload": True, "teardown_nccl": True, "varlen": False} and result["label"] == "embedded"
+    assert result["variant"] == {"offload": True, "teardown_nccl": True, "packed_attention": "auto"}
+    assert result["label"] == "embedded"
 
     # step 1's train phase, from the profiler's trace: its range lasts as long as the loop timed the phase
     profile = result["profile"]

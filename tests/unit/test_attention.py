@@ -89,13 +89,20 @@ def test_layer_spec_swaps_only_the_core_attention(tiny_model_dirs):
 def test_packed_attention_choice_is_checked():
     from rlrun.megatron.attention import SDPACoreAttention, core_attention, transformer_engine_attention
 
-    if transformer_engine_attention() is None:
-        assert core_attention() is SDPACoreAttention
     with pytest.raises(ValueError, match="model.packed_attention"):
         core_attention("flash")
-    if not torch.cuda.is_available() and transformer_engine_attention() is None:
+    if transformer_engine_attention() is not None:
+        return
+    assert core_attention("per_sample") is SDPACoreAttention
+    assert core_attention("auto", "float32") is SDPACoreAttention  # FlashAttention has no float32 kernel
+    if not torch.cuda.is_available():
+        assert core_attention("auto", "bfloat16") is SDPACoreAttention
         with pytest.raises(ValueError, match="needs CUDA"):
             core_attention("flash_varlen")
+    else:
+        assert core_attention("auto", "bfloat16").__name__ == "FlashVarlenCoreAttention"
+        with pytest.raises(ValueError, match="needs model.dtype bfloat16"):
+            core_attention("flash_varlen", "float32")
 
 
 def test_flash_varlen_call_fits_the_kernel_schema_and_its_autograd():

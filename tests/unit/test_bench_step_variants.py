@@ -22,7 +22,7 @@ from peer_step import parse_variant, variant_flags  # noqa: E402
 
 @pytest.mark.parametrize("backend", ["embedded", "sglang"])
 @pytest.mark.parametrize("variant", [Variant(), Variant(offload=False), Variant(teardown_nccl=False),
-                                     Variant(varlen=True)])
+                                     Variant(packed_attention="flash_varlen"), Variant(packed_attention="per_sample")])
 def test_run_config_applies_the_variant(tmp_path, backend, variant):
     config = run_config(StepSettings(backend=backend), tmp_path / "inputs", tmp_path / "run", "float32", variant,
                         profile_step=3)
@@ -31,7 +31,7 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     cfg = load_config(path)
     assert (cfg.offload.train, cfg.offload.rollout) == (variant.offload, variant.offload)
     assert cfg.offload.teardown_nccl is variant.teardown_nccl
-    assert cfg.model.packed_attention == ("flash_varlen" if variant.varlen else "per_sample")
+    assert cfg.model.packed_attention == variant.packed_attention
     assert cfg.offload.reloadable_backends == (("nccl",) if variant.offload and variant.teardown_nccl else ())
     assert tuple(cfg.logging.profile_steps) == (3,)
     if backend == "sglang":
@@ -43,18 +43,19 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
 
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("teardown", [True, False])
-@pytest.mark.parametrize("varlen", [True, False])
-def test_variant_names_round_trip(offload, teardown, varlen):
-    variant = Variant(offload=offload, teardown_nccl=teardown, varlen=varlen)
+@pytest.mark.parametrize("attention", ["auto", "per_sample", "flash_varlen"])
+def test_variant_names_round_trip(offload, teardown, attention):
+    variant = Variant(offload=offload, teardown_nccl=teardown, packed_attention=attention)
     label = variant.label("sglang")
     assert parse_variant(label) == ("sglang", variant)
     flags = variant_flags("sglang", variant)
     assert flags[flags.index("--offload") + 1] == ("on" if offload else "off")
     assert flags[flags.index("--teardown-nccl") + 1] == ("on" if teardown else "off")
-    assert flags[flags.index("--packed-attention") + 1] == ("flash_varlen" if varlen else "per_sample")
+    assert flags[flags.index("--packed-attention") + 1] == attention
 
 
-@pytest.mark.parametrize("spec", ["sglang_fast", "sglang_keepnccl_resident", "sglang_varlen_keepnccl"])
+@pytest.mark.parametrize("spec", ["sglang_fast", "sglang_keepnccl_resident", "sglang_varlen_keepnccl",
+                                  "sglang_persample_varlen"])
 def test_unknown_or_misordered_variants_are_refused(spec):
     with pytest.raises(SystemExit, match="must"):
         parse_variant(spec)
