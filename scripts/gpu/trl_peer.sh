@@ -5,8 +5,9 @@
 #
 #   bash scripts/gpu/trl_peer.sh qwen3-0.6b [STEPS] [BACKENDS]     # -> $OUT/peer_step_<shape>.json + logs
 #
-# BACKENDS: rlrun variants, comma-separated: embedded, sglang, each optionally with _resident (offload off)
-# and/or _keepnccl (NCCL teardown off), e.g. sglang,sglang_keepnccl,sglang_resident (peer_step.py).
+# BACKENDS: rlrun variants, comma-separated: embedded, sglang, each optionally with _resident (offload off),
+# _keepnccl (NCCL teardown off) and _varlen or _persample (packed attention; default auto), e.g.
+# sglang,sglang_keepnccl,sglang_resident_varlen (peer_step.py).
 # OUT_NAME=x names the JSON peer_step_<shape>_x.json (a second call on the same shape, e.g. with
 # PEER_ARGS="--reuse-trl", which takes TRL's figures from the first call's /tmp/peer_<shape>/trl.json).
 #
