@@ -47,7 +47,8 @@ class ModelConfig(Section):
     """How the trainer attends packed rows (several samples in one row) without TransformerEngine:
     ``per_sample``, one SDPA call per sample (everywhere); ``flash_varlen``, one FlashAttention varlen call
     per layer for the whole row (CUDA and bfloat16 only; on the H200 a Qwen3-0.6B GRPO train phase of
-    128 x 640 tokens took 1.64 s instead of 2.10, BENCHMARKS.md); ``auto``, flash_varlen where it can run, else per_sample."""
+    128 x 640 tokens took 1.64 s instead of 2.10, BENCHMARKS.md); ``auto``, flash_varlen where it can run,
+    else per_sample."""
 
 
 class ParallelConfig(Section):

@@ -62,10 +62,10 @@ def transformer_engine_attention() -> type | None:
     return TEDotProductAttention if HAVE_TE else None
 
 
-def core_attention(packed_attention: str = "auto", dtype: str = "bfloat16") -> type:
+def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> type:
     """The core attention class: TransformerEngine's when importable, else SDPA with packed rows attended
     per sample or (``flash_varlen``: CUDA, bfloat16) in one varlen call; ``auto`` takes the varlen call
-    where it can run. ``dtype`` is ``model.dtype``."""
+    where it can run. ``dtype`` is ``model.dtype`` (its default here too)."""
     if packed_attention not in get_args(PackedAttention):
         raise ValueError(f"model.packed_attention ({packed_attention!r}) must be one of {list(get_args(PackedAttention))}")
     if transformer_engine_attention() is not None:
@@ -84,7 +84,7 @@ def core_attention(packed_attention: str = "auto", dtype: str = "bfloat16") -> t
 
 
 def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, packed_attention: str = "auto",
-               dtype: str = "bfloat16") -> ModuleSpec | TransformerBlockSubmodules:
+               dtype: str = "float32") -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention.
 
     MoE models get Megatron's ``MoELayer`` as the MLP, with ``SequentialMLP`` experts (one local MLP per
