@@ -74,9 +74,11 @@ def _nvml():
     """The initialised ``pynvml`` module, or None when it is missing or NVML does not start."""
     try:
         import pynvml
-
+    except ImportError:
+        return None
+    try:
         pynvml.nvmlInit()
-    except Exception:  # ImportError, or pynvml.NVMLError (no driver library): fall back to nvidia-smi
+    except pynvml.NVMLError:  # no driver library, or no device: nvidia-smi says why, if it can
         return None
     return pynvml
 

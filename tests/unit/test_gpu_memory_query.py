@@ -20,6 +20,7 @@ class Proc:
 
 def fake_pynvml(devices: list[list[Proc]]) -> types.ModuleType:
     module = types.ModuleType("pynvml")
+    module.NVMLError = type("NVMLError", (Exception,), {})
     module.nvmlInit = lambda: None
     module.nvmlDeviceGetCount = lambda: len(devices)
     module.nvmlDeviceGetHandleByIndex = lambda index: index
@@ -49,7 +50,12 @@ def test_memory_is_summed_per_process_over_gpus_and_grouped(nvml):
 
 def test_nvml_that_fails_to_start_falls_back_to_nvidia_smi(nvml, monkeypatch):
     nvml([])
-    sys.modules["pynvml"].nvmlInit = lambda: (_ for _ in ()).throw(RuntimeError("NVML Shared Library Not Found"))
+    pynvml = sys.modules["pynvml"]
+
+    def init():
+        raise pynvml.NVMLError("NVML Shared Library Not Found")
+
+    pynvml.nvmlInit = init
     calls = []
 
     def run(cmd, **kwargs):
