@@ -201,7 +201,7 @@ def train_one_step(parts: Components, state: RunState) -> None:
     timer = PhaseTimer(parts.logger)
     metrics: dict[str, float] = {}
 
-    def mark(phase: str) -> None:  # the timeline's nvidia-smi calls: timed, so step_s is the step's whole wall time
+    def mark(phase: str) -> None:  # the timeline's GPU memory queries: timed, so step_s is the step's whole wall time
         with timer("memory"):
             parts.offloader.mark(phase)
 
