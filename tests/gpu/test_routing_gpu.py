@@ -38,3 +38,17 @@ def test_captured_decode_step_records_every_forwarded_tokens_experts(tmp_path):
         reference = torch.stack([logits.softmax(-1).topk(2).indices for logits in out.router_logits], 1)[:-1]
         experts = decode(result["routed_experts"], len(tokens))
         assert torch.equal(experts.sort(-1).values, reference.sort(-1).values.cpu().to(torch.int32)), b
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_decode_step_is_captured_in_each_engine_dtype(tmp_path, dtype):
+    """float32 decodes with transformers' batched_mm experts kernel (its grouped_mm cannot be captured there),
+    bfloat16 keeps grouped_mm; prefill keeps the load-time kernel in both."""
+    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from tests.tiny_models import make_tiny_model
+
+    engine = EmbeddedEngine(make_tiny_model("qwen3_moe", tmp_path / "moe", seed=3), dtype=dtype, device="cuda")
+    prefill_kernel = engine.model.config._experts_implementation
+    engine.generate([[5, 17, 99, 3]], {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True})
+    assert engine.decode_step_captured
+    assert engine.model.config._experts_implementation == prefill_kernel

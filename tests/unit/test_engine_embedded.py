@@ -162,6 +162,35 @@ def test_stop_string_found_after_a_host_sync_cuts_only_its_row(tiny_model_dirs):
     assert tie["output_ids"] == greedy[:first] and tie["finish_reason"]["matched"] == greedy[cut - 1]
 
 
+def test_moe_decode_picks_a_capturable_experts_kernel_only_where_the_default_cannot_be_captured(tiny_moe_dir,
+                                                                                                 tiny_model_dirs):
+    from rlrun.engine.backends.embedded import CAPTURABLE_DECODE_EXPERTS, _decode_experts_implementation
+
+    moe = hf_model(tiny_moe_dir)
+    assert _decode_experts_implementation(moe, torch.device("cuda")) == CAPTURABLE_DECODE_EXPERTS
+    assert _decode_experts_implementation(moe, torch.device("cpu")) is None  # nothing is captured on CPU
+    assert _decode_experts_implementation(moe.to(torch.bfloat16), torch.device("cuda")) is None  # grouped_mm captures
+
+
+def test_moe_decode_with_the_capturable_experts_kernel_samples_the_same_tokens(tiny_moe_dir):
+    """The decode step's kernel switch (forced on CPU here) changes neither tokens nor log-probs, and prefill
+    keeps the load-time kernel."""
+    from rlrun.engine.backends.embedded import CAPTURABLE_DECODE_EXPERTS
+
+    params = {"max_new_tokens": 12, "temperature": 1.0, "n": 2, "ignore_eos": True, "sampling_seed": 4}
+    default = EmbeddedEngine(tiny_moe_dir, seed=0)
+    switched = EmbeddedEngine(tiny_moe_dir, seed=0)
+    prefill_kernel = switched.model.config._experts_implementation
+    assert prefill_kernel != CAPTURABLE_DECODE_EXPERTS
+    switched._decode_experts = CAPTURABLE_DECODE_EXPERTS
+    want, got = default.generate(PROMPTS, params), switched.generate(PROMPTS, params)
+    assert switched.model.config._experts_implementation == prefill_kernel
+    for a, b in zip(want, got, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        torch.testing.assert_close(torch.tensor(b["output_logprobs"]), torch.tensor(a["output_logprobs"]),
+                                   rtol=0, atol=1e-5)
+
+
 def test_min_p_removes_tokens_below_a_fraction_of_the_top_probability():
     probs = torch.tensor([[0.5, 0.3, 0.12, 0.08], [0.4, 0.35, 0.15, 0.10]])
     rows = [SamplingParams(min_p=0.25), SamplingParams(min_p=0.3, top_k=2)]

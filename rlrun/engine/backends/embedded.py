@@ -21,9 +21,10 @@ behind the worker's event loop and owns abort/pause through a :class:`DecodeCont
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,13 @@ SYNC_EVERY = 16
 up to that many finished steps; fewer stall the GPU on the host."""
 LEN_ALIGN = 64
 """Cache lengths are rounded up to this, so calls with nearby lengths reuse one captured step."""
+CAPTURABLE_DECODE_EXPERTS = "batched_mm"
+"""transformers' experts kernel for the decode step of a fused-experts MoE on CUDA outside bfloat16. The
+default ``grouped_mm`` copies a host tensor there (torch's grouped_mm outside bf16), and ``eager`` loops over
+the experts the batch hit, so neither can be captured as a CUDA graph; ``batched_mm`` (one bmm over every
+(token, expert) pair, no data-dependent shape) can, at little cost for decode's few tokens. Probed on the
+H200 (torch 2.11, transformers 5.17): float32 grouped_mm and eager fail capture, batched_mm captures;
+bfloat16 grouped_mm captures, so bf16 keeps it (it does not gather one weight copy per pair)."""
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -104,6 +112,15 @@ class _StopStringRows:
                 self.open.discard(b)
 
 
+def _decode_experts_implementation(model, device: torch.device) -> str | None:
+    """:data:`CAPTURABLE_DECODE_EXPERTS` where the decode step of an MoE would not capture with the model's own
+    experts kernel (CUDA outside bfloat16), else None (also for transformers without selectable kernels)."""
+    kernel = getattr(model.config, "_experts_implementation", None)
+    if device.type != "cuda" or model.dtype == torch.bfloat16 or not hasattr(model, "set_experts_implementation"):
+        return None
+    return CAPTURABLE_DECODE_EXPERTS if kernel != CAPTURABLE_DECODE_EXPERTS else None
+
+
 def _eos_token_ids(model, tokenizer) -> set[int]:
     """EOS ids as SGLang collects them: the generation config's (which falls back to config.json's)
     plus the tokenizer's ``eos_token_id`` when the directory has a tokenizer."""
@@ -154,6 +171,9 @@ class EmbeddedEngine:
         """The last call's decode buffers and captured step, reused by calls of the same shape."""
         self.router_recorder = RouterRecorder.attach(self.model)
         """Records every forwarded token's experts (MoE models; None for dense ones), see routing_record."""
+        self._decode_experts = (None if self.router_recorder is None
+                                else _decode_experts_implementation(self.model, self.device))
+        """The experts kernel the decode step switches to (None: the load-time one, also for prefill)."""
         self._prefill_experts: torch.Tensor | None = None
         self._host_weights: list[torch.Tensor] | None = None
         """Pinned host copies of the weights while offloaded (allocated at the first offload, then reused)."""
@@ -265,13 +285,28 @@ class EmbeddedEngine:
 
     def _decode_step(self, batch: DecodeBatch) -> None:
         """One decode step on the batch's buffers only (the part that is captured as a CUDA graph)."""
-        if self.router_recorder is None:
-            logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
-        else:
-            with self.router_recorder.writing(batch.routed_experts, batch.step):
+        with self._decode_experts_kernel():
+            if self.router_recorder is None:
                 logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
+            else:
+                with self.router_recorder.writing(batch.routed_experts, batch.step):
+                    logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
         batch.advance()
         batch.record(logits)
+
+    @contextlib.contextmanager
+    def _decode_experts_kernel(self) -> Iterator[None]:
+        """The decode step's experts kernel (:data:`CAPTURABLE_DECODE_EXPERTS`) while it runs; prefill keeps
+        the load-time one, whose memory does not grow with one weight copy per (token, expert) pair."""
+        if self._decode_experts is None:
+            yield
+            return
+        prefill_kernel = self.model.config._experts_implementation
+        self.model.set_experts_implementation(self._decode_experts)
+        try:
+            yield
+        finally:
+            self.model.set_experts_implementation(prefill_kernel)
 
     def _batch_for(self, shape: BatchShape, sampling: SamplingTensors) -> tuple[DecodeBatch, StepGraph]:
         """The decode buffers and captured step for ``shape``: the last call's when it matches."""
