@@ -43,11 +43,18 @@ def main() -> None:
     for group in groups:
         dist.destroy_process_group(group)
     after_destroy = used_gb()
-    out = {"groups": args.groups, "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
-           "used_gb": {"cuda_context": before_init, "world_comm": after_world, "plus_groups": after_groups,
-                       "groups_destroyed": after_destroy},
-           "per_communicator_gb": round((after_groups - after_world) / args.groups, 4),
-           "freed_by_destroy_gb": round(after_groups - after_destroy, 4)}
+    out = {
+        "groups": args.groups,
+        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
+        "used_gb": {
+            "cuda_context": before_init,
+            "world_comm": after_world,
+            "plus_groups": after_groups,
+            "groups_destroyed": after_destroy,
+        },
+        "per_communicator_gb": round((after_groups - after_world) / args.groups, 4),
+        "freed_by_destroy_gb": round(after_groups - after_destroy, 4),
+    }
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
     dist.destroy_process_group()

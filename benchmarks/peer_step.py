@@ -42,8 +42,12 @@ GOALS = {"sglang": 4.0, "embedded": 2.5}
 
 def settings_flags(settings: StepSettings) -> list[str]:
     """The settings as the ``--flag value`` pairs both ``rlrun bench step`` and trl_grpo.py take."""
-    return [arg for field in dataclasses.fields(StepSettings) if field.name != "backend"
-            for arg in ("--" + field.name.replace("_", "-"), str(getattr(settings, field.name)))]
+    return [
+        arg
+        for field in dataclasses.fields(StepSettings)
+        if field.name != "backend"
+        for arg in ("--" + field.name.replace("_", "-"), str(getattr(settings, field.name)))
+    ]
 
 
 def parse_variant(spec: str) -> tuple[str, Variant]:
@@ -52,21 +56,35 @@ def parse_variant(spec: str) -> tuple[str, Variant]:
     attention = {suffix[1:]: name for name, suffix in ATTENTION_SUFFIX.items() if suffix}
     unknown = set(suffixes) - {"resident", "keepnccl", *attention}
     if unknown:
-        raise SystemExit(f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl and/or one of "
-                         f"{sorted('_' + s for s in attention)} because those are the variants bench step runs; "
-                         f"drop {sorted(unknown)}")
-    variant = Variant(offload="resident" not in suffixes, teardown_nccl="keepnccl" not in suffixes,
-                      packed_attention=next((attention[s] for s in suffixes if s in attention), "auto"))
+        raise SystemExit(
+            f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl and/or one of "
+            f"{sorted('_' + s for s in attention)} because those are the variants bench step runs; "
+            f"drop {sorted(unknown)}"
+        )
+    variant = Variant(
+        offload="resident" not in suffixes,
+        teardown_nccl="keepnccl" not in suffixes,
+        packed_attention=next((attention[s] for s in suffixes if s in attention), "auto"),
+    )
     if variant.label(backend) != spec:
-        raise SystemExit(f"--backends entry {spec!r} must be written {variant.label(backend)!r} (the run's folder name)")
+        raise SystemExit(
+            f"--backends entry {spec!r} must be written {variant.label(backend)!r} (the run's folder name)"
+        )
     return backend, variant
 
 
 def variant_flags(backend: str, variant: Variant) -> list[str]:
     """The ``rlrun bench step`` flags of one variant."""
-    return ["--backend", backend, "--offload", "on" if variant.offload else "off",
-            "--teardown-nccl", "on" if variant.teardown_nccl else "off",
-            "--packed-attention", variant.packed_attention]
+    return [
+        "--backend",
+        backend,
+        "--offload",
+        "on" if variant.offload else "off",
+        "--teardown-nccl",
+        "on" if variant.teardown_nccl else "off",
+        "--packed-attention",
+        variant.packed_attention,
+    ]
 
 
 def run_json(name: str, cmd: list[str], out: Path, timeout_s: float) -> dict:
@@ -96,15 +114,23 @@ def compare(results: dict[str, dict]) -> dict[str, dict]:
             continue
         speedup = trl / mine
         goal = GOALS.get(backend.split("_")[0])
-        out[backend] = {"rlrun_s_per_step": mine, "trl_s_per_step": trl, "speedup_vs_trl": speedup,
-                        "goal": goal, "meets_goal": speedup >= (goal or 0.0)}
+        out[backend] = {
+            "rlrun_s_per_step": mine,
+            "trl_s_per_step": trl,
+            "speedup_vs_trl": speedup,
+            "goal": goal,
+            "meets_goal": speedup >= (goal or 0.0),
+        }
     return out
 
 
 def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, dict]) -> str:
-    lines = [f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
-             f"{settings.new_tokens}-token responses, {settings.steps} steps (median after {WARMUP_STEPS} warm-up steps)",
-             "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) |", "|---|---|---|---|---|"]
+    lines = [
+        f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
+        f"{settings.new_tokens}-token responses, {settings.steps} steps (median after {WARMUP_STEPS} warm-up steps)",
+        "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) |",
+        "|---|---|---|---|---|",
+    ]
     for name, result in results.items():
         if "error" in result:
             lines.append(f"| {name} | failed: {result['error']} | | | |")
@@ -123,24 +149,45 @@ def main() -> None:
     parser.add_argument("--backends", default="embedded,sglang")
     parser.add_argument("--trl-python", default=sys.executable)
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL only (rlrun does not recompute).")
-    parser.add_argument("--reuse-trl", action="store_true",
-                        help="Take TRL's result from --work/trl.json (an earlier invocation, same settings) instead "
-                             "of running it again: for variant runs split over several device calls.")
+    parser.add_argument(
+        "--reuse-trl",
+        action="store_true",
+        help="Take TRL's result from --work/trl.json (an earlier invocation, same settings) instead "
+        "of running it again: for variant runs split over several device calls.",
+    )
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="Per run.")
-    parser.add_argument("--profile-step", type=int, default=None,
-                        help="rlrun runs only: profile this step (its train phase's top ops go into the JSON).")
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        help="rlrun runs only: profile this step (its train phase's top ops go into the JSON).",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     settings = settings_from(args, "trl")
     args.work.mkdir(parents=True, exist_ok=True)
     flags = settings_flags(settings) + ["--work", str(args.work)]
     # TRL first: the reference survives if a later run (SGLang's start-up is the slowest) runs out of time
-    runs = {"trl": [args.trl_python, str(REPO / "benchmarks" / "trl_grpo.py"), *flags, "--out", str(args.work / "trl.json")]
-            + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])}
+    runs = {
+        "trl": [args.trl_python, str(REPO / "benchmarks" / "trl_grpo.py"), *flags, "--out", str(args.work / "trl.json")]
+        + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
+    }
     profile = [] if args.profile_step is None else ["--profile-step", str(args.profile_step)]
     for spec in [b.strip() for b in args.backends.split(",") if b.strip()]:
-        runs[spec] = [sys.executable, "-m", "rlrun", "bench", "step", *variant_flags(*parse_variant(spec)), *flags,
-                      *profile, "--out", str(args.work / f"rlrun_{spec}.json"), "--timeout-s", str(args.timeout_s)]
+        runs[spec] = [
+            sys.executable,
+            "-m",
+            "rlrun",
+            "bench",
+            "step",
+            *variant_flags(*parse_variant(spec)),
+            *flags,
+            *profile,
+            "--out",
+            str(args.work / f"rlrun_{spec}.json"),
+            "--timeout-s",
+            str(args.timeout_s),
+        ]
     results: dict[str, dict] = {}
     if args.reuse_trl:
         results["trl"] = reused_trl(args.work / "trl.json", settings)
@@ -154,22 +201,30 @@ def main() -> None:
 def reused_trl(path: Path, settings: StepSettings) -> dict:
     """An earlier invocation's TRL record, if it ran the same work (marked ``reused_from``)."""
     if not path.exists():
-        raise SystemExit(f"--reuse-trl needs {path} because it takes TRL's figures from there; run without "
-                         f"--reuse-trl first (same --work) or drop the flag")
+        raise SystemExit(
+            f"--reuse-trl needs {path} because it takes TRL's figures from there; run without "
+            f"--reuse-trl first (same --work) or drop the flag"
+        )
     record = json.loads(path.read_text())
     ran = {k: v for k, v in record.get("settings", {}).items() if k != "backend"}
     wanted = {k: v for k, v in dataclasses.asdict(settings).items() if k != "backend"}
     if ran != wanted:
-        raise SystemExit(f"--reuse-trl: {path} ran {ran}, this invocation wants {wanted}; they must match "
-                         f"because the ratios compare the same work; drop --reuse-trl")
+        raise SystemExit(
+            f"--reuse-trl: {path} ran {ran}, this invocation wants {wanted}; they must match "
+            f"because the ratios compare the same work; drop --reuse-trl"
+        )
     return {**record, "reused_from": str(path)}
 
 
 def write_record(path: Path, settings: StepSettings, results: dict[str, dict]) -> None:
-    record = {"benchmark": "peer_step", "command": "python " + " ".join(sys.argv),
-              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "backend"},
-              "ratios": compare(results), "results": results}
+    record = {
+        "benchmark": "peer_step",
+        "command": "python " + " ".join(sys.argv),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "backend"},
+        "ratios": compare(results),
+        "results": results,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
 

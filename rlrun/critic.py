@@ -61,8 +61,13 @@ class Critic:
         from rlrun.megatron.value_head import build_critic_model
 
         spec = load_critic_config(cfg)
-        model = build_critic_model(spec.model.path, parallel, dtype=spec.model.dtype, seed=cfg.train.seed,
-                                   packed_attention=spec.model.packed_attention)
+        model = build_critic_model(
+            spec.model.path,
+            parallel,
+            dtype=spec.model.dtype,
+            seed=cfg.train.seed,
+            packed_attention=spec.model.packed_attention,
+        )
         optimizer, scheduler = make_optimizer_and_scheduler(model, spec.optimizer, cfg.train.num_steps)
         return cls(settings=cfg.critic, model=model, optimizer=optimizer, scheduler=scheduler)
 
@@ -83,8 +88,10 @@ class Critic:
 
         for mb in micro_batches:
             if mb.values is None or mb.returns is None:
-                raise RuntimeError("critic training needs mb.values and mb.returns: call fill_values, then the "
-                                   "advantage step, before Critic.train")
+                raise RuntimeError(
+                    "critic training needs mb.values and mb.returns: call fill_values, then the "
+                    "advantage step, before Critic.train"
+                )
         clip = self.settings.value_clip
 
         def loss_fn(mb: MicroBatch, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -92,14 +99,21 @@ class Critic:
             mask, old, returns = (t.to(device) for t in (mb.loss_mask, mb.values, mb.returns))
             terms = clipped_value_loss(values, old, returns, mask, clip)
             loss = terms.loss.sum()
-            return loss, {"value_loss": loss.detach(), "value_clip_frac": terms.clipped.sum(),
-                          "values_mean": (old * mask).sum(), "returns_mean": (returns * mask).sum()}
+            return loss, {
+                "value_loss": loss.detach(),
+                "value_clip_frac": terms.clipped.sum(),
+                "values_mean": (old * mask).sum(),
+                "returns_mean": (returns * mask).sum(),
+            }
 
         lr = self.scheduler.get_lr(self.optimizer.param_groups[0])
         out = value_train_step(self.model, self.optimizer, micro_batches, loss_fn, num_global_tokens)
         self.scheduler.step(1)
-        metrics = {f"critic/{name}": value / num_global_tokens for name, value in out.items()
-                   if name not in ("loss", "grad_norm")}
+        metrics = {
+            f"critic/{name}": value / num_global_tokens
+            for name, value in out.items()
+            if name not in ("loss", "grad_norm")
+        }
         metrics["critic/grad_norm"] = out["grad_norm"]
         metrics["critic/lr"] = lr
         return metrics

@@ -59,10 +59,19 @@ def device_checks() -> list[Check]:
     import torch
 
     if not torch.cuda.is_available():
-        return [Check("devices", "cuda", "info", f"no CUDA device visible (torch {torch.__version__}, built with CUDA "
-                      f"{torch.version.cuda or 'none'}): runs use CPU processes, gloo and the embedded engine")]
+        return [
+            Check(
+                "devices",
+                "cuda",
+                "info",
+                f"no CUDA device visible (torch {torch.__version__}, built with CUDA "
+                f"{torch.version.cuda or 'none'}): runs use CPU processes, gloo and the embedded engine",
+            )
+        ]
     nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-    checks = [Check("devices", "cuda", "ok", f"CUDA {torch.version.cuda}, NCCL {nccl}, {torch.cuda.device_count()} GPU(s)")]
+    checks = [
+        Check("devices", "cuda", "ok", f"CUDA {torch.version.cuda}, NCCL {nccl}, {torch.cuda.device_count()} GPU(s)")
+    ]
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         checks.append(Check("devices", f"cuda:{index}", "ok", f"{props.name}, {props.total_memory / 2**30:.0f} GiB"))
@@ -76,24 +85,48 @@ def config_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
     checks = [_model_check(cfg), _data_check(cfg)]
     if cfg.engine.backend == "sglang":
         ok = _version("sglang") is not None and num_gpus > 0
-        checks.append(Check("config", "engine.backend", "ok" if ok else "missing",
-                            "sglang on GPU" if ok else "sglang needs the sglang package and a GPU; set engine.backend=embedded"))
+        checks.append(
+            Check(
+                "config",
+                "engine.backend",
+                "ok" if ok else "missing",
+                "sglang on GPU" if ok else "sglang needs the sglang package and a GPU; set engine.backend=embedded",
+            )
+        )
     if (cfg.offload.train or cfg.offload.rollout) and num_gpus > 0 and _version("torch-memory-saver") is None:
-        checks.append(Check("config", "offload", "missing", "offload needs torch_memory_saver; pip install torch-memory-saver"))
+        checks.append(
+            Check("config", "offload", "missing", "offload needs torch_memory_saver; pip install torch-memory-saver")
+        )
     if cfg.model.dtype == "bfloat16" and num_gpus == 0:
-        checks.append(Check("config", "model.dtype", "warn", "bfloat16 on CPU is slow and loses precision; use float32"))
-    for enabled, name, module in ((cfg.logging.tensorboard, "logging.tensorboard", "tensorboard"),
-                                  (bool(cfg.logging.wandb_project), "logging.wandb_project", "wandb")):
+        checks.append(
+            Check("config", "model.dtype", "warn", "bfloat16 on CPU is slow and loses precision; use float32")
+        )
+    for enabled, name, module in (
+        (cfg.logging.tensorboard, "logging.tensorboard", "tensorboard"),
+        (bool(cfg.logging.wandb_project), "logging.wandb_project", "wandb"),
+    ):
         if enabled:
             found = importlib.util.find_spec(module) is not None
-            checks.append(Check("config", name, "ok" if found else "missing",
-                                f"{module} installed" if found else f"needs {module}; pip install {module}"))
+            checks.append(
+                Check(
+                    "config",
+                    name,
+                    "ok" if found else "missing",
+                    f"{module} installed" if found else f"needs {module}; pip install {module}",
+                )
+            )
     checks.append(_world_size_check(cfg, num_gpus))
     ckpt_dir = Path(cfg.checkpoint.dir or Path(cfg.logging.run_dir) / "checkpoints")
     try:
         resume = resolve_resume(cfg.checkpoint.resume, ckpt_dir)
-        checks.append(Check("config", "checkpoint.resume", "info", f"would resume from {resume}" if resume else
-                            f"fresh start (no complete checkpoint in {ckpt_dir})"))
+        checks.append(
+            Check(
+                "config",
+                "checkpoint.resume",
+                "info",
+                f"would resume from {resume}" if resume else f"fresh start (no complete checkpoint in {ckpt_dir})",
+            )
+        )
     except ValueError as exc:
         checks.append(Check("config", "checkpoint.resume", "missing", str(exc)))
     return checks
@@ -102,9 +135,14 @@ def config_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
 def _model_check(cfg: RunConfig) -> Check:
     path = Path(cfg.model.path)
     if not (path / "config.json").is_file():
-        return Check("config", "model.path", "missing", f"{path} has no config.json; download the model there "
-                     "(huggingface-cli download ORG/NAME --local-dir DIR; for the quickstart: rlrun prepare smollm2) "
-                     "or set model.path")
+        return Check(
+            "config",
+            "model.path",
+            "missing",
+            f"{path} has no config.json; download the model there "
+            "(huggingface-cli download ORG/NAME --local-dir DIR; for the quickstart: rlrun prepare smollm2) "
+            "or set model.path",
+        )
     weights = list(path.glob("*.safetensors"))
     if not weights:
         return Check("config", "model.path", "missing", f"{path} has no *.safetensors weights")
@@ -126,13 +164,27 @@ def _world_size_check(cfg: RunConfig, num_gpus: int) -> Check:
     world_size = int(os.environ.get("WORLD_SIZE", num_gpus or 0))
     model_parallel = cfg.parallel.tp * cfg.parallel.pp
     if world_size == 0:
-        return Check("config", "parallel", "info", f"tp x pp = {model_parallel}: launch a multiple of {model_parallel} "
-                     "processes (torchrun --nproc-per-node N)")
+        return Check(
+            "config",
+            "parallel",
+            "info",
+            f"tp x pp = {model_parallel}: launch a multiple of {model_parallel} "
+            "processes (torchrun --nproc-per-node N)",
+        )
     if world_size % model_parallel:
-        return Check("config", "parallel", "missing", f"{world_size} ranks (GPUs visible) is not a multiple of tp x pp = "
-                     f"{model_parallel}; set parallel.tp or launch a multiple of {model_parallel} ranks per job")
-    return Check("config", "parallel", "ok", f"{world_size} ranks = {world_size // model_parallel} data-parallel "
-                 f"replica(s) of tp x pp = {model_parallel}")
+        return Check(
+            "config",
+            "parallel",
+            "missing",
+            f"{world_size} ranks (GPUs visible) is not a multiple of tp x pp = "
+            f"{model_parallel}; set parallel.tp or launch a multiple of {model_parallel} ranks per job",
+        )
+    return Check(
+        "config",
+        "parallel",
+        "ok",
+        f"{world_size} ranks = {world_size // model_parallel} data-parallel replica(s) of tp x pp = {model_parallel}",
+    )
 
 
 def run_doctor(cfg: RunConfig | None) -> list[Check]:

@@ -47,8 +47,10 @@ def load_hook(spec: str, key: str, signature: str, num_args: int) -> Callable:
 
 
 def hook_error(key: str, spec: str, signature: str, reason: str) -> HookSpecError:
-    return HookSpecError(f"{key} ('{spec}') must name a function with signature {signature}, but {reason}; "
-                         f"set {key} to module:function or path/to/file.py:function")
+    return HookSpecError(
+        f"{key} ('{spec}') must name a function with signature {signature}, but {reason}; "
+        f"set {key} to module:function or path/to/file.py:function"
+    )
 
 
 def _import_module(module_name: str):

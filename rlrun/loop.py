@@ -89,16 +89,23 @@ def run(cfg: RunConfig) -> None:
     from rlrun.runtime.preemption import StopRequest
     from rlrun.runtime.watchdog import Watchdog
 
-    parallel = init_distributed(cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, ep=cfg.parallel.ep,
-                                etp=cfg.parallel.etp, reloadable_backends=cfg.offload.reloadable_backends)
+    parallel = init_distributed(
+        cfg.parallel.tp,
+        cfg.parallel.pp,
+        cfg.train.seed,
+        ep=cfg.parallel.ep,
+        etp=cfg.parallel.etp,
+        reloadable_backends=cfg.offload.reloadable_backends,
+    )
     stop, watchdog, parts = StopRequest.install(), Watchdog.start(parallel), None
     try:
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
             parts = setup(cfg, parallel)
         watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
-        resumed = checkpointer.restore(parts.model, parts.optimizer, parts.sampler, critic=parts.critic,
-                                       scheduler=parts.scheduler)
+        resumed = checkpointer.restore(
+            parts.model, parts.optimizer, parts.sampler, critic=parts.critic, scheduler=parts.scheduler
+        )
         state = RunState(**resumed) if resumed is not None else RunState()
         if resumed is not None:
             parts.roles.on_actor_loaded()
@@ -118,9 +125,15 @@ def run(cfg: RunConfig) -> None:
             checkpointer.poll()
             last = state.step == cfg.train.num_steps
             if checkpointer.due(state.step, last=last, stopping=stopping):
-                checkpointer.save(state, parts.model, parts.optimizer, parts.sampler, blocking=last or stopping,
-                                  scheduler=parts.scheduler,
-                                  critic=parts.critic)
+                checkpointer.save(
+                    state,
+                    parts.model,
+                    parts.optimizer,
+                    parts.sampler,
+                    blocking=last or stopping,
+                    scheduler=parts.scheduler,
+                    critic=parts.critic,
+                )
         checkpointer.wait()
         watchdog.close(parallel.cpu_group)
     except BaseException as exc:
@@ -156,19 +169,30 @@ def setup(cfg: RunConfig, parallel) -> Components:
     env = parallel.env
     layout = GroupLayout.of(cfg.engine.tp, env.rank, env.local_rank, env.world_size, env.local_world_size)
     engine = EngineGroup.spawn(
-        layout, backend=cfg.engine.backend, model_path=cfg.model.path, run_dir=run_dir, rank=parallel.rank,
-        seed=cfg.train.seed + parallel.rank, dtype=cfg.model.dtype,
-        startup_timeout_s=cfg.engine.startup_timeout_s, request_timeout_s=cfg.engine.request_timeout_s,
-        heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s, enable_memory_saver=cfg.offload.rollout,
+        layout,
+        backend=cfg.engine.backend,
+        model_path=cfg.model.path,
+        run_dir=run_dir,
+        rank=parallel.rank,
+        seed=cfg.train.seed + parallel.rank,
+        dtype=cfg.model.dtype,
+        startup_timeout_s=cfg.engine.startup_timeout_s,
+        request_timeout_s=cfg.engine.request_timeout_s,
+        heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s,
+        enable_memory_saver=cfg.offload.rollout,
         server_args=engine_server_args(cfg),
     )
     offloader = Offloader(cfg.offload, engine, parallel.device)
     with offloader.trainer_region():  # weights, grad buffers and optimizer state (actor and critic) can sleep
         opt = cfg.optimizer
-        model = build_model(cfg.model.path, parallel, dtype=cfg.model.dtype,
-                            distributed_optimizer=opt.use_distributed_optimizer,
-                            moe_options=MoEOptions(**cfg.model.moe.model_dump()),
-                            packed_attention=cfg.model.packed_attention)
+        model = build_model(
+            cfg.model.path,
+            parallel,
+            dtype=cfg.model.dtype,
+            distributed_optimizer=opt.use_distributed_optimizer,
+            moe_options=MoEOptions(**cfg.model.moe.model_dump()),
+            packed_attention=cfg.model.packed_attention,
+        )
         optimizer, scheduler = make_optimizer_and_scheduler(model, opt, cfg.train.num_steps)
         critic = Critic.build(cfg, parallel)
     for trained in [optimizer] + ([critic.optimizer] if critic else []):
@@ -180,10 +204,19 @@ def setup(cfg: RunConfig, parallel) -> Components:
         dataset = PromptDataset(cfg.data, tokenizer)
         sampler = PromptSampler(dataset, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return Components(
-        cfg=cfg, parallel=parallel, model=model, optimizer=optimizer, scheduler=scheduler, roles=roles, critic=critic,
+        cfg=cfg,
+        parallel=parallel,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        roles=roles,
+        critic=critic,
         engine=engine,
-        offloader=offloader, tokenizer=tokenizer, sampler=sampler,
-        rollout=RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine), dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
+        offloader=offloader,
+        tokenizer=tokenizer,
+        sampler=sampler,
+        rollout=RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine),
+        dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
     )
 
@@ -258,12 +291,20 @@ def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> l
     scores = group_scores(rewards, cfg.algorithm.advantage_estimator, cfg.algorithm.normalize_std)
     keep = ~tied_groups(rewards) if cfg.algorithm.skip_tied_groups else torch.ones(len(groups), dtype=torch.bool)
     metrics.update(rollout_metrics(samples, keep))
-    kept = [(s, float(a)) for g, score, k in zip(groups, scores, keep) if k for s, a in zip(g, score)]
+    kept = [
+        (s, float(a))
+        for g, score, k in zip(groups, scores, keep, strict=True)
+        if k
+        for s, a in zip(g, score, strict=True)
+    ]
     if not kept:
         return [([], 0)] * parts.parallel.world_size
     per_dp = schedule_micro_batches(
-        [s for s, _ in kept], [a for _, a in kept], dp_size=parts.parallel.dp_size,
-        max_tokens=cfg.train.max_tokens_per_micro_batch, pad_token_id=parts.tokenizer.pad_token_id or 0,
+        [s for s, _ in kept],
+        [a for _, a in kept],
+        dp_size=parts.parallel.dp_size,
+        max_tokens=cfg.train.max_tokens_per_micro_batch,
+        pad_token_id=parts.tokenizer.pad_token_id or 0,
     )
     num_global_tokens = sum(s.num_loss_tokens for s, _ in kept)
     return [(per_dp[dp_rank], num_global_tokens) for dp_rank in parts.dp_rank_of]
@@ -295,8 +336,18 @@ def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens:
     metrics = critic.train(micro_batches, num_global_tokens) if critic is not None else {}
     if critic is None or critic.actor_trains(step):
         metrics["lr"] = parts.scheduler.get_lr(parts.optimizer.param_groups[0])  # the LR of this update
-        metrics.update(train_policy(parts.cfg, parts.roles, parts.parallel, parts.model, parts.optimizer,
-                                    micro_batches, num_global_tokens, step))
+        metrics.update(
+            train_policy(
+                parts.cfg,
+                parts.roles,
+                parts.parallel,
+                parts.model,
+                parts.optimizer,
+                micro_batches,
+                num_global_tokens,
+                step,
+            )
+        )
         parts.scheduler.step(1)
     return metrics
 
@@ -307,6 +358,8 @@ def sync_weights(parts: Components, version: int) -> None:
     from rlrun.megatron import export_hf_weights
 
     parts.engine.update_weights(
-        export_hf_weights(parts.model), weight_version=str(version),
-        bucket_bytes=parts.cfg.engine.bucket_bytes, verify=parts.cfg.engine.verify_weights,
+        export_hf_weights(parts.model),
+        weight_version=str(version),
+        bucket_bytes=parts.cfg.engine.bucket_bytes,
+        verify=parts.cfg.engine.verify_weights,
     )

@@ -94,8 +94,10 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise ValueError("logging.tensorboard (true) needs the tensorboard package because torch writes its "
-                             "event files with it; pip install 'rlrun[logging]' or set logging.tensorboard=false") from exc
+            raise ValueError(
+                "logging.tensorboard (true) needs the tensorboard package because torch writes its "
+                "event files with it; pip install 'rlrun[logging]' or set logging.tensorboard=false"
+            ) from exc
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step or None)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -114,13 +116,16 @@ class WandbSink:
         try:
             import wandb
         except ImportError as exc:
-            raise ValueError(f"logging.wandb_project ('{project}') needs the wandb package; pip install wandb or "
-                             "set logging.wandb_project=null") from exc
+            raise ValueError(
+                f"logging.wandb_project ('{project}') needs the wandb package; pip install wandb or "
+                "set logging.wandb_project=null"
+            ) from exc
         id_file = run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
         id_file.write_text(run_id)
-        self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
-                              config=config)
+        self.run = wandb.init(
+            project=project, name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir), config=config
+        )
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -134,14 +139,27 @@ class ConsoleProgress:
 
     def __init__(self, total_steps: int, start_step: int) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.total_steps = total_steps
         console = Console()
         self.progress = None
         if console.is_terminal:
-            self.progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+            self.progress = Progress(
+                TextColumn("{task.description:<28}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=console,
+            )
             self.task = self.progress.add_task("starting", total=total_steps, completed=start_step)
             self.progress.start()
 
@@ -212,5 +230,6 @@ class MetricsLogger:
             f"  len {get('rollout/response_len_mean', '.1f')}  loss {get('train/policy_loss', '+.4f')}"
             f"  clip {get('train/clip_frac', '.3f')}  gnorm {get('train/grad_norm', '.3f')}"
             f"  gap {get('train/logprob_gap', '.2e')}  {get('time/step_s', '.1f')}s"
-            f" (rollout {get('time/rollout_s', '.1f')} train {get('time/train_s', '.1f')} sync {get('time/sync_s', '.1f')})"
+            f" (rollout {get('time/rollout_s', '.1f')} train {get('time/train_s', '.1f')}"
+            f" sync {get('time/sync_s', '.1f')})"
         )

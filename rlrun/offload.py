@@ -57,8 +57,13 @@ def gpu_gb_by_pid() -> dict[int, float]:
     memory marks per step would add to every step."""
     nvml = _nvml()
     if nvml is None:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=False).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout
         rows = [line.partition(",")[::2] for line in out.splitlines()]
         return {int(pid): int(mib) * 2**20 / GB for pid, mib in rows if pid.strip().isdigit() and mib.strip().isdigit()}
     used: dict[int, float] = {}

@@ -79,9 +79,9 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     num_cols = 2
     num_rows = math.ceil(len(panels) / num_cols)
     fig, axes = plt.subplots(num_rows, num_cols, figsize=(7 * num_cols, 3.6 * num_rows), squeeze=False)
-    for ax, (panel, keys) in zip(axes.flat, panels):
+    for ax, (panel, keys) in zip(axes.flat, panels, strict=True):
         draw(ax, panel, keys, records)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(f"{Path(run_dir).resolve().name}: {len(records)} steps")
     written.append(_save(fig, out_dir / "overview.png"))
@@ -92,15 +92,20 @@ def draw(ax, panel: Panel, keys: list[str], records: list[dict]) -> None:
     """One panel on ``ax``: each metric against the step, where the step logged it."""
     if panel.stacked:
         steps = [r["step"] for r in records]
-        ax.stackplot(steps, [[r.get(k, 0.0) for r in records] for k in keys],
-                     labels=[k.removeprefix("time/").removesuffix("_s") for k in keys], alpha=0.85)
+        ax.stackplot(
+            steps,
+            [[r.get(k, 0.0) for r in records] for k in keys],
+            labels=[k.removeprefix("time/").removesuffix("_s") for k in keys],
+            alpha=0.85,
+        )
     else:
         for key in keys:
             points = [(r["step"], r[key]) for r in records if key in r]
             steps, values = [p[0] for p in points], [p[1] for p in points]
             smooth = len(values) >= SMOOTH_MIN_POINTS
-            line, = ax.plot(steps, values, alpha=0.3 if smooth else 1.0, label=None if smooth else key,
-                            marker="" if smooth else ".")
+            (line,) = ax.plot(
+                steps, values, alpha=0.3 if smooth else 1.0, label=None if smooth else key, marker="" if smooth else "."
+            )
             if smooth:  # the legend shows the smoothed line; the faint one under it is the raw values
                 ax.plot(steps, moving_average(values, max(2, len(values) // 10)), color=line.get_color(), label=key)
         if panel.log_y and all(r[k] > 0 for r in records for k in keys if k in r):

@@ -56,8 +56,9 @@ def prepare_smollm2(out: str | Path = ".cache/models/SmolLM2-135M-Instruct") -> 
         _say(f"{out} is already prepared")
         return out
     if out.exists():
-        raise PrepareError(f"{out} exists but has no {MARKER} marker (not written by rlrun prepare); "
-                           "remove it or choose another --out")
+        raise PrepareError(
+            f"{out} exists but has no {MARKER} marker (not written by rlrun prepare); remove it or choose another --out"
+        )
     gguf = smollm2_gguf_path()
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

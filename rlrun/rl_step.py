@@ -55,8 +55,14 @@ def dp_sum(parallel: Parallel, tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def logprobs_and_advantages(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, micro_batches: list[MicroBatch],
-                            step: int, critic: Critic | None = None) -> dict[str, float]:
+def logprobs_and_advantages(
+    cfg: RunConfig,
+    roles: ModelRoles,
+    parallel: Parallel,
+    micro_batches: list[MicroBatch],
+    step: int,
+    critic: Critic | None = None,
+) -> dict[str, float]:
     """Fill the critic's values (PPO: in-process, no copy between models) and the role log-probs, replace
     the group scores by per-token advantages and returns, run the post-process hook."""
     if critic is not None:
@@ -69,20 +75,47 @@ def logprobs_and_advantages(cfg: RunConfig, roles: ModelRoles, parallel: Paralle
     return metrics
 
 
-def train_policy(cfg: RunConfig, roles: ModelRoles, parallel: Parallel, model, optimizer,
-                 micro_batches: list[MicroBatch], num_global_tokens: int, step: int) -> dict[str, float]:
+def train_policy(
+    cfg: RunConfig,
+    roles: ModelRoles,
+    parallel: Parallel,
+    model,
+    optimizer,
+    micro_batches: list[MicroBatch],
+    num_global_tokens: int,
+    step: int,
+) -> dict[str, float]:
     """One optimizer step with the configured loss; then the role backups follow the new actor."""
     from rlrun.megatron import train_step
 
     local_samples = torch.tensor(sum(mb.num_loss_samples for mb in micro_batches))  # packed rows: not per row
-    counts = StepCounts(num_tokens=num_global_tokens, num_samples=int(dp_sum(parallel, local_samples).item()),
-                        max_response_len=cfg.rollout.max_new_tokens)
+    counts = StepCounts(
+        num_tokens=num_global_tokens,
+        num_samples=int(dp_sum(parallel, local_samples).item()),
+        max_response_len=cfg.rollout.max_new_tokens,
+    )
     with roles.training_forward(micro_batches):  # MoE routing replay, when configured
-        out = train_step(model, optimizer, micro_batches, Objective(cfg.algorithm, counts),
-                         num_global_tokens=num_global_tokens, temperature=cfg.rollout.temperature, with_entropy=True)
+        out = train_step(
+            model,
+            optimizer,
+            micro_batches,
+            Objective(cfg.algorithm, counts),
+            num_global_tokens=num_global_tokens,
+            temperature=cfg.rollout.temperature,
+            with_entropy=True,
+        )
     roles.after_train_step(step)
-    metrics = {f"train/{name}": value if name.startswith("moe_") else value / num_global_tokens
-               for name, value in out.items() if name not in ("loss", "grad_norm")}
-    metrics.update({"train/loss": out["loss"], "train/grad_norm": out["grad_norm"],
-                    "train/num_loss_tokens": num_global_tokens, "train/reused_logprobs": float(roles.reuse_logprobs)})
+    metrics = {
+        f"train/{name}": value if name.startswith("moe_") else value / num_global_tokens
+        for name, value in out.items()
+        if name not in ("loss", "grad_norm")
+    }
+    metrics.update(
+        {
+            "train/loss": out["loss"],
+            "train/grad_norm": out["grad_norm"],
+            "train/num_loss_tokens": num_global_tokens,
+            "train/reused_logprobs": float(roles.reuse_logprobs),
+        }
+    )
     return metrics

@@ -52,9 +52,16 @@ def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bo
     forward replays the engine's routing (``rollout``: what the old forward would replay too) or routes
     at the old weights (``trainer``: what the old forward would record), so reuse stays exact.
     """
-    return (num_optimizer_steps == 1 and cfg.loss_type == "policy" and cfg.kl.reward_coef == 0
-            and not cfg.use_rollout_logprobs and cfg.advantage_estimator not in ("ppo", "gspo")
-            and not cfg.keep_old_actor and not cfg.uses_teacher and cfg.custom_advantage is None)
+    return (
+        num_optimizer_steps == 1
+        and cfg.loss_type == "policy"
+        and cfg.kl.reward_coef == 0
+        and not cfg.use_rollout_logprobs
+        and cfg.advantage_estimator not in ("ppo", "gspo")
+        and not cfg.keep_old_actor
+        and not cfg.uses_teacher
+        and cfg.custom_advantage is None
+    )
 
 
 class ModelRoles:
@@ -96,10 +103,15 @@ class ModelRoles:
         config uses); the model holds the actor's weights again on return."""
         if self.needs_old_forward and not self.cfg.keep_old_actor:
             self._fill(micro_batches, "old_logprobs", temperature)  # the live weights: no swap
-        swaps = [(tag, field) for tag, field, on in (
-            ("old_actor", "old_logprobs", self.needs_old_forward and self.cfg.keep_old_actor),
-            ("ref", "ref_logprobs", self.cfg.uses_ref),
-            ("teacher", "teacher_logprobs", self.cfg.uses_teacher)) if on]
+        swaps = [
+            (tag, field)
+            for tag, field, on in (
+                ("old_actor", "old_logprobs", self.needs_old_forward and self.cfg.keep_old_actor),
+                ("ref", "ref_logprobs", self.cfg.uses_ref),
+                ("teacher", "teacher_logprobs", self.cfg.uses_teacher),
+            )
+            if on
+        ]
         if not swaps:
             return
         self.backup.backup("actor")
@@ -149,8 +161,10 @@ def _load_role(backup: WeightBackup, model: MegatronModel, tag: str, hf_dir: str
 
         arch = ModelArch.from_hf_dir(hf_dir)
         if arch != model.arch:
-            raise ValueError(f"algorithm {tag} weights ({hf_dir}) must have the actor's architecture because they "
-                             f"are loaded into the actor's model; got {arch} vs {model.arch}")
+            raise ValueError(
+                f"algorithm {tag} weights ({hf_dir}) must have the actor's architecture because they "
+                f"are loaded into the actor's model; got {arch} vs {model.arch}"
+            )
         load_hf_weights(model.module, model.arch, HFCheckpoint(hf_dir), model.parallel)
     backup.backup(tag)
 
@@ -190,27 +204,35 @@ def _ref_checkpoint(path: str | None, step: int | None) -> Path | None:
     if path is None:
         return None
     root = Path(path)
-    is_step_dir = root.name.startswith("step_") and root.name[len("step_"):].isdigit()
+    is_step_dir = root.name.startswith("step_") and root.name[len("step_") :].isdigit()
     if not is_step_dir and not any(root.glob("step_*")):
         if step is not None:
-            raise ValueError(f"algorithm.ref.step ({step}) must be unset when algorithm.ref.path ({path}) is not "
-                             f"an rlrun checkpoint directory because only checkpoints have steps; point ref.path "
-                             f"at a checkpoint.dir holding step_* directories, or unset ref.step")
+            raise ValueError(
+                f"algorithm.ref.step ({step}) must be unset when algorithm.ref.path ({path}) is not "
+                f"an rlrun checkpoint directory because only checkpoints have steps; point ref.path "
+                f"at a checkpoint.dir holding step_* directories, or unset ref.step"
+            )
         return None
     if is_step_dir:
         if not (root / COMPLETE).is_file():
-            raise ValueError(f"algorithm.ref.path ({path}) must be a complete checkpoint (with a {COMPLETE} "
-                             f"marker) because only complete checkpoints hold every rank's shard; pick one of "
-                             f"{[str(p) for _, p in complete_checkpoints(root.parent)] or 'none found'}")
-        if step is not None and int(root.name[len("step_"):]) != step:
-            raise ValueError(f"algorithm.ref.step ({step}) must match the checkpoint algorithm.ref.path ({path}) "
-                             f"names because a step directory holds one step; unset ref.step, or point ref.path "
-                             f"at {root.parent}")
+            raise ValueError(
+                f"algorithm.ref.path ({path}) must be a complete checkpoint (with a {COMPLETE} "
+                f"marker) because only complete checkpoints hold every rank's shard; pick one of "
+                f"{[str(p) for _, p in complete_checkpoints(root.parent)] or 'none found'}"
+            )
+        if step is not None and int(root.name[len("step_") :]) != step:
+            raise ValueError(
+                f"algorithm.ref.step ({step}) must match the checkpoint algorithm.ref.path ({path}) "
+                f"names because a step directory holds one step; unset ref.step, or point ref.path "
+                f"at {root.parent}"
+            )
         return root
     found = complete_checkpoints(root)
     for n, step_dir in reversed(found):
         if step is None or n == step:
             return step_dir
-    raise ValueError(f"algorithm.ref.step ({step}) must name a complete checkpoint in algorithm.ref.path ({path}) "
-                     f"because only complete checkpoints hold every rank's shard; available complete steps: "
-                     f"{[n for n, _ in found] or 'none'}")
+    raise ValueError(
+        f"algorithm.ref.step ({step}) must name a complete checkpoint in algorithm.ref.path ({path}) "
+        f"because only complete checkpoints hold every rank's shard; available complete steps: "
+        f"{[n for n, _ in found] or 'none'}"
+    )

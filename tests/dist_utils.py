@@ -22,8 +22,14 @@ from rlrun.runtime.dist import free_port
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args: tuple) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
         HF_HUB_OFFLINE="1",
     )
     import torch
@@ -35,8 +41,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args: 
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300,
-                    all_ranks: bool = False) -> Any:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300, all_ranks: bool = False) -> Any:
     """Run ``fn(*args)`` on ``world_size`` processes; rank 0's return value (or all, by rank).
 
     The first failing rank's traceback is raised as ``RuntimeError`` naming the rank; the other
@@ -46,8 +51,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, port, results, args), daemon=True)
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, results, args), daemon=True)
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     values: dict[int, Any] = {}
@@ -77,7 +84,9 @@ def _check_alive(procs: list, values: dict, deadline: float, timeout_s: float, n
     for rank in missing:
         exitcode = procs[rank].exitcode
         if exitcode is not None and exitcode != 0:
-            raise RuntimeError(f"rank {rank} of {len(procs)} exited with code {exitcode} in {name} "
-                               f"without reporting a result or an exception")
+            raise RuntimeError(
+                f"rank {rank} of {len(procs)} exited with code {exitcode} in {name} "
+                f"without reporting a result or an exception"
+            )
     if time.monotonic() > deadline:
         raise TimeoutError(f"ranks {missing} did not finish {name} within {timeout_s} s")

@@ -21,16 +21,27 @@ FAKES_DIR = Path(__file__).parent / "fakes"
 BACKENDS = ("embedded", "sglang")
 
 
-def spawn_engine(backend: str, model_dir: Path, run_dir: Path, *, rank: int = 0, seed: int = 7,
-                 fake_version: str = "0.5.23", **kwargs) -> EngineClient:
+def spawn_engine(
+    backend: str,
+    model_dir: Path,
+    run_dir: Path,
+    *,
+    rank: int = 0,
+    seed: int = 7,
+    fake_version: str = "0.5.23",
+    **kwargs,
+) -> EngineClient:
     """A worker for ``backend``; ``sglang`` means the fake, set up as production would use SGLang:
     memory saver on, and deterministic inference so that ``sampling_seed`` is honoured."""
     if backend == "sglang":
         kwargs.setdefault("enable_memory_saver", True)
         kwargs.setdefault("server_args", {"enable_deterministic_inference": True})
         pythonpath = os.pathsep.join(p for p in (str(FAKES_DIR), os.environ.get("PYTHONPATH")) if p)
-        kwargs["extra_env"] = {"PYTHONPATH": pythonpath, "FAKE_SGLANG_VERSION": fake_version,
-                               **kwargs.get("extra_env", {})}
+        kwargs["extra_env"] = {
+            "PYTHONPATH": pythonpath,
+            "FAKE_SGLANG_VERSION": fake_version,
+            **kwargs.get("extra_env", {}),
+        }
     return EngineClient.spawn(backend=backend, model_path=model_dir, run_dir=run_dir, rank=rank, seed=seed, **kwargs)
 
 
@@ -38,16 +49,22 @@ def hf_logprobs(model, prompt: list[int], response: list[int], temperature: floa
     """log_softmax(logits / T) of each response token, from one unpadded forward over prompt + response (on CPU)."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response], device=model.device)).logits[0].float().cpu()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1:-1]
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1 : -1]
     return logprobs.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def pid_alive(pid: int) -> bool:

@@ -64,19 +64,36 @@ def tiny_config(kind: str, vocab_size: int = 264, tie: bool = False):
         # 4 experts, top-2, softmax over all experts without renormalising the top 2 (Qwen3-MoE's
         # norm_topk_prob=False routing; a config override flips it). save_pretrained writes the
         # per-expert tensors (model.layers.i.mlp.experts.e.{gate,up,down}_proj.weight) real checkpoints use.
-        return Qwen3MoeConfig(rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=16, num_experts=4,
-                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
-                              router_aux_loss_coef=0.01, **common)
+        return Qwen3MoeConfig(
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            router_aux_loss_coef=0.01,
+            **common,
+        )
     if kind == "qwen2_moe":
         # QKV bias, 4 experts top-2 and a gated shared expert every token goes through.
-        return Qwen2MoeConfig(rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
-                              router_aux_loss_coef=0.01, **common)
+        return Qwen2MoeConfig(
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            router_aux_loss_coef=0.01,
+            **common,
+        )
     raise ValueError(f"unknown tiny model kind {kind!r}; expected llama, qwen2, qwen3, qwen3_moe or qwen2_moe")
 
 
-def make_tiny_model(kind: str, out_dir: str | Path, *, tie: bool = False, seed: int = 0,
-                    config_overrides: dict | None = None) -> Path:
+def make_tiny_model(
+    kind: str, out_dir: str | Path, *, tie: bool = False, seed: int = 0, config_overrides: dict | None = None
+) -> Path:
     """Build, perturb and save a tiny random model with its tokenizer; returns the directory.
     ``config_overrides`` change the config before the model is built (e.g. other head counts)."""
     from transformers import AutoModelForCausalLM

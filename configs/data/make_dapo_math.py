@@ -31,8 +31,10 @@ def problem_text(content: str) -> str:
 def convert_row(row: dict) -> dict:
     prompt = row["prompt"]
     content = prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
-    return {"prompt": INSTRUCTION.format(problem=problem_text(content)),
-            "label": str(row["reward_model"]["ground_truth"])}
+    return {
+        "prompt": INSTRUCTION.format(problem=problem_text(content)),
+        "label": str(row["reward_model"]["ground_truth"]),
+    }
 
 
 def read_rows(path: Path) -> list[dict]:

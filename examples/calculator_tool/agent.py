@@ -30,8 +30,14 @@ MAX_ABS = 10**12
 MAX_TURNS = 4
 ASSISTANT = "<|im_start|>assistant\n"
 END = "<|im_end|>"
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 
 
 class CalcError(ValueError):

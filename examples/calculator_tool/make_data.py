@@ -12,9 +12,11 @@ import random
 import sys
 from pathlib import Path
 
-
 DEMONSTRATION = [
-    {"role": "system", "content": "You answer arithmetic questions with a calculator. Write <calc>expression</calc> to use it."},
+    {
+        "role": "system",
+        "content": "You answer arithmetic questions with a calculator. Write <calc>expression</calc> to use it.",
+    },
     {"role": "user", "content": "What is 12 * 7 + 5?"},
     {"role": "assistant", "content": "<calc>12 * 7 + 5</calc>"},
     {"role": "tool", "content": "89"},

@@ -49,9 +49,9 @@ def grpo_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: floa
 def group_scores(rewards: torch.Tensor, estimator: Estimator, normalize_std: bool) -> torch.Tensor:
     """One scalar per response, ``[num_groups, group_size]``, as slime's rollout reward post-process:
 
-        grpo, gspo, cispo              grpo_advantages(rewards, normalize_std)
-        reinforce_plus_plus_baseline   r_i - mean(r_group)       (the group mean is the baseline)
-        reinforce_plus_plus, ppo       r_i                       (baseline: whitening / the critic)
+    grpo, gspo, cispo              grpo_advantages(rewards, normalize_std)
+    reinforce_plus_plus_baseline   r_i - mean(r_group)       (the group mean is the baseline)
+    reinforce_plus_plus, ppo       r_i                       (baseline: whitening / the critic)
     """
     if estimator in GROUP_NORMALISED:
         return grpo_advantages(rewards, normalize_std=normalize_std)
@@ -85,8 +85,13 @@ def last_token_mask(mask: torch.Tensor, sample_ids: torch.Tensor | None = None) 
     return ((positions == last) & (mask > 0)).to(mask.dtype)
 
 
-def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
-                  sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+def token_rewards(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None,
+    kl_coef: float,
+    sample_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token rewards of REINFORCE++ and PPO: ``-kl_coef * kl_t`` on every response token plus the
     sample's score on its last response token."""
     rewards = scores.float() * last_token_mask(mask, sample_ids)
@@ -107,16 +112,28 @@ def discounted_returns(rewards: torch.Tensor, gamma: float, sample_ids: torch.Te
     return returns
 
 
-def reinforce_returns(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
-                      gamma: float, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+def reinforce_returns(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None,
+    kl_coef: float,
+    gamma: float,
+    sample_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """REINFORCE++ (arXiv 2501.03262): discounted returns of ``token_rewards``; advantage = return
     (whitened over the batch afterwards, which is REINFORCE++'s baseline). Zero outside the mask."""
     rewards = token_rewards(scores, mask, kl, kl_coef, sample_ids)
     return discounted_returns(rewards, gamma, sample_ids) * mask
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lambd: float, sample_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lambd: float,
+    sample_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (arXiv 1506.02438), returns ``(advantages, returns)``:
 
         delta_t = r_t + gamma * V_{t+1} - V_t

@@ -43,8 +43,9 @@ class Aggregator:
     ``aggregator.token_sum(x)`` the plain masked sum (for token-mean metrics). ``sample_ids`` as in
     ``rlrun.algo.segments`` (None: one sample per row)."""
 
-    def __init__(self, mask: torch.Tensor, mode: Aggregation, counts: StepCounts,
-                 sample_ids: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, mask: torch.Tensor, mode: Aggregation, counts: StepCounts, sample_ids: torch.Tensor | None = None
+    ) -> None:
         self.mask = mask
         self.sample_ids = sample_ids
         self.weights = mask * _sample_scale(mask, mode, counts, sample_ids)
@@ -56,8 +57,9 @@ class Aggregator:
         return (x * self.mask).sum()
 
 
-def _sample_scale(mask: torch.Tensor, mode: Aggregation, counts: StepCounts,
-                  sample_ids: torch.Tensor | None) -> torch.Tensor:
+def _sample_scale(
+    mask: torch.Tensor, mode: Aggregation, counts: StepCounts, sample_ids: torch.Tensor | None
+) -> torch.Tensor:
     if mode == "token":
         return torch.ones_like(mask[..., :1])
     if counts.num_samples <= 0:

@@ -21,8 +21,12 @@ KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 LOW_VAR_KL_BOUND = 10.0
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator,
-                importance_ratio: torch.Tensor | None = None) -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: KLEstimator,
+    importance_ratio: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token KL estimate, same shape as the inputs (mask it yourself)."""
     log_ratio = logprobs.float() - ref_logprobs.float()
     if estimator == "k1":

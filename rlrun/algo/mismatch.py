@@ -39,8 +39,9 @@ class TISWeights:
     """[B, T] 1.0 where bounding changed the ratio (clipped or masked)."""
 
 
-def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: TISLevel,
-                    sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+def level_log_ratio(
+    log_ratio: torch.Tensor, mask: torch.Tensor, level: TISLevel, sample_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """The per-token log-ratio lifted to ``level`` and broadcast back to every token of its sample
     (``sample_ids`` as in ``rlrun.algo.segments``; None: one sample per row)."""
     if level == "token":
@@ -53,8 +54,16 @@ def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: TISLevel
     return per_sample
 
 
-def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, mode: TISMode,
-                level: TISLevel, clip: float, clip_low: float, sample_ids: torch.Tensor | None = None) -> TISWeights:
+def tis_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: TISMode,
+    level: TISLevel,
+    clip: float,
+    clip_low: float,
+    sample_ids: torch.Tensor | None = None,
+) -> TISWeights:
     """Importance weights pi_old / pi_rollout, bounded by ``mode`` (module docstring)."""
     log_ratio = level_log_ratio((old_logprobs - rollout_logprobs).float().detach(), mask, level, sample_ids)
     raw = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))

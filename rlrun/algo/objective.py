@@ -52,8 +52,9 @@ class Objective:
             return self._custom(mb, logprobs, entropy, agg)
         return self._policy(mb, logprobs, entropy, agg)
 
-    def _policy(self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor,
-                agg: Aggregator) -> tuple[torch.Tensor, Metrics]:
+    def _policy(
+        self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, agg: Aggregator
+    ) -> tuple[torch.Tensor, Metrics]:
         cfg, device = self.cfg, logprobs.device
         rollout = mb.rollout_logprobs.to(device)
         trainer_old = mb.old_logprobs.to(device) if mb.old_logprobs is not None else logprobs.detach()
@@ -62,8 +63,16 @@ class Objective:
         per_token = terms.loss
         metrics: Metrics = {}
         if cfg.tis.mode != "off":
-            tis = tis_weights(trainer_old, rollout, agg.mask, cfg.tis.mode, cfg.tis.level, cfg.tis.clip,
-                              cfg.tis.clip_low, agg.sample_ids)
+            tis = tis_weights(
+                trainer_old,
+                rollout,
+                agg.mask,
+                cfg.tis.mode,
+                cfg.tis.level,
+                cfg.tis.clip,
+                cfg.tis.clip_low,
+                agg.sample_ids,
+            )
             per_token = per_token * tis.weights
             metrics.update(tis_mean=agg.token_sum(tis.raw), tis_clip_frac=agg.token_sum(tis.bounded))
         policy_loss = agg(per_token)
@@ -78,27 +87,46 @@ class Objective:
                 metrics["kl_loss"] = kl_loss.detach()
             metrics["kl_ref"] = agg.token_sum(kl.detach())
         metrics.update({name: agg.token_sum(value) for name, value in mismatch_terms(trainer_old, rollout).items()})
-        metrics.update(policy_loss=policy_loss.detach(), entropy=entropy_term.detach(),
-                       clip_frac=agg.token_sum(terms.clipped), approx_kl=agg.token_sum(terms.approx_kl.detach()))
+        metrics.update(
+            policy_loss=policy_loss.detach(),
+            entropy=entropy_term.detach(),
+            clip_frac=agg.token_sum(terms.clipped),
+            approx_kl=agg.token_sum(terms.approx_kl.detach()),
+        )
         return loss, metrics
 
-    def _custom(self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor,
-                agg: Aggregator) -> tuple[torch.Tensor, Metrics]:
+    def _custom(
+        self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, agg: Aggregator
+    ) -> tuple[torch.Tensor, Metrics]:
         result = self.custom_loss(self.cfg, mb, logprobs, entropy, agg)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
-                and result[0].dim() == 0 and isinstance(result[1], dict)):
-            raise ValueError(f"algorithm.custom_loss ('{self.cfg.custom_loss}') must return (loss, metrics): a scalar "
-                             f"tensor and a dict of scalar tensors, because train_step backpropagates the loss; it "
-                             f"returned {type(result).__name__}. Expected signature: {CUSTOM_LOSS_SIGNATURE}")
+        if not (
+            isinstance(result, tuple)
+            and len(result) == 2
+            and isinstance(result[0], torch.Tensor)
+            and result[0].dim() == 0
+            and isinstance(result[1], dict)
+        ):
+            raise ValueError(
+                f"algorithm.custom_loss ('{self.cfg.custom_loss}') must return (loss, metrics): a scalar "
+                f"tensor and a dict of scalar tensors, because train_step backpropagates the loss; it "
+                f"returned {type(result).__name__}. Expected signature: {CUSTOM_LOSS_SIGNATURE}"
+            )
         return result
 
 
-def policy_terms(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 mask: torch.Tensor, sample_ids: torch.Tensor | None = None) -> PolicyLossTerms:
+def policy_terms(
+    cfg: AlgorithmConfig,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    sample_ids: torch.Tensor | None = None,
+) -> PolicyLossTerms:
     """The per-token policy term of the configured estimator (``sample_ids``: ``rlrun.algo.segments``)."""
     if cfg.advantage_estimator == "gspo":
-        return gspo_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c,
-                         sample_ids)
+        return gspo_loss(
+            logprobs, old_logprobs, advantages, mask, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c, sample_ids
+        )
     if cfg.advantage_estimator == "cispo":
         return cispo_loss(logprobs, old_logprobs, advantages, cfg.eps_clip, cfg.clip_high)
     return ppo_clip_loss(logprobs, old_logprobs, advantages, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)

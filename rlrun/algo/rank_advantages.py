@@ -40,8 +40,12 @@ def assign_advantages(cfg: AlgorithmConfig, micro_batches: list[MicroBatch], dp_
         student = mb.rollout_logprobs if cfg.use_rollout_logprobs else mb.old_logprobs
         kl = None
         if cfg.kl.reward_coef > 0:
-            kl = kl_estimate(_required(student, "old_logprobs"), _required(mb.ref_logprobs, "ref_logprobs"),
-                             cfg.kl.estimator) * mask
+            kl = (
+                kl_estimate(
+                    _required(student, "old_logprobs"), _required(mb.ref_logprobs, "ref_logprobs"), cfg.kl.estimator
+                )
+                * mask
+            )
             stats[0] += kl.sum()
         advantages, returns = _custom(custom, cfg, mb, kl) if custom is not None else _estimate(cfg, mb, kl)
         if cfg.opd.kl_coef > 0:
@@ -73,14 +77,22 @@ def _estimate(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> 
 def _custom(fn, cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     result = fn(cfg, mb, kl if kl is not None else torch.zeros_like(mb.loss_mask))
     shape = tuple(mb.loss_mask.shape)
-    ok = (isinstance(result, (tuple, list)) and len(result) == 2
-          and all(isinstance(t, torch.Tensor) and tuple(t.shape) == shape for t in result))
+    ok = (
+        isinstance(result, (tuple, list))
+        and len(result) == 2
+        and all(isinstance(t, torch.Tensor) and tuple(t.shape) == shape for t in result)
+    )
     if not ok:
-        got = type(result).__name__ if not isinstance(result, (tuple, list)) else \
-            [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in result]
-        raise ValueError(f"algorithm.custom_advantage ('{cfg.custom_advantage}') must return (advantages, returns), "
-                         f"two tensors of shape {list(shape)}, because training reads both; it returned {got}. "
-                         f"Expected signature: {CUSTOM_ADVANTAGE_SIGNATURE}")
+        got = (
+            type(result).__name__
+            if not isinstance(result, (tuple, list))
+            else [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in result]
+        )
+        raise ValueError(
+            f"algorithm.custom_advantage ('{cfg.custom_advantage}') must return (advantages, returns), "
+            f"two tensors of shape {list(shape)}, because training reads both; it returned {got}. "
+            f"Expected signature: {CUSTOM_ADVANTAGE_SIGNATURE}"
+        )
     advantages, returns = result
     return advantages.float() * mb.loss_mask, returns.float() * mb.loss_mask
 

@@ -18,8 +18,10 @@ def resolve(sample_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor
         rows = torch.arange(like.shape[0], device=like.device).unsqueeze(-1)
         return rows.expand(like.shape)
     if sample_ids.shape != like.shape:
-        raise ValueError(f"sample_ids shape ({tuple(sample_ids.shape)}) must equal the per-token tensors' "
-                         f"({tuple(like.shape)}) because each position needs its sample")
+        raise ValueError(
+            f"sample_ids shape ({tuple(sample_ids.shape)}) must equal the per-token tensors' "
+            f"({tuple(like.shape)}) because each position needs its sample"
+        )
     return sample_ids.to(like.device)
 
 

@@ -45,32 +45,50 @@ def load_algorithm_hook(cfg: AlgorithmConfig, field: str):
 def _problems(cfg: AlgorithmConfig):
     kl, tis, opd = cfg.kl, cfg.tis, cfg.opd
     if kl.loss_coef > 0 and kl.reward_coef > 0:
-        yield (f"algorithm.kl.reward_coef ({kl.reward_coef}) must be 0 when algorithm.kl.loss_coef "
-               f"({kl.loss_coef}) > 0 because the KL to the reference is either a loss term or a reward "
-               f"penalty, not both; set one of them to 0")
+        yield (
+            f"algorithm.kl.reward_coef ({kl.reward_coef}) must be 0 when algorithm.kl.loss_coef "
+            f"({kl.loss_coef}) > 0 because the KL to the reference is either a loss term or a reward "
+            f"penalty, not both; set one of them to 0"
+        )
     if kl.unbiased and kl.loss_coef == 0:
-        yield ("algorithm.kl.unbiased (True) must go with algorithm.kl.loss_coef > 0 because it re-weights "
-               "the KL loss term; set algorithm.kl.loss_coef or unbiased: false")
+        yield (
+            "algorithm.kl.unbiased (True) must go with algorithm.kl.loss_coef > 0 because it re-weights "
+            "the KL loss term; set algorithm.kl.loss_coef or unbiased: false"
+        )
     if (cfg.ref.path is not None or cfg.ref.update_interval is not None) and not cfg.uses_ref:
-        yield ("algorithm.ref must stay unset when no KL term is on because nothing would read the "
-               "reference log-probs; set algorithm.kl.loss_coef or algorithm.kl.reward_coef > 0")
+        yield (
+            "algorithm.ref must stay unset when no KL term is on because nothing would read the "
+            "reference log-probs; set algorithm.kl.loss_coef or algorithm.kl.reward_coef > 0"
+        )
     if cfg.advantage_estimator.startswith("reinforce_plus_plus") and not cfg.normalize_advantages:
-        yield (f"algorithm.normalize_advantages (False) must be true for advantage_estimator "
-               f"{cfg.advantage_estimator} because REINFORCE++ uses batch whitening as its baseline; "
-               f"set algorithm.normalize_advantages: true")
+        yield (
+            f"algorithm.normalize_advantages (False) must be true for advantage_estimator "
+            f"{cfg.advantage_estimator} because REINFORCE++ uses batch whitening as its baseline; "
+            f"set algorithm.normalize_advantages: true"
+        )
     if cfg.use_rollout_logprobs and tis.mode != "off":
-        yield (f"algorithm.tis.mode ({tis.mode}) must be off with use_rollout_logprobs because the old "
-               f"policy is then the rollout policy and the TIS ratio is 1; set one of them off")
+        yield (
+            f"algorithm.tis.mode ({tis.mode}) must be off with use_rollout_logprobs because the old "
+            f"policy is then the rollout policy and the TIS ratio is 1; set one of them off"
+        )
     if cfg.use_rollout_logprobs and cfg.keep_old_actor:
-        yield ("algorithm.keep_old_actor (True) must be false with use_rollout_logprobs because the old "
-               "log-probs come from the engine; set one of them to false")
+        yield (
+            "algorithm.keep_old_actor (True) must be false with use_rollout_logprobs because the old "
+            "log-probs come from the engine; set one of them to false"
+        )
     if tis.clip_low >= tis.clip:
-        yield (f"algorithm.tis.clip_low ({tis.clip_low}) must be < algorithm.tis.clip ({tis.clip}) "
-               f"because they bound the importance ratio from below and above; lower clip_low")
+        yield (
+            f"algorithm.tis.clip_low ({tis.clip_low}) must be < algorithm.tis.clip ({tis.clip}) "
+            f"because they bound the importance ratio from below and above; lower clip_low"
+        )
     if (opd.kl_coef > 0) != (opd.teacher_path is not None):
-        yield (f"algorithm.opd.teacher_path ({opd.teacher_path}) and algorithm.opd.kl_coef ({opd.kl_coef}) "
-               f"must be set together because distillation needs both a teacher and a weight; set both "
-               f"or neither")
+        yield (
+            f"algorithm.opd.teacher_path ({opd.teacher_path}) and algorithm.opd.kl_coef ({opd.kl_coef}) "
+            f"must be set together because distillation needs both a teacher and a weight; set both "
+            f"or neither"
+        )
     if (cfg.loss_type == "custom") != (cfg.custom_loss is not None):
-        yield (f"algorithm.custom_loss ({cfg.custom_loss}) must be set exactly when loss_type is custom "
-               f"(it is {cfg.loss_type}); set both or neither")
+        yield (
+            f"algorithm.custom_loss ({cfg.custom_loss}) must be set exactly when loss_type is custom "
+            f"(it is {cfg.loss_type}); set both or neither"
+        )

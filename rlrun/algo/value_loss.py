@@ -27,8 +27,9 @@ class ValueLossTerms:
     """1.0 where the clipped error was the larger one (the clip was active)."""
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       value_clip: float | None) -> ValueLossTerms:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, value_clip: float | None
+) -> ValueLossTerms:
     """The formula of the module docstring for ``[B, T]`` tensors and a ``[B, T]`` mask."""
     values = values.float()
     error = (values - returns) ** 2
@@ -37,5 +38,6 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     old_values = old_values.float()
     clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
     clipped_error = (clipped_values - returns) ** 2
-    return ValueLossTerms(loss=0.5 * torch.maximum(error, clipped_error) * mask,
-                          clipped=(clipped_error > error).float() * mask)
+    return ValueLossTerms(
+        loss=0.5 * torch.maximum(error, clipped_error) * mask, clipped=(clipped_error > error).float() * mask
+    )

@@ -15,7 +15,9 @@ from typing import Annotated, Any, get_args
 
 import typer
 
-bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks: rollout throughput, weight sync and training throughput.")
+bench_app = typer.Typer(
+    no_args_is_help=True, help="GPU benchmarks: rollout throughput, weight sync and training throughput."
+)
 OutFile = Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file.")]
 
 
@@ -23,10 +25,14 @@ def _emit(kind: str, results: Any, out: Path | None, echo: bool = True) -> None:
     import torch
     import transformers
 
-    record = {"benchmark": kind, "command": "rlrun " + " ".join(sys.argv[1:]),
-              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "results": [dataclasses.asdict(r) for r in results]}
+    record = {
+        "benchmark": kind,
+        "command": "rlrun " + " ".join(sys.argv[1:]),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "results": [dataclasses.asdict(r) for r in results],
+    }
     text = json.dumps(record, indent=2)
     if echo:
         typer.echo(text)
@@ -36,16 +42,28 @@ def _emit(kind: str, results: Any, out: Path | None, echo: bool = True) -> None:
 
 
 @bench_app.command("rollout")
-def rollout(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-0.6b",
-            batch: int = 64, prompt_len: int = 128, new_tokens: int = 256,
-            device: Annotated[str | None, typer.Option(help="Default: cuda if available, else cpu.")] = None,
-            dtype: Annotated[str | None, typer.Option(help="Default: bfloat16 on cuda, float32 on cpu.")] = None,
-            hbm_gbps: Annotated[float, typer.Option(help="HBM bandwidth for the bound, GB/s (H200: 4800).")] = 4800.0,
-            backends: Annotated[str | None, typer.Option(help=(
+def rollout(
+    shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-0.6b",
+    batch: int = 64,
+    prompt_len: int = 128,
+    new_tokens: int = 256,
+    device: Annotated[str | None, typer.Option(help="Default: cuda if available, else cpu.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Default: bfloat16 on cuda, float32 on cpu.")] = None,
+    hbm_gbps: Annotated[float, typer.Option(help="HBM bandwidth for the bound, GB/s (H200: 4800).")] = 4800.0,
+    backends: Annotated[
+        str | None,
+        typer.Option(
+            help=(
                 "Comma-separated engine backends (embedded, sglang) to compare through rlrun's engine worker, "
-                "same weights and prompts; without it: the in-process embedded engine vs HF generate."))] = None,
-            run_dir: Annotated[Path, typer.Option(help="With --backends: engine logs and the model directory.")] = Path("runs/bench"),
-            out: OutFile = None) -> None:
+                "same weights and prompts; without it: the in-process embedded engine vs HF generate."
+            )
+        ),
+    ] = None,
+    run_dir: Annotated[Path, typer.Option(help="With --backends: engine logs and the model directory.")] = Path(
+        "runs/bench"
+    ),
+    out: OutFile = None,
+) -> None:
     """Embedded engine vs transformers generate output tokens/s, and the memory-bandwidth bound."""
     import torch
 
@@ -57,19 +75,27 @@ def rollout(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwe
         from rlrun.bench.engines import bench_rollout_backends
 
         names = [b.strip() for b in backends.split(",") if b.strip()]
-        _emit("rollout", bench_rollout_backends(names, shape, batch, prompt_len, new_tokens, dtype, run_dir,
-                                                hbm_bytes_per_s=hbm_gbps * 1e9), out)
+        _emit(
+            "rollout",
+            bench_rollout_backends(
+                names, shape, batch, prompt_len, new_tokens, dtype, run_dir, hbm_bytes_per_s=hbm_gbps * 1e9
+            ),
+            out,
+        )
         return
     result = bench_rollout(shape, batch, prompt_len, new_tokens, device, dtype, hbm_bytes_per_s=hbm_gbps * 1e9)
     _emit("rollout", [result], out)
 
 
 @bench_app.command("sync")
-def sync(shape: Annotated[str, typer.Option(help="Comma-separated shapes, e.g. qwen3-0.6b,1.7b,4b,8b.")] = "qwen3-0.6b",
-         bucket_mib: int = 512, repeats: int = 3,
-         run_dir: Annotated[Path, typer.Option(help="Engine logs and temporary model directories.")] = Path("runs/bench"),
-         backends: Annotated[str, typer.Option(help="Comma-separated engine backends: embedded, sglang.")] = "embedded",
-         out: OutFile = None) -> None:
+def sync(
+    shape: Annotated[str, typer.Option(help="Comma-separated shapes, e.g. qwen3-0.6b,1.7b,4b,8b.")] = "qwen3-0.6b",
+    bucket_mib: int = 512,
+    repeats: int = 3,
+    run_dir: Annotated[Path, typer.Option(help="Engine logs and temporary model directories.")] = Path("runs/bench"),
+    backends: Annotated[str, typer.Option(help="Comma-separated engine backends: embedded, sglang.")] = "embedded",
+    out: OutFile = None,
+) -> None:
     """Megatron -> embedded engine weight sync: seconds and GB/s per shape (median of REPEATS after a warm-up)."""
     from rlrun.bench.sync import bench_sync
 
@@ -82,46 +108,85 @@ def sync(shape: Annotated[str, typer.Option(help="Comma-separated shapes, e.g. q
 
 
 @bench_app.command("train")
-def train(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-1.7b",
-          layout: Annotated[str, typer.Option(help="Comma-separated: packed (samples share a row), rows.")] = "packed",
-          sample_len: int = 4096, samples_per_micro_batch: int = 4, micro_batches: int = 4, steps: int = 3,
-          peak_tflops: Annotated[float, typer.Option(help="Peak bf16 TFLOP/s for MFU (H200: 790).")] = 790.0,
-          profile: Annotated[Path | None, typer.Option(help="Write one step's kernel-time table here.")] = None,
-          out: OutFile = None) -> None:
+def train(
+    shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-1.7b",
+    layout: Annotated[str, typer.Option(help="Comma-separated: packed (samples share a row), rows.")] = "packed",
+    sample_len: int = 4096,
+    samples_per_micro_batch: int = 4,
+    micro_batches: int = 4,
+    steps: int = 3,
+    peak_tflops: Annotated[float, typer.Option(help="Peak bf16 TFLOP/s for MFU (H200: 790).")] = 790.0,
+    profile: Annotated[Path | None, typer.Option(help="Write one step's kernel-time table here.")] = None,
+    out: OutFile = None,
+) -> None:
     """Megatron training tokens/s, TFLOP/s, MFU and peak memory (formula in rlrun/bench/train.py)."""
     from rlrun.bench.train import bench_train
 
     layouts = [name.strip() for name in layout.split(",") if name.strip()]
-    _emit("train", bench_train(shape, layouts, sample_len, samples_per_micro_batch, micro_batches, steps,
-                               peak_tflops, profile), out)
+    _emit(
+        "train",
+        bench_train(shape, layouts, sample_len, samples_per_micro_batch, micro_batches, steps, peak_tflops, profile),
+        out,
+    )
 
 
 @bench_app.command("step")
-def step(shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-0.6b",
-         backend: Annotated[str, typer.Option(help="Engine backend: embedded or sglang.")] = "embedded",
-         prompts: int = 16, samples: Annotated[int, typer.Option(help="Responses per prompt (GRPO group).")] = 8,
-         prompt_len: int = 128, new_tokens: Annotated[int, typer.Option(help="Every response's length (EOS ignored).")] = 512,
-         steps: int = 5, micro_batch_samples: int = 32, lr: float = 1e-6, seed: int = 0,
-         work: Annotated[Path, typer.Option(help="Model, prompts (shared across runs) and each backend's run directory.")] = Path("runs/bench_step"),
-         timeout_s: float = 1800.0,
-         offload: Annotated[str, typer.Option(help="on: trainer and engine take turns on the device; off: both resident (as TRL).")] = "on",
-         teardown_nccl: Annotated[str, typer.Option(help="on|off: offload.teardown_nccl (only with --offload on).")] = "on",
-         packed_attention: Annotated[str, typer.Option(help="auto, per_sample or flash_varlen (CUDA, bf16): model.packed_attention.")] = "auto",
-         profile_step: Annotated[int | None, typer.Option(help="Profile this step; its train phase's top ops go into the JSON.")] = None,
-         ranks: Annotated[int, typer.Option(help="torchrun ranks (DP, an engine each); --prompts counts over all of them.")] = 1,
-         out: OutFile = None) -> None:
+def step(
+    shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-0.6b",
+    backend: Annotated[str, typer.Option(help="Engine backend: embedded or sglang.")] = "embedded",
+    prompts: int = 16,
+    samples: Annotated[int, typer.Option(help="Responses per prompt (GRPO group).")] = 8,
+    prompt_len: int = 128,
+    new_tokens: Annotated[int, typer.Option(help="Every response's length (EOS ignored).")] = 512,
+    steps: int = 5,
+    micro_batch_samples: int = 32,
+    lr: float = 1e-6,
+    seed: int = 0,
+    work: Annotated[
+        Path, typer.Option(help="Model, prompts (shared across runs) and each backend's run directory.")
+    ] = Path("runs/bench_step"),
+    timeout_s: float = 1800.0,
+    offload: Annotated[
+        str, typer.Option(help="on: trainer and engine take turns on the device; off: both resident (as TRL).")
+    ] = "on",
+    teardown_nccl: Annotated[str, typer.Option(help="on|off: offload.teardown_nccl (only with --offload on).")] = "on",
+    packed_attention: Annotated[
+        str, typer.Option(help="auto, per_sample or flash_varlen (CUDA, bf16): model.packed_attention.")
+    ] = "auto",
+    profile_step: Annotated[
+        int | None, typer.Option(help="Profile this step; its train phase's top ops go into the JSON.")
+    ] = None,
+    ranks: Annotated[
+        int, typer.Option(help="torchrun ranks (DP, an engine each); --prompts counts over all of them.")
+    ] = 1,
+    out: OutFile = None,
+) -> None:
     """Seconds per GRPO step of ``rlrun train`` (colocated, offload on by default), split by phase, tokens/s, memory."""
     from rlrun.bench.step import StepSettings, Variant, bench_step
     from rlrun.config.schema import PackedAttention
 
-    settings = StepSettings(shape=shape, backend=backend, prompts=prompts, samples=samples, prompt_len=prompt_len,
-                            new_tokens=new_tokens, steps=steps, micro_batch_samples=micro_batch_samples, lr=lr,
-                            seed=seed)
+    settings = StepSettings(
+        shape=shape,
+        backend=backend,
+        prompts=prompts,
+        samples=samples,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        steps=steps,
+        micro_batch_samples=micro_batch_samples,
+        lr=lr,
+        seed=seed,
+    )
     if packed_attention not in get_args(PackedAttention):
-        raise typer.BadParameter(f"--packed-attention ({packed_attention}) must be one of "
-                                 f"{list(get_args(PackedAttention))} because those are model.packed_attention's values")
-    variant = Variant(offload=_on_off("--offload", offload), teardown_nccl=_on_off("--teardown-nccl", teardown_nccl),
-                      packed_attention=packed_attention)
+        raise typer.BadParameter(
+            f"--packed-attention ({packed_attention}) must be one of "
+            f"{list(get_args(PackedAttention))} because those are model.packed_attention's values"
+        )
+    variant = Variant(
+        offload=_on_off("--offload", offload),
+        teardown_nccl=_on_off("--teardown-nccl", teardown_nccl),
+        packed_attention=packed_attention,
+    )
     try:
         result = bench_step(settings, work, timeout_s, variant, profile_step, ranks)
     except ValueError as exc:  # settings that cannot run (prompts not divisible by ranks, profile step out of range)

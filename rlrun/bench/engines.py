@@ -18,12 +18,15 @@ from typing import Any
 
 import torch
 
-from rlrun.bench.rollout import GREEDY, SAMPLED, H200_HBM_BYTES_PER_S, BandwidthBound, Throughput, _engine_run
+from rlrun.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput, _engine_run
 from rlrun.bench.shapes import get_shape, write_random_model
 from rlrun.bench.timing import hardware, timer
 
-SGLANG_SERVER_ARGS: dict[str, Any] = {"mem_fraction_static": 0.3, "sampling_backend": "pytorch",
-                                      "skip_tokenizer_init": True}
+SGLANG_SERVER_ARGS: dict[str, Any] = {
+    "mem_fraction_static": 0.3,
+    "sampling_backend": "pytorch",
+    "skip_tokenizer_init": True,
+}
 """What the benchmarks start ``sglang.Engine`` with: KV cache from 30% of the device (a trainer shares
 it in ``bench sync``), PyTorch sampling (no FlashInfer JIT), token ids only (the random model has no
 tokenizer)."""
@@ -72,14 +75,29 @@ def engine_spawn_kwargs(backend: str) -> dict[str, Any]:
     return {"server_args": SGLANG_SERVER_ARGS} if backend == "sglang" else {}
 
 
-def _bench_backend(backend: str, model_dir: Path, run_dir: Path, prompts: list[list[int]], new_tokens: int,
-                   dtype: str, device: torch.device) -> tuple[float, dict[str, Throughput]]:
+def _bench_backend(
+    backend: str,
+    model_dir: Path,
+    run_dir: Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    dtype: str,
+    device: torch.device,
+) -> tuple[float, dict[str, Throughput]]:
     from rlrun.engine.client import EngineClient
 
     with timer(device) as startup_s:
-        engine = EngineClient.spawn(backend=backend, model_path=model_dir, run_dir=run_dir, rank=0, seed=0,
-                                    dtype=dtype, base_gpu_id=device.index or 0, startup_timeout_s=600,
-                                    **engine_spawn_kwargs(backend))
+        engine = EngineClient.spawn(
+            backend=backend,
+            model_path=model_dir,
+            run_dir=run_dir,
+            rank=0,
+            seed=0,
+            dtype=dtype,
+            base_gpu_id=device.index or 0,
+            startup_timeout_s=600,
+            **engine_spawn_kwargs(backend),
+        )
     try:
         runs = {}
         for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
@@ -92,9 +110,17 @@ def _bench_backend(backend: str, model_dir: Path, run_dir: Path, prompts: list[l
     return startup_s[0], runs
 
 
-def bench_rollout_backends(backends: list[str], shape: str, batch: int, prompt_len: int, new_tokens: int,
-                           dtype: str, run_dir: Path, hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
-                           seed: int = 0) -> list[BackendRolloutResult]:
+def bench_rollout_backends(
+    backends: list[str],
+    shape: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    dtype: str,
+    run_dir: Path,
+    hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
+    seed: int = 0,
+) -> list[BackendRolloutResult]:
     """Time each backend's worker on the same random model and prompts, one backend at a time."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     spec = get_shape(shape)
@@ -110,9 +136,20 @@ def bench_rollout_backends(backends: list[str], shape: str, batch: int, prompt_l
         bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
         for backend in backends:
             startup_s, runs = _bench_backend(backend, Path(model_dir), run_dir, prompts, new_tokens, dtype, device)
-            results.append(BackendRolloutResult(
-                backend=backend, shape=shape, hardware=hardware(device), dtype=dtype, batch=batch,
-                prompt_len=prompt_len, new_tokens=new_tokens, startup_s=startup_s, engine=runs["greedy"],
-                engine_sampled=runs["sampled"], bound=bound,
-                fraction_of_bound=runs["greedy"].tokens_per_s / bound.tokens_per_s))
+            results.append(
+                BackendRolloutResult(
+                    backend=backend,
+                    shape=shape,
+                    hardware=hardware(device),
+                    dtype=dtype,
+                    batch=batch,
+                    prompt_len=prompt_len,
+                    new_tokens=new_tokens,
+                    startup_s=startup_s,
+                    engine=runs["greedy"],
+                    engine_sampled=runs["sampled"],
+                    bound=bound,
+                    fraction_of_bound=runs["greedy"].tokens_per_s / bound.tokens_per_s,
+                )
+            )
     return results

@@ -88,13 +88,27 @@ def _engine_run(engine, prompts: list[list[int]], new_tokens: int, params: dict)
 
 
 def _hf_run(model, prompts: torch.Tensor, new_tokens: int) -> int:
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     return (out.shape[1] - prompts.shape[1]) * out.shape[0]
 
 
-def bench_rollout(shape: str, batch: int, prompt_len: int, new_tokens: int, device: str, dtype: str,
-                  hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, seed: int = 0) -> RolloutResult:
+def bench_rollout(
+    shape: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    device: str,
+    dtype: str,
+    hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
+    seed: int = 0,
+) -> RolloutResult:
     """Time one warm run of the embedded engine and of HF ``generate`` on the same weights in memory."""
     from transformers import AutoModelForCausalLM
 
@@ -123,9 +137,20 @@ def bench_rollout(shape: str, batch: int, prompt_len: int, new_tokens: int, devi
     hf_tp = Throughput.of(hf_s[0], hf_tokens)
     bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
     greedy = engine_tp["greedy"]
-    return RolloutResult(shape=shape, hardware=hardware(dev), dtype=dtype, batch=batch, prompt_len=prompt_len,
-                         new_tokens=new_tokens, num_params=sum(p.numel() for p in model.parameters()),
-                         weight_bytes=nbytes, engine=greedy, engine_sampled=engine_tp["sampled"],
-                         cuda_graph=engine.decode_step_captured, hf_generate=hf_tp, bound=bound,
-                         speedup_vs_hf=greedy.tokens_per_s / hf_tp.tokens_per_s,
-                         fraction_of_bound=greedy.tokens_per_s / bound.tokens_per_s)
+    return RolloutResult(
+        shape=shape,
+        hardware=hardware(dev),
+        dtype=dtype,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        num_params=sum(p.numel() for p in model.parameters()),
+        weight_bytes=nbytes,
+        engine=greedy,
+        engine_sampled=engine_tp["sampled"],
+        cuda_graph=engine.decode_step_captured,
+        hf_generate=hf_tp,
+        bound=bound,
+        speedup_vs_hf=greedy.tokens_per_s / hf_tp.tokens_per_s,
+        fraction_of_bound=greedy.tokens_per_s / bound.tokens_per_s,
+    )

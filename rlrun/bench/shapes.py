@@ -40,8 +40,10 @@ def get_shape(name: str) -> Shape:
     """The shape called ``name``; accepts the short spelling ``0.6b`` for ``qwen3-0.6b``."""
     key = name if name in SHAPES else f"qwen3-{name}"
     if key not in SHAPES:
-        raise ValueError(f"shape ({name!r}) must be one of {sorted(SHAPES)} because those are the published "
-                         "dimensions the benchmarks know; pick one of them")
+        raise ValueError(
+            f"shape ({name!r}) must be one of {sorted(SHAPES)} because those are the published "
+            "dimensions the benchmarks know; pick one of them"
+        )
     return SHAPES[key]
 
 
@@ -50,11 +52,22 @@ def write_random_model(shape: Shape, out_dir: Path, dtype: torch.dtype, device: 
     return the directory. Initialised on ``device`` because an 8B init on CPU takes minutes."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                         head_dim=shape.head_dim, intermediate_size=shape.intermediate, vocab_size=shape.vocab,
-                         tie_word_embeddings=shape.tied, max_position_embeddings=4096, rope_theta=1_000_000.0,
-                         rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    config = Qwen3Config(
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate,
+        vocab_size=shape.vocab,
+        tie_word_embeddings=shape.tied,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -17,8 +17,9 @@ The reward (``even_token_reward``) has spread within a group so GRPO's advantage
 
 Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl`` and ``--packed-attention``) change how
 rlrun runs the same work: offload off keeps trainer and engine resident (what TRL does), with a smaller
-SGLang memory fraction so both fit. Every step also carries the offloader's ``offload/*`` figures (trainer sleep/wake seconds and
-GB and their parts, NCCL teardown/rebuild, the engine's release/resume seconds), so a slow ``offload``
+SGLang memory fraction so both fit. Every step also carries the offloader's ``offload/*`` figures
+(trainer sleep/wake seconds and GB and their parts, NCCL teardown/rebuild, the engine's release/resume
+seconds), so a slow ``offload``
 phase says where its seconds went. ``--profile-step K`` records step K with the torch profiler and puts
 the train phase's top ops into the JSON (rlrun/bench/trace_ops.py); that step is left out of the medians.
 
@@ -48,8 +49,14 @@ from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
 from rlrun.config.schema import PackedAttention
 
-TORCHRUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-                "OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+TORCHRUN_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "OMP_NUM_THREADS": "4",
+    "HF_HUB_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 """Defaults for the training processes; the caller's environment overrides them. NVLink multicast off
 (the device notes say why), a few OpenMP threads per rank."""
 WARMUP_STEPS = 2
@@ -102,8 +109,12 @@ class Variant:
 
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
-        return (base + ("" if self.offload else "_resident") + ("" if self.teardown_nccl else "_keepnccl")
-                + ATTENTION_SUFFIX[self.packed_attention])
+        return (
+            base
+            + ("" if self.offload else "_resident")
+            + ("" if self.teardown_nccl else "_keepnccl")
+            + ATTENTION_SUFFIX[self.packed_attention]
+        )
 
     def engine_memory(self, backend: str) -> str:
         """How the engine's memory was sized, for the JSON."""
@@ -185,8 +196,9 @@ def write_word_tokenizer(out_dir: Path, vocab: int) -> None:
     words = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab)}}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<pad>",
-                            unk_token="<pad>").save_pretrained(out_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<pad>", unk_token="<pad>"
+    ).save_pretrained(out_dir)
 
 
 def prompt_rows(settings: StepSettings, vocab: int) -> list[dict[str, str]]:
@@ -194,8 +206,10 @@ def prompt_rows(settings: StepSettings, vocab: int) -> list[dict[str, str]]:
     import random
 
     rng = random.Random(settings.seed)
-    return [{"prompt": " ".join(f"w{rng.randrange(2, vocab)}" for _ in range(settings.prompt_len))}
-            for _ in range(settings.prompts)]
+    return [
+        {"prompt": " ".join(f"w{rng.randrange(2, vocab)}" for _ in range(settings.prompt_len))}
+        for _ in range(settings.prompts)
+    ]
 
 
 def _write_inputs(settings: StepSettings, inputs_dir: Path, dtype: str, device: str) -> None:
@@ -215,14 +229,21 @@ def prepare_inputs(settings: StepSettings, work_dir: Path, dtype: str, device: s
     """``work_dir/inputs`` with ``model/`` and ``prompts.jsonl`` for these settings, written unless an
     earlier run left the same ones. Written in a child process, so this process never holds GPU memory."""
     inputs_dir = work_dir / INPUTS
-    key = {"shape": settings.shape, "prompts": settings.prompts, "prompt_len": settings.prompt_len,
-           "seed": settings.seed, "dtype": dtype}
+    key = {
+        "shape": settings.shape,
+        "prompts": settings.prompts,
+        "prompt_len": settings.prompt_len,
+        "seed": settings.seed,
+        "dtype": dtype,
+    }
     marker = inputs_dir / "inputs.json"
     if marker.exists() and json.loads(marker.read_text()) == key:
         return inputs_dir
     inputs_dir.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
-    child = multiprocessing.get_context("spawn").Process(target=_write_inputs, args=(settings, inputs_dir, dtype, device))
+    child = multiprocessing.get_context("spawn").Process(
+        target=_write_inputs, args=(settings, inputs_dir, dtype, device)
+    )
     child.start()
     child.join()
     if child.exitcode != 0:
@@ -231,8 +252,14 @@ def prepare_inputs(settings: StepSettings, work_dir: Path, dtype: str, device: s
     return inputs_dir
 
 
-def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: str, variant: Variant = Variant(),
-               profile_step: int | None = None) -> dict:
+def run_config(
+    settings: StepSettings,
+    inputs_dir: Path,
+    run_dir: Path,
+    dtype: str,
+    variant: Variant = Variant(),
+    profile_step: int | None = None,
+) -> dict:
     """The ``rlrun train`` config of one run (written next to its metrics as ``bench_step.yaml``)."""
     engine: dict = {"backend": settings.backend, "startup_timeout_s": 600}
     if settings.backend == "sglang":
@@ -241,61 +268,111 @@ def run_config(settings: StepSettings, inputs_dir: Path, run_dir: Path, dtype: s
             engine["sglang_server_args"]["mem_fraction_static"] = RESIDENT_SGLANG_MEM_FRACTION
     sample_len = settings.prompt_len + settings.new_tokens
     return {
-        "model": {"path": str(inputs_dir / "model"), "dtype": dtype,
-                  "packed_attention": variant.packed_attention},
-        "data": {"path": str(inputs_dir / "prompts.jsonl"), "prompt_key": "prompt", "label_key": None,
-                 "apply_chat_template": False, "shuffle": True},
-        "rollout": {"prompts_per_step": settings.prompts, "samples_per_prompt": settings.samples,
-                    "max_new_tokens": settings.new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
-                    "reward": f"{__name__}:even_token_reward", "ignore_eos": True},
+        "model": {"path": str(inputs_dir / "model"), "dtype": dtype, "packed_attention": variant.packed_attention},
+        "data": {
+            "path": str(inputs_dir / "prompts.jsonl"),
+            "prompt_key": "prompt",
+            "label_key": None,
+            "apply_chat_template": False,
+            "shuffle": True,
+        },
+        "rollout": {
+            "prompts_per_step": settings.prompts,
+            "samples_per_prompt": settings.samples,
+            "max_new_tokens": settings.new_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "reward": f"{__name__}:even_token_reward",
+            "ignore_eos": True,
+        },
         "engine": engine,
         "offload": {"train": variant.offload, "rollout": variant.offload, "teardown_nccl": variant.teardown_nccl},
-        "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2,
-                      "skip_tied_groups": False},
+        "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2, "skip_tied_groups": False},
         "optimizer": {"lr": settings.lr, "clip_grad": 1.0},
-        "train": {"num_steps": settings.steps, "seed": settings.seed,
-                  "max_tokens_per_micro_batch": settings.micro_batch_samples * sample_len},
+        "train": {
+            "num_steps": settings.steps,
+            "seed": settings.seed,
+            "max_tokens_per_micro_batch": settings.micro_batch_samples * sample_len,
+        },
         "checkpoint": {"save_interval": 0, "resume": "none"},
-        "logging": {"run_dir": str(run_dir), "console": True,
-                    "profile_steps": [] if profile_step is None else [profile_step]},
+        "logging": {
+            "run_dir": str(run_dir),
+            "console": True,
+            "profile_steps": [] if profile_step is None else [profile_step],
+        },
     }
 
 
 def launch(config_path: Path, run_dir: Path, timeout_s: float, ranks: int = 1) -> None:
     """``torchrun --nproc-per-node RANKS -m rlrun train CONFIG``, output in ``run_dir/torchrun.log``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "-m", "rlrun", "train", str(config_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "rlrun",
+        "train",
+        str(config_path),
+    ]
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**TORCHRUN_ENV, **os.environ,  # what the caller set wins (OMP_NUM_THREADS=1 on a shared CPU)
-           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **TORCHRUN_ENV,
+        **os.environ,  # what the caller set wins (OMP_NUM_THREADS=1 on a shared CPU)
+        "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+    }
     log = run_dir / "torchrun.log"
     code = run_logged(cmd, log, timeout_s, env=env)
     if code != 0:
-        raise RuntimeError(f"rlrun train ({config_path}) must exit 0 but ended with {code}; its output "
-                           f"({log}) ends with:\n{log.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"rlrun train ({config_path}) must exit 0 but ended with {code}; its output "
+            f"({log}) ends with:\n{log.read_text()[-3000:]}"
+        )
 
 
 def step_record(row: dict, settings: StepSettings, profile_step: int | None = None) -> StepRecord:
     """One metrics.jsonl row as a :class:`StepRecord`."""
-    phases = {key[len("time/"):-len("_s")]: value for key, value in row.items()
-              if key.startswith("time/") and key.endswith("_s") and key != "time/step_s"}
+    phases = {
+        key[len("time/") : -len("_s")]: value
+        for key, value in row.items()
+        if key.startswith("time/") and key.endswith("_s") and key != "time/step_s"
+    }
     tokens = round(row["rollout/response_len_mean"] * settings.prompts * settings.samples)
     device_gb = [v for k, v in row.items() if k.startswith("memory/") and k.endswith("/device_gb")]
-    return StepRecord(step=row["step"], step_s=row["time/step_s"], phases_s=phases, output_tokens=tokens,
-                      tokens_per_s=tokens / row["time/step_s"], rollout_tokens_per_s=tokens / phases["rollout"],
-                      peak_device_gb=max(device_gb, default=0.0),
-                      trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0),
-                      offload={k[len("offload/"):]: v for k, v in row.items() if k.startswith("offload/")},
-                      profiled=row["step"] == profile_step)
+    return StepRecord(
+        step=row["step"],
+        step_s=row["time/step_s"],
+        phases_s=phases,
+        output_tokens=tokens,
+        tokens_per_s=tokens / row["time/step_s"],
+        rollout_tokens_per_s=tokens / phases["rollout"],
+        peak_device_gb=max(device_gb, default=0.0),
+        trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0),
+        offload={k[len("offload/") :]: v for k, v in row.items() if k.startswith("offload/")},
+        profiled=row["step"] == profile_step,
+    )
 
 
-def summarise(rows: list[dict], settings: StepSettings, hardware: str, dtype: str, run_dir: Path,
-              variant: Variant = Variant(), profile: PhaseProfile | None = None, ranks: int = 1) -> StepResult:
+def summarise(
+    rows: list[dict],
+    settings: StepSettings,
+    hardware: str,
+    dtype: str,
+    run_dir: Path,
+    variant: Variant = Variant(),
+    profile: PhaseProfile | None = None,
+    ranks: int = 1,
+) -> StepResult:
     """Per-step records and medians over the steps after ``WARMUP_STEPS`` (all steps if there are no more),
     leaving out the profiled step."""
     if len(rows) != settings.steps:
-        raise RuntimeError(f"metrics.jsonl in {run_dir} has {len(rows)} steps but the run was set to "
-                           f"{settings.steps}; see {run_dir / 'torchrun.log'}")
+        raise RuntimeError(
+            f"metrics.jsonl in {run_dir} has {len(rows)} steps but the run was set to "
+            f"{settings.steps}; see {run_dir / 'torchrun.log'}"
+        )
     records = [step_record(row, settings, profile.step if profile else None) for row in rows]
     warmup = WARMUP_STEPS if len(records) > WARMUP_STEPS else 0
     timed = [r for r in records[warmup:] if not r.profiled] or records[warmup:]
@@ -303,18 +380,27 @@ def summarise(rows: list[dict], settings: StepSettings, hardware: str, dtype: st
     offload_keys = sorted({k for r in timed for k in r.offload})
     expected = settings.prompts * settings.samples * settings.new_tokens
     return StepResult(
-        settings=settings, variant=variant, label=run_dir.name,
+        settings=settings,
+        variant=variant,
+        label=run_dir.name,
         engine_memory=variant.engine_memory(settings.backend),
-        ranks=ranks, samples_per_rank=settings.prompts * settings.samples // ranks,
-        hardware=hardware, dtype=dtype, versions=versions(settings.backend),
-        fixed_length=all(r.output_tokens == expected for r in records), warmup_steps=warmup,
+        ranks=ranks,
+        samples_per_rank=settings.prompts * settings.samples // ranks,
+        hardware=hardware,
+        dtype=dtype,
+        versions=versions(settings.backend),
+        fixed_length=all(r.output_tokens == expected for r in records),
+        warmup_steps=warmup,
         median_step_s=statistics.median(r.step_s for r in timed),
         median_phases_s={p: statistics.median(r.phases_s.get(p, 0.0) for r in timed) for p in phases},
         median_tokens_per_s=statistics.median(r.tokens_per_s for r in timed),
         median_offload={k: statistics.median(r.offload[k] for r in timed if k in r.offload) for k in offload_keys},
         peak_device_gb=max(r.peak_device_gb for r in records),
         trainer_max_allocated_gb=max(r.trainer_max_allocated_gb for r in records),
-        steps=records, run_dir=str(run_dir), profile=profile)
+        steps=records,
+        run_dir=str(run_dir),
+        profile=profile,
+    )
 
 
 def versions(backend: str) -> dict[str, str]:
@@ -336,18 +422,28 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def bench_step(settings: StepSettings, work_dir: Path, timeout_s: float = 1800.0, variant: Variant = Variant(),
-               profile_step: int | None = None, ranks: int = 1) -> StepResult:
+def bench_step(
+    settings: StepSettings,
+    work_dir: Path,
+    timeout_s: float = 1800.0,
+    variant: Variant = Variant(),
+    profile_step: int | None = None,
+    ranks: int = 1,
+) -> StepResult:
     """Run ``settings.steps`` GRPO steps with ``settings.backend`` as ``variant`` says and summarise the
     loop's metrics; with ``profile_step``, also that step's train-phase ops. With ``ranks`` > 1, torchrun
     starts that many ranks (DP=ranks, an engine each), which share ``settings.prompts``: for weak scaling
     pass ``ranks`` times the one-rank prompts (scripts/gpu/multi_gpu.sh does)."""
     if settings.prompts % ranks:
-        raise ValueError(f"prompts ({settings.prompts}) must be a multiple of ranks ({ranks}) because every rank "
-                         f"generates and trains on the same share; set prompts to {ranks} x the prompts per rank")
+        raise ValueError(
+            f"prompts ({settings.prompts}) must be a multiple of ranks ({ranks}) because every rank "
+            f"generates and trains on the same share; set prompts to {ranks} x the prompts per rank"
+        )
     if profile_step is not None and not 0 <= profile_step < settings.steps:
-        raise ValueError(f"--profile-step ({profile_step}) must be one of the run's steps 0..{settings.steps - 1} "
-                         f"because only those run; set it to {settings.steps - 1} (the last) or raise --steps")
+        raise ValueError(
+            f"--profile-step ({profile_step}) must be one of the run's steps 0..{settings.steps - 1} "
+            f"because only those run; set it to {settings.steps - 1} (the last) or raise --steps"
+        )
     import torch
 
     from rlrun.config import load_config

@@ -60,8 +60,15 @@ def _sync_once(engine, model, version: str, bucket_bytes: int, device: torch.dev
     return stats, sync_s[0], probe_s[0]
 
 
-def bench_sync_shape(shape: str, parallel, run_dir: Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     repeats: int = 3, dtype: str = "bfloat16", backend: str = "embedded") -> SyncResult:
+def bench_sync_shape(
+    shape: str,
+    parallel,
+    run_dir: Path,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    repeats: int = 3,
+    dtype: str = "bfloat16",
+    backend: str = "embedded",
+) -> SyncResult:
     """Warm up once, then time ``repeats`` syncs of one shape; frees the model and worker before returning."""
     from rlrun.bench.engines import engine_spawn_kwargs
     from rlrun.engine.client import EngineClient
@@ -70,9 +77,17 @@ def bench_sync_shape(shape: str, parallel, run_dir: Path, bucket_bytes: int = DE
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-", dir=run_dir) as tmp:
         hf_dir = write_random_model(get_shape(shape), Path(tmp), getattr(torch, dtype), str(parallel.device))
         model = build_model(str(hf_dir), parallel, dtype=dtype)
-        with EngineClient.spawn(backend=backend, model_path=hf_dir, run_dir=run_dir, rank=0, seed=0, dtype=dtype,
-                                base_gpu_id=parallel.device.index or 0, startup_timeout_s=600,
-                                **engine_spawn_kwargs(backend)) as engine:
+        with EngineClient.spawn(
+            backend=backend,
+            model_path=hf_dir,
+            run_dir=run_dir,
+            rank=0,
+            seed=0,
+            dtype=dtype,
+            base_gpu_id=parallel.device.index or 0,
+            startup_timeout_s=600,
+            **engine_spawn_kwargs(backend),
+        ) as engine:
             _sync_once(engine, model, "warmup", bucket_bytes, parallel.device)
             runs = [_sync_once(engine, model, str(i), bucket_bytes, parallel.device) for i in range(repeats)]
     del model
@@ -81,13 +96,28 @@ def bench_sync_shape(shape: str, parallel, run_dir: Path, bucket_bytes: int = DE
         torch.cuda.empty_cache()
     stats, times, probes = runs[-1][0], [r[1] for r in runs], [r[2] for r in runs]
     median = statistics.median(times)
-    return SyncResult(shape=shape, hardware=hardware(parallel.device), dtype=dtype, bucket_bytes=bucket_bytes,
-                      weight_bytes=stats["num_bytes"], num_buckets=stats["num_buckets"], seconds=times,
-                      median_s=median, gb_per_s=stats["num_bytes"] / median / 1e9, probe_s=probes, backend=backend)
+    return SyncResult(
+        shape=shape,
+        hardware=hardware(parallel.device),
+        dtype=dtype,
+        bucket_bytes=bucket_bytes,
+        weight_bytes=stats["num_bytes"],
+        num_buckets=stats["num_buckets"],
+        seconds=times,
+        median_s=median,
+        gb_per_s=stats["num_bytes"] / median / 1e9,
+        probe_s=probes,
+        backend=backend,
+    )
 
 
-def bench_sync(shapes: list[str], run_dir: Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               repeats: int = 3, backends: tuple[str, ...] = ("embedded",)) -> Iterator[SyncResult]:
+def bench_sync(
+    shapes: list[str],
+    run_dir: Path,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    repeats: int = 3,
+    backends: tuple[str, ...] = ("embedded",),
+) -> Iterator[SyncResult]:
     """Yield each shape's result as it is measured (so a later shape's failure keeps the earlier ones),
     in one single-rank process group (NCCL on GPU, gloo on CPU) torn down at the end."""
     from rlrun.runtime.dist import destroy_distributed, init_distributed

@@ -54,8 +54,11 @@ class PhaseProfile:
 
 def phase_ranges(events: list[dict], phase: str) -> list[tuple[float, float]]:
     """(start, end) microseconds of every ``record_function(phase)`` range."""
-    return [(e["ts"], e["ts"] + e["dur"]) for e in events
-            if e.get("cat") == "user_annotation" and e.get("name") == phase and e.get("ph") == "X"]
+    return [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name") == phase and e.get("ph") == "X"
+    ]
 
 
 def _inside(event: dict, ranges: list[tuple[float, float]]) -> bool:
@@ -71,8 +74,11 @@ def self_times(ops: list[dict]) -> list[float | None]:
     stack: list[int] = []
     for i in order:
         op = ops[i]
-        while stack and not (ops[stack[-1]]["pid"] == op["pid"] and ops[stack[-1]]["tid"] == op["tid"]
-                             and op["ts"] + op["dur"] <= ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"]):
+        while stack and not (
+            ops[stack[-1]]["pid"] == op["pid"]
+            and ops[stack[-1]]["tid"] == op["tid"]
+            and op["ts"] + op["dur"] <= ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"]
+        ):
             stack.pop()
         if stack and ops[stack[-1]]["name"] == op["name"]:
             own[i] = None  # its children nest under the parent on the stack
@@ -84,8 +90,10 @@ def self_times(ops: list[dict]) -> list[float | None]:
 
 
 def _rows(totals: dict[str, list[float]], top: int) -> list[OpRow]:
-    rows = [OpRow(name, int(calls), round(device, 1), round(cpu_self, 1), round(cpu_total, 1))
-            for name, (calls, device, cpu_self, cpu_total) in totals.items()]
+    rows = [
+        OpRow(name, int(calls), round(device, 1), round(cpu_self, 1), round(cpu_total, 1))
+        for name, (calls, device, cpu_self, cpu_total) in totals.items()
+    ]
     return sorted(rows, key=lambda r: (-r.device_us, -r.cpu_self_us))[:top]
 
 
@@ -94,12 +102,14 @@ def phase_profile(trace: Path, phase: str, step: int, top: int = 25) -> PhasePro
     events = [e for e in json.loads(Path(trace).read_text())["traceEvents"] if e.get("ph") == "X"]
     ranges = phase_ranges(events, phase)
     if not ranges:
-        raise ValueError(f"the trace {trace} must hold a record_function range named {phase!r} because the "
-                         f"table is of that phase; open the trace to see which phases the profiled step ran")
+        raise ValueError(
+            f"the trace {trace} must hold a record_function range named {phase!r} because the "
+            f"table is of that phase; open the trace to see which phases the profiled step ran"
+        )
     ops = [e for e in events if e.get("cat") == "cpu_op" and _inside(e, ranges)]
     by_op: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     launcher = {}
-    for op, own in zip(ops, self_times(ops)):
+    for op, own in zip(ops, self_times(ops), strict=True):
         if "External id" in op.get("args", {}):
             launcher[op["args"]["External id"]] = op["name"]
         if own is None:
@@ -116,6 +126,12 @@ def phase_profile(trace: Path, phase: str, step: int, top: int = 25) -> PhasePro
         by_op[name][1] += kernel["dur"]
         by_kernel[kernel["name"]][0] += 1
         by_kernel[kernel["name"]][1] += kernel["dur"]
-    return PhaseProfile(phase=phase, step=step, trace=str(trace), phase_us=round(sum(e - s for s, e in ranges), 1),
-                        device_us=round(sum(v[1] for v in by_kernel.values()), 1),
-                        ops=_rows(by_op, top), kernels=_rows(by_kernel, top))
+    return PhaseProfile(
+        phase=phase,
+        step=step,
+        trace=str(trace),
+        phase_us=round(sum(e - s for s, e in ranges), 1),
+        device_us=round(sum(v[1] for v in by_kernel.values()), 1),
+        ops=_rows(by_op, top),
+        kernels=_rows(by_kernel, top),
+    )

@@ -31,15 +31,19 @@ import torch
 from rlrun.bench.shapes import Shape, get_shape, write_random_model
 from rlrun.bench.timing import hardware, timer
 
-FLOPS_FORMULA = ("3 * (2 * N_matmul * sum_i s_i + L * 2 * n_q * d * sum_i s_i^2); "
-                 "N_matmul = L * (h * (n_q + 2 n_kv) * d + n_q * d * h + 3 * h * f) + h * V")
+FLOPS_FORMULA = (
+    "3 * (2 * N_matmul * sum_i s_i + L * 2 * n_q * d * sum_i s_i^2); "
+    "N_matmul = L * (h * (n_q + 2 n_kv) * d + n_q * d * h + 3 * h * f) + h * V"
+)
 PROMPT_LEN = 64
 """Prompt tokens of each synthetic sample; the rest of the sample is response (in the loss)."""
 
 
 def matmul_params(shape: Shape) -> int:
     """``N_matmul``: weights that multiply every token (the embedding lookup is not a matmul)."""
-    attention = shape.hidden * (shape.heads + 2 * shape.kv_heads) * shape.head_dim + shape.heads * shape.head_dim * shape.hidden
+    attention = (
+        shape.hidden * (shape.heads + 2 * shape.kv_heads) * shape.head_dim + shape.heads * shape.head_dim * shape.hidden
+    )
     return shape.layers * (attention + 3 * shape.hidden * shape.intermediate) + shape.hidden * shape.vocab
 
 
@@ -86,9 +90,17 @@ def synthetic_samples(count: int, length: int, vocab: int, seed: int):
         ids = torch.randint(2, vocab, (length,), generator=gen).tolist()
         prompt = Prompt(index=index, prompt_ids=ids[:PROMPT_LEN], prompt_text="")
         response = ids[PROMPT_LEN:]
-        samples.append(Sample(group_index=index, prompt=prompt, response_ids=response, response_text="",
-                              rollout_logprobs=[0.0] * len(response), finish_reason="length",
-                              reward=1.0 if index % 2 else -1.0))
+        samples.append(
+            Sample(
+                group_index=index,
+                prompt=prompt,
+                response_ids=response,
+                response_text="",
+                rollout_logprobs=[0.0] * len(response),
+                finish_reason="length",
+                reward=1.0 if index % 2 else -1.0,
+            )
+        )
     return samples
 
 
@@ -105,16 +117,33 @@ def micro_batches(samples, layout: str, samples_per_micro_batch: int) -> list:
         raise ValueError(f"layout ({layout!r}) must be packed or rows")
     batches = []
     for start in range(0, len(samples), samples_per_micro_batch):
-        rows = [collate([s], [r], 0) for s, r in zip(samples[start:start + samples_per_micro_batch],
-                                                     rewards[start:start + samples_per_micro_batch])]
-        fields = {f.name: torch.cat([getattr(mb, f.name) for mb in rows]) for f in dataclasses.fields(rows[0])
-                  if getattr(rows[0], f.name) is not None}
+        rows = [
+            collate([s], [r], 0)
+            for s, r in zip(
+                samples[start : start + samples_per_micro_batch],
+                rewards[start : start + samples_per_micro_batch],
+                strict=True,
+            )
+        ]
+        fields = {
+            f.name: torch.cat([getattr(mb, f.name) for mb in rows])
+            for f in dataclasses.fields(rows[0])
+            if getattr(rows[0], f.name) is not None
+        }
         batches.append(type(rows[0])(**fields))
     return batches
 
 
-def bench_train(shape_name: str, layouts: list[str], sample_len: int, samples_per_micro_batch: int,
-                num_micro_batches: int, steps: int, peak_tflops: float, profile: Path | None = None) -> list[TrainResult]:
+def bench_train(
+    shape_name: str,
+    layouts: list[str],
+    sample_len: int,
+    samples_per_micro_batch: int,
+    num_micro_batches: int,
+    steps: int,
+    peak_tflops: float,
+    profile: Path | None = None,
+) -> list[TrainResult]:
     """Measure each layout on one model (random weights; the optimizer keeps stepping between layouts,
     which changes no shape or FLOP). ``profile``: also write the kernel-time table of one step there."""
     from rlrun.megatron import build_model, make_optimizer
@@ -123,8 +152,10 @@ def bench_train(shape_name: str, layouts: list[str], sample_len: int, samples_pe
 
     shape = get_shape(shape_name)
     if sample_len <= PROMPT_LEN:
-        raise ValueError(f"sample_len ({sample_len}) must exceed the {PROMPT_LEN}-token prompt because the "
-                         "response is what trains; set --sample-len higher")
+        raise ValueError(
+            f"sample_len ({sample_len}) must exceed the {PROMPT_LEN}-token prompt because the "
+            "response is what trains; set --sample-len higher"
+        )
     parallel = init_distributed(tp=1, pp=1, seed=0)
     dtype = "bfloat16" if parallel.device.type == "cuda" else "float32"
     try:
@@ -144,13 +175,27 @@ def bench_train(shape_name: str, layouts: list[str], sample_len: int, samples_pe
             tokens = sum(s.total_length for s in samples)
             median = statistics.median(seconds)
             peak = torch.cuda.max_memory_allocated(parallel.device) / 2**30 if parallel.device.type == "cuda" else 0.0
-            results.append(TrainResult(
-                shape=shape_name, hardware=hardware(parallel.device), dtype=dtype, layout=layout,
-                core_attention=attention, sample_len=sample_len, samples_per_micro_batch=samples_per_micro_batch,
-                micro_batches=len(batches), tokens_per_step=tokens, step_seconds=seconds,
-                tokens_per_s=tokens / median, flops_per_step=flops, flops_formula=FLOPS_FORMULA,
-                tflops=flops / median / 1e12, mfu=flops / median / (peak_tflops * 1e12), peak_tflops=peak_tflops,
-                peak_memory_gib=peak))
+            results.append(
+                TrainResult(
+                    shape=shape_name,
+                    hardware=hardware(parallel.device),
+                    dtype=dtype,
+                    layout=layout,
+                    core_attention=attention,
+                    sample_len=sample_len,
+                    samples_per_micro_batch=samples_per_micro_batch,
+                    micro_batches=len(batches),
+                    tokens_per_step=tokens,
+                    step_seconds=seconds,
+                    tokens_per_s=tokens / median,
+                    flops_per_step=flops,
+                    flops_formula=FLOPS_FORMULA,
+                    tflops=flops / median / 1e12,
+                    mfu=flops / median / (peak_tflops * 1e12),
+                    peak_tflops=peak_tflops,
+                    peak_memory_gib=peak,
+                )
+            )
         return results
     finally:
         destroy_distributed()
@@ -164,14 +209,18 @@ def _timed_steps(model, optimizer, batches: list, steps: int, profile: Path | No
     from rlrun.megatron import train_step
 
     num_tokens = sum(mb.num_loss_tokens for mb in batches)
-    counts = StepCounts(num_tokens=num_tokens, num_samples=sum(mb.num_loss_samples for mb in batches),
-                        max_response_len=max(mb.tokens.shape[1] for mb in batches))
+    counts = StepCounts(
+        num_tokens=num_tokens,
+        num_samples=sum(mb.num_loss_samples for mb in batches),
+        max_response_len=max(mb.tokens.shape[1] for mb in batches),
+    )
     objective = Objective(AlgorithmConfig(), counts)
     device = model.parallel.device
 
     def step() -> None:
-        train_step(model, optimizer, batches, objective, num_global_tokens=num_tokens, temperature=1.0,
-                   with_entropy=True)
+        train_step(
+            model, optimizer, batches, objective, num_global_tokens=num_tokens, temperature=1.0, with_entropy=True
+        )
 
     step()
     if profile is not None:

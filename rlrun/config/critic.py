@@ -47,8 +47,10 @@ def load_critic_config(cfg: RunConfig) -> CriticModelConfig:
     """Read ``cfg.critic.config`` and apply its critic overrides to a copy of the actor's sections."""
     path = cfg.critic.config
     if path is None:
-        raise ValueError("critic.config (None) must name a critic YAML file because the run trains a critic; "
-                         "set critic.config: configs/critic/smollm2.yaml")
+        raise ValueError(
+            "critic.config (None) must name a critic YAML file because the run trains a critic; "
+            "set critic.config: configs/critic/smollm2.yaml"
+        )
     overrides = _critic_overrides(Path(path))
     sections: dict[str, BaseModel] = {}
     for name in CRITIC_SECTIONS:
@@ -58,45 +60,61 @@ def load_critic_config(cfg: RunConfig) -> CriticModelConfig:
             sections[name] = type(base).model_validate({**base.model_dump(), **update})
         except ValidationError as err:
             first = err.errors()[0]
-            raise ValueError(f"critic.config ('{path}'): critic override {name}.{first['loc'][0]} "
-                             f"({first['input']!r}) is invalid: {first['msg']}; fix it in {path}") from None
+            raise ValueError(
+                f"critic.config ('{path}'): critic override {name}.{first['loc'][0]} "
+                f"({first['input']!r}) is invalid: {first['msg']}; fix it in {path}"
+            ) from None
     if sections["parallel"] != cfg.parallel:
-        raise ValueError(f"critic.config ('{path}'): the critic's parallel layout ({sections['parallel']}) must equal "
-                         f"the actor's ({cfg.parallel}) because the critic shares the actor's ranks and hands its "
-                         f"values over in-process (different layouts are not supported yet); remove the parallel "
-                         f"overrides from {path}")
+        raise ValueError(
+            f"critic.config ('{path}'): the critic's parallel layout ({sections['parallel']}) must equal "
+            f"the actor's ({cfg.parallel}) because the critic shares the actor's ranks and hands its "
+            f"values over in-process (different layouts are not supported yet); remove the parallel "
+            f"overrides from {path}"
+        )
     return CriticModelConfig(**sections)
 
 
 def _critic_overrides(path: Path) -> dict[str, Any]:
     """The dotted overrides of the file's single critic entry."""
     if not path.is_file():
-        raise ValueError(f"critic.config ('{path}') must be an existing YAML file because it lists the models "
-                         f"of the PPO run (cwd {Path.cwd()}); set critic.config: configs/critic/smollm2.yaml")
+        raise ValueError(
+            f"critic.config ('{path}') must be an existing YAML file because it lists the models "
+            f"of the PPO run (cwd {Path.cwd()}); set critic.config: configs/critic/smollm2.yaml"
+        )
     data = yaml.safe_load(path.read_text()) or {}
     models = data.get("models") if isinstance(data, dict) else None
     if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
-        raise ValueError(f"critic.config ('{path}') must hold 'models:', a list of {{role, overrides}} entries, "
-                         f"because each entry describes one model; see configs/critic/smollm2.yaml")
+        raise ValueError(
+            f"critic.config ('{path}') must hold 'models:', a list of {{role, overrides}} entries, "
+            f"because each entry describes one model; see configs/critic/smollm2.yaml"
+        )
     roles = [m.get("role") for m in models]
     if any(role not in ROLES for role in roles) or roles.count("critic") != 1 or roles.count("actor") > 1:
-        raise ValueError(f"critic.config ('{path}') roles ({roles}) must be one 'critic' and at most one 'actor' "
-                         f"because one critic is supported so far; fix the models list")
+        raise ValueError(
+            f"critic.config ('{path}') roles ({roles}) must be one 'critic' and at most one 'actor' "
+            f"because one critic is supported so far; fix the models list"
+        )
     for entry in models:
         unknown = set(entry) - {"role", "overrides"}
         if unknown:
-            raise ValueError(f"critic.config ('{path}') entry keys ({sorted(unknown)}) must be role or overrides; "
-                             f"move settings under overrides")
+            raise ValueError(
+                f"critic.config ('{path}') entry keys ({sorted(unknown)}) must be role or overrides; "
+                f"move settings under overrides"
+            )
         if entry["role"] == "actor" and entry.get("overrides"):
-            raise ValueError(f"critic.config ('{path}') actor overrides ({entry['overrides']}) must be empty because "
-                             f"the actor is the run config itself; set them in the run config")
+            raise ValueError(
+                f"critic.config ('{path}') actor overrides ({entry['overrides']}) must be empty because "
+                f"the actor is the run config itself; set them in the run config"
+            )
     critic = models[roles.index("critic")]
     overrides = _flatten(critic.get("overrides") or {})
     outside = sorted(key for key in overrides if key.partition(".")[0] not in CRITIC_SECTIONS or "." not in key)
     if outside:
-        raise ValueError(f"critic.config ('{path}') critic overrides ({outside}) must be under "
-                         f"{', '.join(CRITIC_SECTIONS)} because the critic shares the actor's loop, data and "
-                         f"checkpoints; remove them")
+        raise ValueError(
+            f"critic.config ('{path}') critic overrides ({outside}) must be under "
+            f"{', '.join(CRITIC_SECTIONS)} because the critic shares the actor's loop, data and "
+            f"checkpoints; remove them"
+        )
     return overrides
 
 

@@ -46,7 +46,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}:1: the config must be a mapping of sections (model:, rollout:, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}:1: the config must be a mapping of sections (model:, rollout:, ...), got {type(data).__name__}"
+        )
     sources = {key: f"{path}:{line}" for key, line in lines.items()}
     for override in overrides:
         key, value = _parse_override(override)
@@ -198,11 +200,10 @@ def _source_order(problem: str) -> tuple[int, str]:
 
 
 def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
-    from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
-
     from rlrun.hooks import HookSpecError
     from rlrun.rollout.filters import load_filter
     from rlrun.rollout.multiturn import load_generate_fn
+    from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
 
     r = cfg.rollout
     checks = [("rollout.reward", lambda: load_reward_fn(r.reward, r.remote_reward))]

@@ -161,9 +161,11 @@ class RolloutConfig(Section):
     @model_validator(mode="after")
     def _over_sampling_covers_a_batch(self) -> RolloutConfig:
         if self.over_sampling_prompts is not None and self.over_sampling_prompts < self.prompts_per_step:
-            raise ValueError(f"rollout.over_sampling_prompts ({self.over_sampling_prompts}) must be >= "
-                             f"rollout.prompts_per_step ({self.prompts_per_step}) because each round draws at least "
-                             "one batch; raise it or set it to null")
+            raise ValueError(
+                f"rollout.over_sampling_prompts ({self.over_sampling_prompts}) must be >= "
+                f"rollout.prompts_per_step ({self.prompts_per_step}) because each round draws at least "
+                "one batch; raise it or set it to null"
+            )
         return self
 
     @property
@@ -207,18 +209,25 @@ class EvalConfig(Section):
     @model_validator(mode="after")
     def _datasets_when_enabled(self) -> EvalConfig:
         if self.interval > 0 and not self.datasets:
-            raise ValueError(f"eval.interval ({self.interval}) must be 0 when eval.datasets is empty because there "
-                             "is nothing to evaluate; add eval.datasets: [{name: ..., path: ...}] or set eval.interval: 0")
+            raise ValueError(
+                f"eval.interval ({self.interval}) must be 0 when eval.datasets is empty because there "
+                "is nothing to evaluate; add eval.datasets: [{name: ..., path: ...}] or set eval.interval: 0"
+            )
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
-            raise ValueError(f"eval.datasets names ({names}) must be unique because they prefix the metrics; rename one")
+            raise ValueError(
+                f"eval.datasets names ({names}) must be unique because they prefix the metrics; rename one"
+            )
         return self
 
     def rollout_overrides(self, rollout: RolloutConfig) -> dict[str, Any]:
         """The rollout fields eval changes: group size, and temperature / length when set."""
-        return {"samples_per_prompt": self.samples_per_prompt, "reward_per_group": rollout.reward_per_group,
-                "temperature": self.temperature or rollout.temperature,
-                "max_new_tokens": self.max_new_tokens or rollout.max_new_tokens}
+        return {
+            "samples_per_prompt": self.samples_per_prompt,
+            "reward_per_group": rollout.reward_per_group,
+            "temperature": self.temperature or rollout.temperature,
+            "max_new_tokens": self.max_new_tokens or rollout.max_new_tokens,
+        }
 
 
 class DebugConfig(Section):
@@ -236,8 +245,10 @@ class DebugConfig(Section):
     @model_validator(mode="after")
     def _one_direction(self) -> DebugConfig:
         if self.rollout_only and self.load_rollout_data:
-            raise ValueError("debug.rollout_only (true) must be false when debug.load_rollout_data is set because one "
-                             "skips training and the other skips generation; unset one of them")
+            raise ValueError(
+                "debug.rollout_only (true) must be false when debug.load_rollout_data is set because one "
+                "skips training and the other skips generation; unset one of them"
+            )
         return self
 
 
@@ -269,11 +280,15 @@ class EngineConfig(Section):
     @model_validator(mode="after")
     def _backend_options(self) -> EngineConfig:
         if self.verify_weights and self.backend != "embedded":
-            raise ValueError(f"engine.verify_weights (true) must go with backend embedded because sglang.Engine "
-                             f"offers no per-tensor weight access (backend is {self.backend}); set it to false")
+            raise ValueError(
+                f"engine.verify_weights (true) must go with backend embedded because sglang.Engine "
+                f"offers no per-tensor weight access (backend is {self.backend}); set it to false"
+            )
         if self.sglang_server_args and self.backend != "sglang":
-            raise ValueError(f"engine.sglang_server_args must be empty with backend {self.backend} because only "
-                             "the sglang backend reads them; remove them or set engine.backend: sglang")
+            raise ValueError(
+                f"engine.sglang_server_args must be empty with backend {self.backend} because only "
+                "the sglang backend reads them; remove them or set engine.backend: sglang"
+            )
         return self
 
 
@@ -308,9 +323,11 @@ class RefConfig(Section):
     @model_validator(mode="after")
     def _step_needs_path(self) -> RefConfig:
         if self.step is not None and self.path is None:
-            raise ValueError(f"algorithm.ref.step ({self.step}) must come with algorithm.ref.path because it picks "
-                             f"a checkpoint of that directory; set ref.path to an rlrun checkpoint directory, "
-                             f"or unset ref.step")
+            raise ValueError(
+                f"algorithm.ref.step ({self.step}) must come with algorithm.ref.path because it picks "
+                f"a checkpoint of that directory; set ref.path to an rlrun checkpoint directory, "
+                f"or unset ref.step"
+            )
         return self
 
 
@@ -338,8 +355,9 @@ class OPDConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                 "ppo"] = "grpo"
+    advantage_estimator: Literal[
+        "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+    ] = "grpo"
     """How advantages are computed (rlrun/algo/advantages.py). grpo / gspo / cispo: group-normalised reward
     (gspo and cispo also change the policy loss); reinforce_plus_plus(_baseline): discounted token returns
     (with a group-mean baseline), need ``normalize_advantages``; ppo: GAE, needs a critic."""
@@ -555,14 +573,18 @@ class RunConfig(Section):
     def _critic_matches_estimator(self) -> RunConfig:
         algo, critic = self.algorithm, self.critic
         if algo.advantage_estimator == "ppo" and critic.config is None and algo.custom_advantage is None:
-            raise ValueError("algorithm.advantage_estimator (ppo) must come with algorithm.custom_advantage or "
-                             "critic.config because GAE needs critic values; set critic.config: "
-                             "configs/critic/smollm2.yaml")
+            raise ValueError(
+                "algorithm.advantage_estimator (ppo) must come with algorithm.custom_advantage or "
+                "critic.config because GAE needs critic values; set critic.config: "
+                "configs/critic/smollm2.yaml"
+            )
         if critic.config is not None:
             if algo.advantage_estimator != "ppo" and algo.custom_advantage is None:
-                raise ValueError(f"critic.config ('{critic.config}') must be unset for advantage_estimator "
-                                 f"{algo.advantage_estimator} because only GAE or a custom_advantage reads the "
-                                 f"values; set algorithm.advantage_estimator: ppo or remove critic.config")
+                raise ValueError(
+                    f"critic.config ('{critic.config}') must be unset for advantage_estimator "
+                    f"{algo.advantage_estimator} because only GAE or a custom_advantage reads the "
+                    f"values; set algorithm.advantage_estimator: ppo or remove critic.config"
+                )
             from rlrun.config.critic import load_critic_config
 
             load_critic_config(self)

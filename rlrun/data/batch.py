@@ -104,11 +104,11 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
     position_ids = torch.zeros(1, seq_len, dtype=torch.long)
     loss_mask, adv, rollout_lp = (torch.zeros(1, seq_len - 1) for _ in range(3))
     offset = 0
-    for sample, advantage in zip(samples, advantages):
+    for sample, advantage in zip(samples, advantages, strict=True):
         prompt_len, resp_len = len(sample.prompt.prompt_ids), len(sample.response_ids)
         length = prompt_len + resp_len
-        tokens[0, offset:offset + length] = torch.tensor(sample.prompt.prompt_ids + sample.response_ids)
-        position_ids[0, offset:offset + length] = torch.arange(length)
+        tokens[0, offset : offset + length] = torch.tensor(sample.prompt.prompt_ids + sample.response_ids)
+        position_ids[0, offset : offset + length] = torch.arange(length)
         span = slice(offset + prompt_len - 1, offset + length - 1)
         mask = torch.ones(resp_len) if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
         loss_mask[0, span] = mask
@@ -117,8 +117,9 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
         offset += length
     last_start = offset - samples[-1].total_length
     position_ids[0, offset:] = torch.arange(offset - last_start, seq_len - last_start)
-    return MicroBatch(tokens, position_ids, loss_mask, adv, rollout_lp,
-                      routed_experts=_packed_experts(samples, seq_len))
+    return MicroBatch(
+        tokens, position_ids, loss_mask, adv, rollout_lp, routed_experts=_packed_experts(samples, seq_len)
+    )
 
 
 def _packed_experts(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
@@ -128,8 +129,10 @@ def _packed_experts(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
         return None
     for s in samples:
         if s.routed_experts.shape[0] != s.total_length:
-            raise ValueError(f"Sample.routed_experts ({s.routed_experts.shape[0]} rows) must have one row per token "
-                             f"({s.total_length}) because the trainer replays them token by token; see Sample")
+            raise ValueError(
+                f"Sample.routed_experts ({s.routed_experts.shape[0]} rows) must have one row per token "
+                f"({s.total_length}) because the trainer replays them token by token; see Sample"
+            )
     row = torch.cat([s.routed_experts for s in samples])
     padding = row[-1:].expand(seq_len - row.shape[0], *row.shape[1:])
     return torch.cat([row, padding])[None]
@@ -187,7 +190,10 @@ def schedule_micro_batches(
     for indices in balance_across_ranks(lengths, dp_size):
         packed = pack_micro_batches([lengths[i] for i in indices], max_tokens)
         per_rank.append(
-            [collate([samples[indices[j]] for j in mb], [advantages[indices[j]] for j in mb], pad_token_id) for mb in packed]
+            [
+                collate([samples[indices[j]] for j in mb], [advantages[indices[j]] for j in mb], pad_token_id)
+                for mb in packed
+            ]
         )
     filler = next(mbs[0] for mbs in per_rank if mbs).without_loss()
     return [mbs if mbs else [filler] for mbs in per_rank]

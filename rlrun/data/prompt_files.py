@@ -72,8 +72,13 @@ class DataSource:
         return range(num_rows)[slice(self.start, self.end)]
 
 
-def read_rows(spec: str | Path, prompt_key: str = "prompt", label_key: str | None = "label",
-              metadata_key: str | None = None, tools_key: str | None = None) -> list[PromptRow]:
+def read_rows(
+    spec: str | Path,
+    prompt_key: str = "prompt",
+    label_key: str | None = "label",
+    metadata_key: str | None = None,
+    tools_key: str | None = None,
+) -> list[PromptRow]:
     """Parse and check the rows ``spec`` selects (no tokenizer needed; cheap).
 
     Row ``index`` is the row's position within the selection, so it is 0..len-1 either way.
@@ -87,8 +92,10 @@ def read_rows(spec: str | Path, prompt_key: str = "prompt", label_key: str | Non
     else:
         raw = _jsonl_rows(source)
     if not raw:
-        raise PromptDataError(f"{spec}: no prompts (the file is empty or the slice selects no rows); "
-                              "set data.path to a file with rows, or widen its @[start:end] slice")
+        raise PromptDataError(
+            f"{spec}: no prompts (the file is empty or the slice selects no rows); "
+            "set data.path to a file with rows, or widen its @[start:end] slice"
+        )
     return [_check_row(where, row, index, keys) for index, (where, row) in enumerate(raw)]
 
 
@@ -110,8 +117,9 @@ def _parquet_rows(source: DataSource) -> list[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise PromptDataError(f"{source.path}: reading parquet needs pyarrow; pip install pyarrow, "
-                              "or convert the file to jsonl") from None
+        raise PromptDataError(
+            f"{source.path}: reading parquet needs pyarrow; pip install pyarrow, or convert the file to jsonl"
+        ) from None
     try:
         table = pq.read_table(source.path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a broken file
@@ -137,8 +145,14 @@ def _check_row(where: str, row: Any, index: int, keys: RowKeys) -> PromptRow:
         )
     own = {keys.prompt, keys.label, keys.tools}
     metadata = _metadata(where, row, keys.metadata) if keys.metadata else {k: v for k, v in row.items() if k not in own}
-    return PromptRow(index=index, where=where, prompt=prompt, label=row[keys.label] if keys.label else None,
-                     metadata=metadata, tools=_tools(where, row, keys.tools) if keys.tools else None)
+    return PromptRow(
+        index=index,
+        where=where,
+        prompt=prompt,
+        label=row[keys.label] if keys.label else None,
+        metadata=metadata,
+        tools=_tools(where, row, keys.tools) if keys.tools else None,
+    )
 
 
 def _metadata(where: str, row: dict, key: str) -> dict[str, Any]:
@@ -146,8 +160,10 @@ def _metadata(where: str, row: dict, key: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise PromptDataError(f"{where}: '{key}' ({_short(value)}) must be a JSON object because it is "
-                              "data.metadata_key; fix the row or unset data.metadata_key")
+        raise PromptDataError(
+            f"{where}: '{key}' ({_short(value)}) must be a JSON object because it is "
+            "data.metadata_key; fix the row or unset data.metadata_key"
+        )
     return value
 
 
@@ -157,13 +173,16 @@ def _tools(where: str, row: dict, key: str) -> list[dict[str, Any]] | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as err:
-            raise PromptDataError(f"{where}: '{key}' is a string but not JSON ({err.msg}); "
-                                  "data.tools_key must hold a list of tool schemas") from None
+            raise PromptDataError(
+                f"{where}: '{key}' is a string but not JSON ({err.msg}); "
+                "data.tools_key must hold a list of tool schemas"
+            ) from None
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise PromptDataError(f"{where}: '{key}' ({_short(value)}) must be a list of tool-schema objects "
-                              "because it is data.tools_key")
+        raise PromptDataError(
+            f"{where}: '{key}' ({_short(value)}) must be a list of tool-schema objects because it is data.tools_key"
+        )
     return value
 
 
@@ -174,8 +193,10 @@ def _is_prompt(value: Any) -> bool:
         isinstance(value, list)
         and bool(value)
         and all(
-            isinstance(m, dict) and {"role", "content"} <= set(m)
-            and isinstance(m["role"], str) and isinstance(m["content"], str)
+            isinstance(m, dict)
+            and {"role", "content"} <= set(m)
+            and isinstance(m["role"], str)
+            and isinstance(m["content"], str)
             for m in value
         )
     )

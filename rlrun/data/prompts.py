@@ -32,7 +32,9 @@ class PromptDataset:
 
     def __init__(self, cfg: DataConfig, tokenizer):
         rows = read_rows(cfg.path, cfg.prompt_key, cfg.label_key, cfg.metadata_key, cfg.tools_key)
-        render = ChatRenderer(tokenizer, cfg.system_prompt, cfg.chat_template_kwargs) if cfg.apply_chat_template else None
+        render = (
+            ChatRenderer(tokenizer, cfg.system_prompt, cfg.chat_template_kwargs) if cfg.apply_chat_template else None
+        )
         self.source = cfg.path
         self.prompts = [_tokenize(row, render, tokenizer, cfg.prompt_key) for row in rows]
         self.fingerprint = _fingerprint(self.prompts)
@@ -64,8 +66,9 @@ def _tokenize(row: PromptRow, render: ChatRenderer | None, tokenizer, prompt_key
             f"{row.where}: '{prompt_key}' is a list of chat messages but "
             "data.apply_chat_template is false; set data.apply_chat_template: true"
         )
-    return Prompt(index=row.index, prompt_ids=list(ids), prompt_text=text, label=row.label,
-                  metadata=row.metadata, tools=row.tools)
+    return Prompt(
+        index=row.index, prompt_ids=list(ids), prompt_text=text, label=row.label, metadata=row.metadata, tools=row.tools
+    )
 
 
 class ChatRenderer:
@@ -149,8 +152,12 @@ class PromptSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor (epoch, position) plus what identifies the data, for checkpoints (JSON-safe)."""
-        return {"epoch": self.epoch, "position": self.position, "num_prompts": len(self.dataset),
-                "fingerprint": self.dataset.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_prompts": len(self.dataset),
+            "fingerprint": self.dataset.fingerprint,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_prompts"] != len(self.dataset):

@@ -15,7 +15,9 @@ def scatter_from_rank0(per_rank: list[Any] | None, group: dist.ProcessGroup | No
     world_size = dist.get_world_size(group)
     if dist.get_rank(group) == 0:
         if per_rank is None or len(per_rank) != world_size:
-            raise ValueError(f"rank 0 must scatter exactly {world_size} objects, got {None if per_rank is None else len(per_rank)}")
+            raise ValueError(
+                f"rank 0 must scatter exactly {world_size} objects, got {None if per_rank is None else len(per_rank)}"
+            )
     received: list[Any] = [None]
     dist.scatter_object_list(received, per_rank if dist.get_rank(group) == 0 else None, src=0, group=group)
     return received[0]

@@ -47,15 +47,33 @@ log = logging.getLogger(__name__)
 
 # torchrun's rendezvous variables: a worker that inherits them could join the trainer's process group
 # by accident. PYTORCH_CUDA_ALLOC_CONF is dropped as slime does for SGLang (it breaks its memory saver).
-_DROPPED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "PYTORCH_CUDA_ALLOC_CONF")
+_DROPPED_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
 SHUTDOWN_REPLY_S = 2.0
 """The shutdown reply comes at once from a healthy worker (it is answered on the event loop)."""
 SHUTDOWN_GRACE_S = 10.0
 """Time for the worker to tear its backend down (SGLang kills its scheduler processes) and exit."""
 LOG_TAIL_LINES = 20
-PROCESS_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped by a signal",
-                  "t": "stopped by a debugger", "Z": "a zombie"}
+PROCESS_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "in uninterruptible I/O",
+    "T": "stopped by a signal",
+    "t": "stopped by a debugger",
+    "Z": "a zombie",
+}
 
 
 class EngineOpError(RuntimeError):
@@ -87,9 +105,19 @@ def _tail(path: Path, num_lines: int) -> str:
 class EngineClient:
     """RPC stub for one engine worker process; see the module docstring."""
 
-    def __init__(self, *, rank: int, endpoint: Endpoint, process: subprocess.Popen, log_path: Path,
-                 request_timeout_s: float, token: bytes, backend: str = "embedded", dtype: str = "float32",
-                 tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        endpoint: Endpoint,
+        process: subprocess.Popen,
+        log_path: Path,
+        request_timeout_s: float,
+        token: bytes,
+        backend: str = "embedded",
+        dtype: str = "float32",
+        tp_size: int = 1,
+    ) -> None:
         self.rank = rank
         self.backend = backend
         self.tp_size = tp_size
@@ -99,17 +127,35 @@ class EngineClient:
         self.endpoint = endpoint
         self.process = process
         self.log_path = log_path
-        self.rpc = RpcClient(endpoint.address, timeout_s=request_timeout_s, token=token,
-                             peer_status=self._death_note, peer_detail=self._process_detail)
+        self.rpc = RpcClient(
+            endpoint.address,
+            timeout_s=request_timeout_s,
+            token=token,
+            peer_status=self._death_note,
+            peer_detail=self._process_detail,
+        )
         self._closed = False
         atexit.register(self.shutdown)
 
     @classmethod
-    def spawn(cls, *, backend: str, model_path: str | Path, run_dir: Path, rank: int, seed: int,
-              dtype: str = "float32", startup_timeout_s: float = 300, request_timeout_s: float = 600,
-              heartbeat_timeout_s: float = 8.0, base_gpu_id: int | None = None, tp_size: int = 1,
-              enable_memory_saver: bool = False, server_args: Mapping[str, Any] | None = None,
-              extra_env: Mapping[str, str] | None = None) -> EngineClient:
+    def spawn(
+        cls,
+        *,
+        backend: str,
+        model_path: str | Path,
+        run_dir: Path,
+        rank: int,
+        seed: int,
+        dtype: str = "float32",
+        startup_timeout_s: float = 300,
+        request_timeout_s: float = 600,
+        heartbeat_timeout_s: float = 8.0,
+        base_gpu_id: int | None = None,
+        tp_size: int = 1,
+        enable_memory_saver: bool = False,
+        server_args: Mapping[str, Any] | None = None,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> EngineClient:
         """Start a worker and wait (up to ``startup_timeout_s``) until it answers ``health``.
 
         ``base_gpu_id`` defaults to this rank's LOCAL_RANK (the worker shares CUDA_VISIBLE_DEVICES);
@@ -119,28 +165,59 @@ class EngineClient:
         run_dir.mkdir(parents=True, exist_ok=True)
         endpoint = choose_endpoint(run_dir, f"engine-{rank}")
         log_path = run_dir / f"engine-{rank}.log"
-        spec = BackendSpec(backend=backend, model_path=str(model_path), seed=seed, dtype=dtype,
-                           base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)) if base_gpu_id is None else base_gpu_id,
-                           tp_size=tp_size, enable_memory_saver=enable_memory_saver, server_args=dict(server_args or {}))
+        spec = BackendSpec(
+            backend=backend,
+            model_path=str(model_path),
+            seed=seed,
+            dtype=dtype,
+            base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)) if base_gpu_id is None else base_gpu_id,
+            tp_size=tp_size,
+            enable_memory_saver=enable_memory_saver,
+            server_args=dict(server_args or {}),
+        )
         token = secrets.token_bytes(16)
-        command = [sys.executable, "-m", "rlrun.engine.worker", "--endpoint", endpoint.address,
-                   "--parent-pid", str(os.getpid()), "--spec", spec.to_json()]
+        command = [
+            sys.executable,
+            "-m",
+            "rlrun.engine.worker",
+            "--endpoint",
+            endpoint.address,
+            "--parent-pid",
+            str(os.getpid()),
+            "--spec",
+            spec.to_json(),
+        ]
         with log_path.open("wb") as log_file:
             # Own process group: the client can kill the worker with everything it started, and a
             # terminal's Ctrl-C reaches only the trainer, which then shuts the worker down.
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                       env=_worker_env(token, extra_env or {}), process_group=0)
-        client = cls(rank=rank, endpoint=endpoint, process=process, log_path=log_path,
-                     request_timeout_s=request_timeout_s, token=token, backend=backend, dtype=dtype,
-                     tp_size=tp_size if backend == "sglang" else 1)  # the embedded engine is never sharded
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=_worker_env(token, extra_env or {}),
+                process_group=0,
+            )
+        client = cls(
+            rank=rank,
+            endpoint=endpoint,
+            process=process,
+            log_path=log_path,
+            request_timeout_s=request_timeout_s,
+            token=token,
+            backend=backend,
+            dtype=dtype,
+            tp_size=tp_size if backend == "sglang" else 1,
+        )  # the embedded engine is never sharded
         try:
             client.rpc.call("health", timeout_s=startup_timeout_s)
         except BaseException as exc:
             client.shutdown()
             if not isinstance(exc, RpcError):
                 raise
-            raise type(exc)(f"engine worker for rank {rank} ({backend} backend, model {model_path}) did not start: "
-                            f"{exc}") from None
+            raise type(exc)(
+                f"engine worker for rank {rank} ({backend} backend, model {model_path}) did not start: {exc}"
+            ) from None
         client.rpc.arm_heartbeat(heartbeat_timeout_s)  # from now on the worker's event loop answers pings
         log.info("engine worker for rank %d up (pid %d, %s)", rank, process.pid, endpoint.address)
         return client
@@ -151,8 +228,10 @@ class EngineClient:
         if code is None:
             return None
         how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
-        return (f"engine worker for rank {self.rank} (pid {self.process.pid}) exited with code {code}{how}; "
-                f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}")
+        return (
+            f"engine worker for rank {self.rank} (pid {self.process.pid}) exited with code {code}{how}; "
+            f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}"
+        )
 
     def _process_detail(self) -> str:
         """How a live but silent worker looks from outside: its process state and the end of its log."""
@@ -161,18 +240,26 @@ class EngineClient:
             state = f"{state} ({PROCESS_STATES.get(state, 'see man proc')})"
         except OSError:
             state = "unknown"
-        return (f"engine worker for rank {self.rank} (pid {self.process.pid}) is in process state {state}; "
-                f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}")
+        return (
+            f"engine worker for rank {self.rank} (pid {self.process.pid}) is in process state {state}; "
+            f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}"
+        )
 
     # ---- the contract ------------------------------------------------------------------------------
 
     def health(self) -> EngineStatus:
         return self.rpc.call("health")
 
-    def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict],
-                 return_logprob: bool = True, rids: list[str] | None = None) -> list[GenResult]:
-        return self.rpc.call("generate", input_ids=input_ids, sampling_params=sampling_params,
-                             return_logprob=return_logprob, rids=rids)
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | list[dict],
+        return_logprob: bool = True,
+        rids: list[str] | None = None,
+    ) -> list[GenResult]:
+        return self.rpc.call(
+            "generate", input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob, rids=rids
+        )
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.rpc.call("abort", rid=rid, abort_all=abort_all)
@@ -195,10 +282,20 @@ class EngineClient:
     def begin_weight_update(self) -> OpResult:
         return self.rpc.call("begin_weight_update")
 
-    def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], load_format: str = "flattened_bucket",
-                                   flush_cache: bool = False, weight_version: str | None = None) -> OpResult:
-        return self.rpc.call("update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors,
-                             load_format=load_format, flush_cache=flush_cache, weight_version=weight_version)
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[bytes],
+        load_format: str = "flattened_bucket",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> OpResult:
+        return self.rpc.call(
+            "update_weights_from_tensor",
+            serialized_named_tensors=serialized_named_tensors,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            weight_version=weight_version,
+        )
 
     def end_weight_update(self) -> OpResult:
         return self.rpc.call("end_weight_update")
@@ -211,10 +308,14 @@ class EngineClient:
 
     # ---- conveniences ------------------------------------------------------------------------------
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str,
-                       bucket_bytes: int, verify: bool = False,
-                       serialize: Callable[[list[tuple[str, torch.Tensor]]], list[bytes]] | None = None
-                       ) -> dict[str, Any]:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        weight_version: str,
+        bucket_bytes: int,
+        verify: bool = False,
+        serialize: Callable[[list[tuple[str, torch.Tensor]]], list[bytes]] | None = None,
+    ) -> dict[str, Any]:
         """Push full HF-named tensors in flattened buckets inside one update session.
 
         Each bucket call carries ``weight_version`` (as slime does), so the version flips with the
@@ -243,8 +344,9 @@ class EngineClient:
                     payloads = serialize(bucket)
                     if in_flight is not None:
                         self._expect_success("update_weights_from_tensor", in_flight.result())
-                    in_flight = sender.submit(self.update_weights_from_tensor, payloads, flush_cache=False,
-                                              weight_version=weight_version)
+                    in_flight = sender.submit(
+                        self.update_weights_from_tensor, payloads, flush_cache=False, weight_version=weight_version
+                    )
                     num_buckets += 1
                     num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                     if verify:
@@ -255,8 +357,10 @@ class EngineClient:
             ended = self.end_weight_update()
         self._expect_success("end_weight_update", ended)
         if num_buckets == 0:
-            raise ValueError("named_tensors (empty) must hold at least one tensor because a weight sync with nothing "
-                             "to send is a bug in the exporter")
+            raise ValueError(
+                "named_tensors (empty) must hold at least one tensor because a weight sync with nothing "
+                "to send is a bug in the exporter"
+            )
         if verify:
             self._verify(sent, weight_version)
         return {"num_buckets": num_buckets, "num_bytes": num_bytes, "seconds": time.perf_counter() - start}
@@ -265,14 +369,18 @@ class EngineClient:
         held = self.weight_checksums()
         differ = sorted(name for name, digest in sent.items() if held.get(name) != digest)
         if differ:
-            raise EngineOpError(f"engine rank {self.rank} holds weights that differ from the trainer's after the sync "
-                                f"to version {weight_version}: {len(differ)} of {len(sent)} tensors, first "
-                                f"{differ[:5]}; the exporter or the engine's loader is wrong")
+            raise EngineOpError(
+                f"engine rank {self.rank} holds weights that differ from the trainer's after the sync "
+                f"to version {weight_version}: {len(differ)} of {len(sent)} tensors, first "
+                f"{differ[:5]}; the exporter or the engine's loader is wrong"
+            )
 
     def _expect_success(self, method: str, result: OpResult) -> None:
         if not result["success"]:
-            raise EngineOpError(f"{method} on engine rank {self.rank} ({self.endpoint.address}) returned "
-                                f"success=False: {result['message']}")
+            raise EngineOpError(
+                f"{method} on engine rank {self.rank} ({self.endpoint.address}) returned "
+                f"success=False: {result['message']}"
+            )
 
     def shutdown(self) -> None:
         """Ask the worker to exit (it aborts what is in flight), kill its process group if it has not
@@ -287,8 +395,12 @@ class EngineClient:
                     self.rpc.call("shutdown", timeout_s=SHUTDOWN_REPLY_S)
                     self.process.wait(timeout=SHUTDOWN_GRACE_S)
                 except (RpcError, subprocess.TimeoutExpired) as exc:
-                    log.warning("engine worker for rank %d did not exit cleanly (%s); killing process group %d",
-                                self.rank, exc, self.process.pid)
+                    log.warning(
+                        "engine worker for rank %d did not exit cleanly (%s); killing process group %d",
+                        self.rank,
+                        exc,
+                        self.process.pid,
+                    )
             self.kill()
         finally:
             self.rpc.close()

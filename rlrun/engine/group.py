@@ -79,12 +79,16 @@ class GroupLayout:
         if tp < 1:
             raise ValueError(f"engine.tp ({tp}) must be >= 1 because it counts the ranks of an engine group")
         if local_world_size % tp:
-            raise ValueError(f"engine.tp ({tp}) must divide the ranks per node ({local_world_size}) because an "
-                             "engine group's ranks share one host's GPUs; set engine.tp to a divisor of "
-                             "--nproc-per-node")
+            raise ValueError(
+                f"engine.tp ({tp}) must divide the ranks per node ({local_world_size}) because an "
+                "engine group's ranks share one host's GPUs; set engine.tp to a divisor of "
+                "--nproc-per-node"
+            )
         if world_size % tp:
-            raise ValueError(f"engine.tp ({tp}) must divide the world size ({world_size}) because every rank "
-                             "belongs to exactly one engine group; give every node the same number of ranks")
+            raise ValueError(
+                f"engine.tp ({tp}) must divide the world size ({world_size}) because every rank "
+                "belongs to exactly one engine group; give every node the same number of ranks"
+            )
         offset = local_rank % tp
         return cls(tp=tp, rank=rank, world_size=world_size, leader=rank - offset, local_leader=local_rank - offset)
 
@@ -116,8 +120,13 @@ class EngineGroup:
     sharded: bool
     """The engine's TP ranks sit on the group's GPUs (sglang, tp > 1): every rank builds its TP rank's payload."""
 
-    def __init__(self, layout: GroupLayout, client: EngineClient | None, process_group: dist.ProcessGroup | None,
-                 sharded: bool = False):
+    def __init__(
+        self,
+        layout: GroupLayout,
+        client: EngineClient | None,
+        process_group: dist.ProcessGroup | None,
+        sharded: bool = False,
+    ):
         self.layout = layout
         self.client = client
         self.process_group = process_group
@@ -138,8 +147,11 @@ class EngineGroup:
             dist.broadcast_object_list(authkey, group=process_group, group_src=0)
             multiprocessing.current_process().authkey = authkey[0]
         group = cls(layout, None, process_group, sharded=backend == "sglang" and layout.tp > 1)
-        group.client = group._on_leader(lambda: EngineClient.spawn(
-            backend=backend, tp_size=layout.tp, base_gpu_id=layout.local_leader, **spawn_kwargs))
+        group.client = group._on_leader(
+            lambda: EngineClient.spawn(
+                backend=backend, tp_size=layout.tp, base_gpu_id=layout.local_leader, **spawn_kwargs
+            )
+        )
         return group
 
     # ---- what the loop calls on every rank --------------------------------------------------------
@@ -161,8 +173,9 @@ class EngineGroup:
         if self.client is not None:
             self.client.resume_memory_occupation(tags)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                       **kwargs: Any) -> dict | None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, **kwargs: Any
+    ) -> dict | None:
         """The leader pushes the full tensors (``EngineClient.update_weights``, one payload per engine
         TP rank). The other ranks iterate the export too, whose collectives (TP all-gathers, PP
         broadcasts) their peers wait on; in a sharded group they also bucket it alike and hand the
@@ -175,8 +188,9 @@ class EngineGroup:
             return None
         result = None
         if self.client is not None:
-            result = self.client.update_weights(named_tensors, bucket_bytes=bucket_bytes,
-                                                serialize=self._gather_payloads, **kwargs)
+            result = self.client.update_weights(
+                named_tensors, bucket_bytes=bucket_bytes, serialize=self._gather_payloads, **kwargs
+            )
         else:
             for bucket in iter_buckets(named_tensors, bucket_bytes):
                 self._gather_payloads(bucket)
@@ -195,8 +209,9 @@ class EngineGroup:
         per_rank = None
         if self.layout.is_leader:
             try:
-                per_rank = _split(fn([x for part in gathered for x in part]), [len(p) for p in gathered],
-                                  outputs_per_item)
+                per_rank = _split(
+                    fn([x for part in gathered for x in part]), [len(p) for p in gathered], outputs_per_item
+                )
             except Exception as exc:  # noqa: BLE001 - sent to the members below, then re-raised here
                 failure = exc
                 per_rank = [LeaderFailure(f"{type(exc).__name__}: {exc}")] * self.layout.tp
@@ -236,16 +251,20 @@ class EngineGroup:
 
     def _unless_failed(self, received: Any) -> Any:
         if isinstance(received, LeaderFailure):
-            raise EngineGroupError(f"engine group leader rank {self.layout.leader} failed while serving rank "
-                                   f"{self.layout.rank}: {received.message}")
+            raise EngineGroupError(
+                f"engine group leader rank {self.layout.leader} failed while serving rank "
+                f"{self.layout.rank}: {received.message}"
+            )
         return received
 
 
 def _split(outputs: list[R], counts: list[int], outputs_per_item: int) -> list[list[R]]:
     """Cut item-major ``outputs`` back into one list per rank (``counts[i]`` items of rank i)."""
     if len(outputs) != sum(counts) * outputs_per_item:
-        raise RuntimeError(f"the engine group leader got {len(outputs)} outputs for {sum(counts)} items x "
-                           f"{outputs_per_item}; the rollout must return whole groups, item-major")
+        raise RuntimeError(
+            f"the engine group leader got {len(outputs)} outputs for {sum(counts)} items x "
+            f"{outputs_per_item}; the rollout must return whole groups, item-major"
+        )
     per_rank, start = [], 0
     for count in counts:
         end = start + count * outputs_per_item

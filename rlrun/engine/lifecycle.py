@@ -33,8 +33,10 @@ def _normalize_tags(tags: list[str] | None) -> list[str]:
         return list(MEMORY_TAGS)
     unknown = sorted(set(tags) - set(MEMORY_TAGS))
     if unknown:
-        raise ValueError(f"tags ({unknown}) must be among {list(MEMORY_TAGS)} because those are SGLang's memory "
-                         "tags; pass a subset of them or None for all")
+        raise ValueError(
+            f"tags ({unknown}) must be among {list(MEMORY_TAGS)} because those are SGLang's memory "
+            "tags; pass a subset of them or None for all"
+        )
     return list(dict.fromkeys(tags))
 
 
@@ -53,7 +55,8 @@ class EngineLifecycle:
         if self.released_tags:
             raise RuntimeError(
                 f"generate must not run while memory tags {sorted(self.released_tags)} are released because the "
-                "engine has no KV cache or weights then; call resume_memory_occupation() first")
+                "engine has no KV cache or weights then; call resume_memory_occupation() first"
+            )
         if self.paused:
             raise RuntimeError("generate must not run while generation is paused; call continue_generation() first")
         self.num_inflight += 1
@@ -68,11 +71,14 @@ class EngineLifecycle:
         if self.num_inflight:
             raise RuntimeError(
                 f"release_memory_occupation must not run with {self.num_inflight} request(s) in flight because "
-                "SGLang asserts an idle scheduler and dies otherwise; call pause_generation('abort') first")
+                "SGLang asserts an idle scheduler and dies otherwise; call pause_generation('abort') first"
+            )
         already = sorted(set(tags) & self.released_tags)
         if already:
-            raise RuntimeError(f"release_memory_occupation of tags {already} must not repeat because they are "
-                               "already released; resume them first or release only the others")
+            raise RuntimeError(
+                f"release_memory_occupation of tags {already} must not repeat because they are "
+                "already released; resume them first or release only the others"
+            )
         self.released_tags.update(tags)
         return tags
 
@@ -84,7 +90,8 @@ class EngineLifecycle:
         if not_released:
             raise RuntimeError(
                 f"resume_memory_occupation of tags {not_released} must follow their release because SGLang raises "
-                f"KeyError and dies otherwise; released now: {sorted(self.released_tags)}")
+                f"KeyError and dies otherwise; released now: {sorted(self.released_tags)}"
+            )
         return tags
 
     def resume(self, tags: list[str] | None) -> list[str]:
@@ -104,8 +111,11 @@ class EngineLifecycle:
         if not self.in_update_session:
             return {"success": False, "message": NOT_IN_SESSION.format(method=method)}
         if "weights" in self.released_tags:
-            return {"success": False, "message": f"{method} must not run while the weights tag is released because "
-                    "it would write into freed memory; call resume_memory_occupation(['weights']) first"}
+            return {
+                "success": False,
+                "message": f"{method} must not run while the weights tag is released because "
+                "it would write into freed memory; call resume_memory_occupation(['weights']) first",
+            }
         return None
 
     def end_update(self) -> OpResult:
@@ -117,7 +127,10 @@ class EngineLifecycle:
     def check_flush(self) -> OpResult | None:
         """None if the cache may be flushed now (SGLang refuses while requests run or wait)."""
         if self.num_inflight:
-            return {"success": False, "message": f"cannot flush the cache with {self.num_inflight} request(s) in flight"}
+            return {
+                "success": False,
+                "message": f"cannot flush the cache with {self.num_inflight} request(s) in flight",
+            }
         return None
 
     def status(self, weight_version: str) -> EngineStatus:

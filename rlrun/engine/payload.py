@@ -50,7 +50,10 @@ _STORAGE_KINDS = _TENSOR_KINDS + "ComplexDouble ComplexFloat QInt32 QInt8 QUInt2
 # Keeping the same set means a payload that passes here passes in SGLang, and a payload carrying any
 # other class (say, a metadata dataclass defined in rlrun) fails here in CI exactly as it would there.
 SGLANG_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    [("builtins", n) for n in "bool bytearray bytes complex dict float frozenset int list range set slice str tuple".split()]
+    [
+        ("builtins", n)
+        for n in "bool bytearray bytes complex dict float frozenset int list range set slice str tuple".split()
+    ]
     + [("collections", n) for n in ("OrderedDict", "defaultdict", "deque", "Counter")]
     + [("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"), ("functools", "partial")]
     + [("itertools", "chain"), ("itertools", "repeat"), ("_codecs", "encode"), ("types", "SimpleNamespace")]
@@ -62,27 +65,67 @@ SGLANG_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     + [("torch", n) for n in ["Size", "device", "dtype", "UntypedStorage", *_TORCH_DTYPES]]
     + [("torch", f"{k}Storage") for k in _STORAGE_KINDS]
     + [("torch.cuda", f"{k}Storage") for k in _STORAGE_KINDS if not k.startswith("Q")]
-    + [("torch", n) for n in ("per_tensor_affine", "per_tensor_symmetric", "per_channel_affine",
-                              "per_channel_symmetric", "per_channel_affine_float_qparams")]
+    + [
+        ("torch", n)
+        for n in (
+            "per_tensor_affine",
+            "per_tensor_symmetric",
+            "per_channel_affine",
+            "per_channel_symmetric",
+            "per_channel_affine_float_qparams",
+        )
+    ]
     + [("torch.nn.parameter", "Parameter"), ("torch.serialization", "_get_layout")]
     + [("torch.storage", n) for n in ("UntypedStorage", "_UntypedStorage", "TypedStorage")]
     + [("torch._tensor", "_rebuild_from_type_v2")]
-    + [("torch._utils", f"_rebuild_{n}") for n in (
-        "tensor", "tensor_v2", "tensor_v3", "parameter", "parameter_with_state", "qtensor", "sparse_tensor",
-        "meta_tensor_no_storage", "wrapper_subclass", "device_tensor_from_numpy", "device_tensor_from_cpu_tensor")]
-    + [("torch.multiprocessing.reductions", f"rebuild_{n}") for n in (
-        "tensor", "meta_tensor", "cuda_tensor", "nested_tensor", "sparse_coo_tensor", "sparse_compressed_tensor",
-        "storage_fd", "storage_filename", "storage_empty", "typed_storage", "typed_storage_child")]
+    + [
+        ("torch._utils", f"_rebuild_{n}")
+        for n in (
+            "tensor",
+            "tensor_v2",
+            "tensor_v3",
+            "parameter",
+            "parameter_with_state",
+            "qtensor",
+            "sparse_tensor",
+            "meta_tensor_no_storage",
+            "wrapper_subclass",
+            "device_tensor_from_numpy",
+            "device_tensor_from_cpu_tensor",
+        )
+    ]
+    + [
+        ("torch.multiprocessing.reductions", f"rebuild_{n}")
+        for n in (
+            "tensor",
+            "meta_tensor",
+            "cuda_tensor",
+            "nested_tensor",
+            "sparse_coo_tensor",
+            "sparse_compressed_tensor",
+            "storage_fd",
+            "storage_filename",
+            "storage_empty",
+            "typed_storage",
+            "typed_storage_child",
+        )
+    ]
     + [("torch_npu.multiprocessing.reductions", "rebuild_npu_tensor")]
-    + [("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
-       ("sglang.srt.utils.patch_torch", "_rebuild_npu_tensor_modified")]
-    + [("sglang.srt.managers.io_struct", "GenerateReqInput"), ("sglang.srt.managers.io_struct", "EmbeddingReqInput"),
-       ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"),
-       ("sglang.srt.managers.schedule_batch", "Modality"), ("sglang.srt.multimodal.modality", "Modality"),
-       ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
-       ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"),
-       ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"),
-       ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor")]
+    + [
+        ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+        ("sglang.srt.utils.patch_torch", "_rebuild_npu_tensor_modified"),
+    ]
+    + [
+        ("sglang.srt.managers.io_struct", "GenerateReqInput"),
+        ("sglang.srt.managers.io_struct", "EmbeddingReqInput"),
+        ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"),
+        ("sglang.srt.managers.schedule_batch", "Modality"),
+        ("sglang.srt.multimodal.modality", "Modality"),
+        ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+        ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"),
+        ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"),
+        ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"),
+    ]
 )
 
 
@@ -161,9 +204,11 @@ def serialize_for_tp_ranks(named_tensors: NamedTensors, tp_size: int) -> list[by
     if tp_size < 1:
         raise ValueError(f"tp_size ({tp_size}) must be >= 1 because every engine has at least one TP rank")
     if tp_size > 1 and any(tensor.is_cuda for _, tensor in named_tensors):
-        raise ValueError(f"named_tensors must be on the host for tp_size ({tp_size}) > 1 because each SGLang TP "
-                         "rank needs its payload on its own GPU; sync through rlrun.engine.group.EngineGroup, "
-                         "which builds payload r on group rank r")
+        raise ValueError(
+            f"named_tensors must be on the host for tp_size ({tp_size}) > 1 because each SGLang TP "
+            "rank needs its payload on its own GPU; sync through rlrun.engine.group.EngineGroup, "
+            "which builds payload r on group rank r"
+        )
     bucket = _flatten(named_tensors)
     payloads = []
     for _ in range(tp_size):
@@ -185,10 +230,16 @@ def _flatten(named_tensors: NamedTensors) -> dict:
             flats.append(torch.zeros(padding, dtype=torch.uint8, device=flat.device))
             offset += padding
         flats.append(flat)
-        metadata.append(types.SimpleNamespace(
-            name=name, shape=tensor.shape, dtype=tensor.dtype,
-            start_idx=offset, end_idx=offset + flat.numel(), numel=flat.numel(),
-        ))
+        metadata.append(
+            types.SimpleNamespace(
+                name=name,
+                shape=tensor.shape,
+                dtype=tensor.dtype,
+                start_idx=offset,
+                end_idx=offset + flat.numel(),
+                numel=flat.numel(),
+            )
+        )
         offset += flat.numel()
     return {"flattened_tensor": torch.cat(flats), "metadata": metadata}
 
@@ -201,18 +252,22 @@ def deserialize_flattened_bucket(payload: bytes) -> NamedTensors:
     bucket = _SafeUnpickler(io.BytesIO(payload)).load()
     if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
         keys = sorted(bucket) if isinstance(bucket, dict) else type(bucket).__name__
-        raise ValueError(f"payload ({keys}) must be a dict with keys flattened_tensor and metadata "
-                         "because that is SGLang's flattened_bucket format; build it with serialize_flattened_bucket")
+        raise ValueError(
+            f"payload ({keys}) must be a dict with keys flattened_tensor and metadata "
+            "because that is SGLang's flattened_bucket format; build it with serialize_flattened_bucket"
+        )
     flat = bucket["flattened_tensor"]
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"flattened_tensor ({flat.dtype}, {flat.dim()}-d) must be a 1-d uint8 tensor")
     named = []
     for meta in bucket["metadata"]:
         if meta.start_idx % meta.dtype.itemsize:
-            raise ValueError(f"tensor {meta.name} offset ({meta.start_idx}) must be a multiple of its element size "
-                             f"({meta.dtype.itemsize}) because it is viewed in place; pad the bucket as "
-                             "serialize_flattened_bucket does")
-        named.append((meta.name, flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)))
+            raise ValueError(
+                f"tensor {meta.name} offset ({meta.start_idx}) must be a multiple of its element size "
+                f"({meta.dtype.itemsize}) because it is viewed in place; pad the bucket as "
+                "serialize_flattened_bucket does"
+            )
+        named.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)))
     return named
 
 
@@ -223,8 +278,10 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     the limit bounds the extra memory of the flat copy, and one oversized tensor needs it anyway.
     """
     if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes ({bucket_bytes}) must be >= 1 because buckets hold whole tensors; "
-                         "set engine.bucket_bytes to a positive size such as 512 MiB")
+        raise ValueError(
+            f"bucket_bytes ({bucket_bytes}) must be >= 1 because buckets hold whole tensors; "
+            "set engine.bucket_bytes to a positive size such as 512 MiB"
+        )
     bucket: NamedTensors = []
     size = 0
     for name, tensor in named_tensors:

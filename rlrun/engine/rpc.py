@@ -97,7 +97,7 @@ class Endpoint:
     def cleanup(self) -> None:
         """Remove the ipc socket file (and the temp directory it was put in, if any)."""
         if self.address.startswith("ipc://"):
-            Path(self.address[len("ipc://"):]).unlink(missing_ok=True)
+            Path(self.address[len("ipc://") :]).unlink(missing_ok=True)
         if self.owned_dir is not None and self.owned_dir.exists():
             self.owned_dir.rmdir()
 
@@ -107,8 +107,9 @@ def choose_endpoint(run_dir: Path, name: str) -> Endpoint:
     path = Path(run_dir).resolve() / f"{name}.sock"
     if len(os.fsencode(str(path))) <= IPC_PATH_MAX_BYTES:
         return Endpoint(f"ipc://{path}")
-    reason = (f"ipc path {path} is {len(os.fsencode(str(path)))} bytes, over the {IPC_PATH_MAX_BYTES}-byte "
-              "sockaddr_un limit")
+    reason = (
+        f"ipc path {path} is {len(os.fsencode(str(path)))} bytes, over the {IPC_PATH_MAX_BYTES}-byte sockaddr_un limit"
+    )
     short_dir = Path(tempfile.mkdtemp(prefix="rlrun-"))
     short_path = short_dir / f"{name}.sock"
     if len(os.fsencode(str(short_path))) <= IPC_PATH_MAX_BYTES:
@@ -131,7 +132,7 @@ def is_local_endpoint(address: str) -> bool:
         return True
     if not address.startswith("tcp://"):
         return False
-    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
     try:
@@ -149,8 +150,9 @@ def _unpack(frame: bytes) -> dict[str, Any]:
 
 
 def _error_reply(request_id: int | None, exc: BaseException) -> bytes:
-    return _pack({"id": request_id, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()})
+    return _pack(
+        {"id": request_id, "ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    )
 
 
 class RpcServer:
@@ -161,8 +163,14 @@ class RpcServer:
     directly by the receive loop, so they measure whether that loop still runs.
     """
 
-    def __init__(self, endpoint: str, handlers: Mapping[str, Callable[..., Any]],
-                 *, local_only: Collection[str] = (), token: bytes = b"") -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        handlers: Mapping[str, Callable[..., Any]],
+        *,
+        local_only: Collection[str] = (),
+        token: bytes = b"",
+    ) -> None:
         self.endpoint = endpoint
         self.handlers = dict(handlers)
         self.local_only = frozenset(local_only)
@@ -176,7 +184,7 @@ class RpcServer:
         self.bound_address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """The address actually bound (a wildcard ``tcp://host:*`` resolves to its port)."""
         if endpoint.startswith("ipc://"):
-            os.chmod(endpoint[len("ipc://"):], 0o600)  # only this user may connect
+            os.chmod(endpoint[len("ipc://") :], 0o600)  # only this user may connect
 
     async def serve(self, stop: threading.Event) -> None:
         """Answer requests until ``stop`` is set (a handler may set it; its reply is still sent)."""
@@ -191,8 +199,10 @@ class RpcServer:
                 request = _unpack(frame)
                 request_id = request["id"]
                 if not hmac.compare_digest(request.get("token", b""), self.token):
-                    raise PermissionError("request token must match the one the engine client gave this worker "
-                                          "because only the spawning trainer rank may drive it")
+                    raise PermissionError(
+                        "request token must match the one the engine client gave this worker "
+                        "because only the spawning trainer rank may drive it"
+                    )
             except Exception as exc:
                 await sock.send_multipart([identity, _error_reply(request_id, exc)])
                 continue
@@ -216,7 +226,8 @@ class RpcServer:
             if method in self.local_only and not is_local_endpoint(self.endpoint):
                 raise PermissionError(
                     f"method ({method}) carries pickled tensor handles and must arrive over ipc:// or loopback "
-                    f"tcp because handles only mean something on this host; {self.endpoint} is neither")
+                    f"tcp because handles only mean something on this host; {self.endpoint} is neither"
+                )
             result = handler(**request.get("kwargs", {}))
             if inspect.isawaitable(result):
                 result = await result
@@ -243,10 +254,16 @@ class RpcClient:
     on a condition. Nobody needs the socket to get its reply, so no caller can be starved of it.
     """
 
-    def __init__(self, endpoint: str, *, timeout_s: float, token: bytes = b"",
-                 peer_status: Callable[[], str | None] | None = None,
-                 peer_detail: Callable[[], str] | None = None,
-                 heartbeat_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float,
+        token: bytes = b"",
+        peer_status: Callable[[], str | None] | None = None,
+        peer_detail: Callable[[], str] | None = None,
+        heartbeat_timeout_s: float | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.token = token
@@ -284,8 +301,10 @@ class RpcClient:
                 self._waiting.discard(request_id)
                 self._replies.pop(request_id, None)
         if not reply["ok"]:
-            raise RpcRemoteError(f"{method} on {self.endpoint} failed in the worker: {reply['error']}\n"
-                                 f"worker traceback:\n{reply.get('traceback', '')}")
+            raise RpcRemoteError(
+                f"{method} on {self.endpoint} failed in the worker: {reply['error']}\n"
+                f"worker traceback:\n{reply.get('traceback', '')}"
+            )
         return reply["result"]
 
     def _wait_for(self, request_id: int, method: str, start: float, timeout_s: float) -> dict[str, Any]:
@@ -312,12 +331,18 @@ class RpcClient:
                 raise RpcUnresponsiveError(
                     f"{method} on {self.endpoint}: the worker has answered no heartbeat for {silent_s:.1f} s "
                     f"(limit {self.heartbeat_timeout_s:g} s): it is stopped, frozen or its event loop is blocked"
-                    f"{'; ' + detail if detail else ''}")
+                    f"{'; ' + detail if detail else ''}"
+                )
             waited_s = time.monotonic() - start
             if waited_s > timeout_s:
-                peer = ("although the worker still answers heartbeats; it may be hung in the call or the call may "
-                        "need longer (raise engine.request_timeout_s)") if silent_s < waited_s else (
-                        "and the worker has not answered anything since the call began")
+                peer = (
+                    (
+                        "although the worker still answers heartbeats; it may be hung in the call or the call may "
+                        "need longer (raise engine.request_timeout_s)"
+                    )
+                    if silent_s < waited_s
+                    else ("and the worker has not answered anything since the call began")
+                )
                 raise RpcTimeoutError(f"{method} on {self.endpoint} got no reply within {timeout_s:g} s {peer}")
 
     def _pump(self) -> None:

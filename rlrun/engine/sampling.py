@@ -53,8 +53,10 @@ class SamplingParams:
     def from_dict(cls, params: Mapping[str, Any]) -> SamplingParams:
         unknown = sorted(set(params) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"sampling_params keys {unknown} must be among {[f.name for f in dataclasses.fields(cls)]} "
-                             "because the embedded engine implements only those; drop them")
+            raise ValueError(
+                f"sampling_params keys {unknown} must be among {[f.name for f in dataclasses.fields(cls)]} "
+                "because the embedded engine implements only those; drop them"
+            )
         values = dict(params)
         if "stop_token_ids" in values:
             values["stop_token_ids"] = tuple(int(t) for t in values["stop_token_ids"] or ())
@@ -76,8 +78,12 @@ class SamplingParams:
             ("temperature", self.temperature >= 0, ">= 0", "it divides the logits (0 means greedy)"),
             ("top_p", 0 < self.top_p <= 1, "be in (0, 1]", "it is a probability mass"),
             ("top_k", self.top_k >= -1, ">= -1", "-1 and 0 mean the whole vocabulary"),
-            ("stop", all(isinstance(t, str) and t for t in self.stop), "be non-empty strings",
-             "an empty stop string would match before the first token"),
+            (
+                "stop",
+                all(isinstance(t, str) and t for t in self.stop),
+                "be non-empty strings",
+                "an empty stop string would match before the first token",
+            ),
             ("min_p", 0 <= self.min_p <= 1, "be in [0, 1]", "it is a fraction of the top probability"),
             ("n", self.n >= 1, ">= 1", "each prompt needs at least one sample"),
         ]
@@ -110,8 +116,10 @@ def per_prompt_params(num_prompts: int, sampling_params: Mapping[str, Any] | Seq
     if isinstance(sampling_params, Mapping):
         sampling_params = [sampling_params] * num_prompts
     if len(sampling_params) != num_prompts:
-        raise ValueError(f"sampling_params ({len(sampling_params)} dicts) must be one dict or one per prompt "
-                         f"({num_prompts}) because each prompt samples with its own; pass one shared dict")
+        raise ValueError(
+            f"sampling_params ({len(sampling_params)} dicts) must be one dict or one per prompt "
+            f"({num_prompts}) because each prompt samples with its own; pass one shared dict"
+        )
     parsed: dict[int, SamplingParams] = {}  # a shared dict is parsed once
     for sp in sampling_params:
         if id(sp) not in parsed:
@@ -121,7 +129,7 @@ def per_prompt_params(num_prompts: int, sampling_params: Mapping[str, Any] | Seq
 
 def row_rids(rids: Sequence[str], params: Sequence[SamplingParams]) -> list[str]:
     """The rid of every sample, prompt-major: the prompt's rid when n == 1, else ``<rid>-<j>``."""
-    return [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(rids, params) for j in range(p.n)]
+    return [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(rids, params, strict=True) for j in range(p.n)]
 
 
 _MASK32 = 0xFFFFFFFF
@@ -178,17 +186,22 @@ class SamplingTensors:
     """Some drawing row uses top-k, top-p or min-p."""
 
     @classmethod
-    def of(cls, rows: Sequence[SamplingParams], keys: Sequence[int], vocab: int, device: torch.device) -> SamplingTensors:
+    def of(
+        cls, rows: Sequence[SamplingParams], keys: Sequence[int], vocab: int, device: torch.device
+    ) -> SamplingTensors:
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(temperature=tensor([r.temperature for r in rows], torch.float32),
-                   top_k=tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], torch.long),
-                   top_p=tensor([r.top_p for r in rows], torch.float32),
-                   min_p=tensor([r.min_p for r in rows], torch.float32),
-                   greedy=tensor([r.greedy for r in rows], torch.bool), keys=tensor(list(keys), torch.long),
-                   sample=any(not r.greedy for r in rows),
-                   filter=any(r.needs_filter for r in rows if not r.greedy))
+        return cls(
+            temperature=tensor([r.temperature for r in rows], torch.float32),
+            top_k=tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], torch.long),
+            top_p=tensor([r.top_p for r in rows], torch.float32),
+            min_p=tensor([r.min_p for r in rows], torch.float32),
+            greedy=tensor([r.greedy for r in rows], torch.bool),
+            keys=tensor(list(keys), torch.long),
+            sample=any(not r.greedy for r in rows),
+            filter=any(r.needs_filter for r in rows if not r.greedy),
+        )
 
     def copy_(self, other: SamplingTensors) -> None:
         """Overwrite these tensors in place (a captured graph keeps reading the same memory)."""
@@ -197,8 +210,9 @@ class SamplingTensors:
             getattr(self, field).copy_(getattr(other, field))
 
 
-def _filter_sorted(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
+def _filter_sorted(
+    sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Zero the entries of descending-sorted probabilities that top-k, top-p and min-p exclude
     (the first one always survives); per-row parameters are [B] tensors."""
     rank = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device).expand_as(sorted_probs)

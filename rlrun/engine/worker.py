@@ -31,9 +31,9 @@ import uuid
 from rlrun.engine.backends import BackendSpec, EngineBackend, load_backend
 from rlrun.engine.lifecycle import EngineLifecycle
 from rlrun.engine.rpc import RpcServer
-from rlrun.runtime.processes import process_alive
 from rlrun.engine.sampling import per_prompt_params
 from rlrun.engine.types import EngineStatus, GenResult, OpResult
+from rlrun.runtime.processes import process_alive
 
 log = logging.getLogger("rlrun.engine.worker")
 
@@ -76,10 +76,22 @@ def die_with_parent(parent_pid: int) -> None:
 class EngineWorker:
     """The contract's methods: rules from :class:`EngineLifecycle`, work by the backend."""
 
-    METHODS = ("health", "generate", "abort", "pause_generation", "continue_generation", "flush_cache",
-               "release_memory_occupation", "resume_memory_occupation", "begin_weight_update",
-               "update_weights_from_tensor", "end_weight_update", "get_weight_version", "weight_checksums",
-               "shutdown")
+    METHODS = (
+        "health",
+        "generate",
+        "abort",
+        "pause_generation",
+        "continue_generation",
+        "flush_cache",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "end_weight_update",
+        "get_weight_version",
+        "weight_checksums",
+        "shutdown",
+    )
 
     def __init__(self, backend: EngineBackend) -> None:
         self.backend = backend
@@ -93,8 +105,13 @@ class EngineWorker:
     def health(self) -> EngineStatus:
         return self.lifecycle.status(self.backend.weight_version)
 
-    async def generate(self, input_ids: list[list[int]], sampling_params: dict | list[dict],
-                       return_logprob: bool = True, rids: list[str] | None = None) -> list[GenResult]:
+    async def generate(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | list[dict],
+        return_logprob: bool = True,
+        rids: list[str] | None = None,
+    ) -> list[GenResult]:
         params = per_prompt_params(len(input_ids), sampling_params)
         rids = rids if rids is not None else [uuid.uuid4().hex for _ in input_ids]
         if len(rids) != len(input_ids):
@@ -144,19 +161,28 @@ class EngineWorker:
                 return backend_result
         return result
 
-    async def update_weights_from_tensor(self, serialized_named_tensors: list[bytes],
-                                         load_format: str = "flattened_bucket", flush_cache: bool = False,
-                                         weight_version: str | None = None) -> OpResult:
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[bytes],
+        load_format: str = "flattened_bucket",
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> OpResult:
         refused = self.lifecycle.check_update("update_weights_from_tensor")
         if refused is not None:
             return refused
         if len(serialized_named_tensors) != self.backend.tp_size:
-            return {"success": False, "message": (
-                f"serialized_named_tensors ({len(serialized_named_tensors)} payloads) must hold one payload per "
-                f"engine TP rank ({self.backend.tp_size}) because TP rank r unpickles only payload r")}
+            return {
+                "success": False,
+                "message": (
+                    f"serialized_named_tensors ({len(serialized_named_tensors)} payloads) must hold one payload per "
+                    f"engine TP rank ({self.backend.tp_size}) because TP rank r unpickles only payload r"
+                ),
+            }
         try:
-            result = await self.backend.update_weights_from_tensor(serialized_named_tensors, load_format,
-                                                                   weight_version)
+            result = await self.backend.update_weights_from_tensor(
+                serialized_named_tensors, load_format, weight_version
+            )
         except Exception as exc:  # the contract reports load failures as success=False, like SGLang
             log.exception("update_weights_from_tensor failed")
             return {"success": False, "message": f"Failed to update weights: {type(exc).__name__}: {exc}"}
@@ -176,8 +202,10 @@ class EngineWorker:
     async def weight_checksums(self) -> dict[str, str]:
         """sha256 of every weight's bytes by HF name: a debug check that a sync landed exactly."""
         if "weights" in self.lifecycle.released_tags:
-            raise RuntimeError("weight_checksums must not run while the weights tag is released because the "
-                               "weights are not resident then; call resume_memory_occupation(['weights']) first")
+            raise RuntimeError(
+                "weight_checksums must not run while the weights tag is released because the "
+                "weights are not resident then; call resume_memory_occupation(['weights']) first"
+            )
         return await self.backend.weight_checksums()
 
     async def shutdown(self) -> None:
@@ -197,8 +225,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     die_with_parent(args.parent_pid)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format=f"%(asctime)s engine-worker[{os.getpid()}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format=f"%(asctime)s engine-worker[{os.getpid()}] %(levelname)s %(message)s",
+    )
     if AUTHKEY_ENV in os.environ:
         multiprocessing.current_process().authkey = bytes.fromhex(os.environ[AUTHKEY_ENV])
     token = bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))

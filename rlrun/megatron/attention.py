@@ -67,7 +67,9 @@ def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> ty
     per sample or (``flash_varlen``: CUDA, bfloat16) in one varlen call; ``auto`` takes the varlen call
     where it can run. ``dtype`` is ``model.dtype`` (its default here too)."""
     if packed_attention not in get_args(PackedAttention):
-        raise ValueError(f"model.packed_attention ({packed_attention!r}) must be one of {list(get_args(PackedAttention))}")
+        raise ValueError(
+            f"model.packed_attention ({packed_attention!r}) must be one of {list(get_args(PackedAttention))}"
+        )
     if transformer_engine_attention() is not None:
         return transformer_engine_attention()
     if packed_attention == "auto":
@@ -75,16 +77,21 @@ def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> ty
     if packed_attention == "per_sample":
         return SDPACoreAttention
     if not torch.cuda.is_available():
-        raise ValueError("model.packed_attention (flash_varlen) needs CUDA because FlashAttention's varlen kernel "
-                         "has no CPU implementation; use per_sample or auto on CPU")
+        raise ValueError(
+            "model.packed_attention (flash_varlen) needs CUDA because FlashAttention's varlen kernel "
+            "has no CPU implementation; use per_sample or auto on CPU"
+        )
     if dtype != "bfloat16":
-        raise ValueError(f"model.packed_attention (flash_varlen) needs model.dtype bfloat16 (not {dtype}) because "
-                         "FlashAttention has no float32 kernel; use per_sample or auto")
+        raise ValueError(
+            f"model.packed_attention (flash_varlen) needs model.dtype bfloat16 (not {dtype}) because "
+            "FlashAttention has no float32 kernel; use per_sample or auto"
+        )
     return FlashVarlenCoreAttention
 
 
-def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, packed_attention: str = "auto",
-               dtype: str = "float32") -> ModuleSpec | TransformerBlockSubmodules:
+def layer_spec(
+    arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, packed_attention: str = "auto", dtype: str = "float32"
+) -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention.
 
     MoE models get Megatron's ``MoELayer`` as the MLP, with ``SequentialMLP`` experts (one local MLP per
@@ -98,17 +105,22 @@ def layer_spec(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, packed_atten
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     per_stage = arch.num_layers // pp_size
-    stage = moe_layers[pp_rank * per_stage:(pp_rank + 1) * per_stage]
+    stage = moe_layers[pp_rank * per_stage : (pp_rank + 1) * per_stage]
     sparse, dense = _layer_spec(arch, True, attention), _layer_spec(arch, False, attention)
-    return TransformerBlockSubmodules(layer_specs=[sparse if moe else dense for moe in stage],
-                                      layer_norm=LayerNormImpl)  # the final norm Megatron adds to a layer spec
+    return TransformerBlockSubmodules(
+        layer_specs=[sparse if moe else dense for moe in stage], layer_norm=LayerNormImpl
+    )  # the final norm Megatron adds to a layer spec
 
 
 def _layer_spec(arch: ModelArch, moe: bool, attention: type) -> ModuleSpec:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=arch.moe.num_experts if moe else None, moe_grouped_gemm=False,
-                                    normalization="RMSNorm", qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=arch.moe.num_experts if moe else None,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=arch.qk_norm,
+    )
     # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
     spec.submodules.self_attention.submodules.core_attention = attention
     return spec
@@ -135,9 +147,11 @@ def packed_seq_params(position_ids: torch.Tensor, device: torch.device) -> Packe
     flat = position_ids.reshape(-1)
     starts = flat == 0
     if not bool((position_ids[..., 0] == 0).all() and (starts[1:] | (flat[1:] == flat[:-1] + 1)).all()):
-        raise ValueError("position_ids must count 0, 1, 2, ... within each packed sample (restarting at 0 for "
-                         "the next one) because they define the samples' boundaries; build them with "
-                         "rlrun.data.batch.collate")
+        raise ValueError(
+            "position_ids must count 0, 1, 2, ... within each packed sample (restarting at 0 for "
+            "the next one) because they define the samples' boundaries; build them with "
+            "rlrun.data.batch.collate"
+        )
     bounds = torch.cat([starts.nonzero().flatten(), torch.tensor([flat.numel()])]).to(torch.int32)
     max_len = int((bounds[1:] - bounds[:-1]).max())
     # cu_seqlens stay on the CPU for the SDPA path: RoPE and SDPACoreAttention read them as Python ints,
@@ -146,32 +160,53 @@ def packed_seq_params(position_ids: torch.Tensor, device: torch.device) -> Packe
     on_device = bounds.to(device) if device.type == "cuda" else None
     if transformer_engine_attention() is not None:
         bounds = on_device
-    return PackedRows(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                      max_seqlen_q=max_len, max_seqlen_kv=max_len, cu_seqlens_device=on_device)
+    return PackedRows(
+        qkv_format="thd",
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+        cu_seqlens_device=on_device,
+    )
 
 
 class SDPACoreAttention(MegatronModule):
     """Causal core attention through torch SDPA; Megatron's core-attention constructor and forward
     signature (``query/key/value`` after RoPE; output ``[S, B, heads * dim]`` or ``[T, heads * dim]``)."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError(f"parallel context size ({config.context_parallel_size}) must be 1 because "
-                             "SDPACoreAttention has no context parallelism; install TransformerEngine for it")
+            raise ValueError(
+                f"parallel context size ({config.context_parallel_size}) must be 1 because "
+                "SDPACoreAttention has no context parallelism; install TransformerEngine for it"
+            )
         if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"attn_mask_type ({attn_mask_type}) must be causal because SDPACoreAttention only "
-                             "implements causal language-model attention")
+            raise ValueError(
+                f"attn_mask_type ({attn_mask_type}) must be causal because SDPACoreAttention only "
+                "implements causal language-model attention"
+            )
         self.softmax_scale = softmax_scale  # None: SDPA's 1 / sqrt(head_dim), as Megatron's default
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if attention_mask is not None or attention_bias is not None:
-            raise ValueError("attention_mask must be None because SDPACoreAttention builds the causal (and, "
-                             "for packed rows, per-sample) mask itself; pass packing through position_ids")
+            raise ValueError(
+                "attention_mask must be None because SDPACoreAttention builds the causal (and, "
+                "for packed rows, per-sample) mask itself; pass packing through position_ids"
+            )
         if packed_seq_params is None:
             seq, batch = query.shape[:2]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, dim]
@@ -187,15 +222,21 @@ class SDPACoreAttention(MegatronModule):
         # kernels take 4-D inputs only (3-D ones fall back to the math kernel and its s_i x s_i scores).
         outputs = [
             self._sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in sample))[0].transpose(0, 1)
-            for sample in zip(*(t.split(lengths) for t in (query, key, value)))
+            for sample in zip(*(t.split(lengths) for t in (query, key, value)), strict=True)
         ]
         return torch.cat(outputs)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over ``[..., heads, S, dim]``; key/value may have fewer (grouped) heads."""
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
-                                              is_causal=True, scale=self.softmax_scale,
-                                              enable_gqa=k.shape[-3] != q.shape[-3])
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=True,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[-3] != q.shape[-3],
+        )
 
 
 class FlashVarlenCoreAttention(SDPACoreAttention):
@@ -206,9 +247,21 @@ class FlashVarlenCoreAttention(SDPACoreAttention):
     def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
         bounds = packed_seq_params.cu_seqlens_device
         if bounds is None:
-            raise ValueError("packed_seq_params must carry cu_seqlens_device because the varlen kernel reads "
-                             "the sample bounds on the GPU; build it with rlrun.megatron.attention.packed_seq_params")
+            raise ValueError(
+                "packed_seq_params must carry cu_seqlens_device because the varlen kernel reads "
+                "the sample bounds on the GPU; build it with rlrun.megatron.attention.packed_seq_params"
+            )
         max_len = packed_seq_params.max_seqlen_q
         return torch.ops.aten._flash_attention_forward(
-            query, key, value, bounds, bounds, max_len, max_len, self.dropout_p if self.training else 0.0,
-            True, False, scale=self.softmax_scale)[0]
+            query,
+            key,
+            value,
+            bounds,
+            bounds,
+            max_len,
+            max_len,
+            self.dropout_p if self.training else 0.0,
+            True,
+            False,
+            scale=self.softmax_scale,
+        )[0]

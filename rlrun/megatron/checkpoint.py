@@ -100,9 +100,13 @@ def start_save(state: dict[str, Any], directory: Path) -> PendingSave:
     return PendingSave(directory=directory, request=request, buckets=buckets, results=results)
 
 
-def training_state(model: MegatronModel, optimizer: MegatronOptimizer | None,
-                   scheduler: OptimizerParamScheduler | None, with_rng: bool,
-                   for_loading: bool = False) -> dict[str, Any]:
+def training_state(
+    model: MegatronModel,
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    with_rng: bool,
+    for_loading: bool = False,
+) -> dict[str, Any]:
     """The sharded state dict of ``model`` (and of ``optimizer``, ``scheduler`` and this rank's RNGs when
     given), as :func:`start_save` writes it and :func:`load` fills it."""
     model_state = _model_sharded_state(model)
@@ -110,8 +114,9 @@ def training_state(model: MegatronModel, optimizer: MegatronOptimizer | None,
     if optimizer is not None:
         if for_loading and model.ddp.ddp_config.use_distributed_optimizer:
             _init_adam_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=for_loading,
-                                                          metadata=OPTIMIZER_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=for_loading, metadata=OPTIMIZER_METADATA
+        )
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if with_rng:
@@ -133,8 +138,13 @@ def _model_sharded_state(model: MegatronModel) -> dict[str, Any]:
 
 
 @torch.no_grad()  # the distributed optimizer's fp32 main weights are views of the parameters
-def load(model: MegatronModel, optimizer: MegatronOptimizer | None, scheduler: OptimizerParamScheduler | None,
-         directory: Path, with_rng: bool) -> None:
+def load(
+    model: MegatronModel,
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    directory: Path,
+    with_rng: bool,
+) -> None:
     """Collective: fill the model (and the optimizer, scheduler and RNGs when given) from ``directory``."""
     from megatron.core import dist_checkpointing
 
@@ -143,9 +153,11 @@ def load(model: MegatronModel, optimizer: MegatronOptimizer | None, scheduler: O
     try:
         loaded = dist_checkpointing.load(state, str(directory))
     except Exception as exc:  # noqa: BLE001 - re-raised with the path and what to do
-        raise RuntimeError(f"checkpoint {directory} must be readable because the run starts from it, but Megatron's "
-                           f"reader failed ({type(exc).__name__}: {exc}); the files are damaged or incomplete: pick "
-                           f"another checkpoint (checkpoint.resume=PATH) or start fresh (checkpoint.resume=none)") from exc
+        raise RuntimeError(
+            f"checkpoint {directory} must be readable because the run starts from it, but Megatron's "
+            f"reader failed ({type(exc).__name__}: {exc}); the files are damaged or incomplete: pick "
+            f"another checkpoint (checkpoint.resume=PATH) or start fresh (checkpoint.resume=none)"
+        ) from exc
     load_model_shard(model, loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -153,8 +165,10 @@ def load(model: MegatronModel, optimizer: MegatronOptimizer | None, scheduler: O
             _restore_adam_steps(optimizer, loaded["optimizer"], directory)
     if scheduler is not None:
         if "scheduler" not in loaded:
-            raise ValueError(f"checkpoint {directory} has no LR scheduler state although it has optimizer state; "
-                             f"it was written by an older rlrun: set checkpoint.resume=none to start fresh")
+            raise ValueError(
+                f"checkpoint {directory} has no LR scheduler state although it has optimizer state; "
+                f"it was written by an older rlrun: set checkpoint.resume=none to start fresh"
+            )
         scheduler.load_state_dict(loaded["scheduler"])
     if with_rng:
         _set_rng_state(loaded["rng"])
@@ -167,21 +181,26 @@ def check_shapes(model_state: dict[str, Any], directory: Path) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     if not (directory / "metadata.json").is_file() or not (directory / ".metadata").is_file():
-        raise ValueError(f"checkpoint {directory} must hold a Megatron distributed checkpoint (metadata.json and "
-                         f".metadata) because its model is loaded from there; the save did not finish or the "
-                         f"directory is not a checkpoint: pick another one")
+        raise ValueError(
+            f"checkpoint {directory} must hold a Megatron distributed checkpoint (metadata.json and "
+            f".metadata) because its model is loaded from there; the save did not finish or the "
+            f"directory is not a checkpoint: pick another one"
+        )
     saved = dist_checkpointing.load_tensors_metadata(str(directory))
     for tensor in nested_values(model_state):
         if not isinstance(tensor, ShardedTensor):
             continue
         if tensor.key not in saved:
-            raise ValueError(f"checkpoint {directory} must hold model tensor {tensor.key} because the model built "
-                             f"from model.path has it; use the model.path the checkpoint was written with")
+            raise ValueError(
+                f"checkpoint {directory} must hold model tensor {tensor.key} because the model built "
+                f"from model.path has it; use the model.path the checkpoint was written with"
+            )
         if tuple(saved[tensor.key].global_shape) != tuple(tensor.global_shape):
             raise ValueError(
                 f"checkpoint {directory} tensor {tensor.key} has global shape {tuple(saved[tensor.key].global_shape)} "
                 f"but this model's is {tuple(tensor.global_shape)}; the vocabulary padding depends on parallel.tp, so "
-                f"load with the tp (and pp) the checkpoint was written with, and the same model.path")
+                f"load with the tp (and pp) the checkpoint was written with, and the same model.path"
+            )
 
 
 def load_model_shard(model: MegatronModel, model_state: dict[str, Any] | Path) -> None:
@@ -190,12 +209,14 @@ def load_model_shard(model: MegatronModel, model_state: dict[str, Any] | Path) -
     if isinstance(model_state, Path):
         load_weights(model, model_state)
         return
-    result = model.module.load_state_dict(model_state, strict=False)
+    result = model.module.load_state_dict(model_state, strict=True)
     problems = [key for key in [*result.missing_keys, *result.unexpected_keys] if not key.endswith("_extra_state")]
     if problems:
-        raise RuntimeError(f"checkpoint model shard does not match the model built from model.path: "
-                           f"missing {result.missing_keys}, unexpected {result.unexpected_keys}; use "
-                           f"the model.path the checkpoint was written with")
+        raise RuntimeError(
+            f"checkpoint model shard does not match the model built from model.path: "
+            f"missing {result.missing_keys}, unexpected {result.unexpected_keys}; use "
+            f"the model.path the checkpoint was written with"
+        )
 
 
 def load_weights(model: MegatronModel, directory: Path) -> None:
@@ -211,8 +232,9 @@ def _init_adam_state(optimizer: MegatronOptimizer) -> None:
             for param in group["params"]:
                 state = part.optimizer.state[param]
                 if not state:
-                    state.update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
-                                 step=torch.tensor(0.0))
+                    state.update(
+                        exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param), step=torch.tensor(0.0)
+                    )
 
 
 def _restore_adam_steps(optimizer: MegatronOptimizer, saved: dict[str, Any], directory: Path) -> None:
@@ -222,8 +244,10 @@ def _restore_adam_steps(optimizer: MegatronOptimizer, saved: dict[str, Any], dir
     The saved step is in the param groups of its ``state_dict`` (one value for all)."""
     steps = {group["step"] for group in saved["optimizer"]["param_groups"] if "step" in group}
     if len(steps) != 1:
-        raise ValueError(f"checkpoint {directory} optimizer state must hold one Adam step count because every "
-                         f"parameter was updated together; found {sorted(steps)}: the checkpoint is corrupt")
+        raise ValueError(
+            f"checkpoint {directory} optimizer state must hold one Adam step count because every "
+            f"parameter was updated together; found {sorted(steps)}: the checkpoint is corrupt"
+        )
     step = float(steps.pop())
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in part.optimizer.state.values():
@@ -235,8 +259,9 @@ def _rng_object(model: MegatronModel) -> Any:
     from megatron.core.dist_checkpointing import ShardedObject
 
     p = model.parallel
-    return ShardedObject(RNG_KEY, _rng_state(), (p.pp_size, p.tp_size, p.dp_size), (p.pp_rank, p.tp_rank, p.dp_rank),
-                         replica_id=0)
+    return ShardedObject(
+        RNG_KEY, _rng_state(), (p.pp_size, p.tp_size, p.dp_size), (p.pp_rank, p.tp_rank, p.dp_rank), replica_id=0
+    )
 
 
 def _rng_state() -> dict[str, Any]:

@@ -44,8 +44,10 @@ def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[s
     """
     params = dict(model.module.named_parameters())
     parallel = model.parallel
-    per_rank = [weight_mappings(model.arch, parallel.pp_rank, parallel.pp_size, r, parallel.ep_size)
-                for r in range(parallel.ep_size)]
+    per_rank = [
+        weight_mappings(model.arch, parallel.pp_rank, parallel.pp_size, r, parallel.ep_size)
+        for r in range(parallel.ep_size)
+    ]
     mine = per_rank[parallel.ep_rank]
     indexed = [(i, m) for i, m in enumerate(mine) if m.exported]
     for experts, group in itertools.groupby(indexed, key=lambda item: is_expert_param(item[1].megatron_name)):
@@ -55,7 +57,9 @@ def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[s
             for i, fulls in gathered:
                 mapping = per_rank[rank][i]
                 full = fulls[rank] if experts else fulls[0]
-                yield from zip(mapping.hf_names, (t.contiguous() for t in to_hf(model.arch, mapping, full)))
+                yield from zip(
+                    mapping.hf_names, (t.contiguous() for t in to_hf(model.arch, mapping, full)), strict=True
+                )
 
 
 def _gather(model: MegatronModel, param: torch.Tensor, expert: bool, meta: bool) -> list[torch.Tensor]:

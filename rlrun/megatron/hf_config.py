@@ -86,8 +86,13 @@ class ModelArch:
         """Validate a parsed ``config.json`` and keep the fields Megatron needs."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise _unsupported(path, "model_type", model_type, f"be one of {SUPPORTED_MODEL_TYPES}",
-                               "rlrun only converts these decoder families to Megatron")
+            raise _unsupported(
+                path,
+                "model_type",
+                model_type,
+                f"be one of {SUPPORTED_MODEL_TYPES}",
+                "rlrun only converts these decoder families to Megatron",
+            )
         _check_supported_features(cfg, path)
         rope = cfg.get("rope_parameters") or {}
         num_heads = cfg["num_attention_heads"]
@@ -162,24 +167,36 @@ def _check_supported_features(cfg: dict, path: Path) -> None:
     rope = cfg.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", "default")
     if cfg.get("rope_scaling"):
-        raise _unsupported(path, "rope_scaling", cfg["rope_scaling"], "be null",
-                           "Megatron's RotaryEmbedding here implements plain RoPE only")
+        raise _unsupported(
+            path,
+            "rope_scaling",
+            cfg["rope_scaling"],
+            "be null",
+            "Megatron's RotaryEmbedding here implements plain RoPE only",
+        )
     if rope_type != "default":
-        raise _unsupported(path, "rope_parameters.rope_type", rope_type, "be 'default'",
-                           "Megatron's RotaryEmbedding here implements plain RoPE only")
+        raise _unsupported(
+            path,
+            "rope_parameters.rope_type",
+            rope_type,
+            "be 'default'",
+            "Megatron's RotaryEmbedding here implements plain RoPE only",
+        )
     if cfg.get("hidden_act", "silu") != "silu":
         raise _unsupported(path, "hidden_act", cfg["hidden_act"], "be 'silu'", "the MLP is built as SwiGLU")
     if cfg.get("mlp_bias"):
         raise _unsupported(path, "mlp_bias", True, "be false", "the MLP is built without biases")
     if cfg.get("attention_bias"):
-        raise _unsupported(path, "attention_bias", True, "be false",
-                           "Megatron's add_qkv_bias cannot express a bias on o_proj")
+        raise _unsupported(
+            path, "attention_bias", True, "be false", "Megatron's add_qkv_bias cannot express a bias on o_proj"
+        )
     if cfg.get("use_sliding_window"):
         raise _unsupported(path, "use_sliding_window", True, "be false", "attention is built as full causal")
 
 
-def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1,
-                       moe_options: MoEOptions | None = None):
+def transformer_config(
+    arch: ModelArch, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1, moe_options: MoEOptions | None = None
+):
     """The Megatron ``TransformerConfig`` of ``arch`` at this TP/PP (and, for MoE, EP/ETP) layout, with
     dropout off.
 

@@ -65,14 +65,17 @@ class WeightMapping:
     """False for a copy of a tensor another stage exports (the last stage's tied output layer)."""
 
 
-def weight_mappings(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
-                    ep_size: int = 1) -> list[WeightMapping]:
+def weight_mappings(
+    arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1
+) -> list[WeightMapping]:
     """Every parameter of pipeline stage ``pp_rank`` of ``pp_size`` of the Megatron model of ``arch``, in
     HF checkpoint order (so stage after stage is the whole checkpoint's order). MoE layers list the
     experts of expert-parallel rank ``ep_rank`` of ``ep_size`` only (``rlrun.megatron.moe``)."""
     if arch.num_layers % pp_size != 0:
-        raise ValueError(f"parallel.pp ({pp_size}) must divide config.json num_hidden_layers ({arch.num_layers}) "
-                         f"because every pipeline stage holds the same number of layers; set parallel.pp to a divisor")
+        raise ValueError(
+            f"parallel.pp ({pp_size}) must divide config.json num_hidden_layers ({arch.num_layers}) "
+            f"because every pipeline stage holds the same number of layers; set parallel.pp to a divisor"
+        )
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     per_stage = arch.num_layers // pp_size
     maps = [WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")] if first else []
@@ -81,11 +84,17 @@ def weight_mappings(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank
         mc, hf = f"decoder.layers.{local}.", f"model.layers.{i}."
         attn = f"{hf}self_attn."
         maps.append(WeightMapping(f"{mc}input_layernorm.weight", (f"{hf}input_layernorm.weight",), "copy"))
-        maps.append(WeightMapping(f"{mc}self_attention.linear_qkv.weight",
-                                  tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"))
+        maps.append(
+            WeightMapping(
+                f"{mc}self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"
+            )
+        )
         if arch.qkv_bias:
-            maps.append(WeightMapping(f"{mc}self_attention.linear_qkv.bias",
-                                      tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"))
+            maps.append(
+                WeightMapping(
+                    f"{mc}self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"
+                )
+            )
         if arch.qk_norm:
             maps.append(WeightMapping(f"{mc}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "copy"))
             maps.append(WeightMapping(f"{mc}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy"))
@@ -94,8 +103,11 @@ def weight_mappings(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank
         if arch.moe is not None and arch.moe.moe_layers[i]:
             maps += [WeightMapping(*row) for row in moe_mlp_mappings(arch.moe, mc, hf, ep_rank, ep_size)]
             continue
-        maps.append(WeightMapping(f"{mc}mlp.linear_fc1.weight",
-                                  (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"), "concat"))
+        maps.append(
+            WeightMapping(
+                f"{mc}mlp.linear_fc1.weight", (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"), "concat"
+            )
+        )
         maps.append(WeightMapping(f"{mc}mlp.linear_fc2.weight", (f"{hf}mlp.down_proj.weight",), "copy"))
     if not last:
         return maps
@@ -158,8 +170,10 @@ class HFCheckpoint:
         else:
             files = sorted(hf_dir.glob("*.safetensors"))
             if not files:
-                raise FileNotFoundError(f"model.path ({hf_dir}) must contain *.safetensors weights; "
-                                        f"save the model with save_pretrained(safe_serialization=True)")
+                raise FileNotFoundError(
+                    f"model.path ({hf_dir}) must contain *.safetensors weights; "
+                    f"save the model with save_pretrained(safe_serialization=True)"
+                )
             self._file_of = {}
             for file in files:
                 with safe_open(file, "pt") as handle:

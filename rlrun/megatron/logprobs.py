@@ -34,8 +34,9 @@ def vocab_parallel_token_stats(
     from rlrun.megatron.token_stats import chunked_token_stats
 
     start = mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
-    logprobs, entropy = chunked_token_stats(logits, targets, temperature, start, vocab_size,
-                                            mpu.get_tensor_model_parallel_group())
+    logprobs, entropy = chunked_token_stats(
+        logits, targets, temperature, start, vocab_size, mpu.get_tensor_model_parallel_group()
+    )
     return logprobs, entropy if with_entropy else None
 
 
@@ -55,15 +56,20 @@ def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
     tokens, position_ids = tokens.to(device), position_ids.to(device)
     if packing is None:
         return model.ddp(input_ids=tokens, position_ids=position_ids, attention_mask=None)
-    output = model.ddp(input_ids=tokens.reshape(1, -1), position_ids=position_ids.reshape(1, -1),
-                       attention_mask=None, packed_seq_params=packing)
+    output = model.ddp(
+        input_ids=tokens.reshape(1, -1),
+        position_ids=position_ids.reshape(1, -1),
+        attention_mask=None,
+        packed_seq_params=packing,
+    )
     if not model.parallel.is_last_stage:  # thd hidden states [T, 1, H] go to the next stage as they are
         return output
     return output.reshape(*tokens.shape, output.shape[-1])
 
 
-def compute_logprobs(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor,
-                     temperature: float) -> torch.Tensor:
+def compute_logprobs(
+    model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """``log p(tokens[:, 1:] | prefix)`` as ``[B, S-1]`` float32 on the model's device, logits divided
     by ``temperature``, on every rank (with PP > 1, computed on the last stage and broadcast).
 
@@ -73,20 +79,29 @@ def compute_logprobs(model: MegatronModel, tokens: torch.Tensor, position_ids: t
     return logprobs
 
 
-def compute_logprobs_and_entropy(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor,
-                                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_logprobs_and_entropy(
+    model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``compute_logprobs`` plus the entropy ``[B, S-1]`` of each predictive distribution."""
     logprobs, entropy = _token_stats(model, tokens, position_ids, temperature, with_entropy=True)
     return logprobs, entropy
 
 
-def _token_stats(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor, temperature: float,
-                 with_entropy: bool) -> list[torch.Tensor]:
+def _token_stats(
+    model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor, temperature: float, with_entropy: bool
+) -> list[torch.Tensor]:
     """[log-probs] or [log-probs, entropy] of ``tokens`` on every rank of the pipeline."""
+
     def head(logits: torch.Tensor) -> list[torch.Tensor]:
-        stats = vocab_parallel_token_stats(logits[:, :-1], tokens[:, 1:].to(logits.device), temperature,
-                                           model.arch.vocab_size, with_entropy=with_entropy)
+        stats = vocab_parallel_token_stats(
+            logits[:, :-1],
+            tokens[:, 1:].to(logits.device),
+            temperature,
+            model.arch.vocab_size,
+            with_entropy=with_entropy,
+        )
         return [t for t in stats if t is not None]
 
-    return last_stage_outputs(model, tokens, lambda: forward_logits(model, tokens, position_ids), head,
-                              count=2 if with_entropy else 1)
+    return last_stage_outputs(
+        model, tokens, lambda: forward_logits(model, tokens, position_ids), head, count=2 if with_entropy else 1
+    )

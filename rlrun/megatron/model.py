@@ -45,9 +45,14 @@ class MegatronModel:
         return self.ddp.module
 
 
-def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
-                distributed_optimizer: bool = False, moe_options: MoEOptions | None = None,
-                packed_attention: str = "auto") -> MegatronModel:
+def build_model(
+    hf_dir: str,
+    parallel: Parallel,
+    dtype: str = "float32",
+    distributed_optimizer: bool = False,
+    moe_options: MoEOptions | None = None,
+    packed_attention: str = "auto",
+) -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
     layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
 
@@ -61,8 +66,9 @@ def build_model(hf_dir: str, parallel: Parallel, dtype: str = "float32",
     return wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
 
 
-def build_gpt(hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptions | None = None,
-              packed_attention: str = "auto") -> tuple[GPTModel, ModelArch, TransformerConfig]:
+def build_gpt(
+    hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptions | None = None, packed_attention: str = "auto"
+) -> tuple[GPTModel, ModelArch, TransformerConfig]:
     """The bare GPTModel of ``hf_dir`` for this rank (its pipeline stage, TP/EP shards), HF weights loaded;
     shared by the actor (:func:`build_model`) and the critic (rlrun/megatron/value_head.py)."""
     from megatron.core.models.gpt import GPTModel
@@ -72,8 +78,9 @@ def build_gpt(hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptio
     arch = ModelArch.from_hf_dir(hf_dir)
     if arch.moe is not None:
         patch_router_without_te()
-    config = transformer_config(arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size,
-                                parallel.etp_size, moe_options)
+    config = transformer_config(
+        arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size, parallel.etp_size, moe_options
+    )
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, parallel.pp_rank, parallel.pp_size, packed_attention, dtype),
@@ -93,8 +100,14 @@ def build_gpt(hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptio
     return gpt, arch, config
 
 
-def wrap_ddp(gpt: GPTModel, arch: ModelArch, config: TransformerConfig, parallel: Parallel, dtype: str,
-             distributed_optimizer: bool = False) -> MegatronModel:
+def wrap_ddp(
+    gpt: GPTModel,
+    arch: ModelArch,
+    config: TransformerConfig,
+    parallel: Parallel,
+    dtype: str,
+    distributed_optimizer: bool = False,
+) -> MegatronModel:
     """``gpt`` in Megatron DDP (fp32 grad buffers); ``distributed_optimizer``: make_optimizer builds
     Megatron's distributed optimizer over these buffers."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -114,8 +127,9 @@ def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, pa
     mappings = weight_mappings(arch, parallel.pp_rank, parallel.pp_size, parallel.ep_rank, parallel.ep_size)
     unmapped = set(params) - {m.megatron_name for m in mappings}
     if unmapped:
-        raise RuntimeError(f"Megatron parameters without an HF source: {sorted(unmapped)}; "
-                           f"rlrun/megatron/hf_weights.py must map them")
+        raise RuntimeError(
+            f"Megatron parameters without an HF source: {sorted(unmapped)}; rlrun/megatron/hf_weights.py must map them"
+        )
     for mapping in mappings:
         param = params[mapping.megatron_name]
         hf_tensors = [checkpoint.get(name) for name in mapping.hf_names]

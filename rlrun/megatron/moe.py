@@ -66,9 +66,11 @@ class MoEArch:
         num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
         topk = cfg["num_experts_per_tok"]
         if not num_experts or not 1 <= topk <= num_experts:
-            raise ValueError(f"{path}: num_experts_per_tok ({topk}) must be between 1 and num_experts "
-                             f"({num_experts}) because each token picks that many distinct experts; "
-                             f"this config.json does not describe a routed MoE model")
+            raise ValueError(
+                f"{path}: num_experts_per_tok ({topk}) must be between 1 and num_experts "
+                f"({num_experts}) because each token picks that many distinct experts; "
+                f"this config.json does not describe a routed MoE model"
+            )
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = set(cfg.get("mlp_only_layers") or [])
         moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
@@ -106,20 +108,26 @@ class MoEOptions:
         if self.token_dispatcher == "auto":
             return "alltoall" if torch.cuda.is_available() else "allgather"
         if self.token_dispatcher == "alltoall" and not torch.cuda.is_available():
-            raise ValueError("model.moe.token_dispatcher ('alltoall') must run on CUDA because Megatron's all-to-all "
-                             "dispatcher creates CUDA streams; set model.moe.token_dispatcher to 'allgather' or 'auto'")
+            raise ValueError(
+                "model.moe.token_dispatcher ('alltoall') must run on CUDA because Megatron's all-to-all "
+                "dispatcher creates CUDA streams; set model.moe.token_dispatcher to 'allgather' or 'auto'"
+            )
         return self.token_dispatcher
 
 
 def moe_config_kwargs(moe: MoEArch, options: MoEOptions, tp: int, ep: int, etp: int) -> dict:
     """The ``TransformerConfig`` arguments of the MoE layers."""
     if tp > 1:
-        raise ValueError(f"parallel.tp ({tp}) must be 1 for MoE models because Megatron's MoE layer refuses to "
-                         f"train with TP > 1 without sequence parallelism, which the local (non-TE) layer spec's "
-                         f"torch norms do not support; split the experts with parallel.ep / parallel.etp instead")
+        raise ValueError(
+            f"parallel.tp ({tp}) must be 1 for MoE models because Megatron's MoE layer refuses to "
+            f"train with TP > 1 without sequence parallelism, which the local (non-TE) layer spec's "
+            f"torch norms do not support; split the experts with parallel.ep / parallel.etp instead"
+        )
     if moe.num_experts % ep != 0:
-        raise ValueError(f"parallel.ep ({ep}) must divide config.json num_experts ({moe.num_experts}) because "
-                         f"every expert-parallel rank holds the same number of experts; set parallel.ep to a divisor")
+        raise ValueError(
+            f"parallel.ep ({ep}) must divide config.json num_experts ({moe.num_experts}) because "
+            f"every expert-parallel rank holds the same number of experts; set parallel.ep to a divisor"
+        )
     balancing = options.load_balancing
     coeff = moe.router_aux_loss_coef if options.aux_loss_coeff is None else options.aux_loss_coeff
     return dict(
@@ -141,8 +149,9 @@ def moe_config_kwargs(moe: MoEArch, options: MoEOptions, tp: int, ep: int, etp: 
     )
 
 
-def moe_mlp_mappings(moe: MoEArch, mc: str, hf: str, ep_rank: int,
-                     ep_size: int) -> list[tuple[str, tuple[str, ...], str]]:
+def moe_mlp_mappings(
+    moe: MoEArch, mc: str, hf: str, ep_rank: int, ep_size: int
+) -> list[tuple[str, tuple[str, ...], str]]:
     """``(megatron_name, hf_names, kind)`` of one MoE layer's MLP on EP rank ``ep_rank``: router, this
     rank's experts, shared expert. ``mc`` / ``hf`` are the layer prefixes (``decoder.layers.0.``)."""
     local = moe.num_experts // ep_size
@@ -150,13 +159,19 @@ def moe_mlp_mappings(moe: MoEArch, mc: str, hf: str, ep_rank: int,
     for j in range(local):
         expert = f"{hf}mlp.experts.{ep_rank * local + j}."
         mc_expert = f"{mc}mlp.experts.local_experts.{j}."
-        rows.append((f"{mc_expert}linear_fc1.weight", (f"{expert}gate_proj.weight", f"{expert}up_proj.weight"),
-                     "concat"))
+        rows.append(
+            (f"{mc_expert}linear_fc1.weight", (f"{expert}gate_proj.weight", f"{expert}up_proj.weight"), "concat")
+        )
         rows.append((f"{mc_expert}linear_fc2.weight", (f"{expert}down_proj.weight",), "copy"))
     if moe.shared_expert_ffn_hidden_size:
         shared = f"{hf}mlp.shared_expert."
-        rows.append((f"{mc}mlp.shared_experts.linear_fc1.weight",
-                     (f"{shared}gate_proj.weight", f"{shared}up_proj.weight"), "concat"))
+        rows.append(
+            (
+                f"{mc}mlp.shared_experts.linear_fc1.weight",
+                (f"{shared}gate_proj.weight", f"{shared}up_proj.weight"),
+                "concat",
+            )
+        )
         rows.append((f"{mc}mlp.shared_experts.linear_fc2.weight", (f"{shared}down_proj.weight",), "copy"))
         rows.append((f"{mc}mlp.shared_experts.gate_weight", (f"{hf}mlp.shared_expert_gate.weight",), "copy"))
     return rows

@@ -24,8 +24,9 @@ ForwardStep = Callable[[Any, Any], tuple[torch.Tensor, Callable]]
 """Megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)``."""
 
 
-def run_schedule(model: MegatronModel, forward_step: ForwardStep, micro_batches: Sequence,
-                 forward_only: bool) -> list[dict[str, torch.Tensor]]:
+def run_schedule(
+    model: MegatronModel, forward_step: ForwardStep, micro_batches: Sequence, forward_only: bool
+) -> list[dict[str, torch.Tensor]]:
     """Megatron's forward/backward schedule over ``micro_batches`` (1F1B when PP > 1, else no pipelining).
 
     Returns ``loss_func``'s metric dicts, one per micro-batch, on the last stage; ``[]`` on other stages.
@@ -37,14 +38,23 @@ def run_schedule(model: MegatronModel, forward_step: ForwardStep, micro_batches:
     model.module.config.variable_seq_lengths = model.parallel.pp_size > 1
     first = micro_batches[0].tokens
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model.ddp,
-        num_microbatches=len(micro_batches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=model.ddp,
+        num_microbatches=len(micro_batches),
+        seq_length=first.shape[1],
+        micro_batch_size=first.shape[0],
         forward_only=forward_only,
     )
 
 
-def last_stage_outputs(model: MegatronModel, tokens: torch.Tensor, forward: Callable[[], torch.Tensor],
-                       head: Callable[[torch.Tensor], list[torch.Tensor]], count: int) -> list[torch.Tensor]:
+def last_stage_outputs(
+    model: MegatronModel,
+    tokens: torch.Tensor,
+    forward: Callable[[], torch.Tensor],
+    head: Callable[[torch.Tensor], list[torch.Tensor]],
+    count: int,
+) -> list[torch.Tensor]:
     """``head(forward())`` on every rank: ``count`` float32 tensors of shape ``[B, S-1]`` for ``tokens [B, S]``.
 
     PP=1: a plain (differentiable) forward. PP>1: the schedule's forward-only pass (``forward`` runs on

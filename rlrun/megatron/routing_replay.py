@@ -49,10 +49,11 @@ class RoutingReplay:
         self._actions = RouterReplayAction
         self.model = model
         self.mode = mode
-        layers = [layer for layer in model.module.decoder.layers if isinstance(getattr(layer.mlp, "router", None),
-                                                                                TopKRouter)]
+        layers = [
+            layer for layer in model.module.decoder.layers if isinstance(getattr(layer.mlp, "router", None), TopKRouter)
+        ]
         moe_flags = model.arch.moe.moe_layers
-        self.moe_layers = [sum(moe_flags[:layer.layer_number - 1]) for layer in layers]
+        self.moe_layers = [sum(moe_flags[: layer.layer_number - 1]) for layer in layers]
         """This stage's routers as indices into an engine layer axis of MoE layers only (embedded engine)."""
         self.model_layers = [layer.layer_number - 1 for layer in layers]
         """The same as indices into an axis of every decoder layer (SGLang returns one row per layer)."""
@@ -71,8 +72,10 @@ class RoutingReplay:
         if mode == "none":
             return None
         if model.arch.moe is None:
-            raise ValueError(f"algorithm.routing_replay ({mode!r}) must be 'none' for a dense model because only "
-                             f"MoE routers have routing to replay; set algorithm.routing_replay: none")
+            raise ValueError(
+                f"algorithm.routing_replay ({mode!r}) must be 'none' for a dense model because only "
+                f"MoE routers have routing to replay; set algorithm.routing_replay: none"
+            )
         return cls(model, mode)
 
     # ---- what the step calls ----------------------------------------------------------------------
@@ -103,8 +106,10 @@ class RoutingReplay:
                 yield
                 return
         if len(targets) != len(micro_batches):
-            raise RuntimeError(f"routing replay holds {len(targets)} recorded micro-batches for "
-                               f"{len(micro_batches)} to train on; the old forward must cover the same ones")
+            raise RuntimeError(
+                f"routing replay holds {len(targets)} recorded micro-batches for "
+                f"{len(micro_batches)} to train on; the old forward must cover the same ones"
+            )
         with self._replaying(targets):
             yield
 
@@ -114,9 +119,11 @@ class RoutingReplay:
         from rlrun.megatron.attention import packed_seq_params
 
         if mb.routed_experts is None:
-            raise ValueError("algorithm.routing_replay ('rollout') needs the engine's routed experts in every "
-                             "micro-batch because they are replayed; use the embedded engine or SGLang with "
-                             "enable_return_routed_experts, and no multi-turn generate_fn")
+            raise ValueError(
+                "algorithm.routing_replay ('rollout') needs the engine's routed experts in every "
+                "micro-batch because they are replayed; use the embedded engine or SGLang with "
+                "enable_return_routed_experts, and no multi-turn generate_fn"
+            )
         experts = mb.routed_experts
         if packed_seq_params(mb.position_ids, torch.device("cpu")) is None:
             experts = experts.transpose(0, 1)  # sbhd: the router sees [S, B]
@@ -127,8 +134,10 @@ class RoutingReplay:
         elif flat.shape[1] == len(moe_flags):
             index = self.model_layers
         else:
-            raise ValueError(f"routed experts have {flat.shape[1]} layers but the model has {len(moe_flags)} "
-                             f"decoder layers, {sum(moe_flags)} of them MoE; the engine must serve model.path")
+            raise ValueError(
+                f"routed experts have {flat.shape[1]} layers but the model has {len(moe_flags)} "
+                f"decoder layers, {sum(moe_flags)} of them MoE; the engine must serve model.path"
+            )
         device = self.model.parallel.device
         return [flat[:, layer].to(device=device, dtype=torch.long) for layer in index]
 
@@ -165,7 +174,7 @@ class RoutingReplay:
     def _before_forward(self, _module, _args) -> None:
         if not self._targets:
             return
-        for replay, target in zip(self.replays, self._targets.pop(0)):
+        for replay, target in zip(self.replays, self._targets.pop(0), strict=True):
             replay.clear_indices()
             replay.set_target_indices(target)
 

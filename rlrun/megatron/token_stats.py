@@ -29,8 +29,9 @@ CHUNK_BYTES = 1 << 30
 """fp32 bytes of one chunk's ``[tokens, V_local]`` slice: two such buffers live at a time."""
 
 
-def chunked_token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_start: int,
-                        vocab_size: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_start: int, vocab_size: int, group
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log p(targets), entropy)``, float32 of ``targets``' shape, for local logits ``[..., V_local]``
     holding vocabulary ids ``[vocab_start, vocab_start + V_local)``; ``group``: the TP process group."""
     valid = min(max(vocab_size - vocab_start, 0), logits.shape[-1])
@@ -86,19 +87,21 @@ class _TokenStats(torch.autograd.Function):
         x = logits if logits.dim() == 3 else logits.unsqueeze(0)
         inv_t = 1.0 / ctx.temperature
         grad = torch.empty_like(x)
-        grad[..., ctx.valid:] = 0
-        g_lp = torch.zeros_like(log_normalizer) if grad_logprobs is None else grad_logprobs.reshape(log_normalizer.shape)
+        grad[..., ctx.valid :] = 0
+        g_lp = (
+            torch.zeros_like(log_normalizer) if grad_logprobs is None else grad_logprobs.reshape(log_normalizer.shape)
+        )
         b = -inv_t * g_lp
         if grad_entropy is not None:
             g_ent = grad_entropy.reshape(log_normalizer.shape)
             a, b = -inv_t * g_ent, b - inv_t * g_ent * entropy
         for row, start, stop in _pieces(x.shape, x.shape[-1]):
             span = slice(start, stop)
-            log_p = torch.add(-log_normalizer[row, span].unsqueeze(-1), x[row, span, :ctx.valid], alpha=inv_t)
+            log_p = torch.add(-log_normalizer[row, span].unsqueeze(-1), x[row, span, : ctx.valid], alpha=inv_t)
             coef = b[row, span].unsqueeze(-1)
             if grad_entropy is not None:
                 coef = torch.addcmul(coef, log_p, a[row, span].unsqueeze(-1))
             dz = log_p.exp_().mul_(coef)
             dz.scatter_add_(-1, t[row, span].unsqueeze(-1), (inv_t * g_lp[row, span] * owned[row, span]).unsqueeze(-1))
-            grad[row, span, :ctx.valid] = dz
+            grad[row, span, : ctx.valid] = dz
         return grad.reshape(logits.shape), None, None, None, None, None

@@ -50,8 +50,9 @@ Every call on every rank must return the same metric names (they are summed by o
 none of ``RESERVED_METRICS``."""
 
 
-def make_optimizer(model: MegatronModel, lr: float, weight_decay: float, betas: tuple[float, float],
-                   eps: float, clip_grad: float) -> MegatronOptimizer:
+def make_optimizer(
+    model: MegatronModel, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, clip_grad: float
+) -> MegatronOptimizer:
     """Megatron's Adam(W) over the DDP model: fp32 main weights for bf16 models, global-norm clipping;
     the distributed optimizer when the model's DDP was built for it (``build_model``'s flag).
 
@@ -62,8 +63,15 @@ def make_optimizer(model: MegatronModel, lr: float, weight_decay: float, betas: 
 
     bf16 = model.dtype == "bfloat16"
     config = OptimizerConfig(
-        optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
-        adam_beta2=betas[1], adam_eps=eps, clip_grad=clip_grad, bf16=bf16,
+        optimizer="adam",
+        lr=lr,
+        min_lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=eps,
+        clip_grad=clip_grad,
+        bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=model.ddp.ddp_config.use_distributed_optimizer,
     )
@@ -82,25 +90,43 @@ def make_scheduler(optimizer: MegatronOptimizer, cfg: OptimizerSettings, num_ste
 
     decay_steps = cfg.lr_decay_steps if cfg.lr_decay_steps is not None else num_steps
     if cfg.lr_decay_style != "constant" and decay_steps <= cfg.lr_warmup_steps:
-        raise ValueError(f"optimizer.lr_decay_steps ({decay_steps}) must exceed optimizer.lr_warmup_steps "
-                         f"({cfg.lr_warmup_steps}) because decay starts after warmup; set lr_decay_steps "
-                         f"(default train.num_steps) larger or warm up for fewer steps")
+        raise ValueError(
+            f"optimizer.lr_decay_steps ({decay_steps}) must exceed optimizer.lr_warmup_steps "
+            f"({cfg.lr_warmup_steps}) because decay starts after warmup; set lr_decay_steps "
+            f"(default train.num_steps) larger or warm up for fewer steps"
+        )
     for group in optimizer.param_groups:  # Megatron reads each group's bounds first; make_optimizer set both to lr
         group["max_lr"], group["min_lr"] = cfg.lr, cfg.min_lr
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_steps,
-        lr_decay_steps=max(decay_steps, cfg.lr_warmup_steps + 1), lr_decay_style=cfg.lr_decay_style,
-        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+        optimizer,
+        init_lr=0.0,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=max(decay_steps, cfg.lr_warmup_steps + 1),
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 
-def make_optimizer_and_scheduler(model: MegatronModel, cfg: OptimizerSettings,
-                                 num_steps: int) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+def make_optimizer_and_scheduler(
+    model: MegatronModel, cfg: OptimizerSettings, num_steps: int
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """:func:`make_optimizer` and :func:`make_scheduler` from one optimizer config (the actor's or the
     critic's)."""
-    optimizer = make_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                               eps=cfg.adam_eps, clip_grad=cfg.clip_grad)
+    optimizer = make_optimizer(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+    )
     return optimizer, make_scheduler(optimizer, cfg, num_steps)
 
 
@@ -126,9 +152,15 @@ def _sync_grads(model_chunks, num_tokens, pg_collection=None, force_all_reduce=F
     finalize_model_grads(model_chunks, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
-def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence[MicroBatch],
-               loss_fn: LossFn, num_global_tokens: int, temperature: float,
-               with_entropy: bool = False) -> dict[str, float]:
+def train_step(
+    model: MegatronModel,
+    optimizer: MegatronOptimizer,
+    micro_batches: Sequence[MicroBatch],
+    loss_fn: LossFn,
+    num_global_tokens: int,
+    temperature: float,
+    with_entropy: bool = False,
+) -> dict[str, float]:
     """Forward/backward every micro-batch, sync gradients over DP, clip and step.
 
     Returns ``loss`` (sum of ``loss_sum`` over all DP ranks and micro-batches / ``num_global_tokens``),
@@ -138,15 +170,21 @@ def train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches
 
     def output_loss(micro_batch, output):
         targets = micro_batch.tokens[:, 1:].to(output.device)
-        logprobs, entropy = vocab_parallel_token_stats(output[:, :-1], targets, temperature,
-                                                       model.arch.vocab_size, with_entropy=with_entropy)
+        logprobs, entropy = vocab_parallel_token_stats(
+            output[:, :-1], targets, temperature, model.arch.vocab_size, with_entropy=with_entropy
+        )
         return loss_fn(micro_batch, logprobs, *((entropy,) if with_entropy else ()))
 
     return optimizer_step(model, optimizer, micro_batches, output_loss, num_global_tokens)
 
 
-def optimizer_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence,
-                   output_loss: Callable, num_global_tokens: int) -> dict[str, float]:
+def optimizer_step(
+    model: MegatronModel,
+    optimizer: MegatronOptimizer,
+    micro_batches: Sequence,
+    output_loss: Callable,
+    num_global_tokens: int,
+) -> dict[str, float]:
     """The schedule shared by the actor and the critic: ``output_loss(micro_batch, model_output)`` gives
     ``(loss_sum, metrics)``; gradients are d(sum over DP ranks and micro-batches of loss_sum) /
     ``num_global_tokens`` (DDP sums, never averages, over DP).
@@ -154,8 +192,10 @@ def optimizer_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_bat
     With PP > 1 Megatron's 1F1B schedule runs ``output_loss`` on the last stage only; its sums are then
     broadcast to the other stages. The grad norm and the step already span the pipeline in Megatron."""
     if num_global_tokens <= 0:
-        raise ValueError(f"num_global_tokens ({num_global_tokens}) must be positive because it divides the "
-                         f"loss; count the loss-masked tokens of the whole step across DP ranks")
+        raise ValueError(
+            f"num_global_tokens ({num_global_tokens}) must be positive because it divides the "
+            f"loss; count the loss-masked tokens of the whole step across DP ranks"
+        )
     config = model.module.config
     config.no_sync_func = model.ddp.no_sync
     config.finalize_model_grads_func = _sync_grads
@@ -195,8 +235,10 @@ def _sum_over_dp(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, fl
 
     names = sorted(per_micro_batch[0])
     if any(sorted(metrics) != names for metrics in per_micro_batch):
-        raise ValueError(f"loss_fn must return the same metric names for every micro-batch; got "
-                         f"{[sorted(m) for m in per_micro_batch]}")
+        raise ValueError(
+            f"loss_fn must return the same metric names for every micro-batch; got "
+            f"{[sorted(m) for m in per_micro_batch]}"
+        )
     totals = torch.stack([sum(m[name].detach().float().reshape(()) for m in per_micro_batch) for name in names])
     all_reduce(totals, mpu.get_data_parallel_group())
-    return dict(zip(names, totals.tolist()))
+    return dict(zip(names, totals.tolist(), strict=True))

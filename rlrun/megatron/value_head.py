@@ -47,8 +47,9 @@ class ValueHead(torch.nn.Module):
         return self.linear(hidden_states), None
 
 
-def build_critic_model(hf_dir: str, parallel: Parallel, dtype: str, seed: int,
-                       packed_attention: str = "auto") -> MegatronModel:
+def build_critic_model(
+    hf_dir: str, parallel: Parallel, dtype: str, seed: int, packed_attention: str = "auto"
+) -> MegatronModel:
     """The critic of ``hf_dir`` on this rank (TP shards of the trunk, the whole head), in Megatron DDP."""
     # the actor's trunk (its LM head is dropped)
     gpt, arch, config = build_gpt(hf_dir, parallel, dtype, packed_attention=packed_attention)
@@ -67,9 +68,11 @@ def init_value_head(head: ValueHead, checkpoint: HFCheckpoint, std: float, seed:
     if HF_HEAD_NAMES[0] in checkpoint.names():
         loaded = checkpoint.get(HF_HEAD_NAMES[0])
         if tuple(loaded.shape) != tuple(weight.shape):
-            raise ValueError(f"{checkpoint.hf_dir}: score.weight ({tuple(loaded.shape)}) must have shape "
-                             f"{tuple(weight.shape)} because it is the critic's scalar value head; use a one-label "
-                             f"value model or remove score.* to start the head fresh")
+            raise ValueError(
+                f"{checkpoint.hf_dir}: score.weight ({tuple(loaded.shape)}) must have shape "
+                f"{tuple(weight.shape)} because it is the critic's scalar value head; use a one-label "
+                f"value model or remove score.* to start the head fresh"
+            )
         weight.copy_(loaded)
         bias.copy_(checkpoint.get(HF_HEAD_NAMES[1]) if HF_HEAD_NAMES[1] in checkpoint.names() else torch.zeros(1))
         return
@@ -82,14 +85,25 @@ def compute_values(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
     """``[B, S-1]`` float32 values: position ``t`` is the value of the prefix ``tokens[:, :t+1]``, the state
     in which ``tokens[:, t+1]`` is generated (the layout of log-probs and advantages). On every rank: with
     PP > 1 the last stage computes them and broadcasts them."""
-    (values,) = last_stage_outputs(model, tokens, lambda: forward_logits(model, tokens, position_ids),
-                                   lambda out: [out[:, :-1, 0].float()], count=1)
+    (values,) = last_stage_outputs(
+        model,
+        tokens,
+        lambda: forward_logits(model, tokens, position_ids),
+        lambda out: [out[:, :-1, 0].float()],
+        count=1,
+    )
     return values
 
 
-def value_train_step(model: MegatronModel, optimizer: MegatronOptimizer, micro_batches: Sequence,
-                     loss_fn: ValueLossFn, num_global_tokens: int) -> dict[str, float]:
+def value_train_step(
+    model: MegatronModel,
+    optimizer: MegatronOptimizer,
+    micro_batches: Sequence,
+    loss_fn: ValueLossFn,
+    num_global_tokens: int,
+) -> dict[str, float]:
     """One optimizer step of the critic, on the actor's schedule (``rlrun.megatron.train.optimizer_step``):
     ``loss`` is the DP-summed loss / ``num_global_tokens``, ``grad_norm`` is before clipping."""
-    return optimizer_step(model, optimizer, micro_batches,
-                          lambda mb, out: loss_fn(mb, out[:, :-1, 0].float()), num_global_tokens)
+    return optimizer_step(
+        model, optimizer, micro_batches, lambda mb, out: loss_fn(mb, out[:, :-1, 0].float()), num_global_tokens
+    )

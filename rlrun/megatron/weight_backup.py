@@ -61,8 +61,10 @@ class WeightBackup:
 
     def _get(self, tag: str) -> dict[str, torch.Tensor]:
         if tag not in self._copies:
-            raise KeyError(f"weight backup tag ({tag!r}) must be one of {self.tags} because only those were "
-                           f"backed up; call backup({tag!r}) first")
+            raise KeyError(
+                f"weight backup tag ({tag!r}) must be one of {self.tags} because only those were "
+                f"backed up; call backup({tag!r}) first"
+            )
         return self._copies[tag]
 
     def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

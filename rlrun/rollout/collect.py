@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from rlrun.config.schema import RolloutConfig, RunConfig
@@ -69,9 +69,13 @@ class RoundTally:
         exhausted = len(self.kept) < self.target
         groups = self.kept[: self.target] if self.kept else self.last_round
         if exhausted:
-            logger.warning("dynamic filter kept %d of %d groups after %d rounds (rollout.max_sampling_rounds); "
-                           "training on %s", len(self.kept), self.target, self.rounds,
-                           "those" if self.kept else "the last round's groups unfiltered")
+            logger.warning(
+                "dynamic filter kept %d of %d groups after %d rounds (rollout.max_sampling_rounds); training on %s",
+                len(self.kept),
+                self.target,
+                self.rounds,
+                "those" if self.kept else "the last round's groups unfiltered",
+            )
         metrics = {
             "rollout/sampling_rounds": self.rounds,
             "rollout/prompts_drawn": self.prompts_drawn,
@@ -96,9 +100,11 @@ class RolloutHooks:
     def load(cls, r: RolloutConfig) -> RolloutHooks:
         """Import every hook the config names; raises ``RewardSpecError`` / ``HookSpecError`` naming the key
         (cheap: call it when the config is loaded, so a bad path fails before any model loads)."""
-        return cls(reward_fn=load_reward_fn(r.reward, r.remote_reward),
-                   generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
-                   group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None)
+        return cls(
+            reward_fn=load_reward_fn(r.reward, r.remote_reward),
+            generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
+            group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None,
+        )
 
 
 @dataclass
@@ -118,8 +124,15 @@ class RolloutRuntime:
 
     @classmethod
     def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler, group=None) -> RolloutRuntime:
-        runtime = cls(cfg=cfg, parallel=parallel, engine=engine, tokenizer=tokenizer, sampler=sampler,
-                      hooks=RolloutHooks.load(cfg.rollout), group=group)
+        runtime = cls(
+            cfg=cfg,
+            parallel=parallel,
+            engine=engine,
+            tokenizer=tokenizer,
+            sampler=sampler,
+            hooks=RolloutHooks.load(cfg.rollout),
+            group=group,
+        )
         if runtime.hooks.generate_fn is not None:
             runtime.max_context_tokens = cfg.rollout.max_context_tokens or model_context_tokens(cfg.model.path)
         if cfg.eval.interval > 0:
@@ -130,21 +143,29 @@ class RolloutRuntime:
         """Eval metrics (rank 0) when ``eval.interval`` says this step evaluates, else ``{}``."""
         return self.evaluator.run(step) if self.evaluator is not None and self.evaluator.due(step) else {}
 
-    def generate_and_score(self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None) -> list[Sample]:
+    def generate_and_score(
+        self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None
+    ) -> list[Sample]:
         """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them. In an
         engine group every rank passes its share and gets its own samples back, but the leader generates
         and scores the whole group's prompts in one call (with its ``seed``)."""
         r = rollout_cfg or self.cfg.rollout
         if self.group is None:
             return self._generate_and_score_here(prompts, seed, r)
-        return self.group.run_on_leader(prompts, lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r),
-                                        r.samples_per_prompt)
+        return self.group.run_on_leader(
+            prompts, lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r), r.samples_per_prompt
+        )
 
     def _generate_and_score_here(self, prompts: list[Prompt], seed: int, r: RolloutConfig) -> list[Sample]:
-        samples = generate_samples(self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn,
-                                   self.max_context_tokens)
-        score_samples(samples, self.hooks.reward_fn, group_size=r.samples_per_prompt if r.reward_per_group else None,
-                      concurrency=r.reward_concurrency)
+        samples = generate_samples(
+            self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn, self.max_context_tokens
+        )
+        score_samples(
+            samples,
+            self.hooks.reward_fn,
+            group_size=r.samples_per_prompt if r.reward_per_group else None,
+            concurrency=r.reward_concurrency,
+        )
         return samples
 
     def collect(self, step: int) -> RolloutBatch | None:
@@ -197,6 +218,8 @@ def model_context_tokens(model_path: str) -> int:
 
     limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     if not limit:
-        raise ValueError(f"rollout.max_context_tokens (None) must be set because {model_path}'s config has no "
-                         "max_position_embeddings to default to; set rollout.max_context_tokens")
+        raise ValueError(
+            f"rollout.max_context_tokens (None) must be set because {model_path}'s config has no "
+            "max_position_embeddings to default to; set rollout.max_context_tokens"
+        )
     return int(limit)

@@ -34,8 +34,10 @@ def load_rollout(directory: str | Path, step: int) -> list[Sample]:
     """The samples saved for ``step``; a missing file names the directory and the step."""
     path = rollout_path(directory, step)
     if not path.is_file():
-        raise FileNotFoundError(f"debug.load_rollout_data ({directory}) has no {path.name} for step {step}; "
-                                "train for at most as many steps as were saved, or save more with debug.save_rollout_data")
+        raise FileNotFoundError(
+            f"debug.load_rollout_data ({directory}) has no {path.name} for step {step}; "
+            "train for at most as many steps as were saved, or save more with debug.save_rollout_data"
+        )
     samples = []
     with path.open(encoding="utf-8") as lines:
         for line in lines:
@@ -56,7 +58,9 @@ def save_train_data(directory: str | Path, step: int, rank: int, micro_batches: 
 
     path = Path(directory) / f"train_{step:06d}_rank{rank}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{f.name: getattr(mb, f.name) for f in dataclasses.fields(mb) if getattr(mb, f.name) is not None}
-            for mb in micro_batches]
+    rows = [
+        {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb) if getattr(mb, f.name) is not None}
+        for mb in micro_batches
+    ]
     torch.save(rows, path)
     return path

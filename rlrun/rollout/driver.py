@@ -37,8 +37,15 @@ def sampling_params(cfg: RolloutConfig, seed: int) -> dict:
     }
 
 
-def generate_samples(engine, prompts: list[Prompt], cfg: RolloutConfig, seed: int, tokenizer,
-                     generate_fn: Callable | None = None, max_context_tokens: int | None = None) -> list[Sample]:
+def generate_samples(
+    engine,
+    prompts: list[Prompt],
+    cfg: RolloutConfig,
+    seed: int,
+    tokenizer,
+    generate_fn: Callable | None = None,
+    max_context_tokens: int | None = None,
+) -> list[Sample]:
     """``samples_per_prompt`` responses per prompt, prompt-major: one engine call, or the custom
     multi-turn ``generate_fn`` (:mod:`rlrun.rollout.multiturn`, trajectories capped at
     ``max_context_tokens``) when ``rollout.generate_fn`` is set."""
@@ -46,8 +53,9 @@ def generate_samples(engine, prompts: list[Prompt], cfg: RolloutConfig, seed: in
         return []
     n = cfg.samples_per_prompt
     if generate_fn is not None:
-        return run_generate_fn(generate_fn, engine, prompts, n, sampling_params(cfg, seed), seed, tokenizer,
-                               max_context_tokens)
+        return run_generate_fn(
+            generate_fn, engine, prompts, n, sampling_params(cfg, seed), seed, tokenizer, max_context_tokens
+        )
     results = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg, seed), return_logprob=True)
     if len(results) != len(prompts) * n:
         raise RuntimeError(f"engine returned {len(results)} results for {len(prompts)} prompts x n={n}")

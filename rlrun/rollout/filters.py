@@ -31,9 +31,11 @@ def load_filter(spec: str) -> GroupFilter:
     try:
         return resolve_hook(spec, num_args=1)
     except HookSpecError as err:
-        raise HookSpecError(f"rollout.dynamic_filter ('{spec}') must be a built-in ({', '.join(BUILTIN_FILTERS)}) "
-                            f"or name a function with signature {SIGNATURE}, but {err.reason}; "
-                            "set rollout.dynamic_filter to nonzero_std, module:function or path/to/file.py:function") from None
+        raise HookSpecError(
+            f"rollout.dynamic_filter ('{spec}') must be a built-in ({', '.join(BUILTIN_FILTERS)}) "
+            f"or name a function with signature {SIGNATURE}, but {err.reason}; "
+            "set rollout.dynamic_filter to nonzero_std, module:function or path/to/file.py:function"
+        ) from None
 
 
 def apply_filter(fn: GroupFilter, groups: list[list[Sample]]) -> list[list[Sample]]:
@@ -42,8 +44,10 @@ def apply_filter(fn: GroupFilter, groups: list[list[Sample]]) -> list[list[Sampl
     for group in groups:
         verdict = fn(group)
         if not isinstance(verdict, bool):
-            raise TypeError(f"rollout.dynamic_filter returned {verdict!r} for group {group[0].group_index}; "
-                            f"expected a bool ({SIGNATURE})")
+            raise TypeError(
+                f"rollout.dynamic_filter returned {verdict!r} for group {group[0].group_index}; "
+                f"expected a bool ({SIGNATURE})"
+            )
         if verdict:
             kept.append(group)
     return kept

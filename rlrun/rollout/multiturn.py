@@ -44,11 +44,15 @@ def load_generate_fn(spec: str) -> Callable:
     try:
         fn = resolve_hook(spec, num_args=1, allow_async=True)
     except HookSpecError as err:
-        raise HookSpecError(f"rollout.generate_fn ('{spec}') must name a function with signature {SIGNATURE}, "
-                            f"but {err.reason}; set rollout.generate_fn to module:function or path/to/file.py:function") from None
+        raise HookSpecError(
+            f"rollout.generate_fn ('{spec}') must name a function with signature {SIGNATURE}, "
+            f"but {err.reason}; set rollout.generate_fn to module:function or path/to/file.py:function"
+        ) from None
     if not asyncio.iscoroutinefunction(fn):
-        raise HookSpecError(f"rollout.generate_fn ('{spec}') must be an async def with signature {SIGNATURE} "
-                            "because trajectories run concurrently in one event loop; make it async")
+        raise HookSpecError(
+            f"rollout.generate_fn ('{spec}') must be an async def with signature {SIGNATURE} "
+            "because trajectories run concurrently in one event loop; make it async"
+        )
     return fn
 
 
@@ -91,10 +95,12 @@ class TurnBatcher:
             batch, self.pending = self.pending, []
             self.all_waiting.clear()
             try:
-                results = self.engine.generate([ids for ids, _, _ in batch], [p for _, p, _ in batch], return_logprob=True)
+                results = self.engine.generate(
+                    [ids for ids, _, _ in batch], [p for _, p, _ in batch], return_logprob=True
+                )
             except Exception as err:  # noqa: BLE001 - handed to the trajectories, which re-raise it
                 results = [err] * len(batch)
-            for (_, _, future), result in zip(batch, results):
+            for (_, _, future), result in zip(batch, results, strict=True):
                 if isinstance(result, Exception):
                     future.set_exception(result)
                 else:
@@ -132,9 +138,11 @@ class Trajectory:
         """
         room = self.max_context_tokens - len(self.prompt.prompt_ids) - len(self.response_ids)
         if room <= 0 and self.num_turns == 0:
-            raise ValueError(f"prompt {self.prompt.index} ({len(self.prompt.prompt_ids)} tokens) must be shorter than "
-                             f"rollout.max_context_tokens ({self.max_context_tokens}) because the model needs room to "
-                             "answer; shorten the prompt or raise rollout.max_context_tokens")
+            raise ValueError(
+                f"prompt {self.prompt.index} ({len(self.prompt.prompt_ids)} tokens) must be shorter than "
+                f"rollout.max_context_tokens ({self.max_context_tokens}) because the model needs room to "
+                "answer; shorten the prompt or raise rollout.max_context_tokens"
+            )
         if room <= 0:
             self.finish_reason = "length"
             raise ContextFull(f"prompt + response reached max_context_tokens ({self.max_context_tokens})")
@@ -167,23 +175,40 @@ class Trajectory:
 
     def to_sample(self) -> Sample:
         """The finished trajectory; ``response_text`` keeps special tokens so turns stay visible to rewards."""
-        return Sample(group_index=self.prompt.index, prompt=self.prompt, response_ids=self.response_ids,
-                      response_text=self.tokenizer.decode(self.response_ids, skip_special_tokens=False),
-                      rollout_logprobs=self.logprobs, finish_reason=self.finish_reason,
-                      weight_version=self.weight_version, loss_mask=self.loss_mask)
+        return Sample(
+            group_index=self.prompt.index,
+            prompt=self.prompt,
+            response_ids=self.response_ids,
+            response_text=self.tokenizer.decode(self.response_ids, skip_special_tokens=False),
+            rollout_logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            weight_version=self.weight_version,
+            loss_mask=self.loss_mask,
+        )
 
 
-def run_generate_fn(fn: Callable, engine, prompts: list[Prompt], n: int, sampling: dict, seed: int,
-                    tokenizer, max_context_tokens: int) -> list[Sample]:
+def run_generate_fn(
+    fn: Callable, engine, prompts: list[Prompt], n: int, sampling: dict, seed: int, tokenizer, max_context_tokens: int
+) -> list[Sample]:
     """``n`` trajectories per prompt through ``fn``; samples come back prompt-major."""
     return asyncio.run(_run_all(fn, engine, prompts, n, sampling, seed, tokenizer, max_context_tokens))
 
 
 async def _run_all(fn, engine, prompts, n, sampling, seed, tokenizer, max_context_tokens) -> list[Sample]:
     batcher = TurnBatcher(engine, num_live=len(prompts) * n)
-    trajectories = [Trajectory(prompt=p, sample_index=j, tokenizer=tokenizer, sampling=sampling, batcher=batcher,
-                               seed=seed + 1_000_003 * j, max_context_tokens=max_context_tokens)
-                    for p in prompts for j in range(n)]
+    trajectories = [
+        Trajectory(
+            prompt=p,
+            sample_index=j,
+            tokenizer=tokenizer,
+            sampling=sampling,
+            batcher=batcher,
+            seed=seed + 1_000_003 * j,
+            max_context_tokens=max_context_tokens,
+        )
+        for p in prompts
+        for j in range(n)
+    ]
 
     async def drive(traj: Trajectory) -> None:
         try:
@@ -191,13 +216,17 @@ async def _run_all(fn, engine, prompts, n, sampling, seed, tokenizer, max_contex
         except ContextFull:
             pass  # a normal end: the trajectory is as long as it may get
         except Exception as err:
-            raise RuntimeError(f"rollout.generate_fn raised for prompt {traj.prompt.index} sample {traj.sample_index} "
-                               f"after {traj.num_turns} turns: {type(err).__name__}: {err}") from err
+            raise RuntimeError(
+                f"rollout.generate_fn raised for prompt {traj.prompt.index} sample {traj.sample_index} "
+                f"after {traj.num_turns} turns: {type(err).__name__}: {err}"
+            ) from err
         finally:
             batcher.finished()
         if traj.num_turns == 0:
-            raise RuntimeError(f"rollout.generate_fn returned for prompt {traj.prompt.index} without calling "
-                               "traj.generate(); every trajectory needs at least one model turn")
+            raise RuntimeError(
+                f"rollout.generate_fn returned for prompt {traj.prompt.index} without calling "
+                "traj.generate(); every trajectory needs at least one model turn"
+            )
 
     server = asyncio.create_task(batcher.serve())
     try:

@@ -101,8 +101,15 @@ class Parallel:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_distributed(tp: int, pp: int, seed: int, timeout_s: float = 600, ep: int = 1, etp: int = 1,
-                     reloadable_backends: tuple[str, ...] = ()) -> Parallel:
+def init_distributed(
+    tp: int,
+    pp: int,
+    seed: int,
+    timeout_s: float = 600,
+    ep: int = 1,
+    etp: int = 1,
+    reloadable_backends: tuple[str, ...] = (),
+) -> Parallel:
     """Start torch.distributed and Megatron's model-parallel groups for this rank; seed its RNGs.
 
     ``ep`` / ``etp``: expert model- and tensor-parallel sizes of MoE layers (1 for dense models).

@@ -91,13 +91,21 @@ class Watchdog:
     @classmethod
     def start(cls, parallel: Parallel) -> Watchdog:
         env = parallel.env
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                              timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=STORE_TIMEOUT_S),
+            wait_for_workers=False,
+        )
         # A torchrun restart reuses the agent's store: keys of an earlier attempt must not leak in.
-        attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        attempt = (
+            f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        )
         me = PeerInfo(rank=parallel.rank, pid=os.getpid(), host=socket.gethostname())
-        watchdog = cls(me, parallel.world_size, store, f"{env.master_addr}:{env.master_port}",
-                       f"rlrun-watchdog/{attempt}/")
+        watchdog = cls(
+            me, parallel.world_size, store, f"{env.master_addr}:{env.master_port}", f"rlrun-watchdog/{attempt}/"
+        )
         store.set(watchdog._key("peer", me.rank), json.dumps(asdict(me)))
         watchdog._thread.start()
         return watchdog
@@ -122,7 +130,9 @@ class Watchdog:
         try:
             self._publish(f"{self.me.describe()} failed at step {self.step}: {type(exc).__name__}: {first_line}")
         except Exception as store_exc:  # noqa: BLE001 - the original error propagates; this is only a note
-            print(f"[rlrun] {self.me.describe()} could not publish its failure: {store_exc}", file=sys.stderr, flush=True)
+            print(
+                f"[rlrun] {self.me.describe()} could not publish its failure: {store_exc}", file=sys.stderr, flush=True
+            )
 
     # ---- the watcher thread ------------------------------------------------------------------------
 
@@ -134,9 +144,11 @@ class Watchdog:
             except Exception as exc:  # noqa: BLE001 - store unreachable: retried until PEER_TIMEOUT_S
                 if time.monotonic() - self._store_ok_s < PEER_TIMEOUT_S:
                     continue
-                verdict = (f"the rendezvous store at {self._store_addr} has been unreachable for "
-                           f"{PEER_TIMEOUT_S:.0f} s ({exc}): torchrun on the first node (or rank 0 without "
-                           f"torchrun) is gone")
+                verdict = (
+                    f"the rendezvous store at {self._store_addr} has been unreachable for "
+                    f"{PEER_TIMEOUT_S:.0f} s ({exc}): torchrun on the first node (or rank 0 without "
+                    f"torchrun) is gone"
+                )
             if verdict is not None and not self._stop.is_set():
                 self._exit(verdict)
 
@@ -152,8 +164,10 @@ class Watchdog:
         if code is None:
             return None
         how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
-        return (f"the engine worker of {self.me.describe()} (pid {self._engine.pid}) exited with code "
-                f"{code}{how} at step {self.step}; see {self._engine_log}")
+        return (
+            f"the engine worker of {self.me.describe()} (pid {self._engine.pid}) exited with code "
+            f"{code}{how} at step {self.step}; see {self._engine_log}"
+        )
 
     def _neighbour_death(self) -> str | None:
         if self.world_size == 1 or self._store.check([self._key("done", self._neighbour)]):
@@ -168,8 +182,10 @@ class Watchdog:
         if beats != self._neighbour_beats:
             self._neighbour_beats, self._neighbour_seen_s = beats, now
         if now - self._neighbour_seen_s > PEER_TIMEOUT_S:
-            return (f"{who} sent no heartbeat for {PEER_TIMEOUT_S:.0f} s at step {self.step}: its process or "
-                    f"node is gone, or it is stuck without releasing the Python GIL")
+            return (
+                f"{who} sent no heartbeat for {PEER_TIMEOUT_S:.0f} s at step {self.step}: its process or "
+                f"node is gone, or it is stuck without releasing the Python GIL"
+            )
         return None
 
     def _publish(self, cause: str) -> str:

@@ -7,7 +7,8 @@ dtype; the engine.tp=2 run's engine-vs-trainer log-prob gap after each weight sy
 (rlrun/bench/step.py StepResult as JSON) with the same samples per rank.
 
     python scripts/gpu/summarise_multi_gpu.py layouts /tmp/runs/multi_gpu $OUT/multi_gpu_layouts.json
-    python scripts/gpu/summarise_multi_gpu.py scaling $OUT/weak_scaling.json bench_step_ranks1.json bench_step_ranks2.json
+    python scripts/gpu/summarise_multi_gpu.py scaling $OUT/weak_scaling.json \
+        bench_step_ranks1.json bench_step_ranks2.json
 """
 
 from __future__ import annotations
@@ -63,12 +64,20 @@ def compare(layout: dict, baseline: dict, tol: Tolerance) -> dict:
     """Step-0 differences of one layout from the baseline, relative to the baseline's value."""
     got, want = layout["rows"][0], baseline["rows"][0]
     bounds = {"train/loss": tol.loss_rel, "train/entropy": tol.loss_rel, "train/grad_norm": tol.grad_norm_rel}
-    out = {"steps_logged": len(layout["rows"]), "parallel": layout["config"]["parallel"],
-           "ranks": layout["engines"]}  # one engine per rank at engine.tp=1
+    out = {
+        "steps_logged": len(layout["rows"]),
+        "parallel": layout["config"]["parallel"],
+        "ranks": layout["engines"],
+    }  # one engine per rank at engine.tp=1
     for key in COMPARED:
         rel = abs(got[key] - want[key]) / abs(want[key])
-        out[key] = {"layout": got[key], "baseline": want[key], "rel_diff": rel, "bound": bounds[key],
-                    "ok": rel <= bounds[key]}
+        out[key] = {
+            "layout": got[key],
+            "baseline": want[key],
+            "rel_diff": rel,
+            "bound": bounds[key],
+            "ok": rel <= bounds[key],
+        }
     out["loss_per_step"] = [row["train/loss"] for row in layout["rows"]]
     out["logprob_gap_per_step"] = [row["train/logprob_gap"] for row in layout["rows"]]
     out["ok"] = out["steps_logged"] == len(baseline["rows"]) and all(out[key]["ok"] for key in COMPARED)
@@ -79,10 +88,15 @@ def engine_tp2(run: dict, tol: Tolerance) -> dict:
     """The engine.tp=2 run: log-prob gaps after the syncs of steps 0 and 1 (logged at steps 1 and 2)."""
     gaps = [row["train/logprob_gap"] for row in run["rows"]]
     synced = gaps[1:]
-    return {"steps_logged": len(gaps), "parallel": run["config"]["parallel"], "engine_tp": run["config"]["engine"]["tp"],
-            "backend": run["config"]["engine"]["backend"],
-            "logprob_gap_per_step": gaps, "bound": tol.logprob_gap,
-            "ok": len(synced) >= 1 and max(synced) <= tol.logprob_gap}
+    return {
+        "steps_logged": len(gaps),
+        "parallel": run["config"]["parallel"],
+        "engine_tp": run["config"]["engine"]["tp"],
+        "backend": run["config"]["engine"]["backend"],
+        "logprob_gap_per_step": gaps,
+        "bound": tol.logprob_gap,
+        "ok": len(synced) >= 1 and max(synced) <= tol.logprob_gap,
+    }
 
 
 def layouts(runs: Path) -> dict:
@@ -91,17 +105,26 @@ def layouts(runs: Path) -> dict:
     baseline = read_run(runs / "baseline")
     found = {name: read_run(runs / name) for name in (*LAYOUTS, *ENGINE_RUNS)}
     if baseline is None and any(found[name] is not None for name in LAYOUTS):
-        raise SystemExit(f"baseline run ({runs / 'baseline'}) must exist because every layout is compared "
-                         "with it; run the baseline step of scripts/gpu/multi_gpu.sh")
+        raise SystemExit(
+            f"baseline run ({runs / 'baseline'}) must exist because every layout is compared "
+            "with it; run the baseline step of scripts/gpu/multi_gpu.sh"
+        )
     first = baseline or next((run for run in found.values() if run is not None), None)
     if first is None:
         raise SystemExit(f"no run under {runs}: run the steps of scripts/gpu/multi_gpu.sh first")
     dtype = first["config"]["model"]["dtype"]
     tol = TOLERANCES[dtype]
-    out = {"dtype": dtype, "tolerance": dataclasses.asdict(tol), "baseline_rows": baseline["rows"] if baseline else [],
-           "layouts": {name: compare(run, baseline, tol) for name, run in found.items()
-                       if run is not None and name not in ENGINE_RUNS},
-           "not_run": [name for name, run in found.items() if run is None]}
+    out = {
+        "dtype": dtype,
+        "tolerance": dataclasses.asdict(tol),
+        "baseline_rows": baseline["rows"] if baseline else [],
+        "layouts": {
+            name: compare(run, baseline, tol)
+            for name, run in found.items()
+            if run is not None and name not in ENGINE_RUNS
+        },
+        "not_run": [name for name, run in found.items() if run is None],
+    }
     for name in ENGINE_RUNS:
         if found[name] is not None:
             out[name] = engine_tp2(found[name], tol)
@@ -113,16 +136,30 @@ def scaling(results: list[dict]) -> dict:
     """Efficiency t(1)/t(N) of the median step seconds at the same samples per rank."""
     per_rank = {r["samples_per_rank"] for r in results}
     if len(per_rank) != 1 or 1 not in {r["ranks"] for r in results}:
-        raise SystemExit(f"bench step results (samples per rank {sorted(per_rank)}, ranks "
-                         f"{sorted(r['ranks'] for r in results)}) must share one samples-per-rank figure and "
-                         "include a 1-rank run because weak scaling fixes the per-GPU work; rerun them")
+        raise SystemExit(
+            f"bench step results (samples per rank {sorted(per_rank)}, ranks "
+            f"{sorted(r['ranks'] for r in results)}) must share one samples-per-rank figure and "
+            "include a 1-rank run because weak scaling fixes the per-GPU work; rerun them"
+        )
     one = next(r for r in results if r["ranks"] == 1)["median_step_s"]
-    rows = [{"ranks": r["ranks"], "samples_per_rank": r["samples_per_rank"], "median_step_s": r["median_step_s"],
-             "median_phases_s": r["median_phases_s"], "median_tokens_per_s": r["median_tokens_per_s"],
-             "efficiency": one / r["median_step_s"], "hardware": r["hardware"], "dtype": r["dtype"]}
-            for r in sorted(results, key=lambda r: r["ranks"])]
-    return {"definition": "efficiency = median s/step at 1 rank / median s/step at N ranks, same samples per rank",
-            "settings": results[0]["settings"], "runs": rows}
+    rows = [
+        {
+            "ranks": r["ranks"],
+            "samples_per_rank": r["samples_per_rank"],
+            "median_step_s": r["median_step_s"],
+            "median_phases_s": r["median_phases_s"],
+            "median_tokens_per_s": r["median_tokens_per_s"],
+            "efficiency": one / r["median_step_s"],
+            "hardware": r["hardware"],
+            "dtype": r["dtype"],
+        }
+        for r in sorted(results, key=lambda r: r["ranks"])
+    ]
+    return {
+        "definition": "efficiency = median s/step at 1 rank / median s/step at N ranks, same samples per rank",
+        "settings": results[0]["settings"],
+        "runs": rows,
+    }
 
 
 def main() -> None:

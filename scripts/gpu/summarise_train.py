@@ -15,12 +15,21 @@ GAP_GOAL = 0.01
 
 
 def summarise(rows: list[dict]) -> dict:
-    steps = [{key: value for key, value in row.items()
-              if key == "step" or key == "train/logprob_gap" or key.startswith(("memory/", "time/", "offload/"))}
-             for row in rows]
+    steps = [
+        {
+            key: value
+            for key, value in row.items()
+            if key == "step" or key == "train/logprob_gap" or key.startswith(("memory/", "time/", "offload/"))
+        }
+        for row in rows
+    ]
     gap = rows[0].get("train/logprob_gap") if rows else None
-    return {"steps_logged": len(rows), "logprob_gap_step0": gap,
-            "logprob_gap_goal_met": gap is not None and gap <= GAP_GOAL, "per_step": steps}
+    return {
+        "steps_logged": len(rows),
+        "logprob_gap_step0": gap,
+        "logprob_gap_goal_met": gap is not None and gap <= GAP_GOAL,
+        "per_step": steps,
+    }
 
 
 def main() -> None:

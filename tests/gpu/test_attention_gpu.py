@@ -17,8 +17,14 @@ def make(cls):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
-                               num_query_groups=KV_HEADS, kv_channels=DIM, attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HEADS * DIM,
+        num_attention_heads=HEADS,
+        num_query_groups=KV_HEADS,
+        kv_channels=DIM,
+        attention_dropout=0.0,
+    )
     return cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 
@@ -31,8 +37,10 @@ def test_varlen_matches_per_sample_sdpa_forward_and_backward():
     assert params.cu_seqlens_device.is_cuda and params.cu_seqlens_q.device.type == "cpu"
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = sum(lengths)
-    leaves = [torch.randn(tokens, h, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-              for h in (HEADS, KV_HEADS, KV_HEADS)]
+    leaves = [
+        torch.randn(tokens, h, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for h in (HEADS, KV_HEADS, KV_HEADS)
+    ]
     grad_out = torch.randn(tokens, HEADS * DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     results = {}
     for cls in (SDPACoreAttention, FlashVarlenCoreAttention):
@@ -40,6 +48,7 @@ def test_varlen_matches_per_sample_sdpa_forward_and_backward():
         out = make(cls)(*inputs, None, packed_seq_params=params)
         out.backward(grad_out)
         results[cls.__name__] = (out.float(), *(t.grad.float() for t in inputs))
-    for reference, varlen, name in zip(results["SDPACoreAttention"], results["FlashVarlenCoreAttention"],
-                                       ("output", "dq", "dk", "dv")):
+    for reference, varlen, name in zip(
+        results["SDPACoreAttention"], results["FlashVarlenCoreAttention"], ("output", "dq", "dk", "dv"), strict=True
+    ):
         torch.testing.assert_close(varlen, reference, atol=2e-2, rtol=2e-2, msg=f"{name} differs")

@@ -65,7 +65,9 @@ def record():
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name(0)
     yield results
-    target = os.environ.get("SGLANG_GPU_JSON") or (os.environ.get("OUT") and f"{os.environ['OUT']}/sglang_gpu_suite.json")
+    target = os.environ.get("SGLANG_GPU_JSON") or (
+        os.environ.get("OUT") and f"{os.environ['OUT']}/sglang_gpu_suite.json"
+    )
     if target:
         Path(target).write_text(json.dumps(results, indent=1, default=str))
 
@@ -82,8 +84,9 @@ def parallel():
 def model_dir(parallel, tmp_path_factory) -> Path:
     from rlrun.bench.shapes import get_shape, write_random_model
 
-    path = write_random_model(get_shape(SHAPE), tmp_path_factory.mktemp("model"), getattr(torch, DTYPE),
-                              str(parallel.device))
+    path = write_random_model(
+        get_shape(SHAPE), tmp_path_factory.mktemp("model"), getattr(torch, DTYPE), str(parallel.device)
+    )
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return path
@@ -100,10 +103,20 @@ def engine(model_dir, tmp_path_factory, record):
         extra_env = {"PYTHONPATH": os.pathsep.join(p for p in (fakes, os.environ.get("PYTHONPATH")) if p)}
     record["memory_gb"]["before_engine"] = used_gb()
     start = time.perf_counter()
-    client = EngineClient.spawn(backend="sglang", model_path=model_dir, run_dir=tmp_path_factory.mktemp("engine"),
-                                rank=0, seed=0, dtype=DTYPE, base_gpu_id=0, enable_memory_saver=True,
-                                server_args=SERVER_ARGS, startup_timeout_s=600, request_timeout_s=300,
-                                extra_env=extra_env)
+    client = EngineClient.spawn(
+        backend="sglang",
+        model_path=model_dir,
+        run_dir=tmp_path_factory.mktemp("engine"),
+        rank=0,
+        seed=0,
+        dtype=DTYPE,
+        base_gpu_id=0,
+        enable_memory_saver=True,
+        server_args=SERVER_ARGS,
+        startup_timeout_s=600,
+        request_timeout_s=300,
+        extra_env=extra_env,
+    )
     record["seconds"]["engine_start"] = time.perf_counter() - start
     record["memory_gb"]["after_engine_start"] = used_gb()
     record["engine_log"] = str(client.log_path)
@@ -127,12 +140,12 @@ def trainer_logprobs(trainer, prompt_ids: list[list[int]], results: list[dict]) 
     """The Megatron trainer's log p(response token | prefix) at temperature 1, ``[B, NEW_TOKENS]`` float32."""
     from rlrun.megatron import compute_logprobs
 
-    rows = [p + r["output_ids"] for p, r in zip(prompt_ids, results)]
+    rows = [p + r["output_ids"] for p, r in zip(prompt_ids, results, strict=True)]
     tokens = torch.tensor(rows, device=trainer.parallel.device)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     with torch.no_grad():
         logprobs = compute_logprobs(trainer, tokens, positions, 1.0).float()
-    return logprobs[:, PROMPT_LEN - 1:].cpu()
+    return logprobs[:, PROMPT_LEN - 1 :].cpu()
 
 
 def gap(trainer, engine, seed: int, version: str) -> tuple[float, float, torch.Tensor, list]:
@@ -169,8 +182,7 @@ def test_weight_sync_from_megatron_moves_the_engine_to_the_trainers_weights(engi
                 if param.dim() >= 2:
                     noise = torch.randn(param.shape, generator=g, device=param.device, dtype=torch.float32)
                     param.copy_((param.float().std() * noise).to(param.dtype))
-        stats = engine.update_weights(export_hf_weights(trainer), weight_version="synced-1",
-                                      bucket_bytes=BUCKET_BYTES)
+        stats = engine.update_weights(export_hf_weights(trainer), weight_version="synced-1", bucket_bytes=BUCKET_BYTES)
         record["sync"] = {**stats, "gb_per_s": stats["num_bytes"] / stats["seconds"] / GB}
         assert engine.get_weight_version() == "synced-1"
         mean, worst, trainer_lp, (prompt_ids, results) = gap(trainer, engine, seed=2, version="synced-1")
@@ -178,7 +190,7 @@ def test_weight_sync_from_megatron_moves_the_engine_to_the_trainers_weights(engi
         assert stats["num_buckets"] >= 2 and mean <= GAP_GOAL, (stats, mean)
     finally:
         with torch.no_grad():  # the next test syncs the unperturbed weights back to the engine
-            for param, original in zip(trainer.module.parameters(), originals):
+            for param, original in zip(trainer.module.parameters(), originals, strict=True):
                 param.copy_(original.to(param.device))
     # the perturbation mattered: the unperturbed trainer scores the same tokens differently
     moved = (trainer_logprobs(trainer, prompt_ids, results) - trainer_lp).abs().mean().item()
@@ -193,13 +205,17 @@ def test_release_and_resume_in_the_documented_order(engine, trainer, record):
 
     mem, secs = record["memory_gb"], record["seconds"]
     mem["before_release"] = used_gb()
-    for step, call in [("release_all", lambda: engine.release_memory_occupation()),
-                       ("resume_weights", lambda: engine.resume_memory_occupation(["weights"])),
-                       ("sync_after_resume", lambda: engine.update_weights(export_hf_weights(trainer),
-                                                                           weight_version="after-resume",
-                                                                           bucket_bytes=BUCKET_BYTES)),
-                       ("resume_kv_cache_cuda_graph", lambda: engine.resume_memory_occupation(["kv_cache",
-                                                                                               "cuda_graph"]))]:
+    for step, call in [
+        ("release_all", lambda: engine.release_memory_occupation()),
+        ("resume_weights", lambda: engine.resume_memory_occupation(["weights"])),
+        (
+            "sync_after_resume",
+            lambda: engine.update_weights(
+                export_hf_weights(trainer), weight_version="after-resume", bucket_bytes=BUCKET_BYTES
+            ),
+        ),
+        ("resume_kv_cache_cuda_graph", lambda: engine.resume_memory_occupation(["kv_cache", "cuda_graph"])),
+    ]:
         start = time.perf_counter()
         call()
         secs[step] = time.perf_counter() - start
@@ -262,4 +278,6 @@ def test_shutdown_leaves_no_process_and_gives_the_memory_back(engine, trainer, r
             time.sleep(0.2)
         record["memory_gb"]["after_shutdown"] = used_gb()
         record["seconds"]["memory_free_after_shutdown"] = time.perf_counter() - start
-        assert before - used_gb() >= 0.9 * held, f"engine held {held:.2f} GB, shutdown gave back {before - used_gb():.2f}"
+        assert before - used_gb() >= 0.9 * held, (
+            f"engine held {held:.2f} GB, shutdown gave back {before - used_gb():.2f}"
+        )

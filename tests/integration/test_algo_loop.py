@@ -39,11 +39,21 @@ def test_all_roles_and_terms_in_the_loop(tiny_model_dirs, tmp_path):
     teacher = make_tiny_model("qwen3", tmp_path / "teacher", seed=5)
     (tmp_path / "hook.py").write_text(HOOK)
     records = run_train(
-        tiny_model_dirs["qwen3"], tmp_path / "run", "train.num_steps=3",
-        "algorithm.advantage_estimator=gspo", "algorithm.eps_clip=0.01", "algorithm.normalize_advantages=true",
-        "algorithm.kl.reward_coef=0.1", "algorithm.kl.estimator=k3", "algorithm.ref.update_interval=2",
-        "algorithm.keep_old_actor=true", f"algorithm.opd.teacher_path={teacher}", "algorithm.opd.kl_coef=0.2",
-        "algorithm.tis.mode=clip", "algorithm.tis.clip=2.0", "algorithm.entropy_coef=0.001",
+        tiny_model_dirs["qwen3"],
+        tmp_path / "run",
+        "train.num_steps=3",
+        "algorithm.advantage_estimator=gspo",
+        "algorithm.eps_clip=0.01",
+        "algorithm.normalize_advantages=true",
+        "algorithm.kl.reward_coef=0.1",
+        "algorithm.kl.estimator=k3",
+        "algorithm.ref.update_interval=2",
+        "algorithm.keep_old_actor=true",
+        f"algorithm.opd.teacher_path={teacher}",
+        "algorithm.opd.kl_coef=0.2",
+        "algorithm.tis.mode=clip",
+        "algorithm.tis.clip=2.0",
+        "algorithm.entropy_coef=0.001",
         f"algorithm.rollout_data_postprocess={tmp_path / 'hook.py'}:record",
     )
     trained = [r for r in records if "train/loss" in r]
@@ -67,4 +77,4 @@ def test_all_roles_and_terms_in_the_loop(tiny_model_dirs, tmp_path):
     for step in by_step:  # whitened over both ranks: mean 0 and (unbiased) variance 1 over the step
         rows = [s for s in seen if s["step"] == step]
         n, total, total_sq = (sum(s[k] for s in rows) for k in ("tokens", "sum", "sum_sq"))
-        assert abs(total / n) < 1e-4 and abs((total_sq - total ** 2 / n) / (n - 1) - 1.0) < 1e-3
+        assert abs(total / n) < 1e-4 and abs((total_sq - total**2 / n) / (n - 1) - 1.0) < 1e-3

@@ -27,10 +27,17 @@ def make_micro_batches(vocab_size: int):
         tokens = torch.randint(0, vocab_size, (rows, seq), generator=gen)
         mask = torch.zeros(rows, seq - 1)
         for i in range(rows):
-            mask[i, prompt - 1:seq - 1 - i] = 1.0
+            mask[i, prompt - 1 : seq - 1 - i] = 1.0
         scores = torch.randn(rows, 1, generator=gen) * mask
-        batches.append(MicroBatch(tokens=tokens, position_ids=torch.arange(seq).expand(rows, seq),
-                                  loss_mask=mask, advantages=scores, rollout_logprobs=torch.zeros_like(mask)))
+        batches.append(
+            MicroBatch(
+                tokens=tokens,
+                position_ids=torch.arange(seq).expand(rows, seq),
+                loss_mask=mask,
+                advantages=scores,
+                rollout_logprobs=torch.zeros_like(mask),
+            )
+        )
     return batches
 
 
@@ -52,8 +59,12 @@ def _step(hf_dir: str, parallel, cfg, reuse: bool) -> dict:
     counts = StepCounts(num_tokens=num_tokens, num_samples=5, max_response_len=12)
     out = train_step(model, optimizer, mbs, Objective(cfg, counts), num_tokens, TEMPERATURE, with_entropy=True)
     grads = {name: p.main_grad.detach().clone() for name, p in model.module.named_parameters()}
-    return {"out": out, "grads": grads, "weights": dict(export_hf_weights(model)),
-            "old_is_none": [mb.old_logprobs is None for mb in mbs]}
+    return {
+        "out": out,
+        "grads": grads,
+        "weights": dict(export_hf_weights(model)),
+        "old_is_none": [mb.old_logprobs is None for mb in mbs],
+    }
 
 
 def _reuse_worker(hf_dir: str) -> dict:
@@ -94,15 +105,24 @@ def _roles_worker(actor_dir: str, ref_dir: str, teacher_dir: str) -> dict:
 
     model = build_model(actor_dir, parallel)
     mbs = make_micro_batches(model.arch.vocab_size)
-    expected = {tag: logprobs_of(build_model(path, parallel), mbs)
-                for tag, path in (("actor", actor_dir), ("ref", ref_dir), ("teacher", teacher_dir))}
-    cfg = AlgorithmConfig(kl={"loss_coef": 0.1}, ref={"path": ref_dir, "update_interval": 1},
-                          opd={"teacher_path": teacher_dir, "kl_coef": 0.5}, keep_old_actor=True)
+    expected = {
+        tag: logprobs_of(build_model(path, parallel), mbs)
+        for tag, path in (("actor", actor_dir), ("ref", ref_dir), ("teacher", teacher_dir))
+    }
+    cfg = AlgorithmConfig(
+        kl={"loss_coef": 0.1},
+        ref={"path": ref_dir, "update_interval": 1},
+        opd={"teacher_path": teacher_dir, "kl_coef": 0.5},
+        keep_old_actor=True,
+    )
     roles = ModelRoles.create(cfg, model)
     before = dict(export_hf_weights(model))
     roles.fill_logprobs(mbs, TEMPERATURE)
-    got = {"ref": [mb.ref_logprobs for mb in mbs], "teacher": [mb.teacher_logprobs for mb in mbs],
-           "actor": [mb.old_logprobs for mb in mbs]}
+    got = {
+        "ref": [mb.ref_logprobs for mb in mbs],
+        "teacher": [mb.teacher_logprobs for mb in mbs],
+        "actor": [mb.old_logprobs for mb in mbs],
+    }
     actor_restored = all(torch.equal(t, before[n]) for n, t in export_hf_weights(model))
     # one optimizer step, then the backups follow the actor (interval 1, keep_old_actor)
     optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0)
@@ -128,13 +148,14 @@ def test_roles_swap_in_their_own_weights_and_follow_the_actor(tiny_model_dirs, t
     result = run_distributed(_roles_worker, 2, str(tiny_model_dirs["qwen3"]), str(ref_dir), str(teacher_dir))
     assert result["actor_restored"]
     for tag in ("actor", "ref", "teacher"):
-        for got, expected in zip(result["got"][tag], result["expected"][tag]):
+        for got, expected in zip(result["got"][tag], result["expected"][tag], strict=True):
             assert torch.equal(got, expected), tag
     # the three models really differ, so the swaps are not vacuous
     assert not torch.allclose(result["expected"]["ref"][0], result["expected"]["actor"][0])
     assert not torch.allclose(result["expected"]["teacher"][0], result["expected"]["ref"][0])
     # after the step: old actor (keep_old_actor) and ref (update_interval 1) are the updated actor
-    for updated, ref, old, initial in zip(result["updated"], result["after"]["ref"], result["after"]["actor"],
-                                          result["expected"]["actor"]):
+    for updated, ref, old, initial in zip(
+        result["updated"], result["after"]["ref"], result["after"]["actor"], result["expected"]["actor"], strict=True
+    ):
         assert torch.equal(ref, updated) and torch.equal(old, updated)
         assert not torch.allclose(updated, initial)

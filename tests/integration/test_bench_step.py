@@ -25,17 +25,44 @@ PHASES = {"offload", "rollout", "memory", "scatter", "logprobs", "train", "sync"
 
 
 def test_bench_step_json_matches_the_loop_metrics(tmp_path):
-    settings = StepSettings(shape="tiny", prompts=2, samples=4, prompt_len=8, new_tokens=6, steps=3,
-                            micro_batch_samples=4)
+    settings = StepSettings(
+        shape="tiny", prompts=2, samples=4, prompt_len=8, new_tokens=6, steps=3, micro_batch_samples=4
+    )
     work = tmp_path / "work"
     model_dir = prepare_inputs(settings, work, "float32", "cpu") / "model"
     generation = json.loads((model_dir / "generation_config.json").read_text())
     generation["eos_token_id"] = list(range(1, 512))  # any sampled word would stop a response at once
     (model_dir / "generation_config.json").write_text(json.dumps(generation))
     out = tmp_path / "step.json"
-    cmd = [sys.executable, "-m", "rlrun", "bench", "step", "--shape", "tiny", "--prompts", "2", "--samples", "4",
-           "--prompt-len", "8", "--new-tokens", "6", "--steps", "3", "--micro-batch-samples", "4",
-           "--work", str(work), "--out", str(out), "--timeout-s", "400", "--profile-step", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlrun",
+        "bench",
+        "step",
+        "--shape",
+        "tiny",
+        "--prompts",
+        "2",
+        "--samples",
+        "4",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "6",
+        "--steps",
+        "3",
+        "--micro-batch-samples",
+        "4",
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--timeout-s",
+        "400",
+        "--profile-step",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -50,7 +77,7 @@ def test_bench_step_json_matches_the_loop_metrics(tmp_path):
 
     rows = [json.loads(line) for line in (work / "embedded" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in result["steps"]] == [r["step"] for r in rows] == [0, 1, 2]
-    for step, row in zip(result["steps"], rows):
+    for step, row in zip(result["steps"], rows, strict=True):
         assert row["rollout/response_len_mean"] == 6 and row["rollout/truncated_frac"] == 1.0
         assert step["output_tokens"] == 2 * 4 * 6
         assert set(step["phases_s"]) == PHASES
@@ -59,7 +86,7 @@ def test_bench_step_json_matches_the_loop_metrics(tmp_path):
         assert step["tokens_per_s"] == pytest.approx(step["output_tokens"] / step["step_s"])
         assert step["rollout_tokens_per_s"] == pytest.approx(step["output_tokens"] / row["time/rollout_s"])
         # the offload breakdown: on CPU the engine's release/resume RPCs (the trainer has nothing to move)
-        assert step["offload"] == {k[len("offload/"):]: v for k, v in row.items() if k.startswith("offload/")}
+        assert step["offload"] == {k[len("offload/") :]: v for k, v in row.items() if k.startswith("offload/")}
         kv = {"engine_resume_kv_s"} if step["step"] > 0 else set()  # no KV cache to resume before the first rollout
         assert set(step["offload"]) == {"engine_release_s", "engine_resume_weights_s"} | kv
         assert 0 < sum(step["offload"].values()) <= step["phases_s"]["offload"]

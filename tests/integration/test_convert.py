@@ -53,8 +53,11 @@ def _round_trips(hf_dirs: dict[str, str], out_root: str) -> dict:
         HfToMcore(Path(hf_dir), ckpt, tp=2, pp=1, dtype="float32").run(parallel)
         McoreToHf(ckpt, hf_out, Path(hf_dir), "float32").run(parallel)
     hf_dir = hf_dirs["qwen3"]
-    expected = {k: v.clone() for k, v in build_model(hf_dir, parallel, dtype="bfloat16").module.state_dict().items()
-                if v is not None}
+    expected = {
+        k: v.clone()
+        for k, v in build_model(hf_dir, parallel, dtype="bfloat16").module.state_dict().items()
+        if v is not None
+    }
     # A bf16 model with zeroed weights (and so zeroed fp32 main weights in its optimizer): only checkpoint.load
     # can bring the converted ones back, and an update with LR 0 copies the main weights back into the model.
     model = build_model(hf_dir, parallel, dtype="bfloat16")
@@ -67,8 +70,14 @@ def _round_trips(hf_dirs: dict[str, str], out_root: str) -> dict:
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     tokens = torch.arange(8).reshape(1, 8)
-    train_step(model, optimizer, [Batch(tokens, torch.arange(8).reshape(1, 8))],
-               lambda mb, logprobs: (-logprobs.sum(), {}), num_global_tokens=7, temperature=1.0)
+    train_step(
+        model,
+        optimizer,
+        [Batch(tokens, torch.arange(8).reshape(1, 8))],
+        lambda mb, logprobs: (-logprobs.sum(), {}),
+        num_global_tokens=7,
+        temperature=1.0,
+    )
     loaded = {k: v.clone() for k, v in model.module.state_dict().items() if v is not None}
     destroy_distributed()
     return {"expected": expected, "loaded": loaded, "run_state": run_state}
@@ -99,14 +108,22 @@ def test_cli_round_trip(tiny_model_dirs, tmp_path):
     hf_dir = tiny_model_dirs["llama"]
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     rlrun = [sys.executable, "-m", "rlrun", "convert"]
-    steps = [["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "mcore"), "--pp", "2"],
-             ["mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf")]]
+    steps = [
+        ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "mcore"), "--pp", "2"],
+        ["mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf")],
+    ]
     for args in steps:
         proc = subprocess.run(rlrun + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_hf_dir(hf_dir, tmp_path / "hf")
     again = subprocess.run(rlrun + steps[0], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and "must not hold a checkpoint already" in again.stderr
-    missing = subprocess.run(rlrun + ["mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x")],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        rlrun + ["mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 1 and f"--ckpt ({tmp_path}) must be a complete checkpoint" in missing.stderr

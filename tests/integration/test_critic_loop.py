@@ -13,16 +13,29 @@ from megatron.core import dist_checkpointing
 from integration.test_train_loop import run_train
 
 pytestmark = pytest.mark.slow
-COMPARED = ("critic/value_loss", "critic/grad_norm", "critic/values_mean", "train/loss", "train/grad_norm",
-            "rollout/reward_mean")
+COMPARED = (
+    "critic/value_loss",
+    "critic/grad_norm",
+    "critic/values_mean",
+    "train/loss",
+    "train/grad_norm",
+    "rollout/reward_mean",
+)
 
 
 def test_ppo_trains_critic_first_checkpoints_and_resumes_both(tiny_model_dirs, tmp_path):
     critic_yaml = tmp_path / "critic.yaml"
     critic_yaml.write_text("models:\n  - role: actor\n  - role: critic\n    overrides:\n      optimizer.lr: 3.0e-3\n")
-    settings = ("algorithm.advantage_estimator=ppo", "algorithm.lambd=0.95", "algorithm.skip_tied_groups=false",
-                "algorithm.normalize_advantages=true", f"critic.config={critic_yaml}",
-                "critic.num_critic_only_steps=1", "checkpoint.save_interval=2", "train.num_steps=4")
+    settings = (
+        "algorithm.advantage_estimator=ppo",
+        "algorithm.lambd=0.95",
+        "algorithm.skip_tied_groups=false",
+        "algorithm.normalize_advantages=true",
+        f"critic.config={critic_yaml}",
+        "critic.num_critic_only_steps=1",
+        "checkpoint.save_interval=2",
+        "train.num_steps=4",
+    )
     model = tiny_model_dirs["qwen3"]
     full = run_train(model, tmp_path / "a", *settings)
     assert [r["step"] for r in full] == [0, 1, 2, 3]
@@ -41,5 +54,5 @@ def test_ppo_trains_critic_first_checkpoints_and_resumes_both(tiny_model_dirs, t
 
     resumed = run_train(model, tmp_path / "b", *settings, f"checkpoint.resume={step2}")
     assert [r["step"] for r in resumed] == [2, 3]
-    for got, want in zip(resumed, full[2:]):
+    for got, want in zip(resumed, full[2:], strict=True):
         assert {k: got[k] for k in COMPARED} == {k: want[k] for k in COMPARED}

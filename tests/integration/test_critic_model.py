@@ -38,8 +38,13 @@ def _critic_worker(model_dirs: dict[str, str], scored_dir: str, tokens, returns,
         mb = MicroBatch(tokens, position_ids, mask, torch.zeros_like(mask), torch.zeros_like(mask), returns=returns)
         critic.fill_values([mb])
         metrics = critic.train([mb], num_global_tokens=int(mask.sum()))
-        out[kind] = {"head": initial, "values": mb.values, "metrics": metrics, "losses": [metrics["critic/value_loss"]],
-                     "moved": not torch.equal(head.weight.detach(), initial[0])}
+        out[kind] = {
+            "head": initial,
+            "values": mb.values,
+            "metrics": metrics,
+            "losses": [metrics["critic/value_loss"]],
+            "moved": not torch.equal(head.weight.detach(), initial[0]),
+        }
         for _ in range(3):  # the same batch again: each step's old values are the last step's new ones
             critic.fill_values([mb])
             out[kind]["losses"].append(critic.train([mb], num_global_tokens=int(mask.sum()))["critic/value_loss"])
@@ -79,8 +84,9 @@ def test_critic_matches_hf_values_and_gradient(tiny_model_dirs, tmp_path):
     dirs = {kind: str(tiny_model_dirs[kind]) for kind in KINDS}
     ranks = run_distributed(_critic_worker, 2, dirs, str(scored_dir), tokens, returns, mask, all_ranks=True)
     for kind in KINDS:
-        ref_values, ref_loss, ref_grad_norm = _hf_reference(tiny_model_dirs[kind], ranks[0][kind]["head"],
-                                                            tokens, returns, mask)
+        ref_values, ref_loss, ref_grad_norm = _hf_reference(
+            tiny_model_dirs[kind], ranks[0][kind]["head"], tokens, returns, mask
+        )
         for result in ranks:
             got = result[kind]
             torch.testing.assert_close(got["head"][0], ranks[0][kind]["head"][0], rtol=0, atol=0)  # replicated
@@ -90,7 +96,7 @@ def test_critic_matches_hf_values_and_gradient(tiny_model_dirs, tmp_path):
             assert got["metrics"]["critic/value_clip_frac"] == 0.0  # new values == old values in one step
             assert got["moved"]
             losses = got["losses"]
-            assert all(b < a for a, b in zip(losses, losses[1:])), losses  # descends on a fixed batch
+            assert all(b < a for a, b in zip(losses, losses[1:], strict=True)), losses  # descends on a fixed batch
     for result in ranks:
         torch.testing.assert_close(result["scored_head"][0], score[0], rtol=0, atol=0)
         torch.testing.assert_close(result["scored_head"][1], score[1], rtol=0, atol=0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_critic_model import KINDS, _hf_reference
 
 from dist_utils import run_distributed
-from test_critic_model import KINDS, _hf_reference
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +50,9 @@ def test_pipeline_critic_matches_hf(tiny_model_dirs):
     first, last = run_distributed(_pipeline_critic_worker, 2, dirs, tokens, returns, mask, all_ranks=True)
     for kind in KINDS:
         assert first[kind]["head"] is None  # the first stage holds no value head
-        ref_values, ref_loss, ref_grad_norm = _hf_reference(tiny_model_dirs[kind], last[kind]["head"],
-                                                            tokens, returns, mask)
+        ref_values, ref_loss, ref_grad_norm = _hf_reference(
+            tiny_model_dirs[kind], last[kind]["head"], tokens, returns, mask
+        )
         for result in (first, last):
             got = result[kind]
             torch.testing.assert_close(got["values"], ref_values, rtol=0, atol=1e-5)

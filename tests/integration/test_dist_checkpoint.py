@@ -56,8 +56,9 @@ def _build(hf_dir: str, parallel, distributed_optimizer: bool):
 
     model = build_model(hf_dir, parallel, distributed_optimizer=distributed_optimizer)
     optimizer = make_optimizer(model, **OPTIM)
-    schedule = OptimizerConfig(lr=OPTIM["lr"], weight_decay=OPTIM["weight_decay"], lr_warmup_steps=1,
-                               lr_decay_style="cosine", min_lr=1e-3)
+    schedule = OptimizerConfig(
+        lr=OPTIM["lr"], weight_decay=OPTIM["weight_decay"], lr_warmup_steps=1, lr_decay_style="cosine", min_lr=1e-3
+    )
     return model, optimizer, make_scheduler(optimizer, schedule, num_steps=4)
 
 
@@ -84,8 +85,9 @@ def _two_ranks(hf_dir: str, run_dir: str, distributed_optimizer: bool) -> dict:
     steps = global_batches(model.arch.vocab_size)
     tokens = [int(sum(b.loss_mask.sum() for b in step)) for step in steps]
     first = _step(model, optimizer, scheduler, [steps[0][parallel.dp_rank]], tokens[0])
-    Checkpointer(CheckpointConfig(), run_dir, parallel).save(State(1, 1), model, optimizer, None, blocking=True,
-                                                              scheduler=scheduler)
+    Checkpointer(CheckpointConfig(), run_dir, parallel).save(
+        State(1, 1), model, optimizer, None, blocking=True, scheduler=scheduler
+    )
     second = _step(model, optimizer, scheduler, [steps[1][parallel.dp_rank]], tokens[1])
     weights = _weights(model)
     destroy_distributed()
@@ -99,8 +101,7 @@ def _one_rank(hf_dir: str, run_dir: str, distributed_optimizer: bool) -> dict:
 
     parallel = init_distributed(tp=1, pp=1, seed=0)
     model, optimizer, scheduler = _build(hf_dir, parallel, distributed_optimizer)
-    run_state = Checkpointer(CheckpointConfig(), run_dir, parallel).restore(model, optimizer, None,
-                                                                             scheduler=scheduler)
+    run_state = Checkpointer(CheckpointConfig(), run_dir, parallel).restore(model, optimizer, None, scheduler=scheduler)
     steps = global_batches(model.arch.vocab_size)
     tokens = int(sum(b.loss_mask.sum() for b in steps[1]))
     second = _step(model, optimizer, scheduler, steps[1], tokens)

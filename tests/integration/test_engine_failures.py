@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_contract import pid_alive, spawn_engine, wait_for_inflight, wait_until_dead
 
 import rlrun
+from engine_contract import pid_alive, spawn_engine, wait_for_inflight, wait_until_dead
 from rlrun.engine.backends import BackendSpec
 from rlrun.engine.rpc import RpcPeerDiedError, RpcUnresponsiveError
 
@@ -98,9 +98,13 @@ TRAINER = textwrap.dedent("""
 def test_trainer_interrupted_or_killed_mid_generate_leaves_no_worker(signum, tiny_model_dirs, tmp_path):
     """Ctrl-C: KeyboardInterrupt unwinds through EngineClient.shutdown. SIGKILL: nothing runs in the
     trainer, the worker's parent-death signal ends it."""
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(tiny_model_dirs["qwen2"]), str(tmp_path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(tiny_model_dirs["qwen2"]), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": PACKAGE_ROOT},
+    )
     try:
         worker_pid = int(trainer.stdout.readline())
         time.sleep(1.0)  # inside a generate
@@ -123,9 +127,20 @@ def test_watchdog_exits_when_parent_pid_dies_even_without_pdeathsig(tiny_model_d
     log_path = tmp_path / "worker.log"
     with log_path.open("w") as log_file:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "rlrun.engine.worker", "--endpoint", f"ipc://{tmp_path}/w.sock",
-             "--parent-pid", str(stand_in.pid), "--spec", spec.to_json()],
-            stderr=log_file, env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
+            [
+                sys.executable,
+                "-m",
+                "rlrun.engine.worker",
+                "--endpoint",
+                f"ipc://{tmp_path}/w.sock",
+                "--parent-pid",
+                str(stand_in.pid),
+                "--spec",
+                spec.to_json(),
+            ],
+            stderr=log_file,
+            env={**os.environ, "PYTHONPATH": PACKAGE_ROOT},
+        )
     try:
         time.sleep(0.5)
         assert worker.poll() is None

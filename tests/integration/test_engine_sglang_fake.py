@@ -21,13 +21,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 import test_engine_worker
-from engine_contract import FAKES_DIR, spawn_engine
+import torch
 from test_engine_worker import reference  # noqa: F401  (a fixture of the contract tests below)
 from transformers import AutoModelForCausalLM
 
 import rlrun
+from engine_contract import FAKES_DIR, spawn_engine
 from rlrun.engine.backends.sglang import check_payload
 from rlrun.engine.payload import serialize_flattened_bucket
 from rlrun.runtime.processes import process_alive, process_tree
@@ -44,8 +44,13 @@ globals().update({name: test for name, test in vars(test_engine_worker).items() 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs, tmp_path_factory):
     """The contract tests' engine, here the SGLang worker over the fake in 0.5.17 mode."""
-    with spawn_engine("sglang", tiny_model_dirs["llama"], tmp_path_factory.mktemp("sglang-0.5.17"),
-                      request_timeout_s=120, fake_version="0.5.17") as client:
+    with spawn_engine(
+        "sglang",
+        tiny_model_dirs["llama"],
+        tmp_path_factory.mktemp("sglang-0.5.17"),
+        request_timeout_s=120,
+        fake_version="0.5.17",
+    ) as client:
         yield client
 
 
@@ -56,8 +61,14 @@ def engine_record(log_path: Path) -> dict:
 
 
 def test_adapter_starts_sglang_as_the_contract_says_on_0_5_23_and_0_5_17(tiny_model_dirs, tmp_path, monkeypatch):
-    for key, value in {"CUDA_VISIBLE_DEVICES": "3,5", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                       "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}.items():
+    for key, value in {
+        "CUDA_VISIBLE_DEVICES": "3,5",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "LOCAL_RANK": "1",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(key, value)  # a torchrun rank's environment; the workers inherit what they should
     model_dir = tiny_model_dirs["qwen2"]
     new = spawn_engine("sglang", model_dir, tmp_path / "new", seed=11)
@@ -114,15 +125,24 @@ SCENARIOS = {
 def test_fake_dies_where_sglang_dies(scenario, tiny_model_dirs):
     """Driven directly (no worker in between): update outside a session is refused with SGLang's
     message; resuming an unreleased tag and releasing while busy take the whole process down."""
-    script = textwrap.dedent("""
+    script = (
+        textwrap.dedent("""
         import asyncio, sys
         import sglang
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
         engine = sglang.Engine(model_path=sys.argv[1])
-    """) + textwrap.dedent(SCENARIOS[scenario]) + "print('survived', flush=True)\n"
+    """)
+        + textwrap.dedent(SCENARIOS[scenario])
+        + "print('survived', flush=True)\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKES_DIR), PACKAGE_ROOT])}
-    done = subprocess.run([sys.executable, "-c", script, str(tiny_model_dirs["qwen2"])], capture_output=True,
-                          text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_model_dirs["qwen2"])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == -signal.SIGKILL and "survived" not in done.stdout, done.stderr
     if scenario == "resume_unreleased":
         assert f"(False, '{NOT_IN_SESSION}')" in done.stdout
@@ -153,8 +173,11 @@ def test_payloads_are_judged_by_the_installed_versions_unpickler(monkeypatch):
     for unpickler in (exact, prefixed):
         check_payload(payload, unpickler)
     check_payload(codecs_payload, exact)
-    with pytest.raises(ValueError, match=r"_codecs\.encode must be on the installed SGLang's unpickling allowlist .*"
-                                         r"Blocked unsafe class loading"):
+    with pytest.raises(
+        ValueError,
+        match=r"_codecs\.encode must be on the installed SGLang's unpickling allowlist .*"
+        r"Blocked unsafe class loading",
+    ):
         check_payload(codecs_payload, prefixed)
     check_payload(helper.getvalue(), prefixed)
     with pytest.raises(ValueError, match=r"torch\.nn\.functional\.relu .*Blocked unsafe global"):
@@ -169,23 +192,52 @@ def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
 
     s = SHAPES["tiny"]
     attention = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2 + 2 * s.head_dim
-    weight_bytes = 4 * (s.vocab * s.hidden + s.layers * (attention + 3 * s.hidden * s.intermediate + 2 * s.hidden)
-                        + s.hidden)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "FAKE_SGLANG_VERSION": "0.5.17",
-           "PYTHONPATH": os.pathsep.join([str(FAKES_DIR), PACKAGE_ROOT])}
+    weight_bytes = 4 * (
+        s.vocab * s.hidden + s.layers * (attention + 3 * s.hidden * s.intermediate + 2 * s.hidden) + s.hidden
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "FAKE_SGLANG_VERSION": "0.5.17",
+        "PYTHONPATH": os.pathsep.join([str(FAKES_DIR), PACKAGE_ROOT]),
+    }
     batch, new_tokens = 2, 4
     records = {}
-    for kind, args in {"rollout": ["--batch", str(batch), "--prompt-len", "4", "--new-tokens", str(new_tokens),
-                                   "--hbm-gbps", "1000"],
-                       "sync": ["--repeats", "1", "--bucket-mib", "1"]}.items():
+    for kind, args in {
+        "rollout": ["--batch", str(batch), "--prompt-len", "4", "--new-tokens", str(new_tokens), "--hbm-gbps", "1000"],
+        "sync": ["--repeats", "1", "--bucket-mib", "1"],
+    }.items():
         out = tmp_path / f"{kind}.json"
-        subprocess.run([sys.executable, "-m", "rlrun", "bench", kind, "--shape", "tiny", "--backends",
-                        "embedded,sglang", "--run-dir", str(tmp_path / "run"), "--out", str(out), *args],
-                       check=True, env=env, cwd=tmp_path, timeout=300, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlrun",
+                "bench",
+                kind,
+                "--shape",
+                "tiny",
+                "--backends",
+                "embedded,sglang",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--out",
+                str(out),
+                *args,
+            ],
+            check=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=300,
+            capture_output=True,
+        )
         records[kind] = json.loads(out.read_text())["results"]
     assert [r["backend"] for r in records["rollout"]] == ["embedded", "sglang"]
     for r in records["rollout"]:
         assert r["engine"]["output_tokens"] == r["engine_sampled"]["output_tokens"] == batch * new_tokens
         assert r["bound"]["tokens_per_s"] == pytest.approx(batch / (weight_bytes / 1e12))
-    assert [(r["backend"], r["weight_bytes"]) for r in records["sync"]] == [("embedded", weight_bytes),
-                                                                             ("sglang", weight_bytes)]
+    assert [(r["backend"], r["weight_bytes"]) for r in records["sync"]] == [
+        ("embedded", weight_bytes),
+        ("sglang", weight_bytes),
+    ]

@@ -12,9 +12,9 @@ from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
-from engine_contract import BACKENDS, hf_greedy, hf_logprobs, spawn_engine, wait_for_inflight
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine_contract import BACKENDS, hf_greedy, hf_logprobs, spawn_engine, wait_for_inflight
 from rlrun.engine.client import EngineOpError
 from rlrun.engine.payload import serialize_flattened_bucket
 from rlrun.engine.rpc import RpcRemoteError, RpcTimeoutError
@@ -23,16 +23,16 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [[72, 101, 108, 108, 111, 33], [257, 9], [1, 2, 3, 4]]
 LONG = {"max_new_tokens": 500, "ignore_eos": True}  # long enough to be caught in flight and paused
-SGLANG_NOT_IN_SESSION = ("update_weights_from_tensor must run between begin_weight_update() and "
-                         "end_weight_update()")
+SGLANG_NOT_IN_SESSION = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
 SGLANG_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
 SGLANG_NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def engine(request, tiny_model_dirs, tmp_path_factory):
-    with spawn_engine(request.param, tiny_model_dirs["llama"], tmp_path_factory.mktemp(request.param),
-                      request_timeout_s=120) as client:
+    with spawn_engine(
+        request.param, tiny_model_dirs["llama"], tmp_path_factory.mktemp(request.param), request_timeout_s=120
+    ) as client:
         yield client
 
 
@@ -44,7 +44,9 @@ def reference(tiny_model_dirs):
 def max_logprob_error(model, results, prompts, n: int, temperature: float) -> float:
     return max(
         (torch.tensor(r["output_logprobs"]) - hf_logprobs(model, prompts[k // n], r["output_ids"], temperature))
-        .abs().max().item()
+        .abs()
+        .max()
+        .item()
         for k, r in enumerate(results)
     )
 
@@ -130,8 +132,15 @@ def test_pause_in_abort_mode_returns_in_flight_requests_and_refuses_new_ones(eng
 def test_request_held_by_an_in_place_pause_hits_the_call_timeout(engine, reference):
     """A call the worker never finishes fails after its timeout (the worker still answers heartbeats);
     while paused in place, weights can be updated, and the held request resumes on continue."""
-    thread, out = in_background(engine.rpc.call, "generate", timeout_s=3.0, input_ids=PROMPTS[:1],
-                                sampling_params=LONG, return_logprob=True, rids=None)
+    thread, out = in_background(
+        engine.rpc.call,
+        "generate",
+        timeout_s=3.0,
+        input_ids=PROMPTS[:1],
+        sampling_params=LONG,
+        return_logprob=True,
+        rids=None,
+    )
     wait_for_inflight(engine, out)
     engine.pause_generation("in_place")
     thread.join(timeout=60)
@@ -151,7 +160,7 @@ def test_weight_update_changes_logprobs_to_the_new_weights(engine, reference):
     original = [(name, p.detach().clone()) for name, p in reference.named_parameters()]
     perturbed = [(name, t + 0.05 * torch.randn(t.shape, generator=g)) for name, t in original]
     target = AutoModelForCausalLM.from_config(reference.config).eval()
-    target.load_state_dict(dict(perturbed), strict=False)  # tied: lm_head follows embed_tokens
+    target.load_state_dict(dict(perturbed), strict=True)  # tied: lm_head follows embed_tokens
     total_bytes = sum(t.numel() * t.element_size() for _, t in perturbed)
     try:
         stats = engine.update_weights(perturbed, weight_version="step-1", bucket_bytes=64 * 1024)

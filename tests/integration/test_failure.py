@@ -54,15 +54,23 @@ def alive(pid: int) -> bool:
 @pytest.mark.parametrize("victim", ["rank", "engine"])
 def test_killed_process_ends_every_process_within_30s(tiny_model_dirs, tmp_path, victim):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(train_command(tiny_model_dirs["qwen3"], run_dir, "train.num_steps=500"), cwd=REPO,
-                            env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        train_command(tiny_model_dirs["qwen3"], run_dir, "train.num_steps=500"),
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     job: list[int] = []
     try:
         deadline = time.monotonic() + 300
         while not read_metrics(run_dir) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert proc.poll() is None and read_metrics(run_dir), f"run did not start training:\n{proc.stdout.read()[-5000:]}"
+        assert proc.poll() is None and read_metrics(run_dir), (
+            f"run did not start training:\n{proc.stdout.read()[-5000:]}"
+        )
         ranks = {rank_of(pid): pid for pid in children(proc.pid)}
         engines = {rank: children(pid) for rank, pid in ranks.items()}
         assert sorted(ranks) == [0, 1] and all(len(e) == 1 for e in engines.values()), (ranks, engines)
@@ -75,7 +83,9 @@ def test_killed_process_ends_every_process_within_30s(tiny_model_dirs, tmp_path,
         while any(alive(pid) for pid in job) and time.monotonic() - killed_at < 60:
             time.sleep(0.1)
         elapsed = time.monotonic() - killed_at
-        assert not any(alive(pid) for pid in job), f"still running after {elapsed:.0f} s: {[p for p in job if alive(p)]}"
+        assert not any(alive(pid) for pid in job), (
+            f"still running after {elapsed:.0f} s: {[p for p in job if alive(p)]}"
+        )
         assert elapsed < DEADLINE_S, f"the job took {elapsed:.1f} s to end"
     finally:
         for pid in job:
@@ -89,10 +99,14 @@ def test_killed_process_ends_every_process_within_30s(tiny_model_dirs, tmp_path,
     assert survivor, output[-5000:]
     print(f"{victim} killed: all {len(job)} processes gone after {elapsed:.1f} s; {survivor.group(0)}")
     if victim == "rank":
-        assert re.match(rf"rank 1 \(pid {ranks[1]} on [^)]+\) died: its process is gone", survivor.group(1)), survivor.group(0)
+        assert re.match(rf"rank 1 \(pid {ranks[1]} on [^)]+\) died: its process is gone", survivor.group(1)), (
+            survivor.group(0)
+        )
     else:  # found by rank 1's watchdog or by its pending engine call, whichever is first
-        assert re.search(rf"engine worker (of|for) rank 1 .*\(pid {engines[1][0]}\) exited with code -9 \(killed by SIGKILL\)",
-                         survivor.group(1)), survivor.group(0)
+        assert re.search(
+            rf"engine worker (of|for) rank 1 .*\(pid {engines[1][0]}\) exited with code -9 \(killed by SIGKILL\)",
+            survivor.group(1),
+        ), survivor.group(0)
 
 
 def test_silent_peer_on_another_host_is_declared_dead_after_the_timeout(monkeypatch):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_megatron_train import OPTIM, MicroBatch, make_batch, pg_loss
 
 from dist_utils import run_distributed
-from test_megatron_train import OPTIM, MicroBatch, make_batch, pg_loss
 
 KINDS = ("llama", "qwen2", "qwen3")  # tied embeddings, QKV bias, QK-norm
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 8
@@ -29,8 +29,12 @@ def _make_model(kind: str, out_dir: Path) -> Path:
     """A tiny random model of ``kind`` with 9 heads in 3 groups, every parameter perturbed away from 0 and 1."""
     from tiny_models import make_tiny_model
 
-    overrides = {"num_attention_heads": NUM_HEADS, "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                 "hidden_size": NUM_HEADS * HEAD_DIM}
+    overrides = {
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_size": NUM_HEADS * HEAD_DIM,
+    }
     return make_tiny_model(kind, out_dir, tie=kind == "llama", seed=1, config_overrides=overrides)
 
 
@@ -156,10 +160,10 @@ def test_inert_heads_stay_exactly_zero_after_two_steps(kind, tp1, tp2):
         assert any(name.endswith("linear_qkv.bias") for name in attention) == (kind == "qwen2")
         for name, tensor in attention.items():
             if "linear_proj" in name:
-                real, inert = tensor[:, : NUM_HEADS * HEAD_DIM], tensor[:, NUM_HEADS * HEAD_DIM:]
+                real, inert = tensor[:, : NUM_HEADS * HEAD_DIM], tensor[:, NUM_HEADS * HEAD_DIM :]
                 assert inert.shape[1] == 3 * HEAD_DIM, name
             else:
-                real, inert = tensor[: NUM_KV_HEADS * rows_per_group], tensor[NUM_KV_HEADS * rows_per_group:]
+                real, inert = tensor[: NUM_KV_HEADS * rows_per_group], tensor[NUM_KV_HEADS * rows_per_group :]
                 assert inert.shape[0] == rows_per_group, name
             assert torch.count_nonzero(inert) == 0, name
             torch.testing.assert_close(real, tp1[kind]["attention"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)

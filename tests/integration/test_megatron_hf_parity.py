@@ -33,8 +33,12 @@ def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor, pp
         with torch.no_grad():
             logprobs, entropy = compute_logprobs_and_entropy(model, tokens, position_ids, TEMPERATURE)
             plain = compute_logprobs(model, tokens, position_ids, TEMPERATURE)
-        out[kind] = {"logprobs": logprobs.cpu(), "plain": plain.cpu(), "entropy": entropy.cpu(),
-                     "weights": {name: tensor.cpu() for name, tensor in export_hf_weights(model)}}
+        out[kind] = {
+            "logprobs": logprobs.cpu(),
+            "plain": plain.cpu(),
+            "entropy": entropy.cpu(),
+            "weights": {name: tensor.cpu() for name, tensor in export_hf_weights(model)},
+        }
     destroy_distributed()
     return out
 
@@ -113,4 +117,4 @@ def test_packed_pipeline_logprobs_match_hf(tiny_model_dirs, tokens):
     boundary = len(first) - 1  # predicts the second sample's first token from the first sample: not a target
     for got in ranks:
         torch.testing.assert_close(got[:, :boundary], ref_first, rtol=0, atol=1e-5)
-        torch.testing.assert_close(got[:, boundary + 1:], ref_second, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[:, boundary + 1 :], ref_second, rtol=0, atol=1e-5)

@@ -59,13 +59,18 @@ def _cut(local: MicroBatch, plan: int | tuple) -> list[MicroBatch]:
     if isinstance(plan, int):
         plan = tuple((i * rows // plan, (i + 1) * rows // plan, None) for i in range(plan))
     cut = [local.rows(start, stop) for start, stop, _ in plan]
-    assert all(not mb.loss_mask[:, end:].any() for mb, (_, _, end) in zip(cut, plan) if end), "cut a trained target"
-    return [MicroBatch(mb.tokens[:, :end], mb.position_ids[:, :end], mb.loss_mask[:, :end], mb.advantages[:, :end])
-            for mb, (_, _, end) in zip(cut, plan)]
+    assert all(not mb.loss_mask[:, end:].any() for mb, (_, _, end) in zip(cut, plan, strict=True) if end), (
+        "cut a trained target"
+    )
+    return [
+        MicroBatch(mb.tokens[:, :end], mb.position_ids[:, :end], mb.loss_mask[:, :end], mb.advantages[:, :end])
+        for mb, (_, _, end) in zip(cut, plan, strict=True)
+    ]
 
 
-def _train_worker(hf_dir: str, tp: int, batch: MicroBatch, micro_batch_plans: list, dtype: str,
-                  pp: int = 1) -> list[dict]:
+def _train_worker(
+    hf_dir: str, tp: int, batch: MicroBatch, micro_batch_plans: list, dtype: str, pp: int = 1
+) -> list[dict]:
     """For each entry of ``micro_batch_plans`` (see ``_cut``): a fresh model, one train_step over this DP
     rank's rows cut into micro-batches that way, then the exported weights."""
     from rlrun.megatron import build_model, export_hf_weights, make_optimizer, train_step
@@ -126,7 +131,10 @@ def test_step_matches_hf_and_torch_adamw(single_rank, llama_dir, batch):
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     torch.optim.AdamW(
         [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
+        lr=OPTIM["lr"],
+        betas=OPTIM["betas"],
+        eps=OPTIM["eps"],
+        weight_decay=OPTIM["weight_decay"],
     ).step()
 
     got = single_rank[0]
@@ -153,8 +161,9 @@ def test_two_ranks_match_one(tp, single_rank, llama_dir, batch):
         _assert_same_step(rank_result[0], single_rank[0])
 
 
-@pytest.mark.parametrize("world_size, tp, pp, plan", [(2, 1, 2, RAGGED), (4, 2, 2, RAGGED), (4, 1, 2, 2)],
-                         ids=["pp2", "tp2pp2", "dp2pp2"])
+@pytest.mark.parametrize(
+    "world_size, tp, pp, plan", [(2, 1, 2, RAGGED), (4, 2, 2, RAGGED), (4, 1, 2, 2)], ids=["pp2", "tp2pp2", "dp2pp2"]
+)
 def test_pipeline_matches_one(world_size, tp, pp, plan, single_rank, llama_dir, batch):
     """PP=2 (1F1B over micro-batches of different shapes; tied embeddings split over the first and last
     stage), TP2 x PP2 and DP2 x PP2 (two rows per replica, one per micro-batch) vs TP=1, one micro-batch:

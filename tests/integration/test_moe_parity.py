@@ -42,14 +42,22 @@ def _family_results(hf_dir: str, parallel, tokens: torch.Tensor) -> dict:
     model = build_model(hf_dir, parallel)
     params = dict(model.module.named_parameters())
     local_experts = sum(".local_experts." in name for name in params)
-    fc1_rows = {int(name.split(".")[2]): param.shape[0] for name, param in params.items()
-                if name.endswith("local_experts.0.linear_fc1.weight")}  # per local layer with experts
+    fc1_rows = {
+        int(name.split(".")[2]): param.shape[0]
+        for name, param in params.items()
+        if name.endswith("local_experts.0.linear_fc1.weight")
+    }  # per local layer with experts
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         logprobs, entropy = compute_logprobs_and_entropy(model, tokens, position_ids, TEMPERATURE)
     weights = {name: tensor.cpu() for name, tensor in export_hf_weights(model)}
-    return {"logprobs": logprobs.cpu(), "entropy": entropy.cpu(), "weights": weights,
-            "local_expert_params": local_experts, "fc1_rows": fc1_rows}
+    return {
+        "logprobs": logprobs.cpu(),
+        "entropy": entropy.cpu(),
+        "weights": weights,
+        "local_expert_params": local_experts,
+        "fc1_rows": fc1_rows,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +72,22 @@ def tokens(tiny_moe_dir) -> torch.Tensor:
 def moe_dirs(tiny_moe_dir, tmp_path_factory) -> dict[str, Path]:
     from tiny_models import make_tiny_model
 
-    return {"qwen3_moe": tiny_moe_dir, "qwen2_moe": make_tiny_model("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe")),
-            "qwen3_moe_dense0": make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("dense0"),
-                                                config_overrides={"mlp_only_layers": [0]})}
+    return {
+        "qwen3_moe": tiny_moe_dir,
+        "qwen2_moe": make_tiny_model("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe")),
+        "qwen3_moe_dense0": make_tiny_model(
+            "qwen3_moe", tmp_path_factory.mktemp("dense0"), config_overrides={"mlp_only_layers": [0]}
+        ),
+    }
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
 def megatron_run(request, moe_dirs, tokens):
     tp, ep, etp, pp = LAYOUTS[request.param]
     dirs = {kind: str(path) for kind, path in moe_dirs.items()}
-    return request.param, run_distributed(_parity_worker, max(tp, ep, etp) * pp, dirs, tp, ep, etp, pp, tokens,
-                                          all_ranks=True)
+    return request.param, run_distributed(
+        _parity_worker, max(tp, ep, etp) * pp, dirs, tp, ep, etp, pp, tokens, all_ranks=True
+    )
 
 
 def _hf_reference(hf_dir: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +106,7 @@ def test_logprobs_and_entropy_match_hf(kind, megatron_run, moe_dirs, tokens):
     _, ep, etp, pp = LAYOUTS[layout]
     sparse = [kind != "qwen3_moe_dense0" or layer == 1 for layer in range(2)]
     for rank, result in enumerate(rank[kind] for rank in ranks):
-        stage = sparse[rank // (len(ranks) // pp) * (2 // pp):][:2 // pp]  # this rank's layers
+        stage = sparse[rank // (len(ranks) // pp) * (2 // pp) :][: 2 // pp]  # this rank's layers
         assert sorted(result["fc1_rows"]) == [local for local, moe in enumerate(stage) if moe]
         assert result["local_expert_params"] == sum(stage) * 2 * (4 // ep)  # MoE layers x (fc1, fc2) x experts
         assert set(result["fc1_rows"].values()) <= {2 * 32 // etp}  # [gate; up] of moe_intermediate_size / etp
@@ -175,8 +188,10 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1(tiny_moe_dir, tmp_path):
     """Megatron's distributed checkpoint reshards the experts: saved over two EP ranks, loaded on one layout
     that holds all four experts on each rank, the HF weights are the saved ones bit for bit."""
     saved = run_distributed(_save_worker, 2, str(tiny_moe_dir), str(tmp_path), 2)
-    assert not torch.equal(saved["model.layers.0.mlp.experts.0.up_proj.weight"],
-                           load_file(tiny_moe_dir / "model.safetensors")["model.layers.0.mlp.experts.0.up_proj.weight"])
+    assert not torch.equal(
+        saved["model.layers.0.mlp.experts.0.up_proj.weight"],
+        load_file(tiny_moe_dir / "model.safetensors")["model.layers.0.mlp.experts.0.up_proj.weight"],
+    )
     for loaded in run_distributed(_load_worker, 2, str(tiny_moe_dir), str(tmp_path), 1, all_ranks=True):
         assert loaded.keys() == saved.keys()
         for name, tensor in saved.items():

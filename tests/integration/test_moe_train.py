@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_megatron_train import OPTIM, TEMPERATURE, make_batch, pg_loss
 
 from dist_utils import run_distributed
-from test_megatron_train import OPTIM, TEMPERATURE, make_batch, pg_loss
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,9 @@ def _train_worker(hf_dir: str, ep: int, batch) -> dict:
     local = batch.rows(parallel.dp_rank * rows, (parallel.dp_rank + 1) * rows, parallel.device)
     model = build_model(hf_dir, parallel)
     optimizer = make_optimizer(model, **OPTIM)
-    stats = train_step(model, optimizer, [local.rows(0, 1), local.rows(1, 2)], pg_loss,
-                       int(batch.loss_mask.sum()), TEMPERATURE)
+    stats = train_step(
+        model, optimizer, [local.rows(0, 1), local.rows(1, 2)], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE
+    )
     if "moe_load_balancing_loss" not in stats:  # train_step logs it once train.py calls aux_loss_metrics
         stats.update(aux_loss_metrics(model.arch.moe, num_micro_batches=2))
     weights = {k: v.cpu() for k, v in export_hf_weights(model)}
@@ -64,8 +65,9 @@ def test_ep2_train_step_equals_ep1(tiny_moe_dir, batch):
     ep1 = run_distributed(_train_worker, 2, str(tiny_moe_dir), 1, batch, all_ranks=True)
     ep2 = run_distributed(_train_worker, 2, str(tiny_moe_dir), 2, batch, all_ranks=True)
     reference = ep1[0]
-    assert reference["stats"]["moe_load_balancing_loss"] == pytest.approx(switch_aux_loss(tiny_moe_dir, batch.tokens),
-                                                                          rel=1e-5)
+    assert reference["stats"]["moe_load_balancing_loss"] == pytest.approx(
+        switch_aux_loss(tiny_moe_dir, batch.tokens), rel=1e-5
+    )
     assert reference["stats"]["grad_norm"] > OPTIM["clip_grad"]  # clipping is active
     for result in ep1[1:] + ep2:
         assert result["stats"].keys() == reference["stats"].keys()
@@ -77,8 +79,9 @@ def test_ep2_train_step_equals_ep1(tiny_moe_dir, batch):
     moved = reference["weights"]["model.layers.0.mlp.experts.3.down_proj.weight"]
     from safetensors.torch import load_file
 
-    assert not torch.equal(moved, load_file(tiny_moe_dir / "model.safetensors")[
-        "model.layers.0.mlp.experts.3.down_proj.weight"])  # the step updated the experts
+    assert not torch.equal(
+        moved, load_file(tiny_moe_dir / "model.safetensors")["model.layers.0.mlp.experts.3.down_proj.weight"]
+    )  # the step updated the experts
 
 
 AUX_COEFF = 0.5
@@ -93,8 +96,9 @@ def _grad_norm_worker(hf_dir: str, batch) -> float:
     parallel = init_distributed(tp=1, pp=1, seed=0)
     model = build_model(hf_dir, parallel, moe_options=MoEOptions(aux_loss_coeff=AUX_COEFF))
     optimizer = make_optimizer(model, **{**OPTIM, "clip_grad": 0.0})
-    stats = train_step(model, optimizer, [batch.rows(0, 2), batch.rows(2, 4)], pg_loss, int(batch.loss_mask.sum()),
-                       TEMPERATURE)
+    stats = train_step(
+        model, optimizer, [batch.rows(0, 2), batch.rows(2, 4)], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE
+    )
     destroy_distributed()
     return stats["grad_norm"]
 

@@ -34,8 +34,9 @@ def load_summariser():
 def test_two_ranks_run_twice_the_prompts_with_the_same_work_per_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    settings = StepSettings(shape="tiny", prompts=2, samples=4, prompt_len=8, new_tokens=6, steps=3,
-                            micro_batch_samples=4)
+    settings = StepSettings(
+        shape="tiny", prompts=2, samples=4, prompt_len=8, new_tokens=6, steps=3, micro_batch_samples=4
+    )
     one = bench_step(settings, tmp_path, timeout_s=400)
     two = bench_step(dataclasses.replace(settings, prompts=2 * 2), tmp_path, timeout_s=400, ranks=2)
 

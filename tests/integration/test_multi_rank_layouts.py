@@ -38,8 +38,9 @@ def test_layouts_match_the_one_rank_baseline(tmp_path):
     runs, out = tmp_path / "runs", tmp_path / "out"
     env = {**os.environ, "RLRUN_MULTI_GPU_CPU": "1", "RLRUN_MULTI_GPU_RUNS": str(runs), "OUT": str(out)}
     steps = ["prepare", "baseline", *LAYOUTS, "engine_tp2", "engine_tp2_sglang", "summary"]
-    proc = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh", *steps], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu/multi_gpu.sh", *steps], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     results = (out / "steps.txt").read_text().split("\n")
     assert [line.split()[:2] for line in results if line] == [[s, "rc=0"] for s in steps], proc.stdout[-4000:]
 
@@ -57,8 +58,10 @@ def test_layouts_match_the_one_rank_baseline(tmp_path):
         assert [r["step"] for r in layout] == [0, 1, 2]
         for key in ("train/loss", "train/entropy", "train/grad_norm"):
             assert rel_diff(layout[0][key], baseline[0][key]) < REL, (name, key, layout[0][key], baseline[0][key])
-        for got, want in zip(layout, baseline):
-            assert got["rollout/loaded_from_disk"] == 1.0 and got["train/num_loss_tokens"] == want["train/num_loss_tokens"]
+        for got, want in zip(layout, baseline, strict=True):
+            assert (
+                got["rollout/loaded_from_disk"] == 1.0 and got["train/num_loss_tokens"] == want["train/num_loss_tokens"]
+            )
             assert rel_diff(got["train/loss"], want["train/loss"]) < 10 * REL, (name, got["step"])
             assert got["train/logprob_gap"] < 1e-5  # the baseline engine's log-probs, this layout's trainer
         assert summary["layouts"][name]["ok"] is True and summary["layouts"][name]["ranks"] == 2

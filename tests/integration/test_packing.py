@@ -27,8 +27,17 @@ def _samples():
         ids = torch.randint(3, 200, (prompt_len + resp_len,), generator=gen).tolist()
         prompt = Prompt(index=index, prompt_ids=ids[:prompt_len], prompt_text="")
         logprobs = (-torch.rand(resp_len, generator=gen)).tolist()
-        samples.append(Sample(group_index=index, prompt=prompt, response_ids=ids[prompt_len:], response_text="",
-                              rollout_logprobs=logprobs, finish_reason="stop", reward=reward))
+        samples.append(
+            Sample(
+                group_index=index,
+                prompt=prompt,
+                response_ids=ids[prompt_len:],
+                response_text="",
+                rollout_logprobs=logprobs,
+                finish_reason="stop",
+                reward=reward,
+            )
+        )
     return samples
 
 
@@ -45,27 +54,34 @@ def _run(hf_dir: str, tp: int, layouts: list[list[list[int]]]) -> tuple[list[dic
 
     parallel = init_distributed(tp=tp, pp=1, seed=0)
     samples = _samples()
-    cfg = AlgorithmConfig(advantage_estimator="gspo", loss_aggregation="sample", entropy_coef=0.01,
-                          tis={"mode": "clip", "level": "sequence", "clip": 1.5, "clip_low": 0.5})
-    counts = StepCounts(num_tokens=sum(s.num_loss_tokens for s in samples), num_samples=len(samples),
-                        max_response_len=16)
+    cfg = AlgorithmConfig(
+        advantage_estimator="gspo",
+        loss_aggregation="sample",
+        entropy_coef=0.01,
+        tis={"mode": "clip", "level": "sequence", "clip": 1.5, "clip_low": 0.5},
+    )
+    counts = StepCounts(
+        num_tokens=sum(s.num_loss_tokens for s in samples), num_samples=len(samples), max_response_len=16
+    )
     results = []
     for layout in layouts:
         model = build_model(hf_dir, parallel, dtype="float32")
         micro_batches = [collate([samples[i] for i in mb], [samples[i].reward for i in mb], 0) for mb in layout]
         per_sample = {}
         with torch.no_grad():
-            for mb, indices in zip(micro_batches, layout):
+            for mb, indices in zip(micro_batches, layout, strict=True):
                 logprobs = compute_logprobs(model, mb.tokens, mb.position_ids, TEMPERATURE).cpu()
                 mb.old_logprobs = logprobs + 0.1 * mb.rollout_logprobs  # off-policy by a per-token amount
                 for local, index in enumerate(indices):
                     keep = (mb.sample_ids == local) & (mb.loss_mask > 0)
                     per_sample[index] = logprobs[keep]
         optimizer = make_optimizer(model, **OPTIM)
-        stats = train_step(model, optimizer, micro_batches, Objective(cfg, counts), counts.num_tokens, TEMPERATURE,
-                           with_entropy=True)
-        results.append({"logprobs": per_sample, "stats": stats,
-                        "weights": {k: v.cpu() for k, v in export_hf_weights(model)}})
+        stats = train_step(
+            model, optimizer, micro_batches, Objective(cfg, counts), counts.num_tokens, TEMPERATURE, with_entropy=True
+        )
+        results.append(
+            {"logprobs": per_sample, "stats": stats, "weights": {k: v.cpu() for k, v in export_hf_weights(model)}}
+        )
     naive = _naive_concatenation_logprobs(hf_dir, parallel)
     destroy_distributed()
     return results, naive

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dist_utils import run_distributed
 from test_algo_roles_megatron import TEMPERATURE, make_micro_batches
 from test_train_loop import run_train
+
+from dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,11 @@ def _ref_worker(hf_dir: str, ckpt_dir: str) -> dict:
         return [mb.ref_logprobs for mb in mbs]
 
     actor_before, actor_logprobs = dict(export_hf_weights(model)), logprobs_of(model)
-    got = {"step1": ref_logprobs(path=ckpt_dir, step=1), "newest": ref_logprobs(path=ckpt_dir),
-           "step1_dir": ref_logprobs(path=str(Path(ckpt_dir) / "step_000001"))}
+    got = {
+        "step1": ref_logprobs(path=ckpt_dir, step=1),
+        "newest": ref_logprobs(path=ckpt_dir),
+        "step1_dir": ref_logprobs(path=str(Path(ckpt_dir) / "step_000001")),
+    }
     actor_kept = all(torch.equal(t, actor_before[n]) for n, t in export_hf_weights(model))
     try:
         ref_logprobs(path=ckpt_dir, step=5)
@@ -58,8 +61,13 @@ def _ref_worker(hf_dir: str, ckpt_dir: str) -> dict:
         assert Checkpointer(cfg, ckpt_dir, parallel).restore(restored, optimizer, None)["step"] == step
         expected[step] = logprobs_of(restored)
     destroy_distributed()
-    return {"got": got, "expected": expected, "actor": actor_logprobs, "actor_kept": actor_kept,
-            "missing_error": missing_error}
+    return {
+        "got": got,
+        "expected": expected,
+        "actor": actor_logprobs,
+        "actor_kept": actor_kept,
+        "missing_error": missing_error,
+    }
 
 
 def test_ref_from_checkpoint_step_matches_restored_actor(tiny_model_dirs, tmp_path):
@@ -71,7 +79,8 @@ def test_ref_from_checkpoint_step_matches_restored_actor(tiny_model_dirs, tmp_pa
         got, expected = r["got"], r["expected"]
         assert r["actor_kept"]
         for mb_got1, mb_dir1, mb_new, mb_exp1, mb_exp2, mb_actor in zip(
-                got["step1"], got["step1_dir"], got["newest"], expected[1], expected[2], r["actor"]):
+            got["step1"], got["step1_dir"], got["newest"], expected[1], expected[2], r["actor"], strict=True
+        ):
             assert torch.equal(mb_got1, mb_exp1) and torch.equal(mb_dir1, mb_exp1)
             assert torch.equal(mb_new, mb_exp2)
             assert (mb_exp1 - mb_exp2).abs().max() > 1e-4  # the steps' weights differ: the test can fail

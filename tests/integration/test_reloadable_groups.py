@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_megatron_train import OPTIM, TEMPERATURE, MicroBatch, make_batch, pg_loss
 
 from dist_utils import run_distributed
-from test_megatron_train import OPTIM, TEMPERATURE, MicroBatch, make_batch, pg_loss
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,12 @@ def _destroy_and_rebuild() -> dict:
     from rlrun.runtime import reloadable_groups
 
     def held():
-        return [mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group(),
-                mpu.get_model_parallel_group(), mpu.get_pipeline_model_parallel_group()]
+        return [
+            mpu.get_tensor_model_parallel_group(),
+            mpu.get_data_parallel_group(),
+            mpu.get_model_parallel_group(),
+            mpu.get_pipeline_model_parallel_group(),
+        ]
 
     before, wrappers = held(), reloadable_groups.groups()
     old_inner = [group.inner for group in wrappers]
@@ -40,9 +44,10 @@ def _destroy_and_rebuild() -> dict:
     facts["rebuilt"] = reloadable_groups.rebuild_all()
     facts.update(
         wrapped=all(isinstance(g, reloadable_groups.ReloadableGroup) for g in before),
-        same_objects=all(a is b for a, b in zip(before, held())),
-        inner_new=all(g.inner is not old for g, old in zip(wrappers, old_inner)),
-        one_rank_groups=sum(g.size() == 1 for g in wrappers), groups=len(wrappers),
+        same_objects=all(a is b for a, b in zip(before, held(), strict=True)),
+        inner_new=all(g.inner is not old for g, old in zip(wrappers, old_inner, strict=True)),
+        one_rank_groups=sum(g.size() == 1 for g in wrappers),
+        groups=len(wrappers),
     )
     return facts
 
@@ -84,7 +89,7 @@ def test_teardown_and_rebuild_keeps_training_identical(tp, tiny_model_dirs):
         assert facts["tp_size_asleep"] == tp  # sizes stay answerable while the communicators are gone
         assert len(facts["errors"]) == 2 and all("destroyed" in e and "rebuild_all" in e for e in facts["errors"])
         assert ref["stats"][0]["loss"] != pytest.approx(ref["stats"][1]["loss"])  # the second step sees new weights
-        for got, want in zip(torn["stats"], ref["stats"]):
+        for got, want in zip(torn["stats"], ref["stats"], strict=True):
             assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
         for name, tensor in ref["weights"].items():
             torch.testing.assert_close(torn["weights"][name], tensor, rtol=0, atol=0, msg=name)
@@ -103,10 +108,12 @@ def _plain_worker() -> dict:
         destroy_distributed()
         return name
 
-    out = {"without_offload": tp_group_type(),
-           "patched_without_offload": dist.new_group is not reloadable_groups._original_new_group,
-           "offload_train_on_cpu": tp_group_type(reloadable_backends=("nccl",)),
-           "gloo": tp_group_type(reloadable_backends=("gloo",))}
+    out = {
+        "without_offload": tp_group_type(),
+        "patched_without_offload": dist.new_group is not reloadable_groups._original_new_group,
+        "offload_train_on_cpu": tp_group_type(reloadable_backends=("nccl",)),
+        "gloo": tp_group_type(reloadable_backends=("gloo",)),
+    }
     out["next_world_without_offload"] = tp_group_type()  # the gloo world's record must not leak into it
     return out
 
@@ -121,8 +128,12 @@ def test_cpu_path_is_untouched():
     assert OffloadConfig(train=True, teardown_nccl=False).reloadable_backends == ()
     out = run_distributed(_plain_worker, 1)
     assert out.pop("gloo").startswith("ReloadableGroup/")  # the same calls do wrap when asked for gloo
-    assert out == {"without_offload": "ProcessGroup/0", "patched_without_offload": False,
-                   "offload_train_on_cpu": "ProcessGroup/0", "next_world_without_offload": "ProcessGroup/0"}
+    assert out == {
+        "without_offload": "ProcessGroup/0",
+        "patched_without_offload": False,
+        "offload_train_on_cpu": "ProcessGroup/0",
+        "next_world_without_offload": "ProcessGroup/0",
+    }
 
 
 def test_backend_names_of_per_device_backends():

@@ -26,11 +26,26 @@ REPO = Path(__file__).resolve().parents[2]
 
 def train_command(model_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """``torchrun --standalone --nproc-per-node 2 -m rlrun train`` on the tiny model's learnable task."""
-    settings = [f"model.path={model_dir}", f"logging.run_dir={run_dir}",
-                f"rollout.reward={REPO / 'tests/fixtures/rewards.py'}:digit_fraction", "rollout.max_new_tokens=6",
-                "optimizer.lr=3e-3", *overrides]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "-m", "rlrun", "train", str(REPO / "configs/quickstart.yaml"), *[a for s in settings for a in ("--set", s)]]
+    settings = [
+        f"model.path={model_dir}",
+        f"logging.run_dir={run_dir}",
+        f"rollout.reward={REPO / 'tests/fixtures/rewards.py'}:digit_fraction",
+        "rollout.max_new_tokens=6",
+        "optimizer.lr=3e-3",
+        *overrides,
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "rlrun",
+        "train",
+        str(REPO / "configs/quickstart.yaml"),
+        *[a for s in settings for a in ("--set", s)],
+    ]
 
 
 def train_env() -> dict[str, str]:
@@ -43,16 +58,29 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def run_to_end(model_dir: Path, run_dir: Path, *overrides: str) -> str:
-    proc = subprocess.run(train_command(model_dir, run_dir, *overrides), cwd=REPO, env=train_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        train_command(model_dir, run_dir, *overrides),
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"train failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout
 
 
 def run_until_sigterm(model_dir: Path, run_dir: Path, after_steps: int, *overrides: str) -> str:
     """Start a run, SIGTERM its whole process group once ``after_steps`` steps are logged; its output."""
-    proc = subprocess.Popen(train_command(model_dir, run_dir, *overrides), cwd=REPO, env=train_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        train_command(model_dir, run_dir, *overrides),
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while len(read_metrics(run_dir)) < after_steps and proc.poll() is None and time.monotonic() < deadline:
@@ -87,12 +115,19 @@ def test_sigterm_checkpoint_then_resume_matches_uninterrupted_run(tiny_model_dir
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(stopped_at))
 
     # Continue to step 6, saving asynchronously after every step and keeping the newest two.
-    output = run_to_end(model, run_dir, "train.num_steps=6", "checkpoint.resume=auto", "checkpoint.save_interval=1",
-                        "checkpoint.async_save=true", "checkpoint.keep_last=2")
+    output = run_to_end(
+        model,
+        run_dir,
+        "train.num_steps=6",
+        "checkpoint.resume=auto",
+        "checkpoint.save_interval=1",
+        "checkpoint.async_save=true",
+        "checkpoint.keep_last=2",
+    )
     assert f"resumed from {checkpoints[0]} (step {stopped_at})" in output
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(6))
-    for got, want in zip(resumed, reference):
+    for got, want in zip(resumed, reference, strict=True):
         assert comparable(got) == comparable(want), f"step {want['step']} differs after resuming at {stopped_at}"
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert kept == ["step_000005", "step_000006"], kept

@@ -80,8 +80,14 @@ def _worker(hf_dir: str, run_dir: str, dtype: str) -> dict:
 
     saver.save(State(step=2, weight_version=2), model, optimizer, None, blocking=True)
     destroy_distributed()
-    return {"expected": expected, "restored": restored, "reference": reference, "resumed": resumed,
-            "run_state": run_state, "rng_equal": torch.equal(expected_rng, rng_after_restore)}
+    return {
+        "expected": expected,
+        "restored": restored,
+        "reference": reference,
+        "resumed": resumed,
+        "run_state": run_state,
+        "rng_equal": torch.equal(expected_rng, rng_after_restore),
+    }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -96,12 +102,18 @@ def test_async_checkpoint_restores_exactly_and_training_continues_identically(ti
             assert torch.equal(r["resumed"][name], r["reference"][name]), f"rank {rank} {name}: resumed step differs"
         moved = [n for n in r["expected"] if not torch.equal(r["expected"][n], r["reference"][n])]
         assert moved, "the second step changed nothing: the comparison would be vacuous"
-    assert not torch.equal(results[0]["expected"]["decoder.layers.0.mlp.linear_fc1.weight"],
-                           results[1]["expected"]["decoder.layers.0.mlp.linear_fc1.weight"])  # TP shards differ
+    assert not torch.equal(
+        results[0]["expected"]["decoder.layers.0.mlp.linear_fc1.weight"],
+        results[1]["expected"]["decoder.layers.0.mlp.linear_fc1.weight"],
+    )  # TP shards differ
     ckpt_dir = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_000002"]  # keep_last=1 pruned step 1
     assert sorted(p.name for p in (ckpt_dir / "step_000002").iterdir()) == ["COMPLETE", "actor", "run_state.json"]
     assert {"metadata.json", ".metadata", "common.pt"} <= {p.name for p in (ckpt_dir / "step_000002/actor").iterdir()}
     marker = json.loads((ckpt_dir / "step_000002/COMPLETE").read_text())
-    assert marker == {"step": 2, "layout": {"world_size": 2, "tp": 2, "pp": 1}, "weights_only": False,
-                      "model_path": None}
+    assert marker == {
+        "step": 2,
+        "layout": {"world_size": 2, "tp": 2, "pp": 1},
+        "weights_only": False,
+        "model_path": None,
+    }

@@ -19,13 +19,28 @@ DIGITS = f"{REPO / 'tests/fixtures/rewards.py'}:digit_fraction"  # a reward the 
 
 
 def torchrun(config: str, model_dir: Path, run_dir: Path, *overrides: str, nproc: int = 1, check: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "rlrun", "train", str(REPO / config), "--set", f"model.path={model_dir}",
-           "--set", f"logging.run_dir={run_dir}", *[a for o in overrides for a in ("--set", o)]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "rlrun",
+        "train",
+        str(REPO / config),
+        "--set",
+        f"model.path={model_dir}",
+        "--set",
+        f"logging.run_dir={run_dir}",
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check:
-        assert proc.returncode == 0, f"train failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, (
+            f"train failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -34,16 +49,32 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-SMALL = ("rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
-         "rollout.over_sampling_prompts=null", "rollout.dynamic_filter=null", f"rollout.reward={DIGITS}")
+SMALL = (
+    "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=6",
+    "rollout.over_sampling_prompts=null",
+    "rollout.dynamic_filter=null",
+    f"rollout.reward={DIGITS}",
+)
 
 
 def test_calculator_example_with_eval_and_debug_data(tiny_model_dirs, tmp_path):
     model = tiny_model_dirs["qwen2"]
     run_a = tmp_path / "a"
-    torchrun("configs/calculator_tool.yaml", model, run_a, *SMALL, "train.num_steps=2", "eval.interval=1",
-             "eval.datasets=[{name: calc, path: 'examples/calculator_tool/data/eval.jsonl@[:4]'}]", "eval.max_new_tokens=4",
-             "debug.save_rollout_data=true", "debug.save_train_data=true", nproc=2)
+    torchrun(
+        "configs/calculator_tool.yaml",
+        model,
+        run_a,
+        *SMALL,
+        "train.num_steps=2",
+        "eval.interval=1",
+        "eval.datasets=[{name: calc, path: 'examples/calculator_tool/data/eval.jsonl@[:4]'}]",
+        "eval.max_new_tokens=4",
+        "debug.save_rollout_data=true",
+        "debug.save_train_data=true",
+        nproc=2,
+    )
     steps = records(run_a)
     assert [r["step"] for r in steps] == [0, 1]
     for r in steps:
@@ -61,8 +92,14 @@ def test_calculator_example_with_eval_and_debug_data(tiny_model_dirs, tmp_path):
 
     # Train-only from the saved rollouts: same samples, no engine generation.
     run_b = tmp_path / "b"
-    torchrun("configs/calculator_tool.yaml", model, run_b, *SMALL, "train.num_steps=2",
-             f"debug.load_rollout_data={run_a / 'debug'}")
+    torchrun(
+        "configs/calculator_tool.yaml",
+        model,
+        run_b,
+        *SMALL,
+        "train.num_steps=2",
+        f"debug.load_rollout_data={run_a / 'debug'}",
+    )
     loaded = records(run_b)
     assert [r["rollout/loaded_from_disk"] for r in loaded] == [1.0, 1.0]
     assert [r["rollout/reward_mean"] for r in loaded] == [r["rollout/reward_mean"] for r in steps]
@@ -79,8 +116,14 @@ def test_malformed_jsonl_line_stops_before_the_first_step(tiny_model_dirs, tmp_p
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "label": 2}\n\n{"prompt": "What is 2 + 2?", "label": 4\n')
     run_dir = tmp_path / "run"
-    proc = torchrun("configs/quickstart.yaml", tiny_model_dirs["qwen2"], run_dir, f"data.path={data}",
-                    "train.num_steps=2", check=False)
+    proc = torchrun(
+        "configs/quickstart.yaml",
+        tiny_model_dirs["qwen2"],
+        run_dir,
+        f"data.path={data}",
+        "train.num_steps=2",
+        check=False,
+    )
     assert proc.returncode != 0
     assert f"{data}:3: invalid JSON (Expecting ',' delimiter at column 40)" in proc.stdout + proc.stderr
     assert records(run_dir) == []  # no step ran

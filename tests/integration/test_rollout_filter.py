@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -43,16 +44,21 @@ def collect_scenarios(model_dir: str, run_dir: str, scenarios: list[tuple[dict, 
     results = []
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        with EngineClient.spawn(backend="embedded", model_path=model_dir, run_dir=Path(run_dir), rank=parallel.rank,
-                                seed=parallel.rank) as engine:
+        with EngineClient.spawn(
+            backend="embedded", model_path=model_dir, run_dir=Path(run_dir), rank=parallel.rank, seed=parallel.rank
+        ) as engine:
             for overrides, num_steps in scenarios:
                 cfg = RunConfig.model_validate({**overrides, "model": {"path": model_dir}, "train": {"seed": SEED}})
                 sampler = PromptSampler(PromptDataset(cfg.data, tokenizer), seed=SEED) if parallel.is_rank0 else None
                 runtime = RolloutRuntime.build(cfg, parallel, engine, tokenizer, sampler)
                 batches = [runtime.collect(step) for step in range(num_steps)]
                 if parallel.is_rank0:
-                    results.append(([([(s.prompt.label, s.reward) for s in b.samples], b.metrics) for b in batches],
-                                    sampler.state_dict()))
+                    results.append(
+                        (
+                            [([(s.prompt.label, s.reward) for s in b.samples], b.metrics) for b in batches],
+                            sampler.state_dict(),
+                        )
+                    )
         dist.barrier(group=parallel.cpu_group)
         return results if parallel.is_rank0 else None
     finally:
@@ -79,9 +85,16 @@ def setup(tmp_path_factory):
 
 
 def rollout_cfg(root, data, **rollout):
-    return {"data": {"path": str(data)},
-            "rollout": {"prompts_per_step": 3, "samples_per_prompt": 4, "max_new_tokens": 4,
-                        "reward": f"{root}/hooks.py:reward", **rollout}}
+    return {
+        "data": {"path": str(data)},
+        "rollout": {
+            "prompts_per_step": 3,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 4,
+            "reward": f"{root}/hooks.py:reward",
+            **rollout,
+        },
+    }
 
 
 def test_filter_refills_and_limits(tiny_model_dirs, setup):
@@ -89,8 +102,9 @@ def test_filter_refills_and_limits(tiny_model_dirs, setup):
     refill = rollout_cfg(root, data, over_sampling_prompts=4, dynamic_filter="nonzero_std", max_sampling_rounds=10)
     even = rollout_cfg(root, data, dynamic_filter=f"{root}/hooks.py:keep_even", max_sampling_rounds=10)
     none = rollout_cfg(root, data, dynamic_filter=f"{root}/hooks.py:keep_none", max_sampling_rounds=2)
-    results = run_distributed(collect_scenarios, 2, str(tiny_model_dirs["qwen2"]), str(root / "run"),
-                              [(refill, 2), (even, 1), (none, 1)])
+    results = run_distributed(
+        collect_scenarios, 2, str(tiny_model_dirs["qwen2"]), str(root / "run"), [(refill, 2), (even, 1), (none, 1)]
+    )
     check_refill(*results[0])
     [(samples, _)], _ = results[1]  # custom filter path: the first 3 even labels drawn, 3 per round
     evens = [label for label in draw_order(24) if label % 2 == 0][:3]

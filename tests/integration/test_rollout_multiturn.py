@@ -59,12 +59,28 @@ def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
     cfg = RolloutConfig(samples_per_prompt=4, max_new_tokens=6, generate_fn=f"{AGENT}:generate")
     with EngineClient.spawn(backend="embedded", model_path=model_dir, run_dir=tmp_path, rank=0, seed=0) as engine:
         recorder = RecordingEngine(engine)
-        samples = run_generate_fn(load_generate_fn(cfg.generate_fn), recorder, prompts, 4, sampling_params(cfg, 11), 11,
-                                  tokenizer, max_context_tokens=512)
+        samples = run_generate_fn(
+            load_generate_fn(cfg.generate_fn),
+            recorder,
+            prompts,
+            4,
+            sampling_params(cfg, 11),
+            11,
+            tokenizer,
+            max_context_tokens=512,
+        )
         # A tight context: every trajectory stops at the limit (a turn gets only the room left).
         limit = max(len(p.prompt_ids) for p in prompts) + 9
-        tight = run_generate_fn(load_generate_fn(cfg.generate_fn), engine, prompts, 2, sampling_params(cfg, 5), 5,
-                                tokenizer, max_context_tokens=limit)
+        tight = run_generate_fn(
+            load_generate_fn(cfg.generate_fn),
+            engine,
+            prompts,
+            2,
+            sampling_params(cfg, 5),
+            5,
+            tokenizer,
+            max_context_tokens=limit,
+        )
     for sample in tight:
         assert sample.total_length <= limit and len(sample.loss_mask) == len(sample.response_ids)
     assert any(s.total_length == limit and s.finish_reason == "length" for s in tight)
@@ -74,9 +90,11 @@ def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
     spec.loader.exec_module(agent)
     generated: dict[tuple, list[dict]] = {}  # full input -> the outputs the engine gave for it
     for inputs, results in recorder.calls:
-        for ids, result in zip(inputs, results):
+        for ids, result in zip(inputs, results, strict=True):
             generated.setdefault(tuple(ids), []).append(result)
-    assert len(recorder.calls) < sum(1 for s in samples for value, _, _ in runs(s.loss_mask) if value == 1)  # batched turns
+    assert len(recorder.calls) < sum(
+        1 for s in samples for value, _, _ in runs(s.loss_mask) if value == 1
+    )  # batched turns
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     num_env_runs = 0
@@ -97,8 +115,10 @@ def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
                 num_env_runs += 1
                 assert context not in generated  # nobody asked the engine to generate here
                 text = tokenizer.decode(sample.response_ids[start:end], skip_special_tokens=False)
-                turn = tokenizer.decode(sample.response_ids[segments[[s[1] for s in segments].index(start) - 1][1]:start],
-                                        skip_special_tokens=True)
+                turn = tokenizer.decode(
+                    sample.response_ids[segments[[s[1] for s in segments].index(start) - 1][1] : start],
+                    skip_special_tokens=True,
+                )
                 role, reply = agent.environment_reply(turn)
                 assert text.endswith(f"\n<|im_start|>{role}\n{reply}<|im_end|>\n<|im_start|>assistant\n")
                 assert all(lp == 0.0 for lp in sample.rollout_logprobs[start:end])

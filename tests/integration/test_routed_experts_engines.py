@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from engine_contract import spawn_engine
-from tiny_models import make_tiny_model
-
 from rlrun.engine.backends.routing_record import decode
+from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 12, 13]]
@@ -37,9 +36,14 @@ def _check_against_hf(model_dir, results) -> None:
 
 @pytest.mark.parametrize("backend,version", [("embedded", None), ("sglang", "0.5.17"), ("sglang", "0.5.23")])
 def test_engine_returns_routed_experts_over_rpc(moe_dir, tmp_path, backend, version):
-    kwargs = {} if backend == "embedded" else {
-        "fake_version": version,
-        "server_args": {"enable_deterministic_inference": True, "enable_return_routed_experts": True}}
+    kwargs = (
+        {}
+        if backend == "embedded"
+        else {
+            "fake_version": version,
+            "server_args": {"enable_deterministic_inference": True, "enable_return_routed_experts": True},
+        }
+    )
     with spawn_engine(backend, moe_dir, tmp_path, **kwargs) as client:
         results = client.generate(PROMPTS, PARAMS)
     _check_against_hf(moe_dir, results)

@@ -24,9 +24,9 @@ def _engine_samples(hf_dir: str):
     """Samples from an engine whose router weights differ slightly from the trainer's; equal prompt
     lengths and ignore_eos give equal sample lengths (for a plain 2-row micro-batch)."""
     from rlrun.config.schema import RolloutConfig
+    from rlrun.data.sample import Prompt
     from rlrun.engine.backends.embedded import EmbeddedEngine
     from rlrun.rollout.driver import generate_samples
-    from rlrun.data.sample import Prompt
     from tiny_models import make_tokenizer
 
     engine = EmbeddedEngine(hf_dir, seed=0)
@@ -47,8 +47,12 @@ def _micro_batches(samples):
 
     packed = collate(samples[:4], [1.0, -1.0, 0.5, -0.5], pad_token_id=0)
     rows = [collate([s], [1.0], pad_token_id=0) for s in samples[4:]]
-    plain = MicroBatch(**{f: torch.cat([getattr(r, f) for r in rows]) for f in
-                          ("tokens", "position_ids", "loss_mask", "advantages", "rollout_logprobs", "routed_experts")})
+    plain = MicroBatch(
+        **{
+            f: torch.cat([getattr(r, f) for r in rows])
+            for f in ("tokens", "position_ids", "loss_mask", "advantages", "rollout_logprobs", "routed_experts")
+        }
+    )
     return [packed, plain]
 
 
@@ -59,9 +63,11 @@ def _capture_routing(model):
     captured: list[torch.Tensor] = []
     for module in model.module.modules():
         if isinstance(module, TopKRouter):
+
             def hook(mod, _args, output):
                 routing_map = output[1]
                 captured.append(routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1).cpu())
+
             module.register_forward_hook(hook)
     return captured
 
@@ -80,16 +86,16 @@ def _real_tokens(mb, lengths: list[int]) -> torch.Tensor:
     ``lengths``: the samples' total lengths, packed back to back in one row or one per plain row."""
     real = torch.zeros(mb.tokens.shape, dtype=torch.bool)
     offsets = [0] * len(lengths) if mb.tokens.shape[0] > 1 else [sum(lengths[:i]) for i in range(len(lengths))]
-    for i, (offset, length) in enumerate(zip(offsets, lengths)):
-        real[i if mb.tokens.shape[0] > 1 else 0, offset:offset + length - 1] = True
+    for i, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        real[i if mb.tokens.shape[0] > 1 else 0, offset : offset + length - 1] = True
     return (real.t() if mb.tokens.shape[0] > 1 else real).reshape(-1)
 
 
 def _worker(hf_dir: str, pp: int) -> dict:
-    from rlrun.config.schema import AlgorithmConfig
-    from rlrun.megatron import build_model, compute_logprobs, make_optimizer, train_step
     from rlrun.algo.aggregate import StepCounts
     from rlrun.algo.objective import Objective
+    from rlrun.config.schema import AlgorithmConfig
+    from rlrun.megatron import build_model, compute_logprobs, make_optimizer, train_step
     from rlrun.roles import ModelRoles
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
@@ -110,31 +116,42 @@ def _worker(hf_dir: str, pp: int) -> dict:
 
     with torch.no_grad():  # replay off: the trainer routes on its own
         off = []
-        for mb, group in zip(mbs, (samples[:4], samples[4:])):
+        for mb, group in zip(mbs, (samples[:4], samples[4:]), strict=True):
             captured.clear()
             off.append(gap(compute_logprobs(model, mb.tokens, mb.position_ids, TEMPERATURE), mb))
             real = _real_tokens(mb, [s.total_length for s in group])
             out["real"] += int(real.sum()) * layers
-            pairs = zip(captured, _engine_order(mb, stage_layers))
+            pairs = zip(captured, _engine_order(mb, stage_layers), strict=True)
             out["flips_off"] += sum(int((c != e).any(-1)[real].sum()) for c, e in pairs)
     roles = ModelRoles.create(AlgorithmConfig(routing_replay="rollout", use_rollout_logprobs=False), model)
     roles.reuse_logprobs = False
     captured.clear()
     roles.fill_logprobs(mbs, TEMPERATURE)  # old log-probs with the engine's routing replayed
-    used = [captured[i * layers:(i + 1) * layers] for i in range(len(mbs))]
-    for mb, routing in zip(mbs, used):
-        out["mismatch_on"] += sum(int((c != e).any(-1).sum()) for c, e in zip(routing, _engine_order(mb, stage_layers)))
+    used = [captured[i * layers : (i + 1) * layers] for i in range(len(mbs))]
+    for mb, routing in zip(mbs, used, strict=True):
+        out["mismatch_on"] += sum(
+            int((c != e).any(-1).sum()) for c, e in zip(routing, _engine_order(mb, stage_layers), strict=True)
+        )
     out["gap_off"], out["gap_on"] = sum(off) / len(off), sum(gap(mb.old_logprobs, mb) for mb in mbs) / len(mbs)
 
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0)
     num_tokens = int(sum(mb.num_loss_tokens for mb in mbs))
     captured.clear()
     with roles.training_forward(mbs):
-        train_step(model, optimizer, mbs, Objective(roles.cfg, StepCounts(num_tokens, 6, 12)), num_tokens,
-                   TEMPERATURE, with_entropy=True)
+        train_step(
+            model,
+            optimizer,
+            mbs,
+            Objective(roles.cfg, StepCounts(num_tokens, 6, 12)),
+            num_tokens,
+            TEMPERATURE,
+            with_entropy=True,
+        )
     for i, mb in enumerate(mbs):
-        routing = captured[i * layers:(i + 1) * layers]
-        out["mismatch_train"] += sum(int((c != e).any(-1).sum()) for c, e in zip(routing, _engine_order(mb, stage_layers)))
+        routing = captured[i * layers : (i + 1) * layers]
+        out["mismatch_train"] += sum(
+            int((c != e).any(-1).sum()) for c, e in zip(routing, _engine_order(mb, stage_layers), strict=True)
+        )
 
     trainer = ModelRoles.create(AlgorithmConfig(routing_replay="trainer"), model)
     trainer.reuse_logprobs = False
@@ -143,9 +160,18 @@ def _worker(hf_dir: str, pp: int) -> dict:
     recorded = [c.clone() for c in captured]
     captured.clear()
     with trainer.training_forward(mbs):
-        train_step(model, optimizer, mbs, Objective(trainer.cfg, StepCounts(num_tokens, 6, 12)), num_tokens,
-                   TEMPERATURE, with_entropy=True)
-    out["r2_equal"] = all(torch.equal(a, b) for a, b in zip(recorded, captured)) and len(recorded) == len(captured)
+        train_step(
+            model,
+            optimizer,
+            mbs,
+            Objective(trainer.cfg, StepCounts(num_tokens, 6, 12)),
+            num_tokens,
+            TEMPERATURE,
+            with_entropy=True,
+        )
+    out["r2_equal"] = all(torch.equal(a, b) for a, b in zip(recorded, captured, strict=True)) and len(recorded) == len(
+        captured
+    )
     destroy_distributed()
     return out
 

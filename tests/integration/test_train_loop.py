@@ -18,12 +18,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_train(model_dir: Path, run_dir: Path, *overrides: str, nproc: int = 2, timeout_s: int = 600) -> list[dict]:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "rlrun", "train", str(REPO / "configs/quickstart.yaml"),
-        "--set", f"model.path={model_dir}", "--set", f"logging.run_dir={run_dir}",
-        "--set", f"rollout.reward={REPO / 'tests/fixtures/rewards.py'}:digit_fraction",
-        "--set", "rollout.max_new_tokens=6", "--set", "rollout.samples_per_prompt=8",
-        "--set", "optimizer.lr=3e-3", *[a for o in overrides for a in ("--set", o)],
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "rlrun",
+        "train",
+        str(REPO / "configs/quickstart.yaml"),
+        "--set",
+        f"model.path={model_dir}",
+        "--set",
+        f"logging.run_dir={run_dir}",
+        "--set",
+        f"rollout.reward={REPO / 'tests/fixtures/rewards.py'}:digit_fraction",
+        "--set",
+        "rollout.max_new_tokens=6",
+        "--set",
+        "rollout.samples_per_prompt=8",
+        "--set",
+        "optimizer.lr=3e-3",
+        *[a for o in overrides for a in ("--set", o)],
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)

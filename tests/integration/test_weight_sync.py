@@ -24,14 +24,28 @@ def _engine_vs_trainer(model_dir: str, run_dir: str, tp: int):
         model = build_model(model_dir, parallel, dtype="float32")
         optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
         prompts = [[257, 84, 82, 68], [257, 64, 82, 82, 72, 82]]
-        params = {"max_new_tokens": 6, "temperature": 0.8, "top_p": 1.0, "top_k": -1, "n": 2, "sampling_seed": 11, "ignore_eos": True}
+        params = {
+            "max_new_tokens": 6,
+            "temperature": 0.8,
+            "top_p": 1.0,
+            "top_k": -1,
+            "n": 2,
+            "sampling_seed": 11,
+            "ignore_eos": True,
+        }
 
         def gap(version: str):
             results = engine.generate(prompts, params, return_logprob=True)
             assert all(r["weight_version"] == version for r in results)
             samples = [
-                Sample(group_index=i // 2, prompt=Prompt(index=i // 2, prompt_ids=prompts[i // 2], prompt_text=""),
-                       response_ids=r["output_ids"], response_text="", rollout_logprobs=r["output_logprobs"], finish_reason="length")
+                Sample(
+                    group_index=i // 2,
+                    prompt=Prompt(index=i // 2, prompt_ids=prompts[i // 2], prompt_text=""),
+                    response_ids=r["output_ids"],
+                    response_text="",
+                    rollout_logprobs=r["output_logprobs"],
+                    finish_reason="length",
+                )
                 for i, r in enumerate(results)
             ]
             mb = collate(samples, [1.0, -1.0, 0.5, -0.5], pad_token_id=0)
@@ -49,7 +63,9 @@ def _engine_vs_trainer(model_dir: str, run_dir: str, tp: int):
 
         train_step(model, optimizer, [mb], loss_fn, num_global_tokens=int(mb.loss_mask.sum()), temperature=0.8)
         with torch.no_grad():
-            trainer_after_same_tokens = compute_logprobs(model, mb.tokens, mb.position_ids, 0.8).float()[mb.loss_mask.bool()]
+            trainer_after_same_tokens = compute_logprobs(model, mb.tokens, mb.position_ids, 0.8).float()[
+                mb.loss_mask.bool()
+            ]
         engine.update_weights(export_hf_weights(model), weight_version="2", bucket_bytes=1 << 14)
         gap_after, _, _ = gap("2")
         moved = (trainer_after_same_tokens - trainer_before).abs().max().item()

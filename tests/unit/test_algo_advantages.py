@@ -6,8 +6,16 @@ import statistics
 import pytest
 import torch
 
-from rlrun.algo.advantages import (discounted_returns, gae, group_scores, last_token_mask, masked_moments,
-                                   reinforce_returns, token_advantages, whiten)
+from rlrun.algo.advantages import (
+    discounted_returns,
+    gae,
+    group_scores,
+    last_token_mask,
+    masked_moments,
+    reinforce_returns,
+    token_advantages,
+    whiten,
+)
 
 
 def ragged_batch(seed=0, lengths=((2, 5), (1, 3), (4, 1), (0, 6)), width=12):
@@ -19,8 +27,8 @@ def ragged_batch(seed=0, lengths=((2, 5), (1, 3), (4, 1), (0, 6)), width=12):
     rows = []
     for i, (p, r) in enumerate(lengths):
         score = float(torch.randn(1, generator=gen))
-        mask[i, p:p + r] = 1.0
-        scores[i, p:p + r] = score
+        mask[i, p : p + r] = 1.0
+        scores[i, p : p + r] = score
         rows.append((p, r, score))
     kl = torch.randn(len(lengths), width, generator=gen)
     values = torch.randn(len(lengths), width, generator=gen)
@@ -34,7 +42,9 @@ def test_group_scores_per_estimator():
         for name in ("grpo", "gspo", "cispo"):
             expected = [(r - mean) / (std + 1e-6) for r in group]
             assert group_scores(rewards, name, normalize_std=True)[g].tolist() == pytest.approx(expected, abs=1e-6)
-            assert group_scores(rewards, name, normalize_std=False)[g].tolist() == pytest.approx([r - mean for r in group])
+            assert group_scores(rewards, name, normalize_std=False)[g].tolist() == pytest.approx(
+                [r - mean for r in group]
+            )
         baseline = group_scores(rewards, "reinforce_plus_plus_baseline", normalize_std=True)[g]
         assert baseline.tolist() == pytest.approx([r - mean for r in group])  # never divided by std
         for name in ("reinforce_plus_plus", "ppo"):
@@ -68,8 +78,8 @@ def test_reinforce_plus_plus_returns_match_python_loop(gamma):
         for j in reversed(range(r)):
             running = token_rewards[j] + gamma * running
             expected[j] = running
-        assert returns[i, p:p + r].tolist() == pytest.approx(expected, abs=1e-5)
-        assert returns[i, :p].abs().sum() == 0 and returns[i, p + r:].abs().sum() == 0
+        assert returns[i, p : p + r].tolist() == pytest.approx(expected, abs=1e-5)
+        assert returns[i, :p].abs().sum() == 0 and returns[i, p + r :].abs().sum() == 0
 
 
 @pytest.mark.parametrize("gamma, lambd", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])
@@ -78,17 +88,17 @@ def test_gae_matches_python_loop(gamma, lambd):
     rewards = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) * mask
     adv, ret = gae(rewards, values, mask, gamma, lambd)
     for i, (p, r, _) in enumerate(rows):
-        rs = rewards[i, p:p + r].tolist()
-        vs = values[i, p:p + r].tolist()
+        rs = rewards[i, p : p + r].tolist()
+        vs = values[i, p : p + r].tolist()
         expected, last = [0.0] * r, 0.0
         for j in reversed(range(r)):
             next_v = vs[j + 1] if j + 1 < r else 0.0  # terminal after the last response token
             delta = rs[j] + gamma * next_v - vs[j]
             last = delta + gamma * lambd * last
             expected[j] = last
-        assert adv[i, p:p + r].tolist() == pytest.approx(expected, abs=1e-5)
-        assert ret[i, p:p + r].tolist() == pytest.approx([a + v for a, v in zip(expected, vs)], abs=1e-5)
-        assert adv[i, p + r:].abs().sum() == 0
+        assert adv[i, p : p + r].tolist() == pytest.approx(expected, abs=1e-5)
+        assert ret[i, p : p + r].tolist() == pytest.approx([a + v for a, v in zip(expected, vs, strict=True)], abs=1e-5)
+        assert adv[i, p + r :].abs().sum() == 0
 
 
 def test_gae_with_lambda_one_and_zero_values_is_discounted_return():
@@ -107,7 +117,7 @@ def test_whiten_across_ranks_equals_whole_batch_statistics():
     # two "ranks" holding two rows each: summed moments give the whole batch's statistics
     moments = masked_moments(x[:2], mask[:2]) + masked_moments(x[2:], mask[2:])
     out = torch.cat([whiten(x[:2], mask[:2], moments), whiten(x[2:], mask[2:], moments)])
-    expected = [(v - mean) / math.sqrt(std ** 2 + 1e-8) for v in valid]
+    expected = [(v - mean) / math.sqrt(std**2 + 1e-8) for v in valid]
     got = [out[i, p + j].item() for i, (p, r, _) in enumerate(rows) for j in range(r)]
     assert got == pytest.approx(expected, abs=1e-5)
     assert (out * (1 - mask)).abs().sum() == 0

@@ -22,28 +22,46 @@ def error_of(tmp_path, algorithm_yaml: str) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("yaml_text, expected", [
-    ("kl:\n  loss_coef: 0.1\n  reward_coef: 0.1\n", "algorithm.kl.reward_coef (0.1) must be 0 when algorithm.kl.loss_coef"),
-    ("advantage_estimator: reinforce_plus_plus\n", "algorithm.normalize_advantages (False) must be true"),
-    ("advantage_estimator: ppo\n", "algorithm.advantage_estimator (ppo) must come with algorithm.custom_advantage"),
-    ("use_rollout_logprobs: true\ntis:\n  mode: clip\n", "algorithm.tis.mode (clip) must be off with use_rollout_logprobs"),
-    ("ref:\n  update_interval: 5\n", "algorithm.ref must stay unset when no KL term is on"),
-    ("opd:\n  kl_coef: 0.5\n", "algorithm.opd.teacher_path (None) and algorithm.opd.kl_coef (0.5) must be set together"),
-    ("loss_type: custom\n", "algorithm.custom_loss (None) must be set exactly when loss_type is custom"),
-    ("tis:\n  mode: clip\n  clip: 1.0\n  clip_low: 2.0\n", "algorithm.tis.clip_low (2.0) must be < algorithm.tis.clip"),
-    ("eps_clip_c: 0.5\n", "algorithm.eps_clip_c (0.5) must be greater than 1"),
-    ("kl:\n  estimator: k4\n", "algorithm.kl.estimator ('k4') must be 'k1', 'k2', 'k3' or 'low_var_kl'"),
-])
+@pytest.mark.parametrize(
+    "yaml_text, expected",
+    [
+        (
+            "kl:\n  loss_coef: 0.1\n  reward_coef: 0.1\n",
+            "algorithm.kl.reward_coef (0.1) must be 0 when algorithm.kl.loss_coef",
+        ),
+        ("advantage_estimator: reinforce_plus_plus\n", "algorithm.normalize_advantages (False) must be true"),
+        ("advantage_estimator: ppo\n", "algorithm.advantage_estimator (ppo) must come with algorithm.custom_advantage"),
+        (
+            "use_rollout_logprobs: true\ntis:\n  mode: clip\n",
+            "algorithm.tis.mode (clip) must be off with use_rollout_logprobs",
+        ),
+        ("ref:\n  update_interval: 5\n", "algorithm.ref must stay unset when no KL term is on"),
+        (
+            "opd:\n  kl_coef: 0.5\n",
+            "algorithm.opd.teacher_path (None) and algorithm.opd.kl_coef (0.5) must be set together",
+        ),
+        ("loss_type: custom\n", "algorithm.custom_loss (None) must be set exactly when loss_type is custom"),
+        (
+            "tis:\n  mode: clip\n  clip: 1.0\n  clip_low: 2.0\n",
+            "algorithm.tis.clip_low (2.0) must be < algorithm.tis.clip",
+        ),
+        ("eps_clip_c: 0.5\n", "algorithm.eps_clip_c (0.5) must be greater than 1"),
+        ("kl:\n  estimator: k4\n", "algorithm.kl.estimator ('k4') must be 'k1', 'k2', 'k3' or 'low_var_kl'"),
+    ],
+)
 def test_incompatible_settings_fail_at_load(tmp_path, yaml_text, expected):
     message = error_of(tmp_path, yaml_text)
     assert expected in message, message
     assert message.startswith(f"{tmp_path / 'run.yaml'}:")
 
 
-@pytest.mark.parametrize("field, signature", [
-    ("custom_advantage", "fn(cfg: AlgorithmConfig, mb: MicroBatch, kl: Tensor) -> (advantages, returns)"),
-    ("rollout_data_postprocess", "fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None"),
-])
+@pytest.mark.parametrize(
+    "field, signature",
+    [
+        ("custom_advantage", "fn(cfg: AlgorithmConfig, mb: MicroBatch, kl: Tensor) -> (advantages, returns)"),
+        ("rollout_data_postprocess", "fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None"),
+    ],
+)
 def test_hook_errors_name_key_path_and_signature(tmp_path, field, signature):
     hook = tmp_path / "hooks.py"
     hook.write_text("def one_arg(x):\n    return x\n")
@@ -58,12 +76,19 @@ def test_hook_errors_name_key_path_and_signature(tmp_path, field, signature):
 def micro_batch(scores_per_row, lengths, old=None, ref=None, teacher=None):
     mask = torch.zeros(len(lengths), 6)
     scores = torch.zeros(len(lengths), 6)
-    for i, ((p, r), s) in enumerate(zip(lengths, scores_per_row)):
-        mask[i, p:p + r] = 1
-        scores[i, p:p + r] = s
-    return MicroBatch(tokens=torch.zeros(len(lengths), 7, dtype=torch.long), position_ids=torch.arange(7).expand(len(lengths), 7),
-                      loss_mask=mask, advantages=scores, rollout_logprobs=torch.zeros_like(mask),
-                      old_logprobs=old, ref_logprobs=ref, teacher_logprobs=teacher)
+    for i, ((p, r), s) in enumerate(zip(lengths, scores_per_row, strict=True)):
+        mask[i, p : p + r] = 1
+        scores[i, p : p + r] = s
+    return MicroBatch(
+        tokens=torch.zeros(len(lengths), 7, dtype=torch.long),
+        position_ids=torch.arange(7).expand(len(lengths), 7),
+        loss_mask=mask,
+        advantages=scores,
+        rollout_logprobs=torch.zeros_like(mask),
+        old_logprobs=old,
+        ref_logprobs=ref,
+        teacher_logprobs=teacher,
+    )
 
 
 def test_kl_reward_and_opd_penalties_on_grpo_advantages():
@@ -72,14 +97,16 @@ def test_kl_reward_and_opd_penalties_on_grpo_advantages():
     mb = micro_batch([0.5, -1.0], [(1, 3), (0, 5)], old=old, ref=ref, teacher=teacher)
     cfg = AlgorithmConfig(kl={"reward_coef": 0.2, "estimator": "k1"}, opd={"teacher_path": "t", "kl_coef": 0.3})
     metrics = assign_advantages(cfg, [mb], dp_sum=lambda t: t)
-    for i, ((p, r), s) in enumerate(zip([(1, 3), (0, 5)], [0.5, -1.0])):
+    for i, ((p, r), s) in enumerate(zip([(1, 3), (0, 5)], [0.5, -1.0], strict=True)):
         for t in range(6):
             expected = 0.0
             if p <= t < p + r:
                 expected = s - 0.2 * (old[i, t] - ref[i, t]).item() - 0.3 * (old[i, t] - teacher[i, t]).item()
             assert mb.advantages[i, t].item() == pytest.approx(expected, abs=1e-6)
     tokens = [(i, t) for i, (p, r) in enumerate([(1, 3), (0, 5)]) for t in range(p, p + r)]
-    assert metrics["train/kl_reward"] == pytest.approx(sum((old[i, t] - ref[i, t]).item() for i, t in tokens) / 8, rel=1e-5)
+    assert metrics["train/kl_reward"] == pytest.approx(
+        sum((old[i, t] - ref[i, t]).item() for i, t in tokens) / 8, rel=1e-5
+    )
 
 
 class ThreadDPSum:
@@ -97,6 +124,7 @@ class ThreadDPSum:
             total = sum(self.slots)
             self.barrier.wait()  # nobody overwrites a slot before everyone has read it
             return total
+
         return dp_sum
 
 
@@ -105,8 +133,10 @@ def test_reinforce_plus_plus_whitens_over_all_ranks():
     mbs = [micro_batch([1.0, 0.0], [(0, 3), (2, 2)]), micro_batch([2.0], [(1, 4)])]
     cfg = AlgorithmConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=True, gamma=0.5)
     reduce = ThreadDPSum(2)
-    threads = [threading.Thread(target=assign_advantages, args=(cfg, [mb], reduce.for_rank(rank)))
-               for rank, mb in enumerate(mbs)]
+    threads = [
+        threading.Thread(target=assign_advantages, args=(cfg, [mb], reduce.for_rank(rank)))
+        for rank, mb in enumerate(mbs)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -116,18 +146,24 @@ def test_reinforce_plus_plus_whitens_over_all_ranks():
     union = [v for row in raw.values() for v in row]
     mean, std = statistics.mean(union), statistics.stdev(union)
     got = [mbs[0].advantages[0, 0:3], mbs[0].advantages[1, 2:4], mbs[1].advantages[0, 1:5]]
-    for row, values in zip(raw.values(), got):
+    for row, values in zip(raw.values(), got, strict=True):
         assert values.tolist() == pytest.approx([(v - mean) / std for v in row], abs=1e-5)
 
 
 def test_custom_advantage_must_return_advantages_and_returns(tmp_path):
     hook = tmp_path / "adv.py"
-    hook.write_text("def double(cfg, mb, kl):\n    return 2 * mb.advantages, mb.advantages\n"
-                    "def forgot(cfg, mb, kl):\n    mb.advantages = mb.advantages * 2\n")
+    hook.write_text(
+        "def double(cfg, mb, kl):\n    return 2 * mb.advantages, mb.advantages\n"
+        "def forgot(cfg, mb, kl):\n    mb.advantages = mb.advantages * 2\n"
+    )
     mb = micro_batch([0.5], [(1, 3)])
     assign_advantages(AlgorithmConfig(custom_advantage=f"{hook}:double"), [mb], dp_sum=lambda t: t)
     assert mb.advantages[0, 1:4].tolist() == [1.0, 1.0, 1.0] and mb.returns[0, 1:4].tolist() == [0.5] * 3
-    with pytest.raises(ValueError, match=r"algorithm.custom_advantage \('.*adv.py:forgot'\) must return "
-                                         r"\(advantages, returns\).*returned NoneType.*Expected signature"):
-        assign_advantages(AlgorithmConfig(custom_advantage=f"{hook}:forgot"), [micro_batch([0.5], [(1, 3)])],
-                          dp_sum=lambda t: t)
+    with pytest.raises(
+        ValueError,
+        match=r"algorithm.custom_advantage \('.*adv.py:forgot'\) must return "
+        r"\(advantages, returns\).*returned NoneType.*Expected signature",
+    ):
+        assign_advantages(
+            AlgorithmConfig(custom_advantage=f"{hook}:forgot"), [micro_batch([0.5], [(1, 3)])], dp_sum=lambda t: t
+        )

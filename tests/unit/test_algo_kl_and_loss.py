@@ -13,8 +13,13 @@ from rlrun.algo.policy_loss import cispo_loss, gspo_log_ratio, gspo_loss, ppo_cl
 
 def test_kl_estimators_hand_values():
     logp, ref = torch.tensor([-1.0, -0.5, -3.0]), torch.tensor([-1.5, -0.5, -0.1])
-    for (a, b), k1, k2, k3 in zip(zip(logp.tolist(), ref.tolist()),
-                                  kl_estimate(logp, ref, "k1"), kl_estimate(logp, ref, "k2"), kl_estimate(logp, ref, "k3")):
+    for (a, b), k1, k2, k3 in zip(
+        zip(logp.tolist(), ref.tolist(), strict=True),
+        kl_estimate(logp, ref, "k1"),
+        kl_estimate(logp, ref, "k2"),
+        kl_estimate(logp, ref, "k3"),
+        strict=True,
+    ):
         d = a - b
         assert k1.item() == pytest.approx(d)
         assert k2.item() == pytest.approx(d * d / 2)
@@ -31,7 +36,7 @@ def test_k1_and_k3_are_unbiased_estimates_of_exact_kl():
     gen = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(6, generator=gen), 0)
     q = torch.softmax(torch.randn(6, generator=gen), 0)
-    exact = sum(pi * math.log(pi / qi) for pi, qi in zip(p.tolist(), q.tolist()))
+    exact = sum(pi * math.log(pi / qi) for pi, qi in zip(p.tolist(), q.tolist(), strict=True))
     tokens = torch.multinomial(p, 400_000, replacement=True, generator=gen)
     logp, logq = p.log()[tokens], q.log()[tokens]
     assert kl_estimate(logp, logq, "k1").mean().item() == pytest.approx(exact, rel=0.03)
@@ -41,7 +46,7 @@ def test_k1_and_k3_are_unbiased_estimates_of_exact_kl():
 
 def reference_ppo(logp, old, adv, lo, hi, c=None):
     out = []
-    for a, o, A in zip(logp, old, adv):
+    for a, o, A in zip(logp, old, adv, strict=True):
         r = math.exp(a - o)
         loss = max(-A * r, -A * min(max(r, 1 - lo), 1 + hi))
         if c is not None and A < 0:
@@ -55,7 +60,9 @@ def test_dual_clip_bounds_negative_advantage_loss():
     old = torch.zeros(5)
     adv = torch.tensor([-1.0, 1.0, -2.0, -1.0, 0.5])
     terms = ppo_clip_loss(logp, old, adv, 0.2, 0.28, eps_clip_c=3.0)
-    assert terms.loss.tolist() == pytest.approx(reference_ppo(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28, 3.0))
+    assert terms.loss.tolist() == pytest.approx(
+        reference_ppo(logp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.28, 3.0)
+    )
     # ratio e^1.5 = 4.48 > c with A = -1: loss capped at 3, and the cap has no gradient
     assert terms.loss[0].item() == pytest.approx(3.0)
     lp = logp.clone().requires_grad_(True)
@@ -85,7 +92,9 @@ def test_gspo_sequence_ratio_matches_python_loop():
     (gspo_loss(lp, near_old, adv, mask, 0.5, 0.5).loss * mask).sum().backward()
     for i in range(3):
         valid = mask[i].bool()
-        assert lp.grad[i][valid].tolist() == pytest.approx([-adv[i, 0].item() * math.exp(0.01)] * int(valid.sum()), rel=1e-5)
+        assert lp.grad[i][valid].tolist() == pytest.approx(
+            [-adv[i, 0].item() * math.exp(0.01)] * int(valid.sum()), rel=1e-5
+        )
         assert lp.grad[i][~valid].abs().sum() == 0
 
 
@@ -95,10 +104,14 @@ def test_cispo_keeps_gradient_when_clipped():
     adv = torch.tensor([1.0, 1.0, -1.0])
     terms = cispo_loss(logp, old, adv, eps_clip=1.0, eps_clip_high=0.28)
     weights = [min(max(math.exp(v), 0.0), 1.28) for v in (0.0, 1.0, -1.0)]
-    assert terms.loss.tolist() == pytest.approx([-w * a * l for w, a, l in zip(weights, [1, 1, -1], [0.0, 1.0, -1.0])])
+    assert terms.loss.tolist() == pytest.approx(
+        [-w * a * l for w, a, l in zip(weights, [1, 1, -1], [0.0, 1.0, -1.0], strict=True)]
+    )
     assert terms.clipped.tolist() == [0.0, 1.0, 0.0]
     terms.loss.sum().backward()
-    assert logp.grad.tolist() == pytest.approx([-w * a for w, a in zip(weights, [1, 1, -1])])  # nonzero when clipped
+    assert logp.grad.tolist() == pytest.approx(
+        [-w * a for w, a in zip(weights, [1, 1, -1], strict=True)]
+    )  # nonzero when clipped
 
 
 def test_sft_loss_is_negative_log_likelihood():
@@ -110,18 +123,20 @@ def test_aggregations_match_python_and_do_not_depend_on_micro_batch_split():
     lengths = [3, 1, 6, 2]
     mask = torch.zeros(4, 8)
     for i, n in enumerate(lengths):
-        mask[i, 1:1 + n] = 1
+        mask[i, 1 : 1 + n] = 1
     x = torch.randn(4, 8, generator=gen)
     counts = StepCounts(num_tokens=sum(lengths), num_samples=4, max_response_len=8)
     per_sample = [sum(x[i, 1 + j].item() for j in range(n)) for i, n in enumerate(lengths)]
     expected = {
         "token": sum(per_sample) / sum(lengths),
-        "sample": sum(s / n for s, n in zip(per_sample, lengths)) / 4,
+        "sample": sum(s / n for s, n in zip(per_sample, lengths, strict=True)) / 4,
         "sequence": sum(s / 8 for s in per_sample) / 4,
     }
     for mode, value in expected.items():
         whole = Aggregator(mask, mode, counts)(x) / counts.num_tokens
-        split = sum(Aggregator(mask[a:b], mode, counts)(x[a:b]) for a, b in ((0, 1), (1, 3), (3, 4))) / counts.num_tokens
+        split = (
+            sum(Aggregator(mask[a:b], mode, counts)(x[a:b]) for a, b in ((0, 1), (1, 3), (3, 4))) / counts.num_tokens
+        )
         assert whole.item() == pytest.approx(value, abs=1e-6)
         assert split.item() == pytest.approx(value, abs=1e-6)
     assert Aggregator(mask, "sample", counts).token_sum(x).item() == pytest.approx(sum(per_sample), abs=1e-5)

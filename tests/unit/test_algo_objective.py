@@ -20,13 +20,14 @@ def make_batch(seed=0):
     mask = torch.zeros(len(LENGTHS), WIDTH)
     adv = torch.zeros(len(LENGTHS), WIDTH)
     for i, (p, r) in enumerate(LENGTHS):
-        mask[i, p:p + r] = 1
-        adv[i, p:p + r] = float(torch.randn(1, generator=gen))
+        mask[i, p : p + r] = 1
+        adv[i, p : p + r] = float(torch.randn(1, generator=gen))
     logprobs = -torch.rand(mask.shape, generator=gen) * 2
     mb = MicroBatch(
         tokens=torch.zeros(len(LENGTHS), WIDTH + 1, dtype=torch.long),
         position_ids=torch.arange(WIDTH + 1).expand(len(LENGTHS), -1),
-        loss_mask=mask, advantages=adv,
+        loss_mask=mask,
+        advantages=adv,
         rollout_logprobs=(logprobs + 0.3 * torch.randn(mask.shape, generator=gen)) * mask,
         old_logprobs=logprobs + 0.2 * torch.randn(mask.shape, generator=gen),
         ref_logprobs=logprobs + 0.5 * torch.randn(mask.shape, generator=gen),
@@ -44,8 +45,14 @@ def valid_tokens():
 
 
 def test_policy_loss_matches_python_composition():
-    cfg = AlgorithmConfig(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01,
-                          kl={"loss_coef": 0.05, "estimator": "k3"}, tis={"mode": "clip", "clip": 2.0})
+    cfg = AlgorithmConfig(
+        eps_clip=0.2,
+        eps_clip_high=0.28,
+        eps_clip_c=3.0,
+        entropy_coef=0.01,
+        kl={"loss_coef": 0.05, "estimator": "k3"},
+        tis={"mode": "clip", "clip": 2.0},
+    )
     mb, logprobs, entropy = make_batch()
     loss_sum, metrics = Objective(cfg, counts_of(mb))(mb, logprobs, entropy)
     n = len(valid_tokens())
@@ -86,10 +93,15 @@ def test_gspo_with_sample_aggregation_matches_python():
     assert loss_sum.item() / counts_of(mb).num_tokens == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, {"advantage_estimator": "cispo", "eps_clip": 1.0}, {"kl": {"loss_coef": 0.1, "estimator": "low_var_kl"}},
-    {"tis": {"mode": "mask", "level": "geometric", "clip": 1.2, "clip_low": 0.8}, "loss_aggregation": "sequence"},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"advantage_estimator": "cispo", "eps_clip": 1.0},
+        {"kl": {"loss_coef": 0.1, "estimator": "low_var_kl"}},
+        {"tis": {"mode": "mask", "level": "geometric", "clip": 1.2, "clip_low": 0.8}, "loss_aggregation": "sequence"},
+    ],
+)
 def test_reuse_path_gives_identical_loss_and_gradient(overrides):
     """Reuse: no old log-probs, the loss detaches its own. Full: old log-probs from a separate pass
     (here: the same values, as a no-grad forward of unchanged weights produces)."""
@@ -114,16 +126,21 @@ def test_sft_loss_and_custom_loss(tmp_path):
     loss, metrics = Objective(AlgorithmConfig(loss_type="sft"), counts_of(mb))(mb, logprobs, entropy)
     assert loss.item() / n == pytest.approx(-sum(logprobs[i, t].item() for i, t in valid_tokens()) / n, rel=1e-6)
     hook = tmp_path / "my_loss.py"
-    hook.write_text("def loss(cfg, mb, logprobs, entropy, aggregate):\n"
-                    "    value = aggregate(logprobs ** 2)\n    return value, {'square': value.detach()}\n"
-                    "def bad(cfg, mb, logprobs, entropy, aggregate):\n    return None\n")
+    hook.write_text(
+        "def loss(cfg, mb, logprobs, entropy, aggregate):\n"
+        "    value = aggregate(logprobs ** 2)\n    return value, {'square': value.detach()}\n"
+        "def bad(cfg, mb, logprobs, entropy, aggregate):\n    return None\n"
+    )
     cfg = AlgorithmConfig(loss_type="custom", custom_loss=f"{hook}:loss")
     loss, metrics = Objective(cfg, counts_of(mb))(mb, logprobs, entropy)
     assert loss.item() / n == pytest.approx(sum(logprobs[i, t].item() ** 2 for i, t in valid_tokens()) / n, rel=1e-6)
     assert set(metrics) == {"square"}
     bad = AlgorithmConfig(loss_type="custom", custom_loss=f"{hook}:bad")
-    with pytest.raises(ValueError, match=r"algorithm.custom_loss \('.*my_loss.py:bad'\) must return \(loss, metrics\).*"
-                                         r"Expected signature: fn\(cfg"):
+    with pytest.raises(
+        ValueError,
+        match=r"algorithm.custom_loss \('.*my_loss.py:bad'\) must return \(loss, metrics\).*"
+        r"Expected signature: fn\(cfg",
+    ):
         Objective(bad, counts_of(mb))(mb, logprobs, entropy)
 
 

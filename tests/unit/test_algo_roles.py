@@ -35,25 +35,34 @@ def test_backup_restore_and_copy_are_exact():
         backup.restore("teacher")
 
 
-@pytest.mark.parametrize("overrides", [
-    {"loss_type": "sft"},
-    {"kl": {"reward_coef": 0.1}},
-    {"use_rollout_logprobs": True},
-    {"advantage_estimator": "gspo"},
-    {"advantage_estimator": "ppo", "custom_advantage": "operator:setitem"},
-    {"keep_old_actor": True},
-    {"opd": {"teacher_path": "t", "kl_coef": 0.1}},
-    {"custom_advantage": "operator:setitem"},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"loss_type": "sft"},
+        {"kl": {"reward_coef": 0.1}},
+        {"use_rollout_logprobs": True},
+        {"advantage_estimator": "gspo"},
+        {"advantage_estimator": "ppo", "custom_advantage": "operator:setitem"},
+        {"keep_old_actor": True},
+        {"opd": {"teacher_path": "t", "kl_coef": 0.1}},
+        {"custom_advantage": "operator:setitem"},
+    ],
+)
 def test_each_condition_disables_reuse(overrides):
     assert can_reuse_logprobs(AlgorithmConfig())
     assert not can_reuse_logprobs(AlgorithmConfig(**overrides))
 
 
-@pytest.mark.parametrize("overrides", [
-    {"kl": {"loss_coef": 0.1}}, {"tis": {"mode": "clip"}}, {"advantage_estimator": "cispo"},
-    {"entropy_coef": 0.01}, {"loss_aggregation": "sample"},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"kl": {"loss_coef": 0.1}},
+        {"tis": {"mode": "clip"}},
+        {"advantage_estimator": "cispo"},
+        {"entropy_coef": 0.01},
+        {"loss_aggregation": "sample"},
+    ],
+)
 def test_loss_side_terms_keep_reuse(overrides):
     """KL loss, TIS, CISPO, entropy and aggregation only read the old log-probs inside the loss."""
     assert can_reuse_logprobs(AlgorithmConfig(**overrides))

@@ -22,8 +22,7 @@ LENGTHS = (6, 4)
 def rows_and_packed(seed: int, mask: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Two samples as ``[2, 6]`` rows (the shorter one zero-padded) and as one ``[1, 11]`` packed row."""
     gen = torch.Generator().manual_seed(seed)
-    values = [(torch.rand(n, generator=gen) < 0.7).float() if mask else torch.randn(n, generator=gen)
-              for n in LENGTHS]
+    values = [(torch.rand(n, generator=gen) < 0.7).float() if mask else torch.randn(n, generator=gen) for n in LENGTHS]
     if mask:
         values[0][-1], values[1][0] = 1.0, 1.0  # both samples have loss tokens
         values[0][0] = 0.0  # a prompt position
@@ -41,7 +40,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The packed row's positions back in the row layout (zero-padded)."""
     rows = torch.zeros(2, max(LENGTHS))
     rows[0, : LENGTHS[0]] = packed[0, : LENGTHS[0]]
-    rows[1, : LENGTHS[1]] = packed[0, LENGTHS[0] + 1:]
+    rows[1, : LENGTHS[1]] = packed[0, LENGTHS[0] + 1 :]
     return rows
 
 
@@ -72,7 +71,7 @@ def test_sample_aggregation_matches_the_row_layout():
     packed = Aggregator(mask_packed, "sample", counts, PACKED_IDS)(x_packed)
     rows = Aggregator(mask_rows, "sample", counts)(x_rows)
     # independent: the mean over samples of each sample's masked mean, times N_tok
-    by_hand = sum((x * m).sum() / m.sum() for x, m in zip(x_rows, mask_rows)) / 2 * counts.num_tokens
+    by_hand = sum((x * m).sum() / m.sum() for x, m in zip(x_rows, mask_rows, strict=True)) / 2 * counts.num_tokens
     assert packed.item() == pytest.approx(rows.item(), rel=1e-6)
     assert packed.item() == pytest.approx(by_hand.item(), rel=1e-6)
 

@@ -17,9 +17,15 @@ def attention():
 
     from rlrun.megatron.attention import SDPACoreAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
-                               num_query_groups=KV_HEADS, kv_channels=DIM, attention_dropout=0.0,
-                               use_cpu_initialization=True)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HEADS * DIM,
+        num_attention_heads=HEADS,
+        num_query_groups=KV_HEADS,
+        kv_channels=DIM,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
     return SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 
@@ -33,8 +39,11 @@ def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tens
 
 def qkv(tokens: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(tokens, HEADS, DIM, generator=gen), torch.randn(tokens, KV_HEADS, DIM, generator=gen),
-            torch.randn(tokens, KV_HEADS, DIM, generator=gen))
+    return (
+        torch.randn(tokens, HEADS, DIM, generator=gen),
+        torch.randn(tokens, KV_HEADS, DIM, generator=gen),
+        torch.randn(tokens, KV_HEADS, DIM, generator=gen),
+    )
 
 
 def test_unpacked_rows_are_causal(attention):
@@ -114,20 +123,40 @@ def test_flash_varlen_call_fits_the_kernel_schema_and_its_autograd():
     from rlrun.megatron.attention import FlashVarlenCoreAttention, PackedRows
 
     heads, kv_heads, dim = 16, 8, 128
-    config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
-                               num_query_groups=kv_heads, kv_channels=dim, attention_dropout=0.0,
-                               use_cpu_initialization=True)
-    attention = FlashVarlenCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                         attention_type="self")
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        kv_channels=dim,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
+    attention = FlashVarlenCoreAttention(
+        config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
     bounds = torch.tensor([0, 640, 677, 1280], dtype=torch.int32)
-    params = PackedRows(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=640,
-                        max_seqlen_kv=640, cu_seqlens_device=bounds.to("meta"))
-    q, k, v = (torch.empty(1280, h, dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
-               for h in (heads, kv_heads, kv_heads))
+    params = PackedRows(
+        qkv_format="thd",
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
+        max_seqlen_q=640,
+        max_seqlen_kv=640,
+        cu_seqlens_device=bounds.to("meta"),
+    )
+    q, k, v = (
+        torch.empty(1280, h, dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
+    )
     out = attention(q, k, v, None, packed_seq_params=params)
     assert out.shape == (1280, heads * dim) and out.dtype == torch.bfloat16
     out.sum().backward()
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
     with pytest.raises(ValueError, match="cu_seqlens_device"):
-        attention(q, k, v, None, packed_seq_params=PackedRows(qkv_format="thd", cu_seqlens_q=bounds,
-                                                               cu_seqlens_kv=bounds, max_seqlen_q=640))
+        attention(
+            q,
+            k,
+            v,
+            None,
+            packed_seq_params=PackedRows(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=640),
+        )

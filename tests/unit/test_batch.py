@@ -9,8 +9,12 @@ from rlrun.data.sample import Prompt, Sample
 def make_sample(prompt_len: int, resp_len: int, index: int = 0) -> Sample:
     prompt = Prompt(index=index, prompt_ids=list(range(10, 10 + prompt_len)), prompt_text="p")
     return Sample(
-        group_index=index, prompt=prompt, response_ids=list(range(100, 100 + resp_len)), response_text="r",
-        rollout_logprobs=[-0.1 * (j + 1) for j in range(resp_len)], finish_reason="stop",
+        group_index=index,
+        prompt=prompt,
+        response_ids=list(range(100, 100 + resp_len)),
+        response_text="r",
+        rollout_logprobs=[-0.1 * (j + 1) for j in range(resp_len)],
+        finish_reason="stop",
     )
 
 

@@ -21,11 +21,20 @@ from peer_step import parse_variant, variant_flags  # noqa: E402
 
 
 @pytest.mark.parametrize("backend", ["embedded", "sglang"])
-@pytest.mark.parametrize("variant", [Variant(), Variant(offload=False), Variant(teardown_nccl=False),
-                                     Variant(packed_attention="flash_varlen"), Variant(packed_attention="per_sample")])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        Variant(),
+        Variant(offload=False),
+        Variant(teardown_nccl=False),
+        Variant(packed_attention="flash_varlen"),
+        Variant(packed_attention="per_sample"),
+    ],
+)
 def test_run_config_applies_the_variant(tmp_path, backend, variant):
-    config = run_config(StepSettings(backend=backend), tmp_path / "inputs", tmp_path / "run", "float32", variant,
-                        profile_step=3)
+    config = run_config(
+        StepSettings(backend=backend), tmp_path / "inputs", tmp_path / "run", "float32", variant, profile_step=3
+    )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
     cfg = load_config(path)
@@ -54,8 +63,9 @@ def test_variant_names_round_trip(offload, teardown, attention):
     assert flags[flags.index("--packed-attention") + 1] == attention
 
 
-@pytest.mark.parametrize("spec", ["sglang_fast", "sglang_keepnccl_resident", "sglang_varlen_keepnccl",
-                                  "sglang_persample_varlen"])
+@pytest.mark.parametrize(
+    "spec", ["sglang_fast", "sglang_keepnccl_resident", "sglang_varlen_keepnccl", "sglang_persample_varlen"]
+)
 def test_unknown_or_misordered_variants_are_refused(spec):
     with pytest.raises(SystemExit, match="must"):
         parse_variant(spec)
@@ -84,8 +94,17 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
 
     settings = StepSettings(shape="tiny", prompts=2, samples=4, new_tokens=6, steps=6)
     step_s = [40.0, 20.0, 3.0, 5.0, 90.0, 4.0]  # one-time costs in 0 and 1, the profiler's in 4
-    rows = [{"step": i, "time/step_s": s, "time/rollout_s": s / 2, "time/train_s": s / 2,
-             "rollout/response_len_mean": 6.0, "offload/trainer_sleep_s": s / 10} for i, s in enumerate(step_s)]
+    rows = [
+        {
+            "step": i,
+            "time/step_s": s,
+            "time/rollout_s": s / 2,
+            "time/train_s": s / 2,
+            "rollout/response_len_mean": 6.0,
+            "offload/trainer_sleep_s": s / 10,
+        }
+        for i, s in enumerate(step_s)
+    ]
     profile = PhaseProfile(phase="train", step=4, trace="t.json", phase_us=1.0, device_us=0.0, ops=[], kernels=[])
     result = summarise(rows, settings, "cpu", "float32", tmp_path / "sglang", Variant(), profile)
     assert WARMUP_STEPS == 2 and result.warmup_steps == 2
@@ -101,8 +120,9 @@ def test_cli_refuses_prompts_that_ranks_cannot_share(tmp_path):
 
     from rlrun.cli import app
 
-    result = CliRunner().invoke(app, ["bench", "step", "--shape", "tiny", "--prompts", "3", "--ranks", "2",
-                                      "--work", str(tmp_path)])
+    result = CliRunner().invoke(
+        app, ["bench", "step", "--shape", "tiny", "--prompts", "3", "--ranks", "2", "--work", str(tmp_path)]
+    )
     text = " ".join(result.output.replace("│", " ").split())  # rich's error box, unwrapped
     assert result.exit_code == 2 and "prompts (3) must be a multiple of ranks (2)" in text, result.output
     assert not any(tmp_path.iterdir())  # nothing was written

@@ -21,7 +21,7 @@ def test_cpu_table_matches_key_averages(tmp_path):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("train"):
             for _ in range(3):
-                y = torch.relu(x @ x).sum()
+                torch.relu(x @ x).sum()
         with record_function("sync"):
             torch.cos(x)  # outside the phase: must not appear
     trace = tmp_path / "trace.json"
@@ -41,8 +41,16 @@ def test_cpu_table_matches_key_averages(tmp_path):
 
 
 def _event(cat, name, ts, dur, ext=None, tid=1):
-    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur,
-            "args": {} if ext is None else {"External id": ext}}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "pid": 1,
+        "tid": tid,
+        "ts": ts,
+        "dur": dur,
+        "args": {} if ext is None else {"External id": ext},
+    }
 
 
 def test_device_time_is_charged_to_the_launching_op(tmp_path):
@@ -66,7 +74,11 @@ def test_device_time_is_charged_to_the_launching_op(tmp_path):
     assert set(rows) == {"aten::linear", "aten::mm", "aten::fill_"}
     assert (rows["aten::mm"].calls, rows["aten::mm"].device_us, rows["aten::mm"].cpu_self_us) == (2, 16, 28)
     assert (rows["aten::mm"].cpu_total_us, rows["aten::fill_"].cpu_self_us) == (30, 2)
-    assert (rows["aten::linear"].device_us, rows["aten::linear"].cpu_self_us, rows["aten::linear"].cpu_total_us) == (4, 20, 40)
+    assert (rows["aten::linear"].device_us, rows["aten::linear"].cpu_self_us, rows["aten::linear"].cpu_total_us) == (
+        4,
+        20,
+        40,
+    )
     assert table.device_us == 20 and table.phase_us == 100
     assert [(k.name, k.calls, k.device_us) for k in table.kernels] == [("gemm_a", 2, 16), ("Memcpy DtoD", 1, 4)]
     with pytest.raises(ValueError, match="rollout"):

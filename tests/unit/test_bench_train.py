@@ -23,9 +23,17 @@ def counted_flops(lengths: list[int]) -> float:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     s = SHAPES["tiny"]
-    config = Qwen3Config(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                         num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.intermediate,
-                         vocab_size=s.vocab, tie_word_embeddings=s.tied, attn_implementation="eager")
+    config = Qwen3Config(
+        hidden_size=s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.intermediate,
+        vocab_size=s.vocab,
+        tie_word_embeddings=s.tied,
+        attn_implementation="eager",
+    )
     model = Qwen3ForCausalLM(config)
     total = 0
     for length in lengths:
@@ -42,16 +50,44 @@ def test_flops_match_a_counted_forward_and_backward():
     attention = 3 * shape.layers * 4 * shape.heads * shape.head_dim * sum(n * n for n in lengths)
     assert training_flops(shape, lengths) == training_flops(shape, lengths, causal=False) - attention / 2
     # Qwen3-1.7B: 1.72e9 weights multiply every token (28 layers of 50.3M plus the 311M LM head)
-    assert matmul_params(SHAPES["qwen3-1.7b"]) == 28 * (2048 * 32 * 128 + 16 * 128 * 2048 + 3 * 2048 * 6144) + 2048 * 151936
+    assert (
+        matmul_params(SHAPES["qwen3-1.7b"])
+        == 28 * (2048 * 32 * 128 + 16 * 128 * 2048 + 3 * 2048 * 6144) + 2048 * 151936
+    )
 
 
 @pytest.mark.slow
 def test_cli_json_on_tiny_cpu(tmp_path):
     out = tmp_path / "train.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    subprocess.run([sys.executable, "-m", "rlrun", "bench", "train", "--shape", "tiny", "--layout", "packed,rows",
-                    "--sample-len", "80", "--samples-per-micro-batch", "2", "--micro-batches", "2", "--steps", "2",
-                    "--out", str(out)], check=True, env=env, cwd=tmp_path, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlrun",
+            "bench",
+            "train",
+            "--shape",
+            "tiny",
+            "--layout",
+            "packed,rows",
+            "--sample-len",
+            "80",
+            "--samples-per-micro-batch",
+            "2",
+            "--micro-batches",
+            "2",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        capture_output=True,
+    )
     record = json.loads(out.read_text())
     assert record["benchmark"] == "train" and record["command"].startswith("rlrun bench train")
     packed, rows = record["results"]

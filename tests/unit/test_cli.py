@@ -18,8 +18,9 @@ HEAVY = ("torch", "megatron", "transformers")
 
 def rlrun(*args: str, importtime: bool = False) -> subprocess.CompletedProcess:
     flags = ["-X", "importtime"] if importtime else []
-    return subprocess.run([sys.executable, *flags, "-m", "rlrun", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, *flags, "-m", "rlrun", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def imported_modules(stderr: str) -> set[str]:
@@ -45,7 +46,10 @@ def test_bad_config_is_one_line_on_stderr_without_traceback(tmp_path, command):
 def test_train_with_a_bad_override_exits_cleanly(good_config):
     result = rlrun("train", str(good_config), "--set", "rollout.max_new_tokens=0")
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr == "--set rollout.max_new_tokens=0: rollout.max_new_tokens (0) must be greater than or equal to 1\n"
+    assert (
+        result.stderr
+        == "--set rollout.max_new_tokens=0: rollout.max_new_tokens (0) must be greater than or equal to 1\n"
+    )
 
 
 def test_train_refuses_flash_varlen_without_cuda_in_one_line(good_config):
@@ -71,7 +75,9 @@ def test_validate_checks_model_dir_and_prompt_rows(tmp_path, good_config):
 def test_validate_ok_and_show_without_heavy_imports(good_config):
     result = rlrun("config", "validate", str(good_config), "--set", "train.num_steps=3", importtime=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"ok: {good_config}: model ") and "3 steps of 4 prompts x 8 samples" in result.stdout
+    assert (
+        result.stdout.startswith(f"ok: {good_config}: model ") and "3 steps of 4 prompts x 8 samples" in result.stdout
+    )
     modules = imported_modules(result.stderr)
     assert {"rlrun.config.load", "rlrun.data.prompts", "typer"} <= modules  # the probe sees imports
     assert not [m for m in modules if m.split(".")[0] in HEAVY]

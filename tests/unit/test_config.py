@@ -26,8 +26,10 @@ def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("# c\nrollout:\n  max_new_tokens: lots\n",
-         ":3: rollout.max_new_tokens ('lots') must be a valid integer, unable to parse string as an integer"),
+        (
+            "# c\nrollout:\n  max_new_tokens: lots\n",
+            ":3: rollout.max_new_tokens ('lots') must be a valid integer, unable to parse string as an integer",
+        ),
         ("rollout:\n  top_p: 1\n  temperature: -1\n", ":3: rollout.temperature (-1) must be greater than 0"),
         ("model:\n  dtype: fp16\n", ":2: model.dtype ('fp16') must be 'float32' or 'bfloat16'"),
         ("rollout:\n  temprature: 0.5\n", ":2: unknown key 'rollout.temprature' (did you mean 'temperature'?)"),
@@ -35,9 +37,14 @@ def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
         ("data:\n  zzz: 1\n", ":2: unknown key 'data.zzz' (allowed: path, prompt_key, label_key,"),
         ("train: 5\n", ":1: train (5) must be a valid dictionary or instance of TrainConfig"),
         # cross-field (model validator): points at the key the validator names, not just the section
-        ("debug:\n  load_rollout_data: runs/x\n  rollout_only: true\n",
-         ":3: debug.rollout_only (true) must be false when debug.load_rollout_data is set"),
-        ("rollout:\n  temperature: 1\n  temperature: 2\n", ":3: duplicate key 'rollout.temperature' (first set on line 2)"),
+        (
+            "debug:\n  load_rollout_data: runs/x\n  rollout_only: true\n",
+            ":3: debug.rollout_only (true) must be false when debug.load_rollout_data is set",
+        ),
+        (
+            "rollout:\n  temperature: 1\n  temperature: 2\n",
+            ":3: duplicate key 'rollout.temperature' (first set on line 2)",
+        ),
         ("model:\n  path: x\nrollout:\n\ttemperature: 1\n", ":4: invalid YAML: found character '\\t' that cannot"),
         ("- 1\n", ":1: the config must be a mapping of sections"),
     ],
@@ -96,12 +103,21 @@ def test_override_wins_over_file_and_is_named_in_errors(tmp_path):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("rollout.temprature=1", "--set rollout.temprature=1: unknown key 'rollout.temprature' (did you mean 'temperature'?)"),
+        (
+            "rollout.temprature=1",
+            "--set rollout.temprature=1: unknown key 'rollout.temprature' (did you mean 'temperature'?)",
+        ),
         ("roll.temperature=1", "--set roll.temperature=1: unknown key 'roll' (did you mean 'rollout'?)"),
         ("model.path.x=1", "--set model.path.x=1: 'model.path' is a value, not a section; set 'model.path=...'"),
-        ("rollout.temperature", "--set rollout.temperature: expected dotted.key=value, e.g. --set rollout.temperature=0.7"),
-        ("eval.interval=5", "--set eval.interval=5: eval.interval (5) must be 0 when eval.datasets is empty because there "
-         "is nothing to evaluate; add eval.datasets: [{name: ..., path: ...}] or set eval.interval: 0"),
+        (
+            "rollout.temperature",
+            "--set rollout.temperature: expected dotted.key=value, e.g. --set rollout.temperature=0.7",
+        ),
+        (
+            "eval.interval=5",
+            "--set eval.interval=5: eval.interval (5) must be 0 when eval.datasets is empty because there "
+            "is nothing to evaluate; add eval.datasets: [{name: ..., path: ...}] or set eval.interval: 0",
+        ),
     ],
 )
 def test_bad_overrides(tmp_path, override, expected):
@@ -110,8 +126,10 @@ def test_bad_overrides(tmp_path, override, expected):
 
 def test_empty_file_gives_defaults_and_dump_round_trips(tmp_path):
     assert load_config(write(tmp_path, "")) == RunConfig()
-    cfg = load_config(write(tmp_path, "rollout:\n  temperature: 0.7\noptimizer:\n  lr: 1.0e-6\n"),
-                      ["data.system_prompt=Be brief.", "train.num_steps=3"])
+    cfg = load_config(
+        write(tmp_path, "rollout:\n  temperature: 0.7\noptimizer:\n  lr: 1.0e-6\n"),
+        ["data.system_prompt=Be brief.", "train.num_steps=3"],
+    )
     dumped = tmp_path / "dumped.yaml"
     dumped.write_text(dump_config(cfg))
     assert load_config(dumped) == cfg

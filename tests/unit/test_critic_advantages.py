@@ -16,12 +16,18 @@ def ppo_micro_batch(spans: list[tuple[int, int]], scores: list[float], seed: int
     """Rows with response ``[start, start + length)``; each row's score on its response tokens, random values."""
     mask = torch.zeros(len(spans), 7)
     advantages = torch.zeros(len(spans), 7)
-    for i, ((start, length), score) in enumerate(zip(spans, scores)):
-        mask[i, start:start + length] = 1.0
-        advantages[i, start:start + length] = score
+    for i, ((start, length), score) in enumerate(zip(spans, scores, strict=True)):
+        mask[i, start : start + length] = 1.0
+        advantages[i, start : start + length] = score
     values = torch.randn(len(spans), 7, generator=torch.Generator().manual_seed(seed)) * mask
-    return MicroBatch(tokens=torch.zeros(len(spans), 8, dtype=torch.long), position_ids=torch.arange(8).expand(len(spans), 8),
-                      loss_mask=mask, advantages=advantages, rollout_logprobs=torch.zeros_like(mask), values=values)
+    return MicroBatch(
+        tokens=torch.zeros(len(spans), 8, dtype=torch.long),
+        position_ids=torch.arange(8).expand(len(spans), 8),
+        loss_mask=mask,
+        advantages=advantages,
+        rollout_logprobs=torch.zeros_like(mask),
+        values=values,
+    )
 
 
 def gae_loop(reward: float, values: list[float], gamma: float, lambd: float) -> tuple[list[float], list[float]]:
@@ -33,7 +39,7 @@ def gae_loop(reward: float, values: list[float], gamma: float, lambd: float) -> 
         delta = (reward if t == n - 1 else 0.0) + gamma * next_value - values[t]
         running = delta + gamma * lambd * running
         advantages[t] = running
-    return advantages, [a + v for a, v in zip(advantages, values)]
+    return advantages, [a + v for a, v in zip(advantages, values, strict=True)]
 
 
 @pytest.mark.parametrize("gamma, lambd", [(1.0, 0.95), (0.9, 0.5)])
@@ -41,7 +47,7 @@ def test_ppo_advantages_are_gae_of_the_critic_values(gamma, lambd):
     spans, scores = [(1, 4), (3, 2), (0, 7)], [1.0, -0.5, 0.25]
     mb = ppo_micro_batch(spans, scores)
     assign_advantages(AlgorithmConfig(advantage_estimator="ppo", gamma=gamma, lambd=lambd), [mb], dp_sum=lambda t: t)
-    for i, ((start, length), score) in enumerate(zip(spans, scores)):
+    for i, ((start, length), score) in enumerate(zip(spans, scores, strict=True)):
         span = slice(start, start + length)
         want_adv, want_ret = gae_loop(score, mb.values[i, span].tolist(), gamma, lambd)
         assert mb.advantages[i, span].tolist() == pytest.approx(want_adv, abs=1e-6)
@@ -53,17 +59,26 @@ def test_ppo_advantages_are_gae_of_the_critic_values(gamma, lambd):
 
 def test_custom_advantage_sees_values_and_must_return_both(tmp_path):
     hook = tmp_path / "critic_adv.py"
-    hook.write_text("def td0(cfg, mb, kl):\n    return mb.advantages - mb.values, mb.advantages\n"
-                    "def only_advantages(cfg, mb, kl):\n    return mb.advantages - mb.values\n")
+    hook.write_text(
+        "def td0(cfg, mb, kl):\n    return mb.advantages - mb.values, mb.advantages\n"
+        "def only_advantages(cfg, mb, kl):\n    return mb.advantages - mb.values\n"
+    )
     mb = ppo_micro_batch([(2, 3)], [1.0])
     values = mb.values.clone()
-    assign_advantages(AlgorithmConfig(advantage_estimator="ppo", custom_advantage=f"{hook}:td0"), [mb],
-                      dp_sum=lambda t: t)
+    assign_advantages(
+        AlgorithmConfig(advantage_estimator="ppo", custom_advantage=f"{hook}:td0"), [mb], dp_sum=lambda t: t
+    )
     torch.testing.assert_close(mb.advantages, (mb.loss_mask - values) * mb.loss_mask)
-    with pytest.raises(ValueError, match=r"algorithm.custom_advantage \('.*critic_adv.py:only_advantages'\) must "
-                                         r"return \(advantages, returns\).*returned Tensor.*Expected signature"):
-        assign_advantages(AlgorithmConfig(advantage_estimator="ppo", custom_advantage=f"{hook}:only_advantages"),
-                          [ppo_micro_batch([(2, 3)], [1.0])], dp_sum=lambda t: t)
+    with pytest.raises(
+        ValueError,
+        match=r"algorithm.custom_advantage \('.*critic_adv.py:only_advantages'\) must "
+        r"return \(advantages, returns\).*returned Tensor.*Expected signature",
+    ):
+        assign_advantages(
+            AlgorithmConfig(advantage_estimator="ppo", custom_advantage=f"{hook}:only_advantages"),
+            [ppo_micro_batch([(2, 3)], [1.0])],
+            dp_sum=lambda t: t,
+        )
 
 
 def test_ppo_without_values_names_the_missing_critic():

@@ -20,10 +20,13 @@ def write(tmp_path, critic_yaml: str, run_yaml: str = PPO):
     return run, critic
 
 
-@pytest.mark.parametrize("overrides", [
-    "    overrides:\n      optimizer.lr: 1.0e-3\n      model.path: /elsewhere\n",
-    "    overrides:\n      optimizer:\n        lr: 1.0e-3\n      model:\n        path: /elsewhere\n",
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "    overrides:\n      optimizer.lr: 1.0e-3\n      model.path: /elsewhere\n",
+        "    overrides:\n      optimizer:\n        lr: 1.0e-3\n      model:\n        path: /elsewhere\n",
+    ],
+)
 def test_overrides_apply_to_a_copy_of_the_actor(tmp_path, overrides):
     run, _ = write(tmp_path, "models:\n  - role: actor\n  - role: critic\n" + overrides)
     cfg = load_config(run)
@@ -40,20 +43,31 @@ def test_critic_without_overrides_is_the_actor_copy(tmp_path):
     assert (critic.model, critic.optimizer, critic.parallel) == (cfg.model, cfg.optimizer, cfg.parallel)
 
 
-@pytest.mark.parametrize("critic_yaml, expected", [
-    ("models:\n  - role: critic\n    overrides:\n      parallel.tp: 2\n",
-     "the critic's parallel layout (tp=2 pp=1) must equal the actor's (tp=1 pp=1) because the critic shares"),
-    ("models:\n  - role: critic\n  - role: critic\n", "roles (['critic', 'critic']) must be one 'critic'"),
-    ("models:\n  - role: reward\n", "roles (['reward']) must be one 'critic'"),
-    ("models:\n  - role: critic\n    overrides:\n      rollout.temperature: 0.5\n",
-     "critic overrides (['rollout.temperature']) must be under model, optimizer, parallel"),
-    ("models:\n  - role: actor\n    overrides:\n      optimizer.lr: 1.0\n  - role: critic\n",
-     "actor overrides ({'optimizer.lr': 1.0}) must be empty because the actor is the run config itself"),
-    ("models:\n  - role: critic\n    overrides:\n      optimizer.lr: -1\n",
-     "critic override optimizer.lr (-1) is invalid: Input should be greater than 0"),
-    ("models:\n  - role: critic\n    lr: 1\n", "entry keys (['lr']) must be role or overrides"),
-    ("critic: {}\n", "must hold 'models:', a list of {role, overrides} entries"),
-])
+@pytest.mark.parametrize(
+    "critic_yaml, expected",
+    [
+        (
+            "models:\n  - role: critic\n    overrides:\n      parallel.tp: 2\n",
+            "the critic's parallel layout (tp=2 pp=1) must equal the actor's (tp=1 pp=1) because the critic shares",
+        ),
+        ("models:\n  - role: critic\n  - role: critic\n", "roles (['critic', 'critic']) must be one 'critic'"),
+        ("models:\n  - role: reward\n", "roles (['reward']) must be one 'critic'"),
+        (
+            "models:\n  - role: critic\n    overrides:\n      rollout.temperature: 0.5\n",
+            "critic overrides (['rollout.temperature']) must be under model, optimizer, parallel",
+        ),
+        (
+            "models:\n  - role: actor\n    overrides:\n      optimizer.lr: 1.0\n  - role: critic\n",
+            "actor overrides ({'optimizer.lr': 1.0}) must be empty because the actor is the run config itself",
+        ),
+        (
+            "models:\n  - role: critic\n    overrides:\n      optimizer.lr: -1\n",
+            "critic override optimizer.lr (-1) is invalid: Input should be greater than 0",
+        ),
+        ("models:\n  - role: critic\n    lr: 1\n", "entry keys (['lr']) must be role or overrides"),
+        ("critic: {}\n", "must hold 'models:', a list of {role, overrides} entries"),
+    ],
+)
 def test_bad_critic_files_fail_at_load(tmp_path, critic_yaml, expected):
     run, critic = write(tmp_path, critic_yaml)
     with pytest.raises(ConfigError) as info:

@@ -24,11 +24,15 @@ def test_packages_report_the_installed_versions():
 
 def test_config_requirements(tiny_model_dirs, tmp_path):
     (tmp_path / "ckpt").mkdir()
-    cfg = RunConfig.model_validate({
-        "model": {"path": str(tiny_model_dirs["llama"])}, "engine": {"backend": "sglang"},
-        "logging": {"tensorboard": True, "run_dir": str(tmp_path)},
-        "checkpoint": {"resume": str(tmp_path / "ckpt")}, "parallel": {"tp": 2},
-    })
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": str(tiny_model_dirs["llama"])},
+            "engine": {"backend": "sglang"},
+            "logging": {"tensorboard": True, "run_dir": str(tmp_path)},
+            "checkpoint": {"resume": str(tmp_path / "ckpt")},
+            "parallel": {"tp": 2},
+        }
+    )
     checks = by_name(config_checks(cfg, num_gpus=0))
     assert checks["model.path"].status == "ok"
     assert checks["data.path"].status == "ok" and "100 prompts" in checks["data.path"].detail

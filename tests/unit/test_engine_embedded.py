@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-from engine_contract import hf_greedy, hf_logprobs
 from transformers import AutoModelForCausalLM
 
+from engine_contract import hf_greedy, hf_logprobs
 from rlrun.engine.backends.decode_control import DecodeControl
 from rlrun.engine.backends.embedded import SYNC_EVERY, EmbeddedEngine
 from rlrun.engine.sampling import SamplingParams, filter_probs, row_rids
@@ -120,7 +120,7 @@ def test_temperature_zero_is_greedy_with_the_logprobs_of_unscaled_logits(tiny_mo
     engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
     results = engine.generate(PROMPTS, {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
     reference = hf_model(tiny_model_dirs["qwen3"])
-    for prompt, result in zip(PROMPTS, results):
+    for prompt, result in zip(PROMPTS, results, strict=True):
         assert result["output_ids"] == hf_greedy(reference, prompt, 10)
         want = hf_logprobs(reference, prompt, result["output_ids"], temperature=1.0)
         torch.testing.assert_close(torch.tensor(result["output_logprobs"]), want, rtol=0, atol=1e-5)
@@ -134,7 +134,9 @@ def test_stop_string_ends_the_response_on_the_token_that_completes_it(tiny_model
     stop = text[6:9]  # spans token boundaries (byte-level tokens)
     cut = next(k for k in range(1, 21) if stop in tokenizer.decode(greedy[:k]))
     for params in ({"stop": stop}, {"stop": ["zzz-never", stop], "stop_token_ids": [263]}):
-        result = engine.generate(PROMPTS[1:2], {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True, **params})[0]
+        result = engine.generate(PROMPTS[1:2], {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True, **params})[
+            0
+        ]
         assert result["output_ids"] == greedy[:cut]
         assert result["finish_reason"] == {"type": "stop", "matched": stop}
         assert len(result["output_logprobs"]) == cut
@@ -146,8 +148,8 @@ def test_stop_string_found_after_a_host_sync_cuts_only_its_row(tiny_model_dirs):
     new_tokens = 2 * SYNC_EVERY + 8
     greedy = hf_greedy(hf_model(tiny_model_dirs["qwen2"]), PROMPTS[1], new_tokens)
     decode = engine.tokenizer.decode
-    head = decode(greedy[:SYNC_EVERY + 3])  # the shortest tail of it not seen one token earlier
-    stop = next(head[-n:] for n in range(1, len(head) + 1) if head[-n:] not in decode(greedy[:SYNC_EVERY + 2]))
+    head = decode(greedy[: SYNC_EVERY + 3])  # the shortest tail of it not seen one token earlier
+    stop = next(head[-n:] for n in range(1, len(head) + 1) if head[-n:] not in decode(greedy[: SYNC_EVERY + 2]))
     cut = next(k for k in range(1, new_tokens + 1) if stop in decode(greedy[:k]))
     assert SYNC_EVERY < cut < new_tokens
     base = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
@@ -162,8 +164,9 @@ def test_stop_string_found_after_a_host_sync_cuts_only_its_row(tiny_model_dirs):
     assert tie["output_ids"] == greedy[:first] and tie["finish_reason"]["matched"] == greedy[cut - 1]
 
 
-def test_moe_decode_picks_a_capturable_experts_kernel_only_where_the_default_cannot_be_captured(tiny_moe_dir,
-                                                                                                 tiny_model_dirs):
+def test_moe_decode_picks_a_capturable_experts_kernel_only_where_the_default_cannot_be_captured(
+    tiny_moe_dir, tiny_model_dirs
+):
     from rlrun.engine.backends.embedded import CAPTURABLE_DECODE_EXPERTS, _decode_experts_implementation
 
     moe = hf_model(tiny_moe_dir)
@@ -187,8 +190,9 @@ def test_moe_decode_with_the_capturable_experts_kernel_samples_the_same_tokens(t
     assert switched.model.config._experts_implementation == prefill_kernel
     for a, b in zip(want, got, strict=True):
         assert a["output_ids"] == b["output_ids"]
-        torch.testing.assert_close(torch.tensor(b["output_logprobs"]), torch.tensor(a["output_logprobs"]),
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(b["output_logprobs"]), torch.tensor(a["output_logprobs"]), rtol=0, atol=1e-5
+        )
 
 
 def test_min_p_removes_tokens_below_a_fraction_of_the_top_probability():
@@ -208,8 +212,11 @@ def test_abort_and_pause_act_at_the_next_decode_step(tiny_model_dirs):
     with control.registered(row_rids(["r"], [params])) as handle:
         assert handle.row_rids == ["r-0", "r-1"]
         control.pause()
-        thread = threading.Thread(target=lambda: out.update(
-            results=engine.generate([PROMPTS[0]], [params], rids=["r"], request=handle, control=control)))
+        thread = threading.Thread(
+            target=lambda: out.update(
+                results=engine.generate([PROMPTS[0]], [params], rids=["r"], request=handle, control=control)
+            )
+        )
         thread.start()
         while not (control.all_parked() and control.num_requests and out == {}):
             time.sleep(0.01)
@@ -229,8 +236,9 @@ def test_abort_and_pause_act_at_the_next_decode_step(tiny_model_dirs):
 @pytest.mark.gpu
 def test_bf16_on_the_gpu_samples_hf_greedy_and_releases_its_weights(tiny_model_dirs):
     engine = EmbeddedEngine(tiny_model_dirs["qwen2"], dtype="bfloat16", device="cuda:0")
-    results = engine.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
-                                        "sampling_seed": 1})
+    results = engine.generate(
+        PROMPTS, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2, "sampling_seed": 1}
+    )
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"], dtype=torch.bfloat16).cuda().eval()
     for k, result in enumerate(results):
         prompt = PROMPTS[k // 2]

@@ -15,8 +15,11 @@ from rlrun.engine.payload import deserialize_flattened_bucket, serialize_for_tp_
 
 def test_groups_are_consecutive_local_ranks_led_by_their_first():
     # 2 nodes x 4 ranks, engine.tp=2: global rank = node * 4 + local rank (torchrun's numbering).
-    layouts = [GroupLayout.of(2, rank=node * 4 + local, local_rank=local, world_size=8, local_world_size=4)
-               for node in range(2) for local in range(4)]
+    layouts = [
+        GroupLayout.of(2, rank=node * 4 + local, local_rank=local, world_size=8, local_world_size=4)
+        for node in range(2)
+        for local in range(4)
+    ]
     assert [lay.leader for lay in layouts] == [0, 0, 2, 2, 4, 4, 6, 6]
     assert [lay.local_leader for lay in layouts] == [0, 0, 2, 2, 0, 0, 2, 2]  # base_gpu_id on each node
     assert [lay.is_leader for lay in layouts] == [True, False] * 4
@@ -25,11 +28,14 @@ def test_groups_are_consecutive_local_ranks_led_by_their_first():
     assert single.is_leader and single.all_groups() == [[0], [1], [2], [3]]
 
 
-@pytest.mark.parametrize("tp,world_size,local_world_size,words", [
-    (2, 3, 3, "must divide the ranks per node (3)"),
-    (4, 8, 2, "must divide the ranks per node (2)"),
-    (2, 5, 2, "must divide the world size (5)"),  # nodes with different numbers of ranks
-])
+@pytest.mark.parametrize(
+    "tp,world_size,local_world_size,words",
+    [
+        (2, 3, 3, "must divide the ranks per node (3)"),
+        (4, 8, 2, "must divide the ranks per node (2)"),
+        (2, 5, 2, "must divide the world size (5)"),  # nodes with different numbers of ranks
+    ],
+)
 def test_layouts_that_cannot_form_whole_groups_are_refused(tp, world_size, local_world_size, words):
     with pytest.raises(ValueError, match=re.escape(f"engine.tp ({tp}) {words}")):
         GroupLayout.of(tp, rank=0, local_rank=0, world_size=world_size, local_world_size=local_world_size)
@@ -57,7 +63,7 @@ def test_one_payload_per_tp_rank_each_carrying_the_full_tensors():
     for payload in payloads:  # each entry is unpickled on its own (a payload can be claimed once)
         restored = deserialize_flattened_bucket(payload)
         assert [n for n, _ in restored] == ["w", "b"]
-        for (_, want), (_, got) in zip(tensors, restored):
+        for (_, want), (_, got) in zip(tensors, restored, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want)
     with pytest.raises(ValueError, match="tp_size \\(0\\) must be >= 1"):
         serialize_for_tp_ranks(tensors, 0)

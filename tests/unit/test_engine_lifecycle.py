@@ -7,8 +7,7 @@ import pytest
 from rlrun.engine.lifecycle import EngineLifecycle
 
 # Copied from sglang 0.5.23 srt/managers/scheduler_components/weight_updater.py (the reference).
-SGLANG_NOT_IN_SESSION = ("update_weights_from_tensor must run between begin_weight_update() and "
-                         "end_weight_update()")
+SGLANG_NOT_IN_SESSION = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
 SGLANG_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
 SGLANG_NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 

@@ -28,8 +28,9 @@ def _hf_topk(model_dir, tokens: list[int]) -> torch.Tensor:
 def test_engine_routing_equals_hf_router_for_every_forwarded_token(moe_dir):
     engine = EmbeddedEngine(moe_dir, seed=0)
     prompts = [[5, 17, 99, 3, 42, 7], [11, 12]]  # different lengths: left padding in the prefill
-    results = engine.generate(prompts, {"max_new_tokens": 20, "temperature": 1.0, "n": 2, "ignore_eos": True,
-                                        "sampling_seed": 1})
+    results = engine.generate(
+        prompts, {"max_new_tokens": 20, "temperature": 1.0, "n": 2, "ignore_eos": True, "sampling_seed": 1}
+    )
     assert len(results) == 4
     for b, result in enumerate(results):
         tokens = prompts[b // 2] + result["output_ids"]
@@ -57,8 +58,14 @@ def test_sglang_adapter_reads_meta_info_routed_experts():
     from rlrun.engine.backends.sglang import to_gen_result
 
     experts = torch.randint(0, 8, (5, 2, 2), dtype=torch.int32)
-    meta = {"id": "r", "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": 3, "completion_tokens": 3,
-            "weight_version": "default", "routed_experts": encode(experts)["data"]}
+    meta = {
+        "id": "r",
+        "finish_reason": {"type": "length", "length": 3},
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "weight_version": "default",
+        "routed_experts": encode(experts)["data"],
+    }
     result = to_gen_result({"output_ids": [1, 2, 3], "meta_info": meta}, "r", False, routed_topk=2)
     assert torch.equal(decode(result["routed_experts"], 6), experts)
     assert "routed_experts" not in to_gen_result({"output_ids": [1, 2, 3], "meta_info": meta}, "r", False)

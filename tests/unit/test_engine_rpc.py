@@ -110,11 +110,20 @@ def test_long_run_dir_falls_back_to_a_short_ipc_path(tmp_path):
     assert not endpoint.owned_dir.exists()
 
 
-@pytest.mark.parametrize("address, local", [
-    ("ipc:///tmp/x.sock", True), ("tcp://127.0.0.1:5555", True), ("tcp://127.0.0.2:5555", True),
-    ("tcp://[::1]:5555", True), ("tcp://localhost:5555", True), ("tcp://0.0.0.0:5555", False),
-    ("tcp://*:5555", False), ("tcp://10.1.2.3:5555", False), ("inproc://x", False),
-])
+@pytest.mark.parametrize(
+    "address, local",
+    [
+        ("ipc:///tmp/x.sock", True),
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.0.0.2:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://10.1.2.3:5555", False),
+        ("inproc://x", False),
+    ],
+)
 def test_is_local_endpoint(address, local):
     assert is_local_endpoint(address) is local
 
@@ -155,8 +164,11 @@ def test_blocked_event_loop_misses_heartbeats_before_the_call_timeout(tmp_path):
     with serving(endpoint, {"block": lambda seconds: time.sleep(seconds)}):
         client = RpcClient(endpoint, timeout_s=30, heartbeat_timeout_s=1.0, peer_detail=lambda: "state T")
         start = time.monotonic()
-        with pytest.raises(RpcUnresponsiveError, match=r"block on .*: the worker has answered no heartbeat for "
-                                                        r"1\.\d s \(limit 1 s\).*; state T"):
+        with pytest.raises(
+            RpcUnresponsiveError,
+            match=r"block on .*: the worker has answered no heartbeat for "
+            r"1\.\d s \(limit 1 s\).*; state T",
+        ):
             client.call("block", seconds=4.0)
         assert time.monotonic() - start < 3.0
         client.close()
@@ -175,7 +187,7 @@ def test_heartbeats_keep_a_long_call_alive(tmp_path):
 def test_requests_without_the_token_are_refused(tmp_path):
     endpoint = choose_endpoint(tmp_path, "token").address
     with serving(endpoint, _handlers(), token=b"secret"):
-        assert Path(endpoint[len("ipc://"):]).stat().st_mode & 0o777 == 0o600  # other users cannot connect
+        assert Path(endpoint[len("ipc://") :]).stat().st_mode & 0o777 == 0o600  # other users cannot connect
         stranger = RpcClient(endpoint, timeout_s=10, token=b"guess")
         with pytest.raises(RpcRemoteError, match="PermissionError: request token must match"):
             stranger.call("echo", x=1)

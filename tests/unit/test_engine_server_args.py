@@ -15,8 +15,11 @@ def config(tmp_path: Path, *overrides: str, text: str = "{}\n"):
 
 
 def test_rollout_routing_replay_asks_sglang_for_routed_experts(tmp_path):
-    cfg = config(tmp_path, "algorithm.routing_replay=rollout",
-                 text="engine:\n  backend: sglang\n  sglang_server_args: {mem_fraction_static: 0.5}\n")
+    cfg = config(
+        tmp_path,
+        "algorithm.routing_replay=rollout",
+        text="engine:\n  backend: sglang\n  sglang_server_args: {mem_fraction_static: 0.5}\n",
+    )
     assert engine_server_args(cfg) == {"mem_fraction_static": 0.5, "enable_return_routed_experts": True}
     assert cfg.engine.sglang_server_args == {"mem_fraction_static": 0.5}  # the config is not modified
 

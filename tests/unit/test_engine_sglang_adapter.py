@@ -42,13 +42,31 @@ def test_logprobs_of_other_tokens_are_refused():
 
 
 def test_sampling_params_are_sglangs_with_one_seed_per_sample():
-    params = SamplingParams.from_dict({"max_new_tokens": 9, "temperature": 0, "top_k": 0, "stop": "###",
-                                       "stop_token_ids": [5], "n": 4, "sampling_seed": 2**63 + 5})
+    params = SamplingParams.from_dict(
+        {
+            "max_new_tokens": 9,
+            "temperature": 0,
+            "top_k": 0,
+            "stop": "###",
+            "stop_token_ids": [5],
+            "n": 4,
+            "sampling_seed": 2**63 + 5,
+        }
+    )
     prompt = [1, 2, 3]
     converted = [sglang_sampling_params(params, prompt, j) for j in range(4)]
-    assert converted[0] == {"max_new_tokens": 9, "temperature": 1.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0,
-                            "ignore_eos": False, "n": 1, "stop_token_ids": [5], "stop": ["###"],
-                            "sampling_seed": params.sample_seed(prompt, 0) % 2**63}
+    assert converted[0] == {
+        "max_new_tokens": 9,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 1,
+        "min_p": 0.0,
+        "ignore_eos": False,
+        "n": 1,
+        "stop_token_ids": [5],
+        "stop": ["###"],
+        "sampling_seed": params.sample_seed(prompt, 0) % 2**63,
+    }
     seeds = [c["sampling_seed"] for c in converted]
     assert len(set(seeds)) == 4 and all(0 <= s < 2**63 for s in seeds)  # SGLang's int64 range
     unseeded = sglang_sampling_params(SamplingParams.from_dict({"top_k": 0}), prompt, 0)

@@ -29,16 +29,30 @@ def render(script: str, tmp_path: Path, **env: str) -> str:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text('#!/usr/bin/env bash\n[[ "$1 $2 $3" == "show hostnames gpu-[07-08]" ]] && printf "gpu-07\\ngpu-08\\n"\n')
+    scontrol.write_text(
+        '#!/usr/bin/env bash\n[[ "$1 $2 $3" == "show hostnames gpu-[07-08]" ]] && printf "gpu-07\\ngpu-08\\n"\n'
+    )
     scontrol.chmod(0o755)
     full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RLRUN_DRY_RUN": "1", **env}
-    proc = subprocess.run(["bash", script, CONFIG, "--set", "train.num_steps=3", "--set", "rollout.temperature=0.7"],
-                          cwd=REPO, env=full_env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        ["bash", script, CONFIG, "--set", "train.num_steps=3", "--set", "rollout.temperature=0.7"],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return proc.stdout.strip()
 
 
-SLURM_2_NODES = {"SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
-                 "SLURM_JOB_NODELIST": "gpu-[07-08]", "SLURM_GPUS_ON_NODE": "8", "TORCHRUN": "torchrun"}
+SLURM_2_NODES = {
+    "SLURM_SUBMIT_DIR": str(REPO),
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "gpu-[07-08]",
+    "SLURM_GPUS_ON_NODE": "8",
+    "TORCHRUN": "torchrun",
+}
 
 
 def test_two_node_sbatch_renders_the_exact_command(tmp_path):
@@ -56,13 +70,23 @@ def test_rendered_torchrun_arguments_are_what_torchrun_and_rlrun_accept(tmp_path
     from torch.distributed.run import get_args_parser
 
     argv = shlex.split(render("launch/slurm_multinode.sbatch", tmp_path, **SLURM_2_NODES))
-    args = get_args_parser().parse_args(argv[argv.index("torchrun") + 1:])
-    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == \
-        ("2", "8", "c10d", "gpu-07:29500", "4242")
+    args = get_args_parser().parse_args(argv[argv.index("torchrun") + 1 :])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == (
+        "2",
+        "8",
+        "c10d",
+        "gpu-07:29500",
+        "4242",
+    )
     assert args.module and args.training_script == "rlrun" and args.max_restarts == 0
     assert "SIGUSR1" in args.signals_to_handle.split(",")
-    proc = subprocess.run([sys.executable, "-m", "rlrun", "config", "show", *args.training_script_args[1:]], cwd=REPO,
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlrun", "config", "show", *args.training_script_args[1:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "num_steps: 3" in proc.stdout and "temperature: 0.7" in proc.stdout
 
 

@@ -37,16 +37,20 @@ def optimizer() -> torch.optim.Optimizer:
     """Two groups with the keys ``get_megatron_optimizer`` gives them (bounds as make_optimizer sets them)."""
     weights, biases = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
     megatron = {"lr_mult": 1.0, "max_lr": 1.0, "min_lr": 1.0}
-    return torch.optim.SGD([{"params": [weights], "wd_mult": 1.0, **megatron},
-                            {"params": [biases], "wd_mult": 0.0, **megatron}], lr=1.0)
+    return torch.optim.SGD(
+        [{"params": [weights], "wd_mult": 1.0, **megatron}, {"params": [biases], "wd_mult": 0.0, **megatron}], lr=1.0
+    )
 
 
-@pytest.mark.parametrize("style,warmup,decay", [("constant", 0, None), ("constant", 3, None), ("linear", 2, 8),
-                                                ("cosine", 3, None), ("cosine", 0, 5)])
+@pytest.mark.parametrize(
+    "style,warmup,decay",
+    [("constant", 0, None), ("constant", 3, None), ("linear", 2, 8), ("cosine", 3, None), ("cosine", 0, 5)],
+)
 def test_every_step_follows_the_formula(style, warmup, decay):
     num_steps = 10
-    cfg = OptimizerConfig(lr=2e-3, min_lr=1e-4, weight_decay=0.1, lr_warmup_steps=warmup, lr_decay_style=style,
-                          lr_decay_steps=decay)
+    cfg = OptimizerConfig(
+        lr=2e-3, min_lr=1e-4, weight_decay=0.1, lr_warmup_steps=warmup, lr_decay_style=style, lr_decay_steps=decay
+    )
     opt = optimizer()
     scheduler = make_scheduler(opt, cfg, num_steps)
     for s in range(num_steps + 2):  # past decay: min_lr

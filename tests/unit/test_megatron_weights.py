@@ -18,9 +18,22 @@ HEAD_DIM, HIDDEN = 2, 5
 
 
 def _arch(num_heads: int, num_kv_heads: int) -> ModelArch:
-    return ModelArch(model_type="llama", num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=6, num_heads=num_heads,
-                     num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, vocab_size=10, max_position_embeddings=16,
-                     rope_theta=1e4, rms_norm_eps=1e-5, tie_embeddings=True, qkv_bias=False, qk_norm=False)
+    return ModelArch(
+        model_type="llama",
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=6,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=HEAD_DIM,
+        vocab_size=10,
+        max_position_embeddings=16,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
+        qkv_bias=False,
+        qk_norm=False,
+    )
 
 
 def _labelled_heads(num_heads: int, offset: int) -> torch.Tensor:
@@ -31,9 +44,20 @@ def _labelled_heads(num_heads: int, offset: int) -> torch.Tensor:
 QKV = WeightMapping("qkv", ("q", "k", "v"), "qkv")
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, tp, num_groups",
-                         [(9, 3, 1, 3), (9, 3, 3, 3), (4, 2, 2, 2), (4, 4, 2, 4), (9, 3, 2, 4), (9, 3, 4, 4),
-                          (4, 2, 4, 4), (6, 2, 3, 3), (4, 1, 2, 2)])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, tp, num_groups",
+    [
+        (9, 3, 1, 3),
+        (9, 3, 3, 3),
+        (4, 2, 2, 2),
+        (4, 4, 2, 4),
+        (9, 3, 2, 4),
+        (9, 3, 4, 4),
+        (4, 2, 4, 4),
+        (6, 2, 3, 3),
+        (4, 1, 2, 2),
+    ],
+)
 def test_qkv_shard_holds_whole_query_groups(num_heads, num_kv_heads, tp, num_groups):
     """Rank r holds groups [r * n, (r + 1) * n); groups past the real ones are all-zero rows (label -1)."""
     arch = _arch(num_heads, num_kv_heads)
@@ -51,7 +75,7 @@ def test_qkv_shard_holds_whole_query_groups(num_heads, num_kv_heads, tp, num_gro
         shard = Partition(dim=0, stride=1).shard(full, rank, tp)
         assert shard[::HEAD_DIM, 0].tolist() == expected
         assert torch.equal(shard, shard[::HEAD_DIM].repeat_interleave(HEAD_DIM, dim=0))  # whole heads only
-    assert all(torch.equal(a, b) for a, b in zip(to_hf(arch, QKV, full), (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(to_hf(arch, QKV, full), (q, k, v), strict=True))
 
 
 @pytest.mark.parametrize("tp, num_heads_padded", [(1, 9), (2, 12), (3, 9), (4, 12)])
@@ -62,7 +86,7 @@ def test_o_proj_gets_zero_columns_for_inert_heads(tp, num_heads_padded):
     mapping = WeightMapping("proj", ("o",), "o_proj")
     full = to_megatron(arch, mapping, [o_proj], tp=tp)
     assert full.shape == (HIDDEN, num_heads_padded * HEAD_DIM)
-    assert torch.equal(full[:, : 9 * HEAD_DIM], o_proj) and not full[:, 9 * HEAD_DIM:].any()
+    assert torch.equal(full[:, : 9 * HEAD_DIM], o_proj) and not full[:, 9 * HEAD_DIM :].any()
     assert torch.equal(to_hf(arch, mapping, full)[0], o_proj)
 
 
@@ -73,7 +97,9 @@ def test_fc1_stride2_shard_is_gate_then_up_of_the_rank(tp):
     rows = 12 // tp
     for rank in range(tp):
         shard = Partition(dim=0, stride=2).shard(full, rank, tp)
-        assert torch.equal(shard, torch.cat([gate[rank * rows:(rank + 1) * rows], up[rank * rows:(rank + 1) * rows]]))
+        assert torch.equal(
+            shard, torch.cat([gate[rank * rows : (rank + 1) * rows], up[rank * rows : (rank + 1) * rows]])
+        )
 
 
 def test_vocab_rows_are_zero_padded_and_unpadded():
@@ -97,5 +123,5 @@ def test_every_checkpoint_tensor_round_trips_through_shards(kind, tp, tiny_model
         dim = {"copy": 1 if "linear_fc2" in mapping.megatron_name else None, "o_proj": 1}.get(mapping.kind, 0)
         partition = Partition(dim=dim, stride=2 if mapping.kind == "concat" else 1)
         rebuilt = partition.unshard([partition.shard(full, rank, tp) for rank in range(tp)])
-        for original, back in zip(originals, to_hf(arch, mapping, rebuilt)):
+        for original, back in zip(originals, to_hf(arch, mapping, rebuilt), strict=True):
             assert torch.equal(original, back), mapping.megatron_name

@@ -52,7 +52,11 @@ def test_logger_writes_jsonl_and_prints_one_summary_line_per_step(tmp_path, caps
     logger.log(0, {"rollout/reward_mean": 0.25, "train/policy_loss": -0.5, "time/step_s": 1.5})
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {
-        "step": 0, "rollout/reward_mean": 0.25, "train/policy_loss": -0.5, "time/step_s": 1.5}
+        "step": 0,
+        "rollout/reward_mean": 0.25,
+        "train/policy_loss": -0.5,
+        "time/step_s": 1.5,
+    }
     line = capsys.readouterr().out.strip()
     assert line.startswith("step 1/5  reward 0.250") and "loss -0.5000" in line and "1.5s" in line
 

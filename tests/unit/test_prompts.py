@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import CHATML_TEMPLATE, make_tokenizer
 
 from rlrun.config.schema import DataConfig
 from rlrun.data.prompts import PromptDataError, PromptDataset, PromptSampler, read_rows
+from tiny_models import CHATML_TEMPLATE, make_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 QUESTION = "What is 3 + 4? Reply with only the number."
@@ -48,11 +48,14 @@ def tokenizer():
 
 @pytest.fixture
 def rows_file(tmp_path):
-    return write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": QUESTION, "label": 7, "source": "a"},
-        "",
-        {"prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}], "label": "4"},
-    ])
+    return write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": QUESTION, "label": 7, "source": "a"},
+            "",
+            {"prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}], "label": "4"},
+        ],
+    )
 
 
 def test_chat_prompts_match_the_template(tokenizer, rows_file):
@@ -66,8 +69,9 @@ def test_chat_prompts_match_the_template(tokenizer, rows_file):
 
 def test_system_prompt_and_raw_text(tokenizer, rows_file):
     ds = PromptDataset(DataConfig(path=str(rows_file), system_prompt="Sys."), tokenizer)
-    assert ds[0].prompt_ids == template_ids(tokenizer, [{"role": "system", "content": "Sys."},
-                                                        {"role": "user", "content": QUESTION}])
+    assert ds[0].prompt_ids == template_ids(
+        tokenizer, [{"role": "system", "content": "Sys."}, {"role": "user", "content": QUESTION}]
+    )
     assert ds[1].prompt_text.count("system") == 1  # the row's own system turn is kept, not doubled
     single = write_jsonl(rows_file.with_name("raw.jsonl"), [{"prompt": QUESTION, "label": 7}])
     raw = PromptDataset(DataConfig(path=str(single), apply_chat_template=False), tokenizer)
@@ -118,7 +122,7 @@ def test_real_smollm2_tokenizer_gives_the_24_token_prompt(tmp_path):
         ('{"prompt": "a", "answer": 1}', "missing key 'label' (data.label_key); the row has keys ['answer', 'prompt']"),
         ('{"text": "a", "label": 1}', "missing key 'prompt' (data.prompt_key)"),
         ('{"prompt": 12, "label": 1}', "'prompt' (12) must be a non-empty string or a non-empty list of"),
-        ('{"prompt": [{"role": "user"}], "label": 1}', "'prompt' ([{\"role\": \"user\"}]) must be a non-empty"),
+        ('{"prompt": [{"role": "user"}], "label": 1}', '\'prompt\' ([{"role": "user"}]) must be a non-empty'),
         ('{"prompt": "", "label": 1}', "'prompt' (\"\") must be a non-empty string"),
     ],
 )
@@ -130,7 +134,9 @@ def test_malformed_rows_name_file_and_line(tmp_path, line, message):
 
 
 def test_messages_without_chat_template_and_missing_file(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "x", "label": 0}, {"prompt": [{"role": "user", "content": "x"}], "label": 0}])
+    path = write_jsonl(
+        tmp_path / "m.jsonl", [{"prompt": "x", "label": 0}, {"prompt": [{"role": "user", "content": "x"}], "label": 0}]
+    )
     with pytest.raises(PromptDataError, match=re.escape(f"{path}:2: 'prompt' is a list of chat messages")):
         PromptDataset(DataConfig(path=str(path), apply_chat_template=False), tokenizer)
     with pytest.raises(PromptDataError, match="prompt file not found"):
@@ -176,11 +182,14 @@ def test_sampler_resume_neither_drops_nor_repeats(ten_prompts, tokenizer, tmp_pa
 def test_addition_data_is_what_the_generator_writes(tmp_path):
     committed = REPO / "configs" / "data" / "addition_train.jsonl"
     out = tmp_path / "addition.jsonl"
-    subprocess.run([sys.executable, str(REPO / "configs" / "data" / "make_addition.py"), str(out)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "configs" / "data" / "make_addition.py"), str(out)], check=True, capture_output=True
+    )
     assert out.read_text() == committed.read_text()
     rows = read_rows(committed)
-    pairs = [tuple(map(int, re.fullmatch(r"What is (\d) \+ (\d)\? Reply with only the number\.", r.prompt).groups()))
-             for r in rows]
+    pairs = [
+        tuple(map(int, re.fullmatch(r"What is (\d) \+ (\d)\? Reply with only the number\.", r.prompt).groups()))
+        for r in rows
+    ]
     assert sorted(pairs) == [(a, b) for a in range(10) for b in range(10)]
-    assert all(r.label == a + b for r, (a, b) in zip(rows, pairs))
+    assert all(r.label == a + b for r, (a, b) in zip(rows, pairs, strict=True))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import make_tokenizer
 
 from rlrun.config.schema import DataConfig
 from rlrun.data.prompts import PromptDataError, PromptDataset, PromptSampler, read_rows
+from tiny_models import make_tokenizer
 
 ROWS = [{"prompt": f"q{i}", "label": i, "meta": {"src": f"s{i}"}, "extra": i * 10} for i in range(10)]
 # A template that renders tools and a kwarg, to see both reach apply_chat_template.
@@ -39,10 +39,18 @@ def tokenizer():
     return make_tokenizer()
 
 
-@pytest.mark.parametrize("spec, expected", [
-    ("", list(range(10))), ("@[2:5]", [2, 3, 4]), ("@[:3]", [0, 1, 2]), ("@[7:]", [7, 8, 9]),
-    ("@[-2:]", [8, 9]), ("@[1:-7]", [1, 2]), ("@[:]", list(range(10))),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("", list(range(10))),
+        ("@[2:5]", [2, 3, 4]),
+        ("@[:3]", [0, 1, 2]),
+        ("@[7:]", [7, 8, 9]),
+        ("@[-2:]", [8, 9]),
+        ("@[1:-7]", [1, 2]),
+        ("@[:]", list(range(10))),
+    ],
+)
 def test_slices_select_rows_like_python(tmp_path, spec, expected):
     # Blank lines are not rows: the slice counts rows, and errors still name the file line.
     path = write_jsonl(tmp_path / "p.jsonl", [ROWS[0], "", *ROWS[1:]])
@@ -66,7 +74,9 @@ def test_parquet_reads_the_same_rows_as_jsonl(tmp_path, tokenizer):
     for spec in ("", "@[3:6]", "@[-4:]"):
         a = PromptDataset(DataConfig(path=f"{jsonl}{spec}", metadata_key="meta"), tokenizer)
         b = PromptDataset(DataConfig(path=f"{parquet}{spec}", metadata_key="meta"), tokenizer)
-        assert [(p.prompt_ids, p.label, p.metadata) for p in a.prompts] == [(p.prompt_ids, p.label, p.metadata) for p in b.prompts]
+        assert [(p.prompt_ids, p.label, p.metadata) for p in a.prompts] == [
+            (p.prompt_ids, p.label, p.metadata) for p in b.prompts
+        ]
         assert a.fingerprint == b.fingerprint
     rows = read_rows(f"{parquet}@[3:6]")
     assert [r.where for r in rows] == [f"{parquet}:row {n}" for n in (4, 5, 6)]
@@ -87,29 +97,45 @@ def test_parquet_errors_name_the_row(tmp_path):
 
 def test_metadata_and_tools_keys(tmp_path, tokenizer):
     tools = [{"name": "calc"}, {"name": "search"}]
-    path = write_jsonl(tmp_path / "t.jsonl", [
-        {"prompt": "hi", "label": 1, "meta": {"k": 1}, "tools": tools, "other": 5},
-        {"prompt": "yo", "label": 2, "tools": json.dumps(tools[:1])},  # parquet exports often hold JSON strings
-        {"prompt": "no tools", "label": 3, "meta": None},
-    ])
+    path = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": "hi", "label": 1, "meta": {"k": 1}, "tools": tools, "other": 5},
+            {"prompt": "yo", "label": 2, "tools": json.dumps(tools[:1])},  # parquet exports often hold JSON strings
+            {"prompt": "no tools", "label": 3, "meta": None},
+        ],
+    )
     tok = make_tokenizer()
     tok.chat_template = TOOLS_TEMPLATE
-    ds = PromptDataset(DataConfig(path=str(path), metadata_key="meta", tools_key="tools",
-                                  chat_template_kwargs={"think": False}), tok)
+    ds = PromptDataset(
+        DataConfig(path=str(path), metadata_key="meta", tools_key="tools", chat_template_kwargs={"think": False}), tok
+    )
     assert [p.metadata for p in ds.prompts] == [{"k": 1}, {}, {}]
     assert [p.tools for p in ds.prompts] == [tools, tools[:1], None]
-    expected = [tok.apply_chat_template([{"role": "user", "content": c}], tools=t, think=False, tokenize=False,
-                                        add_generation_prompt=True) for c, t in (("hi", tools), ("yo", tools[:1]), ("no tools", None))]
+    expected = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": c}], tools=t, think=False, tokenize=False, add_generation_prompt=True
+        )
+        for c, t in (("hi", tools), ("yo", tools[:1]), ("no tools", None))
+    ]
     assert [p.prompt_text for p in ds.prompts] == expected
-    assert ds[0].prompt_text.startswith("<|im_start|>system\nTOOLS:calc;search;") and ds[0].prompt_text.endswith("<no-think>")
+    assert ds[0].prompt_text.startswith("<|im_start|>system\nTOOLS:calc;search;") and ds[0].prompt_text.endswith(
+        "<no-think>"
+    )
     assert ds[0].prompt_ids == tok(expected[0], add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"prompt": "a", "label": 1, "meta": [1]}, "'meta' ([1]) must be a JSON object because it is data.metadata_key"),
-    ({"prompt": "a", "label": 1, "tools": "{oops"}, "'tools' is a string but not JSON"),
-    ({"prompt": "a", "label": 1, "tools": [1, 2]}, "'tools' ([1, 2]) must be a list of tool-schema objects"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            {"prompt": "a", "label": 1, "meta": [1]},
+            "'meta' ([1]) must be a JSON object because it is data.metadata_key",
+        ),
+        ({"prompt": "a", "label": 1, "tools": "{oops"}, "'tools' is a string but not JSON"),
+        ({"prompt": "a", "label": 1, "tools": [1, 2]}, "'tools' ([1, 2]) must be a list of tool-schema objects"),
+    ],
+)
 def test_bad_metadata_and_tools_name_the_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "ok", "label": 0}, row])
     with pytest.raises(PromptDataError) as info:

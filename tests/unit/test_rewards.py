@@ -12,8 +12,14 @@ from rlrun.rollout.rewards import RewardSpecError, exact_match, first_number, lo
 
 def sample(reply: str, label, finish_reason: str = "stop", group: int = 0) -> Sample:
     prompt = Prompt(index=group, prompt_ids=[1, 2], prompt_text="q", label=label)
-    return Sample(group_index=group, prompt=prompt, response_ids=[3], response_text=reply,
-                  rollout_logprobs=[-0.1], finish_reason=finish_reason)
+    return Sample(
+        group_index=group,
+        prompt=prompt,
+        response_ids=[3],
+        response_text=reply,
+        rollout_logprobs=[-0.1],
+        finish_reason=finish_reason,
+    )
 
 
 def brevity(reply: str, answer: str) -> float:
@@ -44,21 +50,25 @@ def test_first_number_matches_the_formula(reply, label, finish, expected):
     assert first_number(sample(reply, label, finish)) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("reply, label, expected", [("7", 7, 1.0), (" 7 \n", "7", 1.0), ("It's 7", 7, 0.0), ("", "", 1.0)])
+@pytest.mark.parametrize(
+    "reply, label, expected", [("7", 7, 1.0), (" 7 \n", "7", 1.0), ("It's 7", 7, 0.0), ("", "", 1.0)]
+)
 def test_exact_match(reply, label, expected):
     assert exact_match(sample(reply, label)) == expected
 
 
 def test_score_samples_counts_and_records_failures(tmp_path):
     hook = tmp_path / "my_reward.py"
-    hook.write_text(textwrap.dedent("""
+    hook.write_text(
+        textwrap.dedent("""
         def score(sample):
             if "boom" in sample.response_text:
                 raise KeyError("no answer for " + sample.response_text)
             if sample.response_text == "text":
                 return "1.0"
             return float(len(sample.response_text))
-    """))
+    """)
+    )
     fn = load_reward_fn(f"{hook}:score")
     samples = [sample("ab", 0), sample("boom!", 0, group=1), sample("text", 0, group=2), sample("abcd", 0)]
     samples[1].reward = 5.0  # a stale value must not survive a failure
@@ -86,8 +96,11 @@ def test_builtins_and_module_specs(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "spec, reason",
     [
-        ("firstnumber", "not a built-in (first_number, exact_match, math, gsm8k, format_boxed, format_think), "
-                        "not an http(s):// URL and not of the form module:function"),
+        (
+            "firstnumber",
+            "not a built-in (first_number, exact_match, math, gsm8k, format_boxed, format_think), "
+            "not an http(s):// URL and not of the form module:function",
+        ),
         ("no_such_module_xyz:f", "module 'no_such_module_xyz' not found on sys.path"),
         ("json:nope", "'json' has no attribute 'nope'"),
         ("json:decoder", "'json:decoder' is a module, not a function"),
@@ -104,5 +117,9 @@ def test_bad_specs_name_the_spec_and_the_signature(tmp_path, spec, reason):
         load_reward_fn(spec)
     message = str(info.value)
     assert message.startswith(f"reward '{spec}': {reason}")
-    assert message.endswith("with signature fn(sample: Sample) -> float (or async; per group: "
-                            "fn(samples: list[Sample]) -> list[float])") and "\n" not in message
+    assert (
+        message.endswith(
+            "with signature fn(sample: Sample) -> float (or async; per group: fn(samples: list[Sample]) -> list[float])"
+        )
+        and "\n" not in message
+    )

@@ -48,8 +48,16 @@ def make_samples(replies: list[str], group_size: int) -> list[Sample]:
     out = []
     for i, reply in enumerate(replies):
         prompt = Prompt(index=i // group_size, prompt_ids=[1], prompt_text="q", label=None)
-        out.append(Sample(group_index=prompt.index, prompt=prompt, response_ids=[2], response_text=reply,
-                          rollout_logprobs=[0.0], finish_reason="stop"))
+        out.append(
+            Sample(
+                group_index=prompt.index,
+                prompt=prompt,
+                response_ids=[2],
+                response_text=reply,
+                rollout_logprobs=[0.0],
+                finish_reason="stop",
+            )
+        )
     return out
 
 

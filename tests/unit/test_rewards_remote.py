@@ -81,9 +81,17 @@ def server():
 
 
 def make(texts: list[str]) -> list[Sample]:
-    return [Sample(group_index=i, prompt=Prompt(index=i, prompt_ids=[1], prompt_text=f"q{i}", label=i, metadata={"m": i}),
-                   response_ids=[2], response_text=t, rollout_logprobs=[0.0], finish_reason="stop")
-            for i, t in enumerate(texts)]
+    return [
+        Sample(
+            group_index=i,
+            prompt=Prompt(index=i, prompt_ids=[1], prompt_text=f"q{i}", label=i, metadata={"m": i}),
+            response_ids=[2],
+            response_text=t,
+            rollout_logprobs=[0.0],
+            finish_reason="stop",
+        )
+        for i, t in enumerate(texts)
+    ]
 
 
 def test_scores_retries_and_failures(server):
@@ -95,7 +103,8 @@ def test_scores_retries_and_failures(server):
     assert [s.reward for s in samples] == [0.4, 0.9, 0.5, 0.0, 0.0, 0.0, 0.2]
     assert server.attempts["flaky"] == 3  # two 503s, then the answer
     assert server.attempts["slow"] == 3 and samples[3].reward_error.startswith(
-        f"RemoteRewardError: {server.url}: no reward after 3 attempts; last error:")
+        f"RemoteRewardError: {server.url}: no reward after 3 attempts; last error:"
+    )
     assert server.attempts["bad"] == 1  # a 4xx is not retried
     assert samples[4].reward_error == f"RemoteRewardError: {server.url}: HTTP 400: label missing"
     assert "must be JSON" in samples[5].reward_error

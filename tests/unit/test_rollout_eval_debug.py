@@ -35,17 +35,35 @@ def test_eval_and_debug_config_checks():
         EvalConfig(datasets=[{"name": "a", "path": "x"}, {"name": "a", "path": "y"}])
     with pytest.raises(ValueError, match="debug.rollout_only .* must be false when debug.load_rollout_data is set"):
         RunConfig.model_validate({"debug": {"rollout_only": True, "load_rollout_data": "d"}})
-    with pytest.raises(ValueError, match=r"rollout.over_sampling_prompts \(2\) must be >= rollout.prompts_per_step \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"rollout.over_sampling_prompts \(2\) must be >= rollout.prompts_per_step \(4\)"
+    ):
         RunConfig.model_validate({"rollout": {"prompts_per_step": 4, "over_sampling_prompts": 2}})
     ds = EvalConfig(datasets=[{"name": "a", "path": "e.jsonl@[:5]", "prompt_key": "question"}]).datasets[0]
     data = ds.data_config(DataConfig(system_prompt="S", label_key="answer"))
-    assert (data.path, data.prompt_key, data.label_key, data.system_prompt, data.shuffle) == ("e.jsonl@[:5]", "question", "answer", "S", False)
+    assert (data.path, data.prompt_key, data.label_key, data.system_prompt, data.shuffle) == (
+        "e.jsonl@[:5]",
+        "question",
+        "answer",
+        "S",
+        False,
+    )
 
 
 def group(*rewards):
     prompt = Prompt(index=0, prompt_ids=[1], prompt_text="")
-    return [Sample(group_index=0, prompt=prompt, response_ids=[2], response_text="", rollout_logprobs=[0.0],
-                   finish_reason="stop", reward=r) for r in rewards]
+    return [
+        Sample(
+            group_index=0,
+            prompt=prompt,
+            response_ids=[2],
+            response_text="",
+            rollout_logprobs=[0.0],
+            finish_reason="stop",
+            reward=r,
+        )
+        for r in rewards
+    ]
 
 
 def test_filters(tmp_path):
@@ -56,19 +74,45 @@ def test_filters(tmp_path):
     hook.write_text("def keep(group):\n    return 1\n\ndef two(a, b):\n    return True\n")
     with pytest.raises(TypeError, match="rollout.dynamic_filter returned 1 for group 0; expected a bool"):
         apply_filter(load_filter(f"{hook}:keep"), groups)
-    with pytest.raises(HookSpecError, match=r"rollout.dynamic_filter \('.*two'\) must be a built-in \(nonzero_std\) "
-                                            r"or name a function with signature fn\(group: list\[Sample\]\) -> bool, but it takes"):
+    with pytest.raises(
+        HookSpecError,
+        match=r"rollout.dynamic_filter \('.*two'\) must be a built-in \(nonzero_std\) "
+        r"or name a function with signature fn\(group: list\[Sample\]\) -> bool, but it takes",
+    ):
         load_filter(f"{hook}:two")
 
 
 def test_rollout_data_round_trips(tmp_path: Path):
-    prompt = Prompt(index=3, prompt_ids=[5, 6], prompt_text="p", label={"answer": [1, 2]}, metadata={"m": "x"},
-                    tools=[{"name": "calc"}])
-    samples = [Sample(group_index=3, prompt=prompt, response_ids=[7, 8, 9], response_text="r", rollout_logprobs=[-0.5, 0.0, -1.25],
-                      finish_reason="length", weight_version="4", reward=0.75, reward_error="ValueError: x",
-                      loss_mask=[1, 0, 1]),
-               Sample(group_index=3, prompt=prompt, response_ids=[1], response_text="s", rollout_logprobs=[-2.0],
-                      finish_reason="stop")]
+    prompt = Prompt(
+        index=3,
+        prompt_ids=[5, 6],
+        prompt_text="p",
+        label={"answer": [1, 2]},
+        metadata={"m": "x"},
+        tools=[{"name": "calc"}],
+    )
+    samples = [
+        Sample(
+            group_index=3,
+            prompt=prompt,
+            response_ids=[7, 8, 9],
+            response_text="r",
+            rollout_logprobs=[-0.5, 0.0, -1.25],
+            finish_reason="length",
+            weight_version="4",
+            reward=0.75,
+            reward_error="ValueError: x",
+            loss_mask=[1, 0, 1],
+        ),
+        Sample(
+            group_index=3,
+            prompt=prompt,
+            response_ids=[1],
+            response_text="s",
+            rollout_logprobs=[-2.0],
+            finish_reason="stop",
+        ),
+    ]
     save_rollout(tmp_path, 12, samples)
     assert load_rollout(tmp_path, 12) == samples
     with pytest.raises(FileNotFoundError, match=r"has no rollout_000013.jsonl for step 13"):
@@ -91,6 +135,9 @@ def test_rollout_hooks_load_from_the_config(tmp_path):
     sync = tmp_path / "sync_gen.py"
     sync.write_text("def generate(traj):\n    return None\n")
     cfg = RunConfig.model_validate({"rollout": {"generate_fn": f"{sync}:generate"}}).rollout
-    with pytest.raises(HookSpecError, match=r"rollout.generate_fn \('.*'\) must be an async def with signature "
-                                            r"async fn\(traj: Trajectory\) -> None"):
+    with pytest.raises(
+        HookSpecError,
+        match=r"rollout.generate_fn \('.*'\) must be an async def with signature "
+        r"async fn\(traj: Trajectory\) -> None",
+    ):
         RolloutHooks.load(cfg)

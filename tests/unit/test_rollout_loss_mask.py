@@ -11,8 +11,15 @@ from rlrun.data.sample import Prompt, Sample
 
 def make(prompt_ids, response_ids, mask, logprobs):
     prompt = Prompt(index=0, prompt_ids=prompt_ids, prompt_text="")
-    return Sample(group_index=0, prompt=prompt, response_ids=response_ids, response_text="",
-                  rollout_logprobs=logprobs, finish_reason="stop", loss_mask=mask)
+    return Sample(
+        group_index=0,
+        prompt=prompt,
+        response_ids=response_ids,
+        response_text="",
+        rollout_logprobs=logprobs,
+        finish_reason="stop",
+        loss_mask=mask,
+    )
 
 
 def test_collate_honours_the_loss_mask():

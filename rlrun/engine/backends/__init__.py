@@ -61,8 +61,9 @@ class EngineBackend(Protocol):
     @property
     def weight_version(self) -> str: ...
 
-    async def generate(self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool,
-                       rids: list[str]) -> list[GenResult]:
+    async def generate(
+        self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool, rids: list[str]
+    ) -> list[GenResult]:
         """Prompt-major results; sample j of prompt i has rid ``rids[i]`` (n == 1) or ``f"{rids[i]}-{j}"``."""
 
     async def abort(self, rid: str, abort_all: bool) -> None:
@@ -81,8 +82,9 @@ class EngineBackend(Protocol):
 
     async def begin_weight_update(self) -> OpResult: ...
 
-    async def update_weights_from_tensor(self, payloads: list[bytes], load_format: str,
-                                         weight_version: str | None) -> OpResult:
+    async def update_weights_from_tensor(
+        self, payloads: list[bytes], load_format: str, weight_version: str | None
+    ) -> OpResult:
         """Load one payload per TP rank; adopt ``weight_version`` if given and the load succeeded."""
 
     async def end_weight_update(self) -> OpResult: ...
@@ -104,5 +106,7 @@ def load_backend(spec: BackendSpec) -> EngineBackend:
         from rlrun.engine.backends.sglang import SglangBackend
 
         return SglangBackend(spec)
-    raise ValueError(f"engine backend ({spec.backend!r}) must be one of {list(BACKENDS)} because those are "
-                     "implemented; set engine.backend accordingly")
+    raise ValueError(
+        f"engine backend ({spec.backend!r}) must be one of {list(BACKENDS)} because those are "
+        "implemented; set engine.backend accordingly"
+    )

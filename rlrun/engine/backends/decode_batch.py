@@ -67,8 +67,9 @@ class DecodeBatch:
     """[B, stop_width] token ids that end each row, padded with -1."""
     sampling: SamplingTensors
     routed_experts: torch.Tensor | None = None
-    """[B, max_len, layers, topk] (uint8 or int32, ``RouterRecorder.dtype``): the experts of the token each decode step forwarded (column
-    ``step - 1``), written by the engine's router hooks (MoE models only; ``routing_record``)."""
+    """[B, max_len, layers, topk] (uint8 or int32, ``RouterRecorder.dtype``): the experts of the token each
+    decode step forwarded (column ``step - 1``), written by the engine's router hooks (MoE models only;
+    ``routing_record``)."""
 
     @classmethod
     def allocate(cls, shape: BatchShape, sampling: SamplingTensors, device: torch.device) -> DecodeBatch:
@@ -77,16 +78,31 @@ class DecodeBatch:
         def zeros(*size: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(*size, dtype=dtype, device=device)
 
-        return cls(cache=StaticKVCache(rows, shape.max_len, device), input_ids=zeros(rows, 1),
-                   positions=zeros(rows, 1),
-                   mask=torch.ones(rows, 1, 1, shape.max_len, dtype=torch.bool, device=device), step=zeros(1),
-                   tokens=zeros(rows, shape.max_len), logprobs=zeros(rows, shape.max_len, dtype=torch.float32),
-                   lengths=zeros(rows), active=torch.ones(rows, dtype=torch.bool, device=device),
-                   finish=zeros(rows), max_new=zeros(rows), stop_ids=zeros(rows, shape.stop_width) - 1,
-                   sampling=sampling)
+        return cls(
+            cache=StaticKVCache(rows, shape.max_len, device),
+            input_ids=zeros(rows, 1),
+            positions=zeros(rows, 1),
+            mask=torch.ones(rows, 1, 1, shape.max_len, dtype=torch.bool, device=device),
+            step=zeros(1),
+            tokens=zeros(rows, shape.max_len),
+            logprobs=zeros(rows, shape.max_len, dtype=torch.float32),
+            lengths=zeros(rows),
+            active=torch.ones(rows, dtype=torch.bool, device=device),
+            finish=zeros(rows),
+            max_new=zeros(rows),
+            stop_ids=zeros(rows, shape.stop_width) - 1,
+            sampling=sampling,
+        )
 
-    def load(self, prefill: StaticKVCache, prompt_mask: torch.Tensor, prompt_of_row: torch.Tensor,
-             max_new: torch.Tensor, stop_ids: torch.Tensor, sampling: SamplingTensors) -> None:
+    def load(
+        self,
+        prefill: StaticKVCache,
+        prompt_mask: torch.Tensor,
+        prompt_of_row: torch.Tensor,
+        max_new: torch.Tensor,
+        stop_ids: torch.Tensor,
+        sampling: SamplingTensors,
+    ) -> None:
         """Reset every buffer in place for a new call: prompts' K/V and mask, positions, counters."""
         width = prefill.max_len
         self.cache.load_prefix(prefill, prompt_of_row)
@@ -102,7 +118,7 @@ class DecodeBatch:
         self.finish.fill_(Finish.RUNNING)
         self.max_new.copy_(max_new)
         self.stop_ids.fill_(-1)
-        self.stop_ids[:, :stop_ids.shape[1]] = stop_ids
+        self.stop_ids[:, : stop_ids.shape[1]] = stop_ids
         self.sampling.copy_(sampling)
 
     def record(self, logits: torch.Tensor) -> None:

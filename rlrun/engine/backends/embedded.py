@@ -73,7 +73,7 @@ class _StopStrings:
         self.window = 1 + max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stops)
 
     def match(self, output_ids: list[int]) -> str | None:
-        tail = self.tokenizer.decode(output_ids[-self.window:])
+        tail = self.tokenizer.decode(output_ids[-self.window :])
         return next((s for s in self.stops if s in tail), None)
 
 
@@ -97,7 +97,7 @@ class _StopStringRows:
         index = torch.tensor(rows, device=batch.tokens.device)
         tokens = batch.tokens[index, :steps].tolist()
         lengths, finish = batch.lengths[index].tolist(), batch.finish[index].tolist()
-        for b, row_tokens, length, code in zip(rows, tokens, lengths, finish):
+        for b, row_tokens, length, code in zip(rows, tokens, lengths, finish, strict=True):
             output = self.outputs[b]
             for s in range(len(output), length):
                 output.append(row_tokens[s])
@@ -134,11 +134,14 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
 class EmbeddedEngine:
     """A transformers causal LM in eval mode behind the engine contract's generate and weight loading."""
 
-    def __init__(self, model_path: str | Path, *, seed: int = 0, dtype: str = "float32",
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, model_path: str | Path, *, seed: int = 0, dtype: str = "float32", device: str | torch.device = "cpu"
+    ) -> None:
         if dtype not in DTYPES:
-            raise ValueError(f"dtype ({dtype!r}) must be one of {sorted(DTYPES)} because the embedded engine "
-                             "computes in one of those; set model.dtype accordingly")
+            raise ValueError(
+                f"dtype ({dtype!r}) must be one of {sorted(DTYPES)} because the embedded engine "
+                "computes in one of those; set model.dtype accordingly"
+            )
         model_path = Path(model_path)
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -149,19 +152,27 @@ class EmbeddedEngine:
             # and the 2-GPU rollout took 2.8x one GPU's (benchmarks/results/weak_scaling_h200x2.json).
             torch.cuda.set_device(self.device)
         # SDPA-based attention that takes the static cache's ready boolean masks (see static_cache.py).
-        self.model = (AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
-                      .to(self.device).eval().requires_grad_(False))
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
+            .to(self.device)
+            .eval()
+            .requires_grad_(False)
+        )
         fuse_rms_norms(self.model)
-        self.tokenizer = (AutoTokenizer.from_pretrained(model_path)
-                          if (model_path / "tokenizer_config.json").exists() else None)
+        self.tokenizer = (
+            AutoTokenizer.from_pretrained(model_path) if (model_path / "tokenizer_config.json").exists() else None
+        )
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
         self.max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._params = dict(self.model.named_parameters())
         # Names that alias a parameter listed under another name (tied lm_head -> embed_tokens).
         param_at = {t.data_ptr(): name for name, t in self._params.items()}
-        self._aliases = {name: param_at[t.data_ptr()] for name, t in self.model.state_dict().items()
-                         if name not in self._params and t.data_ptr() in param_at}
+        self._aliases = {
+            name: param_at[t.data_ptr()]
+            for name, t in self.model.state_dict().items()
+            if name not in self._params and t.data_ptr() in param_at
+        }
         # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40).
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -171,8 +182,9 @@ class EmbeddedEngine:
         """The last call's decode buffers and captured step, reused by calls of the same shape."""
         self.router_recorder = RouterRecorder.attach(self.model)
         """Records every forwarded token's experts (MoE models; None for dense ones), see routing_record."""
-        self._decode_experts = (None if self.router_recorder is None
-                                else _decode_experts_implementation(self.model, self.device))
+        self._decode_experts = (
+            None if self.router_recorder is None else _decode_experts_implementation(self.model, self.device)
+        )
         """The experts kernel the decode step switches to (None: the load-time one, also for prefill)."""
         self._prefill_experts: torch.Tensor | None = None
         self._host_weights: list[torch.Tensor] | None = None
@@ -181,9 +193,16 @@ class EmbeddedEngine:
     # ---- generation -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, input_ids: list[list[int]], sampling_params: Mapping[str, Any] | Sequence[Any],
-                 return_logprob: bool = True, rids: list[str] | None = None, *,
-                 request: RequestHandle | None = None, control: DecodeControl | None = None) -> list[GenResult]:
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: Mapping[str, Any] | Sequence[Any],
+        return_logprob: bool = True,
+        rids: list[str] | None = None,
+        *,
+        request: RequestHandle | None = None,
+        control: DecodeControl | None = None,
+    ) -> list[GenResult]:
         """Sample ``n`` responses per prompt; results are prompt-major (all samples of prompt 0 first).
 
         ``request`` (its rows' rids and abort flags) and ``control`` (the pause gate) come from the
@@ -202,21 +221,27 @@ class EmbeddedEngine:
         tokens, logprobs = batch.tokens[:, :steps].tolist(), batch.logprobs[:, :steps].tolist()
         lengths, finish = batch.lengths.tolist(), batch.finish.tolist()
         experts = self._routed_experts(batch, input_ids, rows, lengths) if self.router_recorder else None
-        results: list[GenResult] = [{
-            "rid": request.row_rids[b],
-            "output_ids": tokens[b][:lengths[b]],
-            "output_logprobs": logprobs[b][:lengths[b]] if return_logprob else None,
-            "finish_reason": self._finish_reason(finish[b], tokens[b][:lengths[b]], params[i], stop_strings.get(b)),
-            "prompt_tokens": len(input_ids[i]),
-            "completion_tokens": lengths[b],
-            "weight_version": self.weight_version,
-        } for b, (i, _) in enumerate(rows)]
-        for result, row_experts in zip(results, experts or []):
+        results: list[GenResult] = [
+            {
+                "rid": request.row_rids[b],
+                "output_ids": tokens[b][: lengths[b]],
+                "output_logprobs": logprobs[b][: lengths[b]] if return_logprob else None,
+                "finish_reason": self._finish_reason(
+                    finish[b], tokens[b][: lengths[b]], params[i], stop_strings.get(b)
+                ),
+                "prompt_tokens": len(input_ids[i]),
+                "completion_tokens": lengths[b],
+                "weight_version": self.weight_version,
+            }
+            for b, (i, _) in enumerate(rows)
+        ]
+        for result, row_experts in zip(results, experts or [], strict=True):
             result["routed_experts"] = row_experts
         return results
 
-    def _routed_experts(self, batch: DecodeBatch, prompts: list[list[int]], rows: Sequence[tuple[int, int]],
-                        lengths: list[int]) -> list[RoutedExperts]:
+    def _routed_experts(
+        self, batch: DecodeBatch, prompts: list[list[int]], rows: Sequence[tuple[int, int]], lengths: list[int]
+    ) -> list[RoutedExperts]:
         """Per row, SGLang's ``routed_experts`` (with its topk): the prompt's tokens (from the prefill, whose
         prompts end at the last column) then the output tokens that were forwarded (all but the last)."""
         width = max(len(p) for p in prompts)
@@ -224,7 +249,7 @@ class EmbeddedEngine:
         out = []
         for b, (i, _) in enumerate(rows):
             forwarded = len(prompts[i]) + lengths[b] - 1
-            row = torch.cat([prefill[i, width - len(prompts[i]):], batch.routed_experts[b, :max(lengths[b] - 1, 0)]])
+            row = torch.cat([prefill[i, width - len(prompts[i]) :], batch.routed_experts[b, : max(lengths[b] - 1, 0)]])
             out.append(encode(row[:forwarded]))
         return out
 
@@ -245,17 +270,23 @@ class EmbeddedEngine:
         return self._decode_slot is not None and self._decode_slot[2].captured
 
     def _check_prompts(self, input_ids: list[list[int]], params: list[SamplingParams]) -> None:
-        for i, (prompt, p) in enumerate(zip(input_ids, params)):
+        for i, (prompt, p) in enumerate(zip(input_ids, params, strict=True)):
             if not prompt or min(prompt) < 0 or max(prompt) >= self.vocab_size:
-                raise ValueError(f"input_ids[{i}] must be a non-empty list of token ids in [0, {self.vocab_size}) "
-                                 "because those are the model's vocabulary; check the tokenizer")
+                raise ValueError(
+                    f"input_ids[{i}] must be a non-empty list of token ids in [0, {self.vocab_size}) "
+                    "because those are the model's vocabulary; check the tokenizer"
+                )
             if self.max_positions is not None and len(prompt) + p.max_new_tokens > self.max_positions:
-                raise ValueError(f"prompt length + max_new_tokens ({len(prompt)} + {p.max_new_tokens}) must be <= "
-                                 f"{self.max_positions} because that is the model's max_position_embeddings; "
-                                 "shorten the prompt or lower max_new_tokens")
+                raise ValueError(
+                    f"prompt length + max_new_tokens ({len(prompt)} + {p.max_new_tokens}) must be <= "
+                    f"{self.max_positions} because that is the model's max_position_embeddings; "
+                    "shorten the prompt or lower max_new_tokens"
+                )
             if p.stop and self.tokenizer is None:
-                raise ValueError(f"sampling_params.stop ({list(p.stop)}) needs a tokenizer in the model directory "
-                                 "because stop strings are matched on decoded text; add one or use stop_token_ids")
+                raise ValueError(
+                    f"sampling_params.stop ({list(p.stop)}) needs a tokenizer in the model directory "
+                    "because stop strings are matched on decoded text; add one or use stop_token_ids"
+                )
 
     def _row_key(self, params: SamplingParams, prompt: list[int], sample_index: int) -> int:
         if params.sampling_seed is not None:
@@ -264,8 +295,14 @@ class EmbeddedEngine:
 
     def _forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
         """The one model call (prefill and decode): last position's logits in fp32, K/V into ``cache``."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kwarg: cache})
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
         return out.logits[:, -1].float()
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
@@ -318,18 +355,30 @@ class EmbeddedEngine:
             self._decode_slot = (shape, batch, StepGraph(lambda: self._decode_step(batch), self.device))
         return self._decode_slot[1], self._decode_slot[2]
 
-    def _decode(self, prompts: list[list[int]], params: list[SamplingParams], rows: Sequence[tuple[int, int]],
-                request: RequestHandle, control: DecodeControl) -> tuple[DecodeBatch, int, dict[int, str]]:
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        rows: Sequence[tuple[int, int]],
+        request: RequestHandle,
+        control: DecodeControl,
+    ) -> tuple[DecodeBatch, int, dict[int, str]]:
         """Run the batch to its end; returns (its buffers, steps recorded, stop strings matched by row)."""
         max_steps = max(p.max_new_tokens for p in params)
         row_params = [params[i] for i, _ in rows]
         prompt_of_row = torch.tensor([i for i, _ in rows], device=self.device)
         logits, prefill, prompt_mask = self._prefill(prompts)
-        sampling = SamplingTensors.of(row_params, [self._row_key(params[i], prompts[i], j) for i, j in rows],
-                                      self.vocab_size, self.device)
+        sampling = SamplingTensors.of(
+            row_params, [self._row_key(params[i], prompts[i], j) for i, j in rows], self.vocab_size, self.device
+        )
         stop_ids = self._stop_id_matrix(row_params)
-        shape = BatchShape(num_rows=len(rows), max_len=_round_up(prefill.max_len + max_steps, LEN_ALIGN),
-                           stop_width=_round_up(stop_ids.shape[1], 8), sample=sampling.sample, filter=sampling.filter)
+        shape = BatchShape(
+            num_rows=len(rows),
+            max_len=_round_up(prefill.max_len + max_steps, LEN_ALIGN),
+            stop_width=_round_up(stop_ids.shape[1], 8),
+            sample=sampling.sample,
+            filter=sampling.filter,
+        )
         batch, step_graph = self._batch_for(shape, sampling)
         max_new = torch.tensor([p.max_new_tokens for p in row_params], device=self.device)
         batch.load(prefill, prompt_mask, prompt_of_row, max_new, stop_ids, sampling)
@@ -376,17 +425,23 @@ class EmbeddedEngine:
         targets = []
         for name, tensor in named_tensors:
             if name in self._aliases:
-                raise ValueError(f"weight {name} must not be sent because it is tied to {self._aliases[name]} in this "
-                                 f"model; send only {self._aliases[name]} (SGLang ignores it too)")
+                raise ValueError(
+                    f"weight {name} must not be sent because it is tied to {self._aliases[name]} in this "
+                    f"model; send only {self._aliases[name]} (SGLang ignores it too)"
+                )
             # MoE experts arrive under checkpoint names and fill slices of fused parameters.
             target = self._params.get(name, expert_slice(self._params, name))
             if target is None:
-                raise ValueError(f"weight {name} must be a parameter of {type(self.model).__name__} because the "
-                                 "engine loads HF-named full tensors; expected names like "
-                                 f"{', '.join(list(self._params)[:3])}")
+                raise ValueError(
+                    f"weight {name} must be a parameter of {type(self.model).__name__} because the "
+                    "engine loads HF-named full tensors; expected names like "
+                    f"{', '.join(list(self._params)[:3])}"
+                )
             if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"shape of weight {name} ({list(tensor.shape)}) must equal the model's "
-                                 f"{list(target.shape)} because the engine loads full, unsharded tensors")
+                raise ValueError(
+                    f"shape of weight {name} ({list(tensor.shape)}) must equal the model's "
+                    f"{list(target.shape)} because the engine loads full, unsharded tensors"
+                )
             targets.append(target)
         # One fused call instead of a Python-level copy_ per tensor (hundreds per bucket for an 8B model).
         torch._foreach_copy_(targets, [t for _, t in named_tensors])
@@ -408,10 +463,10 @@ class EmbeddedEngine:
         tensors = self._weight_tensors()
         if self._host_weights is None:
             self._host_weights = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for host, tensor in zip(self._host_weights, tensors):
+        for host, tensor in zip(self._host_weights, tensors, strict=True):
             host.copy_(tensor.data, non_blocking=True)
         torch.cuda.synchronize(self.device)  # the copies are done before the device memory is let go
-        for host, tensor in zip(self._host_weights, tensors):
+        for host, tensor in zip(self._host_weights, tensors, strict=True):
             tensor.data = host
         torch.cuda.empty_cache()
 

@@ -42,11 +42,13 @@ class EmbeddedBackend:
     async def _on_compute_thread(self, fn, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._compute, functools.partial(fn, *args, **kwargs))
 
-    async def generate(self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool,
-                       rids: list[str]) -> list[GenResult]:
+    async def generate(
+        self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool, rids: list[str]
+    ) -> list[GenResult]:
         with self.control.registered(row_rids(rids, params)) as request:
-            return await self._on_compute_thread(self.engine.generate, input_ids, params, return_logprob, rids,
-                                                 request=request, control=self.control)
+            return await self._on_compute_thread(
+                self.engine.generate, input_ids, params, return_logprob, rids, request=request, control=self.control
+            )
 
     async def abort(self, rid: str, abort_all: bool) -> None:
         self.control.abort(rid, abort_all)
@@ -86,11 +88,14 @@ class EmbeddedBackend:
         await asyncio.to_thread(self.engine.synchronize)
         return {"success": True, "message": "Success"}
 
-    async def update_weights_from_tensor(self, payloads: list[bytes], load_format: str,
-                                         weight_version: str | None) -> OpResult:
+    async def update_weights_from_tensor(
+        self, payloads: list[bytes], load_format: str, weight_version: str | None
+    ) -> OpResult:
         if load_format != "flattened_bucket":
-            raise ValueError(f"load_format ({load_format!r}) must be 'flattened_bucket' because that is the only "
-                             "payload format the embedded engine reads; build payloads with serialize_flattened_bucket")
+            raise ValueError(
+                f"load_format ({load_format!r}) must be 'flattened_bucket' because that is the only "
+                "payload format the embedded engine reads; build payloads with serialize_flattened_bucket"
+            )
         load = functools.partial(self._load_payload, payloads[0], weight_version)
         if not self.control.paused or not self.control.num_requests:
             await self._on_compute_thread(load)

@@ -60,6 +60,7 @@ class RouterRecorder:
                 buffer[:, layer].copy_(indices)
             else:  # decode: one token per row, at the column of the token being forwarded
                 buffer[:, :, layer].index_copy_(1, column, indices[:, None])
+
         return write
 
     def prefill_buffer(self, num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -93,7 +94,9 @@ def decode(routed: RoutedExperts, num_tokens: int) -> torch.Tensor:
     flat, top_k = np.frombuffer(base64.b64decode(routed["data"]), dtype=np.int32), routed["topk"]
     rows = max(num_tokens - 1, 0)
     if rows == 0 or flat.size % (rows * top_k):
-        raise ValueError(f"routed_experts ({flat.size} ids) must hold (num_tokens - 1) x layers x topk ids "
-                         f"({rows} x ? x {top_k}) because SGLang returns one routing per forwarded token; "
-                         "check the engine and model.moe topk")
+        raise ValueError(
+            f"routed_experts ({flat.size} ids) must hold (num_tokens - 1) x layers x topk ids "
+            f"({rows} x ? x {top_k}) because SGLang returns one routing per forwarded token; "
+            "check the engine and model.moe topk"
+        )
     return torch.from_numpy(flat.copy()).reshape(rows, -1, top_k)

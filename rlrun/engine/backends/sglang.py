@@ -44,8 +44,9 @@ from rlrun.engine.sampling import SamplingParams
 from rlrun.engine.types import FinishReason, GenResult, OpResult
 
 
-def to_gen_result(output: Mapping[str, Any], rid: str, return_logprob: bool,
-                  routed_topk: int | None = None) -> GenResult:
+def to_gen_result(
+    output: Mapping[str, Any], rid: str, return_logprob: bool, routed_topk: int | None = None
+) -> GenResult:
     """One non-streaming ``async_generate`` output (``{"text", "output_ids", "meta_info"}``) as a ``GenResult``.
 
     ``meta_info["output_token_logprobs"]`` is a list of ``(logprob, token_id, text_or_None)``;
@@ -58,13 +59,20 @@ def to_gen_result(output: Mapping[str, Any], rid: str, return_logprob: bool,
     if return_logprob:
         entries = meta["output_token_logprobs"]
         if [int(e[1]) for e in entries] != output_ids:
-            raise ValueError(f"meta_info.output_token_logprobs of request {meta['id']} must list the output_ids "
-                             "in order because each log-prob belongs to one sampled token; SGLang's output changed")
+            raise ValueError(
+                f"meta_info.output_token_logprobs of request {meta['id']} must list the output_ids "
+                "in order because each log-prob belongs to one sampled token; SGLang's output changed"
+            )
         logprobs = [float(e[0]) for e in entries]
     result: GenResult = {
-        "rid": rid, "output_ids": output_ids, "output_logprobs": logprobs,
-        "finish_reason": _finish_reason(meta["finish_reason"]), "prompt_tokens": int(meta["prompt_tokens"]),
-        "completion_tokens": int(meta["completion_tokens"]), "weight_version": str(meta["weight_version"])}
+        "rid": rid,
+        "output_ids": output_ids,
+        "output_logprobs": logprobs,
+        "finish_reason": _finish_reason(meta["finish_reason"]),
+        "prompt_tokens": int(meta["prompt_tokens"]),
+        "completion_tokens": int(meta["completion_tokens"]),
+        "weight_version": str(meta["weight_version"]),
+    }
     if routed_topk is not None and meta.get("routed_experts"):  # base64 int32 [seqlen - 1, layers, topk]
         result["routed_experts"] = {"data": meta["routed_experts"], "topk": routed_topk}
     return result
@@ -86,9 +94,15 @@ def _finish_reason(reason: Mapping[str, Any] | None) -> FinishReason:
 def sglang_sampling_params(params: SamplingParams, prompt: list[int], sample_index: int) -> dict[str, Any]:
     """SGLang's sampling_params for sample ``sample_index`` of ``prompt`` (always n=1, see the module doc).
     ``params`` is already normalised: temperature 0 became top_k=1, top_k 0 became -1."""
-    out: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                           "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
-                           "ignore_eos": params.ignore_eos, "n": 1}
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "ignore_eos": params.ignore_eos,
+        "n": 1,
+    }
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
     if params.stop:
@@ -130,9 +144,11 @@ def check_payload(payload: bytes, unpickler: type) -> None:
         try:
             probe.find_class(module, name)
         except Exception as exc:  # SGLang raises RuntimeError; an allowed name that fails to import is as fatal
-            raise ValueError(f"payload global {module}.{name} must be on the installed SGLang's unpickling "
-                             f"allowlist because its scheduler dies on a refused payload ({exc}); build payloads "
-                             "with rlrun.engine.payload.serialize_flattened_bucket") from None
+            raise ValueError(
+                f"payload global {module}.{name} must be on the installed SGLang's unpickling "
+                f"allowlist because its scheduler dies on a refused payload ({exc}); build payloads "
+                "with rlrun.engine.payload.serialize_flattened_bucket"
+            ) from None
 
 
 def _routed_topk(spec: BackendSpec) -> int | None:
@@ -164,9 +180,16 @@ class SglangBackend:
         from sglang.srt.utils.common import SafeUnpickler
 
         self._io = io_struct
-        kwargs = {"model_path": spec.model_path, "tp_size": spec.tp_size, "base_gpu_id": spec.base_gpu_id,
-                  "nccl_port": _free_port(), "enable_memory_saver": spec.enable_memory_saver,
-                  "random_seed": spec.seed, "dtype": spec.dtype, **spec.server_args}
+        kwargs = {
+            "model_path": spec.model_path,
+            "tp_size": spec.tp_size,
+            "base_gpu_id": spec.base_gpu_id,
+            "nccl_port": _free_port(),
+            "enable_memory_saver": spec.enable_memory_saver,
+            "random_seed": spec.seed,
+            "dtype": spec.dtype,
+            **spec.server_args,
+        }
         self.engine = sglang.Engine(**kwargs)
         self.tm = self.engine.tokenizer_manager
         self.loop = self.engine.loop
@@ -183,10 +206,11 @@ class SglangBackend:
             return str(self.tm.config_value("weight_version"))
         return str(self.engine.get_model_info()["weight_version"])
 
-    async def generate(self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool,
-                       rids: list[str]) -> list[GenResult]:
+    async def generate(
+        self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool, rids: list[str]
+    ) -> list[GenResult]:
         prompts, sglang_params, sample_rids = [], [], []
-        for prompt, p, rid in zip(input_ids, params, rids):
+        for prompt, p, rid in zip(input_ids, params, rids, strict=True):
             for j in range(p.n):
                 prompts.append(prompt)
                 sglang_params.append(sglang_sampling_params(p, prompt, j))
@@ -194,11 +218,19 @@ class SglangBackend:
         self._inflight.update(sample_rids)
         try:
             routed = {"return_routed_experts": True} if self.routed_topk is not None else {}
-            outputs = await self.engine.async_generate(input_ids=prompts, sampling_params=sglang_params,
-                                                       return_logprob=return_logprob, rid=sample_rids, **routed)
+            outputs = await self.engine.async_generate(
+                input_ids=prompts,
+                sampling_params=sglang_params,
+                return_logprob=return_logprob,
+                rid=sample_rids,
+                **routed,
+            )
         finally:
             self._inflight.difference_update(sample_rids)
-        return [to_gen_result(out, rid, return_logprob, self.routed_topk) for out, rid in zip(outputs, sample_rids)]
+        return [
+            to_gen_result(out, rid, return_logprob, self.routed_topk)
+            for out, rid in zip(outputs, sample_rids, strict=True)
+        ]
 
     async def abort(self, rid: str, abort_all: bool) -> None:
         # The TokenizerManager only forwards rids it knows exactly, so the prefix is matched here.
@@ -241,17 +273,21 @@ class SglangBackend:
             return {"success": True, "message": "Success"}
         return await self.flush_cache()
 
-    async def update_weights_from_tensor(self, payloads: list[bytes], load_format: str,
-                                         weight_version: str | None) -> OpResult:
+    async def update_weights_from_tensor(
+        self, payloads: list[bytes], load_format: str, weight_version: str | None
+    ) -> OpResult:
         for payload in payloads:
             check_payload(payload, self.capabilities.unpickler)
-        request = self._io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
-                                                          flush_cache=False, weight_version=weight_version)
+        request = self._io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payloads, load_format=load_format, flush_cache=False, weight_version=weight_version
+        )
         return _as_op_result(await self.tm.update_weights_from_tensor(request, None))
 
     async def weight_checksums(self) -> dict[str, str]:
-        raise NotImplementedError("weight_checksums needs per-tensor access to the engine's weights, which "
-                                  "sglang.Engine does not offer; verify syncs with the embedded backend")
+        raise NotImplementedError(
+            "weight_checksums needs per-tensor access to the engine's weights, which "
+            "sglang.Engine does not offer; verify syncs with the embedded backend"
+        )
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -59,7 +59,7 @@ class StaticKVCache:
         """Copy ``prefill``'s columns into the first columns of every row (row b takes prefill row
         ``rows[b]``: the samples of one prompt share its prefill), allocating buffers if needed."""
         width = prefill.max_len
-        for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values)):
+        for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values, strict=True)):
             if layer == len(self.keys):
                 shape = (self.num_rows, key.shape[1], self.max_len, key.shape[-1])
                 self.keys.append(torch.zeros(shape, dtype=key.dtype, device=key.device))
@@ -79,9 +79,16 @@ def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
     return mask[:, None]
 
 
-def static_cache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                           **kwargs) -> tuple[torch.Tensor, None]:
+def static_cache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; returns ([B, q_len, H, D], None).
 
     One query position: the ``G = H / H_kv`` query heads that share a KV head (heads ``kv * G + g``,
@@ -91,8 +98,9 @@ def static_cache_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     if q_len != 1 or heads % kv_heads:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, 1, heads, dim), None

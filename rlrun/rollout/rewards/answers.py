@@ -16,8 +16,23 @@ from fractions import Fraction
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
-_DROP = ("\\$", r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\ ", "\\displaystyle", "$", "^\\circ", "^{\\circ}",
-         "\\%", "%", "°")
+_DROP = (
+    "\\$",
+    r"\left",
+    r"\right",
+    r"\!",
+    r"\,",
+    r"\;",
+    r"\:",
+    r"\ ",
+    "\\displaystyle",
+    "$",
+    "^\\circ",
+    "^{\\circ}",
+    "\\%",
+    "%",
+    "°",
+)
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
 _ASSIGN = re.compile(r"^[a-zA-Z]\w*\s*=\s*(?=\S)")
 

@@ -74,8 +74,12 @@ def format_think(sample: Sample) -> float:
     """1.0 when the reply is ``<think>reasoning</think>`` followed by a non-empty answer (one think
     block, nothing before it), else 0.0."""
     match = _THINK.fullmatch(sample.response_text)
-    return float(match is not None and bool(match["thought"].strip()) and bool(match["answer"].strip())
-                 and "<think>" not in match["answer"])
+    return float(
+        match is not None
+        and bool(match["thought"].strip())
+        and bool(match["answer"].strip())
+        and "<think>" not in match["answer"]
+    )
 
 
 BUILTIN_REWARDS = {

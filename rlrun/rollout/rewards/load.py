@@ -37,8 +37,10 @@ def load_reward_fn(spec: str, remote: RemoteRewardConfig = RemoteRewardConfig())
         return RemoteReward(spec, remote)
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise _error(spec, f"not a built-in ({', '.join(BUILTIN_REWARDS)}), not an http(s):// URL and not of the "
-                     "form module:function")
+        raise _error(
+            spec,
+            f"not a built-in ({', '.join(BUILTIN_REWARDS)}), not an http(s):// URL and not of the form module:function",
+        )
     try:
         return resolve_hook(spec, num_args=1, allow_async=True)
     except HookSpecError as err:
@@ -47,6 +49,8 @@ def load_reward_fn(spec: str, remote: RemoteRewardConfig = RemoteRewardConfig())
 
 def _error(spec: str, reason: str) -> RewardSpecError:
     reason = " ".join(reason.split())
-    return RewardSpecError(f"reward '{spec}': {reason}; expected a built-in name, an http(s):// reward server or "
-                           f"module:function / path/to/file.py:function with signature {SIGNATURE} "
-                           "(or async; per group: fn(samples: list[Sample]) -> list[float])")
+    return RewardSpecError(
+        f"reward '{spec}': {reason}; expected a built-in name, an http(s):// reward server or "
+        f"module:function / path/to/file.py:function with signature {SIGNATURE} "
+        "(or async; per group: fn(samples: list[Sample]) -> list[float])"
+    )

@@ -72,8 +72,12 @@ class RemoteReward:
 
 def request_body(sample: Sample) -> dict:
     prompt = sample.prompt
-    return {"prompt": prompt.prompt_text, "response": sample.response_text, "label": prompt.label,
-            "metadata": prompt.metadata}
+    return {
+        "prompt": prompt.prompt_text,
+        "response": sample.response_text,
+        "label": prompt.label,
+        "metadata": prompt.metadata,
+    }
 
 
 def parse_reply(raw: bytes) -> float:
@@ -81,9 +85,11 @@ def parse_reply(raw: bytes) -> float:
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
-        raise RemoteRewardError(f"reply ({raw[:_BODY_CHARS]!r}) must be JSON: a number or {{\"reward\": number}}") from None
+        raise RemoteRewardError(
+            f'reply ({raw[:_BODY_CHARS]!r}) must be JSON: a number or {{"reward": number}}'
+        ) from None
     if isinstance(value, dict):
         value = value.get("reward")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RemoteRewardError(f"reply ({raw[:_BODY_CHARS]!r}) must be a number or {{\"reward\": number}}")
+        raise RemoteRewardError(f'reply ({raw[:_BODY_CHARS]!r}) must be a number or {{"reward": number}}')
     return float(value)

@@ -32,8 +32,14 @@ def score_samples(samples: list[Sample], fn: RewardFn, group_size: int | None = 
     batch with its count, and the caller logs the returned count as a metric.
     """
     if group_size is not None and len(samples) % group_size:
-        raise ValueError(f"{len(samples)} samples do not form whole groups of rollout.samples_per_prompt ({group_size})")
-    units = [[s] for s in samples] if group_size is None else [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+        raise ValueError(
+            f"{len(samples)} samples do not form whole groups of rollout.samples_per_prompt ({group_size})"
+        )
+    units = (
+        [[s] for s in samples]
+        if group_size is None
+        else [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+    )
     if units:
         asyncio.run(_score_units(units, fn, per_group=group_size is not None, concurrency=concurrency))
     errors = Counter(s.reward_error for s in samples if s.reward_error is not None)
@@ -56,7 +62,7 @@ async def _score_units(units: list[list[Sample]], fn: RewardFn, per_group: bool,
             for sample in unit:
                 sample.reward_error = f"{type(err).__name__}: {err}"
             return
-        for sample, reward in zip(unit, rewards):
+        for sample, reward in zip(unit, rewards, strict=True):
             sample.reward = reward
 
     await asyncio.gather(*(score(unit) for unit in units))

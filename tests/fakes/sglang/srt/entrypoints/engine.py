@@ -30,18 +30,36 @@ from sglang.srt.managers.io_struct import (
     ResumeMemoryOccupationReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from sglang.srt.utils.common import MultiprocessingSerializer
 from sglang.srt.managers.tokenizer_manager import TokenizerManager, TokenizerManager0523
+from sglang.srt.utils.common import MultiprocessingSerializer
 
 # A subset of ServerArgs' fields (srt/arg_groups/fields/): enough for the adapter and its tests.
 SERVER_ARGS = {
-    "model_path": None, "tp_size": 1, "nccl_port": None, "base_gpu_id": 0, "gpu_id_step": 1, "device": None,
-    "random_seed": None, "dtype": "auto", "log_level": "error", "mem_fraction_static": None,
-    "max_total_tokens": None, "enable_memory_saver": False, "enable_weights_cpu_backup": False,
+    "model_path": None,
+    "tp_size": 1,
+    "nccl_port": None,
+    "base_gpu_id": 0,
+    "gpu_id_step": 1,
+    "device": None,
+    "random_seed": None,
+    "dtype": "auto",
+    "log_level": "error",
+    "mem_fraction_static": None,
+    "max_total_tokens": None,
+    "enable_memory_saver": False,
+    "enable_weights_cpu_backup": False,
     "enable_return_routed_experts": False,
-    "skip_tokenizer_init": False, "skip_server_warmup": False, "load_format": "auto", "weight_version": "default",
-    "enable_deterministic_inference": False, "disable_cuda_graph": False, "cuda_graph_backend_decode": None,
-    "cuda_graph_backend_prefill": None, "port": 30000, "sampling_backend": None, "attention_backend": None,
+    "skip_tokenizer_init": False,
+    "skip_server_warmup": False,
+    "load_format": "auto",
+    "weight_version": "default",
+    "enable_deterministic_inference": False,
+    "disable_cuda_graph": False,
+    "cuda_graph_backend_decode": None,
+    "cuda_graph_backend_prefill": None,
+    "port": 30000,
+    "sampling_backend": None,
+    "attention_backend": None,
 }
 
 
@@ -62,12 +80,22 @@ class Engine:
         self.server_args = {**SERVER_ARGS, **kwargs}
         if self.server_args["dtype"] == "auto":
             self.server_args["dtype"] = "float32"
-        print("fake-sglang-engine " + json.dumps({
-            "version": sglang.__version__, "kwargs": kwargs,
-            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            "torchrun_env": sorted(k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT") if k in os.environ),
-        }), file=sys.stderr, flush=True)
+        print(
+            "fake-sglang-engine "
+            + json.dumps(
+                {
+                    "version": sglang.__version__,
+                    "kwargs": kwargs,
+                    "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                    "torchrun_env": sorted(
+                        k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT") if k in os.environ
+                    ),
+                }
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"  # a process-wide side effect, as _set_envs_and_config
         self.tokenizer_manager = self.tokenizer_manager_class(self.server_args)
         self.loop = self._ensure_event_loop()
@@ -82,12 +110,26 @@ class Engine:
             asyncio.set_event_loop(loop)
             return loop
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
-                             rid=None, stream=False, return_routed_experts=False, **unsupported):
+    async def async_generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob=False,
+        rid=None,
+        stream=False,
+        return_routed_experts=False,
+        **unsupported,
+    ):
         if unsupported or prompt is not None or stream:
             raise NotImplementedError(f"the fake serves token ids without streaming, not {sorted(unsupported)}")
-        obj = GenerateReqInput(input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
-                               rid=rid, return_routed_experts=return_routed_experts)
+        obj = GenerateReqInput(
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            return_logprob=return_logprob,
+            rid=rid,
+            return_routed_experts=return_routed_experts,
+        )
         return await self.tokenizer_manager.generate_request(obj, None).__anext__()
 
     def flush_cache(self):
@@ -103,10 +145,14 @@ class Engine:
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         """flattened_bucket callers pass one payload per TP rank; otherwise the list is pickled per rank."""
-        payloads = named_tensors if load_format == "flattened_bucket" else [
-            MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.server_args["tp_size"])]
-        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
-                                              flush_cache=flush_cache)
+        payloads = (
+            named_tensors
+            if load_format == "flattened_bucket"
+            else [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.server_args["tp_size"])]
+        )
+        obj = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payloads, load_format=load_format, flush_cache=flush_cache
+        )
         return self.loop.run_until_complete(self.tokenizer_manager.update_weights_from_tensor(obj, None))
 
     def shutdown(self) -> None:
@@ -123,14 +169,19 @@ class Engine0523(Engine):
 
     def get_model_info(self) -> dict:
         tm = self.tokenizer_manager
-        return {"model_path": self.server_args["model_path"], "weight_version": tm.config_value("weight_version"),
-                "load_format": self.server_args["load_format"], "is_generation": True}
+        return {
+            "model_path": self.server_args["model_path"],
+            "weight_version": tm.config_value("weight_version"),
+            "load_format": self.server_args["load_format"],
+            "is_generation": True,
+        }
 
     def begin_weight_update(self, selector: str = "all"):
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
 
         return self.loop.run_until_complete(
-            self.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(selector=selector), None))
+            self.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(selector=selector), None)
+        )
 
     def end_weight_update(self):
         from sglang.srt.managers.io_struct import EndWeightUpdateReqInput

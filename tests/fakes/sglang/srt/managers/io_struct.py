@@ -54,6 +54,7 @@ class ResumeMemoryOccupationReqInput(BaseReq):
 
 
 if SESSIONS:
+
     @dataclasses.dataclass(kw_only=True)
     class BeginWeightUpdateReqInput(BaseReq):
         selector: Literal["target", "draft", "all"] = "all"

@@ -47,15 +47,34 @@ from sglang.srt.utils.common import MultiprocessingSerializer
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
-SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "n",
-                 "ignore_eos", "sampling_seed", "no_stop_trim", "skip_special_tokens", "stop_regex",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"}
+SAMPLING_KEYS = {
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "ignore_eos",
+    "sampling_seed",
+    "no_stop_trim",
+    "skip_special_tokens",
+    "stop_regex",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+}
 
 
 def die(message: str) -> None:
     """What SGLang does when its scheduler raises: SIGQUIT to the engine's process, which kills its tree."""
-    print(f"Scheduler hit an exception: {message}\nreceived SIGQUIT; killing the process tree", file=sys.stderr,
-          flush=True)
+    print(
+        f"Scheduler hit an exception: {message}\nreceived SIGQUIT; killing the process tree",
+        file=sys.stderr,
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -64,8 +83,12 @@ def record_update(weight_version, per_rank: list, senders: list) -> None:
     received, so tests can check what every rank got against the trainer's weights, and each payload's
     sender (see :func:`deserialize_recording_sender`)."""
     payloads = [{name: tensor_checksum(tensor) for name, tensor in named} for named in per_rank]
-    print("fake-sglang-update " + json.dumps({"weight_version": weight_version, "payloads": payloads,
-                                              "senders": senders}), file=sys.stderr, flush=True)
+    print(
+        "fake-sglang-update "
+        + json.dumps({"weight_version": weight_version, "payloads": payloads, "senders": senders}),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def deserialize_recording_sender(payload: bytes) -> tuple[object, str | None]:
@@ -125,8 +148,12 @@ class _ModelUpdateLock:
 class TokenizerManager:
     def __init__(self, server_args: dict) -> None:
         self.server_args = server_args
-        self.model = EmbeddedEngine(server_args["model_path"], seed=server_args.get("random_seed") or 0,
-                                    dtype=server_args.get("dtype", "float32"), device="cpu")
+        self.model = EmbeddedEngine(
+            server_args["model_path"],
+            seed=server_args.get("random_seed") or 0,
+            dtype=server_args.get("dtype", "float32"),
+            device="cpu",
+        )
         self.control = DecodeControl()
         self.rid_to_state: dict[str, bool] = {}
         self.is_pause = False
@@ -144,8 +171,11 @@ class TokenizerManager:
     async def generate_request(self, obj, request=None):
         batch = bool(obj.input_ids) and isinstance(obj.input_ids[0], list)
         input_ids = obj.input_ids if batch else [obj.input_ids]
-        params = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params or {}] * len(
-            input_ids)
+        params = (
+            obj.sampling_params
+            if isinstance(obj.sampling_params, list)
+            else [obj.sampling_params or {}] * len(input_ids)
+        )
         rids = self._rids(obj.rid, len(input_ids))
         n = params[0].get("n", 1)
         if any(p.get("n", 1) != n for p in params):
@@ -161,8 +191,9 @@ class TokenizerManager:
         self.rid_to_state.update((rid, True) for rid in rids)
         try:
             loop = asyncio.get_running_loop()
-            outputs = await loop.run_in_executor(self._scheduler, self._run_batch, input_ids, parsed, rids,
-                                                 obj.return_logprob, obj.return_routed_experts)
+            outputs = await loop.run_in_executor(
+                self._scheduler, self._run_batch, input_ids, parsed, rids, obj.return_logprob, obj.return_routed_experts
+            )
         finally:
             for rid in rids:
                 self.rid_to_state.pop(rid, None)
@@ -172,8 +203,13 @@ class TokenizerManager:
     def _rids(self, rid, num: int) -> list[str]:
         if rid is None:
             return [uuid.uuid4().hex for _ in range(num)]
-        rids = [rid] if isinstance(rid, str) and num == 1 else [f"{rid}_{i}" for i in range(num)] \
-            if isinstance(rid, str) else list(rid)
+        rids = (
+            [rid]
+            if isinstance(rid, str) and num == 1
+            else [f"{rid}_{i}" for i in range(num)]
+            if isinstance(rid, str)
+            else list(rid)
+        )
         if len(rids) != num:
             raise ValueError("The specified rids length mismatch with the batch_size for batch processing.")
         duplicates = [r for r in rids if r in self.rid_to_state] or [r for r in set(rids) if rids.count(r) > 1]
@@ -188,35 +224,66 @@ class TokenizerManager:
         top_k = params.get("top_k", -1)
         if top_k is not None and top_k != -1 and top_k < 1:
             raise ValueError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-        ours = {k: params[k] for k in ("max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k",
-                                       "min_p", "ignore_eos") if params.get(k) is not None}
+        ours = {
+            k: params[k]
+            for k in (
+                "max_new_tokens",
+                "stop",
+                "stop_token_ids",
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "ignore_eos",
+            )
+            if params.get(k) is not None
+        }
         if self.server_args.get("enable_deterministic_inference") and params.get("sampling_seed") is not None:
             ours["sampling_seed"] = params["sampling_seed"]  # without it SGLang ignores sampling_seed
         return SamplingParams.from_dict(ours)
 
     def _run_batch(self, input_ids, params, rids, return_logprob, return_routed_experts=False) -> list[dict]:
         if self.offload_tags:
-            die(f"CUDA error: an illegal memory access was encountered (memory tags {sorted(self.offload_tags)} "
-                "are released)")
+            die(
+                f"CUDA error: an illegal memory access was encountered (memory tags {sorted(self.offload_tags)} "
+                "are released)"
+            )
         start = time.perf_counter()
         with self.control.registered(rids) as handle:
             results = self.model.generate(input_ids, params, True, rids, request=handle, control=self.control)
-        return [self._output(r, p, return_logprob, time.perf_counter() - start, return_routed_experts)
-                for r, p in zip(results, params)]
+        return [
+            self._output(r, p, return_logprob, time.perf_counter() - start, return_routed_experts)
+            for r, p in zip(results, params, strict=True)
+        ]
 
-    def _output(self, result: dict, params: SamplingParams, return_logprob: bool, latency_s: float,
-                return_routed_experts: bool = False) -> dict:
+    def _output(
+        self,
+        result: dict,
+        params: SamplingParams,
+        return_logprob: bool,
+        latency_s: float,
+        return_routed_experts: bool = False,
+    ) -> dict:
         """The non-streaming output dict of tokenizer_manager.py:2507-2718."""
         finish = dict(result["finish_reason"])
         if finish["type"] == "abort":
             finish.update(status_code=None, err_type=None)
-        meta = {"id": result["rid"], "finish_reason": finish, "prompt_tokens": result["prompt_tokens"],
-                "weight_version": self.weight_version, "num_retractions": 0, "reasoning_tokens": 0,
-                "completion_tokens": result["completion_tokens"], "cached_tokens": 0, "e2e_latency": latency_s}
+        meta = {
+            "id": result["rid"],
+            "finish_reason": finish,
+            "prompt_tokens": result["prompt_tokens"],
+            "weight_version": self.weight_version,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": result["completion_tokens"],
+            "cached_tokens": 0,
+            "e2e_latency": latency_s,
+        }
         if return_logprob:
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in
-                                             zip(result["output_logprobs"], result["output_ids"])]
+            meta["output_token_logprobs"] = [
+                (lp, tid, None) for lp, tid in zip(result["output_logprobs"], result["output_ids"], strict=True)
+            ]
             meta["output_token_logprobs_length"] = len(result["output_ids"])
         if return_routed_experts and self.server_args.get("enable_return_routed_experts"):
             meta["routed_experts"] = result["routed_experts"]["data"]  # base64 int32 (state_capturer)
@@ -230,7 +297,7 @@ class TokenizerManager:
         if isinstance(matched, int):
             output_ids = output_ids[:-1]
         text = self.model.tokenizer.decode(output_ids, skip_special_tokens=True)
-        return text[:text.find(matched)] if isinstance(matched, str) and matched in text else text
+        return text[: text.find(matched)] if isinstance(matched, str) and matched in text else text
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         if not abort_all and (not rid or rid not in self.rid_to_state):
@@ -268,8 +335,11 @@ class TokenizerManager:
 
     async def flush_cache(self, timeout_s=None) -> FlushCacheReqOutput:
         if self.rid_to_state:
-            return FlushCacheReqOutput(success=False, message=f"Cache not flushed because there are pending "
-                                       f"requests. #queue-req: 0, #running-req: {len(self.rid_to_state)}")
+            return FlushCacheReqOutput(
+                success=False,
+                message=f"Cache not flushed because there are pending "
+                f"requests. #queue-req: 0, #running-req: {len(self.rid_to_state)}",
+            )
         print("fake-sglang-flush-cache", file=sys.stderr, flush=True)  # for tests: the adapter flushed here
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
 
@@ -312,7 +382,8 @@ class TokenizerManager:
         try:
             tp_size = self.server_args.get("tp_size", 1)
             assert len(obj.serialized_named_tensors) == tp_size, (
-                f"{len(obj.serialized_named_tensors)} serialized_named_tensors for tp_size {tp_size}")
+                f"{len(obj.serialized_named_tensors)} serialized_named_tensors for tp_size {tp_size}"
+            )
             # TP rank r unpickles entry r and loads full tensors; the fake's one model stands for every rank.
             loaded = [deserialize_recording_sender(payload) for payload in obj.serialized_named_tensors]
             per_rank = [self._named_tensors(payload, obj.load_format) for payload, _ in loaded]
@@ -320,7 +391,8 @@ class TokenizerManager:
             for named in per_rank:
                 for name, tensor in named:
                     assert name not in params or params[name].shape == tensor.shape, (
-                        f"{name}: {params[name].shape} != {tensor.shape}")
+                        f"{name}: {params[name].shape} != {tensor.shape}"
+                    )
             record_update(obj.weight_version, per_rank, [sender for _, sender in loaded])
             for name, tensor in per_rank[0]:
                 if name not in params:
@@ -341,9 +413,15 @@ class TokenizerManager:
     def _named_tensors(payload, load_format):
         if load_format != "flattened_bucket":
             return payload
-        metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
-                                            end_idx=m.end_idx, numel=m.numel) for m in payload["metadata"]]
-        return FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], metadata=metadata).reconstruct_tensors()
+        metadata = [
+            FlattenedTensorMetadata(
+                name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel
+            )
+            for m in payload["metadata"]
+        ]
+        return FlattenedTensorBucket(
+            flattened_tensor=payload["flattened_tensor"], metadata=metadata
+        ).reconstruct_tensors()
 
     def shutdown(self) -> None:
         self.control.abort(abort_all=True)
@@ -377,6 +455,8 @@ class TokenizerManager0523(TokenizerManager):
 
     def _flush_after_update(self, obj) -> tuple[bool, str]:
         if obj.flush_cache and self.rid_to_state:
-            return False, ("Weights were updated, but the cache was not flushed because requests are still running "
-                           "or queued. Retract or finish them, then call /flush_cache.")
+            return False, (
+                "Weights were updated, but the cache was not flushed because requests are still running "
+                "or queued. Retract or finish them, then call /flush_cache."
+            )
         return True, "Success"

@@ -21,9 +21,7 @@ import torch
 def _safe_load_torch_storage(data: bytes):
     storage = torch.load(io.BytesIO(data), weights_only=True)
     if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
-        raise pickle.UnpicklingError(
-            f"Expected a Torch storage, got {type(storage).__name__}"
-        )
+        raise pickle.UnpicklingError(f"Expected a Torch storage, got {type(storage).__name__}")
     return storage
 
 
@@ -248,9 +246,7 @@ class SafeUnpickler(pickle.Unpickler):
         if (module, name) in self.ALLOWED_GLOBALS:
             return super().find_class(module, name)
 
-        raise RuntimeError(
-            f"Blocked unsafe global ({module}.{name}) during pickle deserialization"
-        )
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
 class PrefixSafeUnpickler(pickle.Unpickler):
@@ -260,7 +256,8 @@ class PrefixSafeUnpickler(pickle.Unpickler):
     and ``sglang.srt.multimodal.*`` are refused. The prefixes and denials are that file's, regrouped."""
 
     ALLOWED_MODULE_PREFIXES = frozenset(
-        f"{m}." for m in (
+        f"{m}."
+        for m in (
             "builtins collections copyreg functools itertools operator types weakref pickletools "
             "torch torch._tensor torch.storage torch.nn.parameter torch.autograd.function torch.distributed "
             "torch.distributed._shard torch.distributed._composable torch._C._distributed_c10d "
@@ -268,16 +265,29 @@ class PrefixSafeUnpickler(pickle.Unpickler):
             "multiprocessing.reduction peft transformers huggingface_hub torch_npu "
             "sglang.srt.weight_sync.tensor_bucket sglang.srt.model_executor.model_runner "
             "sglang.srt.model_executor.model_runner_components.weight_updater sglang.srt.layers "
-            "sglang.srt.utils sglang.srt.disaggregation sglang.srt.managers").split())
-    DENY_CLASSES = frozenset([("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
-                              ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"),
-                              ("types", "CodeType"), ("types", "FunctionType")])
+            "sglang.srt.utils sglang.srt.disaggregation sglang.srt.managers"
+        ).split()
+    )
+    DENY_CLASSES = frozenset(
+        [
+            ("builtins", "eval"),
+            ("builtins", "exec"),
+            ("builtins", "compile"),
+            ("os", "system"),
+            ("subprocess", "Popen"),
+            ("subprocess", "run"),
+            ("codecs", "decode"),
+            ("types", "CodeType"),
+            ("types", "FunctionType"),
+        ]
+    )
 
     def find_class(self, module, name):
         allowed = any(f"{module}.".startswith(prefix) for prefix in self.ALLOWED_MODULE_PREFIXES)
         if (module, name) in self.DENY_CLASSES or not allowed:
-            raise RuntimeError(f"Blocked unsafe class loading ({module}.{name}), "
-                               "to prevent exploitation of CVE-2025-10164")
+            raise RuntimeError(
+                f"Blocked unsafe class loading ({module}.{name}), to prevent exploitation of CVE-2025-10164"
+            )
         return super().find_class(module, name)
 
 

@@ -23,5 +23,7 @@ class FlattenedTensorBucket:
         self.metadata = metadata
 
     def reconstruct_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [(meta.name, self.flattened_tensor[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape))
-                for meta in self.metadata]
+        return [
+            (meta.name, self.flattened_tensor[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape))
+            for meta in self.metadata
+        ]
