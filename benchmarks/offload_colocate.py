@@ -99,7 +99,7 @@ def summarise(rows: list[dict]) -> dict:
         return {"error": f"only {len(rows)} steps logged"}
     peak = [
         max(a, b)
-        for a, b in zip(_col(rows, "memory/train/trainer_gb"), _col(rows, "memory/sync/trainer_gb"), strict=True)
+        for a, b in zip(_col(rows, "memory/train/trainer_gb"), _col(rows, "memory/sync/trainer_gb"), strict=False)
     ]
     rollout_trainer = _col(rows, "memory/rollout/trainer_gb")
     steady = slice(1, None)
@@ -111,7 +111,7 @@ def summarise(rows: list[dict]) -> dict:
         "device_during_rollout_gb_per_step": _col(rows, "memory/rollout/device_gb"),
         "device_during_train_gb_per_step": _col(rows, "memory/train/device_gb"),
         "trainer_max_allocated_gb_per_step": _col(rows, "memory/trainer_max_allocated_gb"),
-        "trainer_rollout_over_peak": max(r / p for r, p in zip(rollout_trainer[steady], peak[steady], strict=True)),
+        "trainer_rollout_over_peak": max(r / p for r, p in zip(rollout_trainer[steady], peak[steady], strict=False)),
         "peak_step5_over_step2": peak[4] / peak[1],
         "device_peak_step5_over_step2": rows[4]["memory/train/device_gb"] / rows[1]["memory/train/device_gb"],
         "step_s_mean": sum(_col(rows, "time/step_s")[steady]) / (len(rows) - 1),

@@ -293,9 +293,9 @@ def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> l
     metrics.update(rollout_metrics(samples, keep))
     kept = [
         (s, float(a))
-        for g, score, k in zip(groups, scores, keep, strict=True)
+        for g, score, k in zip(groups, scores, keep, strict=False)
         if k
-        for s, a in zip(g, score, strict=True)
+        for s, a in zip(g, score, strict=False)
     ]
     if not kept:
         return [([], 0)] * parts.parallel.world_size

@@ -79,7 +79,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     num_cols = 2
     num_rows = math.ceil(len(panels) / num_cols)
     fig, axes = plt.subplots(num_rows, num_cols, figsize=(7 * num_cols, 3.6 * num_rows), squeeze=False)
-    for ax, (panel, keys) in zip(axes.flat, panels, strict=True):
+    for ax, (panel, keys) in zip(axes.flat, panels, strict=False):
         draw(ax, panel, keys, records)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)

@@ -109,7 +109,7 @@ def phase_profile(trace: Path, phase: str, step: int, top: int = 25) -> PhasePro
     ops = [e for e in events if e.get("cat") == "cpu_op" and _inside(e, ranges)]
     by_op: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     launcher = {}
-    for op, own in zip(ops, self_times(ops), strict=True):
+    for op, own in zip(ops, self_times(ops), strict=False):
         if "External id" in op.get("args", {}):
             launcher[op["args"]["External id"]] = op["name"]
         if own is None:

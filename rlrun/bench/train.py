@@ -122,7 +122,7 @@ def micro_batches(samples, layout: str, samples_per_micro_batch: int) -> list:
             for s, r in zip(
                 samples[start : start + samples_per_micro_batch],
                 rewards[start : start + samples_per_micro_batch],
-                strict=True,
+                strict=False,
             )
         ]
         fields = {

@@ -104,7 +104,7 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
     position_ids = torch.zeros(1, seq_len, dtype=torch.long)
     loss_mask, adv, rollout_lp = (torch.zeros(1, seq_len - 1) for _ in range(3))
     offset = 0
-    for sample, advantage in zip(samples, advantages, strict=True):
+    for sample, advantage in zip(samples, advantages, strict=False):
         prompt_len, resp_len = len(sample.prompt.prompt_ids), len(sample.response_ids)
         length = prompt_len + resp_len
         tokens[0, offset : offset + length] = torch.tensor(sample.prompt.prompt_ids + sample.response_ids)

@@ -129,7 +129,7 @@ def per_prompt_params(num_prompts: int, sampling_params: Mapping[str, Any] | Seq
 
 def row_rids(rids: Sequence[str], params: Sequence[SamplingParams]) -> list[str]:
     """The rid of every sample, prompt-major: the prompt's rid when n == 1, else ``<rid>-<j>``."""
-    return [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(rids, params, strict=True) for j in range(p.n)]
+    return [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(rids, params, strict=False) for j in range(p.n)]
 
 
 _MASK32 = 0xFFFFFFFF

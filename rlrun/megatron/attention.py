@@ -222,7 +222,7 @@ class SDPACoreAttention(MegatronModule):
         # kernels take 4-D inputs only (3-D ones fall back to the math kernel and its s_i x s_i scores).
         outputs = [
             self._sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in sample))[0].transpose(0, 1)
-            for sample in zip(*(t.split(lengths) for t in (query, key, value)), strict=True)
+            for sample in zip(*(t.split(lengths) for t in (query, key, value)), strict=False)
         ]
         return torch.cat(outputs)
 

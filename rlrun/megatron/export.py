@@ -58,7 +58,7 @@ def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[s
                 mapping = per_rank[rank][i]
                 full = fulls[rank] if experts else fulls[0]
                 yield from zip(
-                    mapping.hf_names, (t.contiguous() for t in to_hf(model.arch, mapping, full)), strict=True
+                    mapping.hf_names, (t.contiguous() for t in to_hf(model.arch, mapping, full)), strict=False
                 )
 
 

@@ -174,7 +174,7 @@ class RoutingReplay:
     def _before_forward(self, _module, _args) -> None:
         if not self._targets:
             return
-        for replay, target in zip(self.replays, self._targets.pop(0), strict=True):
+        for replay, target in zip(self.replays, self._targets.pop(0), strict=False):
             replay.clear_indices()
             replay.set_target_indices(target)
 

@@ -241,4 +241,4 @@ def _sum_over_dp(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, fl
         )
     totals = torch.stack([sum(m[name].detach().float().reshape(()) for m in per_micro_batch) for name in names])
     all_reduce(totals, mpu.get_data_parallel_group())
-    return dict(zip(names, totals.tolist(), strict=True))
+    return dict(zip(names, totals.tolist(), strict=False))

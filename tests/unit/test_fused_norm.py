@@ -30,11 +30,11 @@ def test_fused_norms_compute_transformers_norms(tiny_model_dirs, dtype):
         m.weight.data.copy_(torch.randn_like(m.weight, dtype=torch.float32).to(dtype))
     inputs = [torch.randn(3, 5, m.weight.shape[0], dtype=torch.float32).mul(4).to(dtype) for m in norms]
     with torch.no_grad():
-        want = [m(x) for m, x in zip(norms, inputs, strict=True)]
+        want = [m(x) for m, x in zip(norms, inputs, strict=False)]
         assert fuse_rms_norms(model) == len(norms) == 4 * model.config.num_hidden_layers + 1
-        got = [m(x) for m, x in zip(norms, inputs, strict=True)]
+        got = [m(x) for m, x in zip(norms, inputs, strict=False)]
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}  # one bf16 rounding
-    for g, w in zip(got, want, strict=True):
+    for g, w in zip(got, want, strict=False):
         assert g.dtype == dtype
         torch.testing.assert_close(g.float(), w.float(), **tol)
 

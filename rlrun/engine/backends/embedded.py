@@ -97,7 +97,7 @@ class _StopStringRows:
         index = torch.tensor(rows, device=batch.tokens.device)
         tokens = batch.tokens[index, :steps].tolist()
         lengths, finish = batch.lengths[index].tolist(), batch.finish[index].tolist()
-        for b, row_tokens, length, code in zip(rows, tokens, lengths, finish, strict=True):
+        for b, row_tokens, length, code in zip(rows, tokens, lengths, finish, strict=False):
             output = self.outputs[b]
             for s in range(len(output), length):
                 output.append(row_tokens[s])
@@ -235,7 +235,7 @@ class EmbeddedEngine:
             }
             for b, (i, _) in enumerate(rows)
         ]
-        for result, row_experts in zip(results, experts or [], strict=True):
+        for result, row_experts in zip(results, experts or [], strict=False):
             result["routed_experts"] = row_experts
         return results
 
@@ -270,7 +270,7 @@ class EmbeddedEngine:
         return self._decode_slot is not None and self._decode_slot[2].captured
 
     def _check_prompts(self, input_ids: list[list[int]], params: list[SamplingParams]) -> None:
-        for i, (prompt, p) in enumerate(zip(input_ids, params, strict=True)):
+        for i, (prompt, p) in enumerate(zip(input_ids, params, strict=False)):
             if not prompt or min(prompt) < 0 or max(prompt) >= self.vocab_size:
                 raise ValueError(
                     f"input_ids[{i}] must be a non-empty list of token ids in [0, {self.vocab_size}) "
@@ -463,10 +463,10 @@ class EmbeddedEngine:
         tensors = self._weight_tensors()
         if self._host_weights is None:
             self._host_weights = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for host, tensor in zip(self._host_weights, tensors, strict=True):
+        for host, tensor in zip(self._host_weights, tensors, strict=False):
             host.copy_(tensor.data, non_blocking=True)
         torch.cuda.synchronize(self.device)  # the copies are done before the device memory is let go
-        for host, tensor in zip(self._host_weights, tensors, strict=True):
+        for host, tensor in zip(self._host_weights, tensors, strict=False):
             tensor.data = host
         torch.cuda.empty_cache()
 

@@ -210,7 +210,7 @@ class SglangBackend:
         self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool, rids: list[str]
     ) -> list[GenResult]:
         prompts, sglang_params, sample_rids = [], [], []
-        for prompt, p, rid in zip(input_ids, params, rids, strict=True):
+        for prompt, p, rid in zip(input_ids, params, rids, strict=False):
             for j in range(p.n):
                 prompts.append(prompt)
                 sglang_params.append(sglang_sampling_params(p, prompt, j))
@@ -229,7 +229,7 @@ class SglangBackend:
             self._inflight.difference_update(sample_rids)
         return [
             to_gen_result(out, rid, return_logprob, self.routed_topk)
-            for out, rid in zip(outputs, sample_rids, strict=True)
+            for out, rid in zip(outputs, sample_rids, strict=False)
         ]
 
     async def abort(self, rid: str, abort_all: bool) -> None:

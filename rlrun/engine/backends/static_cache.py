@@ -59,7 +59,7 @@ class StaticKVCache:
         """Copy ``prefill``'s columns into the first columns of every row (row b takes prefill row
         ``rows[b]``: the samples of one prompt share its prefill), allocating buffers if needed."""
         width = prefill.max_len
-        for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values, strict=True)):
+        for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values, strict=False)):
             if layer == len(self.keys):
                 shape = (self.num_rows, key.shape[1], self.max_len, key.shape[-1])
                 self.keys.append(torch.zeros(shape, dtype=key.dtype, device=key.device))

@@ -62,7 +62,7 @@ async def _score_units(units: list[list[Sample]], fn: RewardFn, per_group: bool,
             for sample in unit:
                 sample.reward_error = f"{type(err).__name__}: {err}"
             return
-        for sample, reward in zip(unit, rewards, strict=True):
+        for sample, reward in zip(unit, rewards, strict=False):
             sample.reward = reward
 
     await asyncio.gather(*(score(unit) for unit in units))

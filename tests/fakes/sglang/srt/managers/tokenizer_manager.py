@@ -253,7 +253,7 @@ class TokenizerManager:
             results = self.model.generate(input_ids, params, True, rids, request=handle, control=self.control)
         return [
             self._output(r, p, return_logprob, time.perf_counter() - start, return_routed_experts)
-            for r, p in zip(results, params, strict=True)
+            for r, p in zip(results, params, strict=False)
         ]
 
     def _output(
@@ -282,7 +282,7 @@ class TokenizerManager:
         if return_logprob:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [
-                (lp, tid, None) for lp, tid in zip(result["output_logprobs"], result["output_ids"], strict=True)
+                (lp, tid, None) for lp, tid in zip(result["output_logprobs"], result["output_ids"], strict=False)
             ]
             meta["output_token_logprobs_length"] = len(result["output_ids"])
         if return_routed_experts and self.server_args.get("enable_return_routed_experts"):
