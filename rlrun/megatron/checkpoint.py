@@ -209,7 +209,7 @@ def load_model_shard(model: MegatronModel, model_state: dict[str, Any] | Path) -
     if isinstance(model_state, Path):
         load_weights(model, model_state)
         return
-    result = model.module.load_state_dict(model_state, strict=True)
+    result = model.module.load_state_dict(model_state, strict=False)
     problems = [key for key in [*result.missing_keys, *result.unexpected_keys] if not key.endswith("_extra_state")]
     if problems:
         raise RuntimeError(

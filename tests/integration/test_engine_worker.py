@@ -160,7 +160,7 @@ def test_weight_update_changes_logprobs_to_the_new_weights(engine, reference):
     original = [(name, p.detach().clone()) for name, p in reference.named_parameters()]
     perturbed = [(name, t + 0.05 * torch.randn(t.shape, generator=g)) for name, t in original]
     target = AutoModelForCausalLM.from_config(reference.config).eval()
-    target.load_state_dict(dict(perturbed), strict=True)  # tied: lm_head follows embed_tokens
+    target.load_state_dict(dict(perturbed), strict=False)  # tied: lm_head follows embed_tokens
     total_bytes = sum(t.numel() * t.element_size() for _, t in perturbed)
     try:
         stats = engine.update_weights(perturbed, weight_version="step-1", bucket_bytes=64 * 1024)

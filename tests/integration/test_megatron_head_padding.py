@@ -138,10 +138,10 @@ def test_padded_tp2_steps_match_unpadded_tp1(kind, tp1, tp2):
     want = tp1[kind]
     for rank_result in tp2:
         got = rank_result[kind]
-        for step, (got_stats, want_stats) in enumerate(zip(got["steps"], want["steps"], strict=False)):
+        for step, (got_stats, want_stats) in enumerate(zip(got["steps"], want["steps"], strict=True)):
             for key, value in want_stats.items():
                 assert got_stats[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
-        for got_weights, want_weights in zip(got["weights"][1:], want["weights"][1:], strict=False):
+        for got_weights, want_weights in zip(got["weights"][1:], want["weights"][1:], strict=True):
             assert set(got_weights) == set(want_weights)
             for name, tensor in want_weights.items():
                 torch.testing.assert_close(got_weights[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=name)
