@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlrun.algo.advantages import group_scores, tied_groups
+from rlrun.algo.advantages import score_groups
 from rlrun.config.load import dump_config
 from rlrun.config.schema import RunConfig
 from rlrun.data.batch import MicroBatch, schedule_micro_batches
@@ -288,12 +288,11 @@ def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> l
     cfg = parts.cfg
     groups = group_samples(samples, cfg.rollout.samples_per_prompt)
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-    scores = group_scores(rewards, cfg.algorithm.advantage_estimator, cfg.algorithm.normalize_std)
-    keep = ~tied_groups(rewards) if cfg.algorithm.skip_tied_groups else torch.ones(len(groups), dtype=torch.bool)
-    metrics.update(rollout_metrics(samples, keep))
+    scored = score_groups(cfg.algorithm, rewards)
+    metrics.update(rollout_metrics(samples, scored.keep))
     kept = [
         (s, float(a))
-        for g, score, k in zip(groups, scores, keep, strict=False)
+        for g, score, k in zip(groups, scored.scores, scored.keep, strict=False)
         if k
         for s, a in zip(g, score, strict=False)
     ]
