@@ -51,9 +51,26 @@ def grpo_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: floa
     return centred / (std + eps)
 
 
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out baseline (RLOO, arXiv 2402.14740; verl's ``compute_rloo_outcome_advantage``):
+
+        A_i = r_i - (sum_j r_j - r_i) / (n - 1)     over the n rewards of a group
+
+    ``rewards`` is ``[num_groups, n]``. A group of one keeps its reward: there is no other response to
+    compare it with (verl's rule too).
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
+    n = rewards.shape[1]
+    if n == 1:
+        return rewards.clone()
+    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
+
+
 GROUP_BASELINES: dict[str, Callable[[torch.Tensor, bool], torch.Tensor]] = {
     "normalised": lambda rewards, normalize_std: grpo_advantages(rewards, normalize_std=normalize_std),
     "mean": lambda rewards, _: grpo_advantages(rewards, normalize_std=False),
+    "leave_one_out": lambda rewards, _: rloo_advantages(rewards),
     "none": lambda rewards, _: rewards.clone(),
 }
 """``specs.GroupBaseline`` -> ``fn(rewards [num_groups, group_size], normalize_std) -> scores`` (same shape)."""

@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-Estimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+Estimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "rloo"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
-GroupBaseline = Literal["normalised", "mean", "none"]
+GroupBaseline = Literal["normalised", "mean", "leave_one_out", "none"]
 """normalised: (r - mean) / (std + eps) (``algorithm.normalize_std`` false drops the std); mean: r - mean;
-none: r (the baseline comes later: whitening or the critic)."""
+leave_one_out: r_i - mean of the group's other rewards; none: r (the baseline comes later: whitening or
+the critic)."""
 TokenStage = Literal["per_sample", "returns", "gae"]
 """per_sample: the score on every response token; returns: discounted returns of the score at the last
 token; gae: generalised advantage estimation with the critic's values."""
@@ -60,6 +61,7 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
     "reinforce_plus_plus": EstimatorSpec("none", "returns", "ppo_clip", needs_whitening=True),  # arXiv 2501.03262
     "reinforce_plus_plus_baseline": EstimatorSpec("mean", "per_sample", "ppo_clip", needs_whitening=True),
     "ppo": EstimatorSpec("none", "gae", "ppo_clip", needs_critic=True),  # arXiv 1707.06347, GAE 1506.02438
+    "rloo": EstimatorSpec("leave_one_out", "per_sample", "ppo_clip"),  # arXiv 2402.14740
 }
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {
     "ppo_clip": PolicyLossSpec(reuses_logprobs=True),
