@@ -377,7 +377,8 @@ class AlgorithmConfig(Section):
     advantage_estimator: Estimator = "grpo"
     """How advantages are computed (one row each in rlrun/algo/specs.py). grpo / gspo / cispo:
     group-normalised reward; reinforce_plus_plus(_baseline): discounted token returns (with a group-mean
-    baseline), need ``normalize_advantages``; ppo: GAE, needs a critic. Each implies a ``policy_loss``."""
+    baseline), need ``normalize_advantages``; rloo: leave-one-out group baseline; ppo: GAE, needs a critic.
+    Each implies a ``policy_loss``."""
     policy_loss: PolicyLoss | None = None
     """The per-token policy term of ``loss_type: policy``: ``ppo_clip`` (PPO's clipped ratio), ``gspo``
     (the clipped sequence ratio, arXiv 2507.18071) or ``cispo`` (clipped, detached IS weight times logp,
