@@ -23,6 +23,7 @@ from rlrun.algo.specs import (
     TISLevel,
     TISMode,
 )
+from rlrun.engine.backends import backend_traits
 
 
 class Section(BaseModel):
@@ -272,8 +273,9 @@ class DebugConfig(Section):
 
 
 class EngineConfig(Section):
-    backend: Literal["embedded", "sglang"] = "embedded"
-    """Rollout engine. ``embedded`` is pure PyTorch and runs everywhere; ``sglang`` needs a GPU."""
+    backend: str = "embedded"
+    """Rollout engine (one of ``rlrun.engine.backends.BACKENDS``). ``embedded`` is pure PyTorch and runs
+    everywhere; ``sglang`` needs a GPU."""
     tp: int = Field(1, ge=1)
     """Ranks per engine group (rlrun/engine/group.py): ``tp`` consecutive local ranks share one engine,
     which only the group's first rank (the leader) starts and drives; the others hand it their prompts.
@@ -290,23 +292,25 @@ class EngineConfig(Section):
     """Size of one flattened weight-sync bucket."""
     verify_weights: bool = False
     """Debug: after every weight sync, check that the engine holds exactly the bytes sent (per-tensor
-    sha256 on both sides, one extra pass over the weights). Embedded backend only."""
-    sglang_server_args: dict[str, Any] = {}
-    """Extra ``sglang.Engine`` (ServerArgs) keyword arguments for ``backend: sglang``, passed as-is, e.g.
-    ``mem_fraction_static``, ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true``
-    makes SGLang honour the per-sample seeds (rollouts reproducible, somewhat slower)."""
+    sha256 on both sides, one extra pass over the weights). Backends with weight checksums only (embedded)."""
+    server_args: dict[str, Any] = {}
+    """Extra keyword arguments of the backend's server, passed as-is (backends that take them only). For
+    ``sglang``: ``sglang.Engine`` (ServerArgs) arguments, e.g. ``mem_fraction_static``,
+    ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true`` makes SGLang honour the
+    per-sample seeds (rollouts reproducible, somewhat slower)."""
 
     @model_validator(mode="after")
     def _backend_options(self) -> EngineConfig:
-        if self.verify_weights and self.backend != "embedded":
+        traits = backend_traits(self.backend)
+        if self.verify_weights and not traits.supports_checksums:
             raise ValueError(
-                f"engine.verify_weights (true) must go with backend embedded because sglang.Engine "
-                f"offers no per-tensor weight access (backend is {self.backend}); set it to false"
+                f"engine.verify_weights (true) must be false with backend {self.backend} because it "
+                f"offers no per-tensor weight checksums; set it to false or use backend embedded"
             )
-        if self.sglang_server_args and self.backend != "sglang":
+        if self.server_args and not traits.accepts_server_args:
             raise ValueError(
-                f"engine.sglang_server_args must be empty with backend {self.backend} because only "
-                "the sglang backend reads them; remove them or set engine.backend: sglang"
+                f"engine.server_args must be empty with backend {self.backend} because it reads none; "
+                "remove them or pick a backend that takes server arguments (sglang)"
             )
         return self
 
@@ -603,6 +607,12 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _critic_matches_estimator(self) -> RunConfig:
         algo, critic = self.algorithm, self.critic
+        if algo.routing_replay == "rollout" and backend_traits(self.engine.backend).routed_experts_args is None:
+            raise ValueError(
+                f"algorithm.routing_replay (rollout) must go with an engine that returns routed experts "
+                f"because it replays the engine's expert choices; engine.backend {self.engine.backend} "
+                "cannot; set algorithm.routing_replay: trainer or pick a backend that returns them"
+            )
         needs_critic = algo.estimator_spec.needs_critic
         if needs_critic and critic.config is None and algo.custom_advantage is None:
             raise ValueError(
