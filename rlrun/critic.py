@@ -13,13 +13,7 @@ actor's ranks and parallel layout, so the values never leave the process. Offloa
 nothing to release; on GPU, actor and critic taking turns on device memory needs per-model sleep/wake in
 rlrun/offload.py, which rejects ``offload.train`` on GPU until trainer sleep exists.
 
-Logged names (token means over the step):
-  critic/value_loss       0.5 * max((V - R)^2, (V_clip - R)^2), as backpropagated
-  critic/value_clip_frac  response tokens where the clipped error was the larger
-  critic/values_mean      the values GAE used
-  critic/returns_mean     the GAE returns the critic regresses on
-  critic/grad_norm        the critic's gradient norm before clipping
-  critic/lr               the LR of this update (the critic's own schedule)
+Logged as ``critic/*`` (defined in docs/metrics.md).
 """
 
 from __future__ import annotations

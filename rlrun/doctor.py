@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from rlrun.config.schema import RunConfig
+from rlrun.engine.backends import backend_traits
 
 Status = Literal["ok", "info", "warn", "missing"]
 REQUIRED = ("torch", "megatron-core", "transformers", "pyzmq", "msgpack", "pydantic", "typer", "safetensors", "rich")
@@ -83,14 +84,20 @@ def config_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
     from rlrun.checkpoint import resolve_resume
 
     checks = [_model_check(cfg), _data_check(cfg)]
-    if cfg.engine.backend == "sglang":
-        ok = _version("sglang") is not None and num_gpus > 0
+    traits = backend_traits(cfg.engine.backend)
+    needs = [f"the {traits.package} package"] if traits.package else []
+    needs += ["a GPU"] if traits.needs_gpu else []
+    if needs:
+        missing = (traits.package is not None and _version(traits.package) is None) or (
+            traits.needs_gpu and num_gpus == 0
+        )
         checks.append(
             Check(
                 "config",
                 "engine.backend",
-                "ok" if ok else "missing",
-                "sglang on GPU" if ok else "sglang needs the sglang package and a GPU; set engine.backend=embedded",
+                "missing" if missing else "ok",
+                f"{cfg.engine.backend} needs {' and '.join(needs)}"
+                + ("; set engine.backend=embedded" if missing else ": present"),
             )
         )
     if (cfg.offload.train or cfg.offload.rollout) and num_gpus > 0 and _version("torch-memory-saver") is None:

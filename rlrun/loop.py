@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlrun.algo.advantages import group_scores, tied_groups
+from rlrun.algo.advantages import score_groups
 from rlrun.config.load import dump_config
 from rlrun.config.schema import RunConfig
 from rlrun.data.batch import MicroBatch, schedule_micro_batches
@@ -154,6 +154,7 @@ def setup(cfg: RunConfig, parallel) -> Components:
 
     from rlrun.critic import Critic
     from rlrun.data.prompts import PromptDataset, PromptSampler
+    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.group import EngineGroup, GroupLayout
     from rlrun.megatron import build_model, make_optimizer_and_scheduler
     from rlrun.megatron.moe import MoEOptions
@@ -170,17 +171,12 @@ def setup(cfg: RunConfig, parallel) -> Components:
     layout = GroupLayout.of(cfg.engine.tp, env.rank, env.local_rank, env.world_size, env.local_world_size)
     engine = EngineGroup.spawn(
         layout,
-        backend=cfg.engine.backend,
-        model_path=cfg.model.path,
+        BackendSpec.from_config(cfg, seed=cfg.train.seed + parallel.rank),
         run_dir=run_dir,
         rank=parallel.rank,
-        seed=cfg.train.seed + parallel.rank,
-        dtype=cfg.model.dtype,
         startup_timeout_s=cfg.engine.startup_timeout_s,
         request_timeout_s=cfg.engine.request_timeout_s,
         heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s,
-        enable_memory_saver=cfg.offload.rollout,
-        server_args=engine_server_args(cfg),
     )
     offloader = Offloader(cfg.offload, engine, parallel.device)
     with offloader.trainer_region():  # weights, grad buffers and optimizer state (actor and critic) can sleep
@@ -219,15 +215,6 @@ def setup(cfg: RunConfig, parallel) -> Components:
         dp_rank_of=all_gather(parallel.dp_rank, parallel.cpu_group),
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
     )
-
-
-def engine_server_args(cfg: RunConfig) -> dict:
-    """``engine.sglang_server_args`` plus what the run needs of the server: routing replay of the
-    engine's experts (``algorithm.routing_replay: rollout``) needs SGLang to return them."""
-    server_args = dict(cfg.engine.sglang_server_args)
-    if cfg.algorithm.routing_replay == "rollout" and cfg.engine.backend == "sglang":
-        server_args["enable_return_routed_experts"] = True
-    return server_args
 
 
 def train_one_step(parts: Components, state: RunState) -> None:
@@ -288,12 +275,11 @@ def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> l
     cfg = parts.cfg
     groups = group_samples(samples, cfg.rollout.samples_per_prompt)
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
-    scores = group_scores(rewards, cfg.algorithm.advantage_estimator, cfg.algorithm.normalize_std)
-    keep = ~tied_groups(rewards) if cfg.algorithm.skip_tied_groups else torch.ones(len(groups), dtype=torch.bool)
-    metrics.update(rollout_metrics(samples, keep))
+    scored = score_groups(cfg.algorithm, rewards)
+    metrics.update(rollout_metrics(samples, scored.keep))
     kept = [
         (s, float(a))
-        for g, score, k in zip(groups, scores, keep, strict=False)
+        for g, score, k in zip(groups, scored.scores, scored.keep, strict=False)
         if k
         for s, a in zip(g, score, strict=False)
     ]

@@ -1,19 +1,6 @@
 """Step metrics: phase timing, and where rank 0 sends them (metrics.jsonl, console, TensorBoard, W&B).
 
-Glossary of logged names (README "Metrics" repeats it for users):
-  rollout/reward_mean          mean reward over the step's samples
-  rollout/reward_errors        samples whose reward function raised (scored 0)
-  rollout/response_len_mean    mean response length in tokens
-  rollout/truncated_frac       fraction of responses that hit max_new_tokens
-  rollout/tied_group_frac      fraction of groups with identical rewards (no GRPO signal)
-  train/policy_loss            token-mean PPO-clip loss
-  train/clip_frac              fraction of response tokens where the clip was active
-  train/approx_kl              token-mean old_logp - new_logp (k1) during the update
-  train/grad_norm              global gradient norm before clipping
-  train/logprob_gap            token-mean |trainer logp - engine logp| of the sampled tokens
-  train/num_loss_tokens        response tokens that carried loss this step
-  time/<phase>_s               wall seconds of each phase (rollout, logprobs, train, sync, ...)
-  time/step_s                  sum of the phases
+Every logged name is defined in docs/metrics.md (the one glossary; a test checks it is complete).
 
 ``metrics.jsonl`` is the record of truth (one JSON object per step, ``step`` 0-based); on resume
 the records of steps that are about to run again are dropped, so the file never holds a step twice.

@@ -4,25 +4,7 @@
 rank in lockstep (the DP sums are collectives). The math is in ``rlrun.algo``; the weight swapping
 in ``rlrun.roles``.
 
-Logged names (token means over the step unless said otherwise; "agg" = ``algorithm.loss_aggregation``):
-  train/loss               the whole loss (agg), as backpropagated
-  train/policy_loss        the policy-gradient term (agg), after TIS weights
-  train/entropy            entropy of the trainer's predictive distribution (agg)
-  train/clip_frac          response tokens whose ratio was clipped (GSPO: whose sequence's ratio was)
-  train/approx_kl          old_logp - logp (k1 of KL(old || new); GSPO: the sequence mean)
-  train/kl_loss            the KL-to-reference term before its coefficient (agg), when kl.loss_coef > 0
-  train/kl_ref             KL(pi || pi_ref) estimate (kl.estimator) during training, when a reference exists
-  train/kl_reward          KL(old || ref) subtracted from the advantages, when kl.reward_coef > 0
-  train/opd_reverse_kl     old_logp - teacher_logp of the distillation penalty, when opd.kl_coef > 0
-  train/tis_mean           importance ratio pi_old / pi_rollout before bounding, when tis.mode is on
-  train/tis_clip_frac      tokens whose ratio the TIS bound changed
-  train/logprob_gap        |trainer old logp - engine logp|
-  train/mismatch_k1, _k3   k1 / k3 estimates of KL(rollout || trainer) at the sampled tokens
-  train/grad_norm          global gradient norm before clipping
-  train/num_loss_tokens    response tokens that carried loss this step
-  train/reused_logprobs    1 when the old-policy forward was skipped (``rlrun.roles.can_reuse_logprobs``)
-  train/moe_*              MoE router losses before their coefficients (``moe_load_balancing_loss``, ``moe_z_loss``):
-                           mean over MoE layers and micro-batches (rlrun/megatron/moe.py aux_loss_metrics)
+Logged as ``train/*`` (defined in docs/metrics.md).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from rlrun.algo.specs import POLICY_LOSSES
 from rlrun.megatron.weight_backup import WeightBackup
 
 if TYPE_CHECKING:
@@ -42,10 +43,10 @@ def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bo
     loss_type policy                 sft / custom losses may read ``old_logprobs``
     no KL reward penalty             it needs old log-probs before training, to build the advantages
     no use_rollout_logprobs          the old policy is the engine's then (no forward either way)
-    no critic (ppo)                  values / GAE are computed before training
+    no critic estimator (ppo)        values / GAE are computed before training
     no old actor                     the old policy is other weights than the training ones
     no OPD                           the teacher penalty needs old log-probs before training
-    not GSPO                         (slime: its sequence ratio needs the full old sequence up front)
+    not the GSPO loss                (slime: its sequence ratio needs the full old sequence up front)
     no custom advantage              a user estimator may read ``old_logprobs``
     slime's "no mismatch metrics" and "no routing replay" have no counterpart: rlrun computes mismatch
     metrics inside the loss, from the same old log-probs either way; with routing replay the training
@@ -57,7 +58,8 @@ def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bo
         and cfg.loss_type == "policy"
         and cfg.kl.reward_coef == 0
         and not cfg.use_rollout_logprobs
-        and cfg.advantage_estimator not in ("ppo", "gspo")
+        and not cfg.estimator_spec.needs_critic
+        and POLICY_LOSSES[cfg.resolved_policy_loss].reuses_logprobs
         and not cfg.keep_old_actor
         and not cfg.uses_teacher
         and cfg.custom_advantage is None

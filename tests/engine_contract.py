@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlrun.engine.backends import BackendSpec
 from rlrun.engine.client import EngineClient
 
 FAKES_DIR = Path(__file__).parent / "fakes"
@@ -42,7 +43,10 @@ def spawn_engine(
             "FAKE_SGLANG_VERSION": fake_version,
             **kwargs.get("extra_env", {}),
         }
-    return EngineClient.spawn(backend=backend, model_path=model_dir, run_dir=run_dir, rank=rank, seed=seed, **kwargs)
+    spec_keys = ("enable_memory_saver", "server_args", "dtype", "tp_size", "base_gpu_id")
+    spec_fields = {k: kwargs.pop(k) for k in spec_keys if k in kwargs}
+    spec = BackendSpec(backend, str(model_dir), seed, **spec_fields)
+    return EngineClient.spawn(spec, run_dir=run_dir, rank=rank, **kwargs)
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:

@@ -3,10 +3,11 @@
 Two stages, because group statistics need every response of a prompt while KL terms need log-probs
 that only exist on the rank that trains the sample:
 
-1. ``group_scores`` (rank 0, before the scatter) turns each group's rewards into one scalar score per
-   response: the group-normalised reward for GRPO-style estimators, the raw reward otherwise.
-2. ``token_advantages`` / ``reinforce_returns`` / ``gae`` (each rank, after log-probs) turn the score,
-   broadcast over the response tokens, plus an optional per-token KL penalty into advantages.
+1. ``score_groups`` (rank 0, before the scatter) turns each group's rewards into one scalar score per
+   response with the estimator's group baseline (``GROUP_BASELINES``, picked by ``rlrun.algo.specs``).
+2. ``token_advantages`` / ``reinforce_returns`` / ``gae`` (each rank, after log-probs; picked by
+   ``rank_advantages.TOKEN_STAGES``) turn the score, broadcast over the response tokens, plus an optional
+   per-token KL penalty into advantages.
 
 All per-token tensors are ``[B, T]`` with a ``mask`` of the same shape (1.0 on response tokens); rows
 may have any number of valid tokens (ragged lengths are just masks). A row may pack several samples:
@@ -16,14 +17,18 @@ its returns to itself.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlrun.algo.segments import continues, sample_max
+from rlrun.algo.specs import ESTIMATORS
 
-Estimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
-GROUP_NORMALISED = ("grpo", "gspo", "cispo")
+if TYPE_CHECKING:
+    from rlrun.config.schema import AlgorithmConfig
+
 WHITEN_EPS = 1e-8
 
 
@@ -46,18 +51,52 @@ def grpo_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: floa
     return centred / (std + eps)
 
 
-def group_scores(rewards: torch.Tensor, estimator: Estimator, normalize_std: bool) -> torch.Tensor:
-    """One scalar per response, ``[num_groups, group_size]``, as slime's rollout reward post-process:
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out baseline (RLOO, arXiv 2402.14740; verl's ``compute_rloo_outcome_advantage``):
 
-    grpo, gspo, cispo              grpo_advantages(rewards, normalize_std)
-    reinforce_plus_plus_baseline   r_i - mean(r_group)       (the group mean is the baseline)
-    reinforce_plus_plus, ppo       r_i                       (baseline: whitening / the critic)
+        A_i = r_i - (sum_j r_j - r_i) / (n - 1)     over the n rewards of a group
+
+    ``rewards`` is ``[num_groups, n]``. A group of one keeps its reward: there is no other response to
+    compare it with (verl's rule too).
     """
-    if estimator in GROUP_NORMALISED:
-        return grpo_advantages(rewards, normalize_std=normalize_std)
-    if estimator == "reinforce_plus_plus_baseline":
-        return grpo_advantages(rewards, normalize_std=False)
-    return rewards.clone()
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
+    n = rewards.shape[1]
+    if n == 1:
+        return rewards.clone()
+    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
+
+
+GROUP_BASELINES: dict[str, Callable[[torch.Tensor, bool], torch.Tensor]] = {
+    "normalised": lambda rewards, normalize_std: grpo_advantages(rewards, normalize_std=normalize_std),
+    "mean": lambda rewards, _: grpo_advantages(rewards, normalize_std=False),
+    "leave_one_out": lambda rewards, _: rloo_advantages(rewards),
+    "none": lambda rewards, _: rewards.clone(),
+}
+"""``specs.GroupBaseline`` -> ``fn(rewards [num_groups, group_size], normalize_std) -> scores`` (same shape)."""
+
+
+def group_scores(rewards: torch.Tensor, estimator: str, normalize_std: bool) -> torch.Tensor:
+    """One scalar per response, ``[num_groups, group_size]``, as slime's rollout reward post-process:
+    the estimator's group baseline (``rlrun.algo.specs``) applied to each group's rewards."""
+    return GROUP_BASELINES[ESTIMATORS[estimator].baseline](rewards, normalize_std)
+
+
+@dataclass
+class ScoredGroups:
+    """Rank 0's view of a step's groups before packing."""
+
+    scores: torch.Tensor
+    """``[num_groups, group_size]``: each response's score (``group_scores``)."""
+    keep: torch.Tensor
+    """Bool ``[num_groups]``: groups that train (tied ones dropped when ``algorithm.skip_tied_groups``)."""
+
+
+def score_groups(cfg: AlgorithmConfig, rewards: torch.Tensor) -> ScoredGroups:
+    """Rank 0's group scoring: the configured estimator's scores and the tied-group filter."""
+    scores = group_scores(rewards, cfg.advantage_estimator, cfg.normalize_std)
+    keep = ~tied_groups(rewards) if cfg.skip_tied_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
+    return ScoredGroups(scores, keep)
 
 
 def tied_groups(rewards: torch.Tensor) -> torch.Tensor:

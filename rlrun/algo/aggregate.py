@@ -17,13 +17,11 @@ division by ``N_tok`` gives the formulas above, i.e. ``w = 1``, ``N_tok / (n_i N
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from rlrun.algo.segments import sample_sum
-
-Aggregation = Literal["token", "sample", "sequence"]
+from rlrun.algo.specs import Aggregation
 
 
 @dataclass(frozen=True)

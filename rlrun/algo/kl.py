@@ -13,11 +13,10 @@ older policy than the one in the numerator (the "unbiased KL" of DeepSeek-V3.2).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+from rlrun.algo.specs import KLEstimator
+
 LOW_VAR_KL_BOUND = 10.0
 
 

@@ -16,15 +16,13 @@ masked sum), ``geometric`` (the geometric mean: exp of the masked mean). Modes:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from rlrun.algo.kl import kl_estimate
 from rlrun.algo.segments import sample_sum
+from rlrun.algo.specs import TISLevel, TISMode
 
-TISMode = Literal["clip", "mask"]
-TISLevel = Literal["token", "sequence", "geometric"]
 LOG_RATIO_BOUND = 20.0
 """exp(20) ~ 5e8: bounds the raw ratio so a sequence-level product cannot overflow to inf."""
 

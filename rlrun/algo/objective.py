@@ -2,7 +2,8 @@
 
     loss = agg(w_tis * policy_term) - entropy_coef * agg(entropy) + kl.loss_coef * agg(kl(logp, logp_ref))
 
-``policy_term`` is PPO-clip (grpo, reinforce_plus_plus*, ppo), GSPO's sequence-ratio clip or CISPO;
+``policy_term`` is ``algorithm.policy_loss`` (default: the estimator's, ``rlrun.algo.specs``): PPO-clip,
+GSPO's sequence-ratio clip or CISPO;
 ``loss_type: sft`` replaces the whole loss with ``agg(-logp)`` and ``custom`` with the user's function.
 ``agg`` is the configured aggregation (rlrun/algo/aggregate.py). Metrics are masked *sums*; dividing
 them by the step's token count gives token means (and, for the aggregated terms, the configured mean).
@@ -13,6 +14,7 @@ this forward's own log-probs, detached: the same numbers the no-grad forward wou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -122,11 +124,17 @@ def policy_terms(
     mask: torch.Tensor,
     sample_ids: torch.Tensor | None = None,
 ) -> PolicyLossTerms:
-    """The per-token policy term of the configured estimator (``sample_ids``: ``rlrun.algo.segments``)."""
-    if cfg.advantage_estimator == "gspo":
-        return gspo_loss(
-            logprobs, old_logprobs, advantages, mask, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c, sample_ids
-        )
-    if cfg.advantage_estimator == "cispo":
-        return cispo_loss(logprobs, old_logprobs, advantages, cfg.eps_clip, cfg.clip_high)
-    return ppo_clip_loss(logprobs, old_logprobs, advantages, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)
+    """The per-token policy term of the configured loss (``sample_ids``: ``rlrun.algo.segments``)."""
+    return POLICY_LOSS_TERMS[cfg.resolved_policy_loss](cfg, logprobs, old_logprobs, advantages, mask, sample_ids)
+
+
+POLICY_LOSS_TERMS: dict[str, Callable[..., PolicyLossTerms]] = {
+    "ppo_clip": lambda cfg, logp, old, adv, mask, samples: ppo_clip_loss(
+        logp, old, adv, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c
+    ),
+    "gspo": lambda cfg, logp, old, adv, mask, samples: gspo_loss(
+        logp, old, adv, mask, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c, samples
+    ),
+    "cispo": lambda cfg, logp, old, adv, mask, samples: cispo_loss(logp, old, adv, cfg.eps_clip, cfg.clip_high),
+}
+"""``specs.PolicyLoss`` -> ``fn(cfg, logprobs, old_logprobs, advantages, mask, sample_ids)``."""

@@ -62,16 +62,30 @@ def assign_advantages(cfg: AlgorithmConfig, micro_batches: list[MicroBatch], dp_
     return _metrics(cfg, dp_sum(stats))
 
 
-def _estimate(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    scores, mask, coef, samples = mb.advantages, mb.loss_mask, cfg.kl.reward_coef, mb.sample_ids
-    if cfg.advantage_estimator == "reinforce_plus_plus":
-        returns = reinforce_returns(scores, mask, kl, coef, cfg.gamma, samples)
-        return returns, returns
-    if cfg.advantage_estimator == "ppo":
-        values = _required(mb.values, "values (critic)")
-        return gae(token_rewards(scores, mask, kl, coef, samples), values, mask, cfg.gamma, cfg.lambd, samples)
-    advantages = token_advantages(scores, mask, kl, coef)
+def _per_sample(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    advantages = token_advantages(mb.advantages, mb.loss_mask, kl, cfg.kl.reward_coef)
     return advantages, advantages
+
+
+def _returns(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    returns = reinforce_returns(mb.advantages, mb.loss_mask, kl, cfg.kl.reward_coef, cfg.gamma, mb.sample_ids)
+    return returns, returns
+
+
+def _gae(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    mask, samples = mb.loss_mask, mb.sample_ids
+    rewards = token_rewards(mb.advantages, mask, kl, cfg.kl.reward_coef, samples)
+    return gae(rewards, _required(mb.values, "values (critic)"), mask, cfg.gamma, cfg.lambd, samples)
+
+
+TokenStageFn = Callable[["AlgorithmConfig", "MicroBatch", "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+TOKEN_STAGES: dict[str, TokenStageFn] = {"per_sample": _per_sample, "returns": _returns, "gae": _gae}
+"""``specs.TokenStage`` -> ``fn(cfg, mb, kl) -> (advantages, returns)``, reading the group scores in
+``mb.advantages``."""
+
+
+def _estimate(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return TOKEN_STAGES[cfg.estimator_spec.token_stage](cfg, mb, kl)
 
 
 def _custom(fn, cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,11 +60,16 @@ def _problems(cfg: AlgorithmConfig):
             "algorithm.ref must stay unset when no KL term is on because nothing would read the "
             "reference log-probs; set algorithm.kl.loss_coef or algorithm.kl.reward_coef > 0"
         )
-    if cfg.advantage_estimator.startswith("reinforce_plus_plus") and not cfg.normalize_advantages:
+    if cfg.estimator_spec.needs_whitening and not cfg.normalize_advantages:
         yield (
             f"algorithm.normalize_advantages (False) must be true for advantage_estimator "
-            f"{cfg.advantage_estimator} because REINFORCE++ uses batch whitening as its baseline; "
+            f"{cfg.advantage_estimator} because it uses batch whitening as its baseline; "
             f"set algorithm.normalize_advantages: true"
+        )
+    if cfg.policy_loss is not None and cfg.loss_type != "policy":
+        yield (
+            f"algorithm.policy_loss ({cfg.policy_loss}) must be unset with loss_type {cfg.loss_type} "
+            f"because only loss_type policy has a policy term; remove policy_loss or set loss_type: policy"
         )
     if cfg.use_rollout_logprobs and tis.mode != "off":
         yield (

@@ -21,6 +21,7 @@ import torch
 from rlrun.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput, _engine_run
 from rlrun.bench.shapes import get_shape, write_random_model
 from rlrun.bench.timing import hardware, timer
+from rlrun.engine.backends import BackendSpec
 
 SGLANG_SERVER_ARGS: dict[str, Any] = {
     "mem_fraction_static": 0.3,
@@ -30,6 +31,8 @@ SGLANG_SERVER_ARGS: dict[str, Any] = {
 """What the benchmarks start ``sglang.Engine`` with: KV cache from 30% of the device (a trainer shares
 it in ``bench sync``), PyTorch sampling (no FlashInfer JIT), token ids only (the random model has no
 tokenizer)."""
+BENCH_SERVER_ARGS: dict[str, dict[str, Any]] = {"sglang": SGLANG_SERVER_ARGS}
+"""The server arguments the benchmarks tune per backend (backends absent here start with none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +73,10 @@ def checkpoint_bytes(model_dir: Path) -> int:
     return total
 
 
-def engine_spawn_kwargs(backend: str) -> dict[str, Any]:
-    """The ``EngineClient.spawn`` options a benchmark adds for ``backend``."""
-    return {"server_args": SGLANG_SERVER_ARGS} if backend == "sglang" else {}
+def bench_spec(backend: str, model_dir: Path, dtype: str, base_gpu_id: int) -> BackendSpec:
+    """The engine a benchmark starts: seed 0, plus the benchmark's server arguments where the backend takes them."""
+    server_args = dict(BENCH_SERVER_ARGS.get(backend, {}))
+    return BackendSpec(backend, str(model_dir), 0, dtype, base_gpu_id=base_gpu_id, server_args=server_args)
 
 
 def _bench_backend(
@@ -88,15 +92,7 @@ def _bench_backend(
 
     with timer(device) as startup_s:
         engine = EngineClient.spawn(
-            backend=backend,
-            model_path=model_dir,
-            run_dir=run_dir,
-            rank=0,
-            seed=0,
-            dtype=dtype,
-            base_gpu_id=device.index or 0,
-            startup_timeout_s=600,
-            **engine_spawn_kwargs(backend),
+            bench_spec(backend, model_dir, dtype, device.index or 0), run_dir=run_dir, rank=0, startup_timeout_s=600
         )
     try:
         runs = {}

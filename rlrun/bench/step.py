@@ -43,11 +43,12 @@ from pathlib import Path
 
 import yaml
 
-from rlrun.bench.engines import SGLANG_SERVER_ARGS
+from rlrun.bench.engines import BENCH_SERVER_ARGS, SGLANG_SERVER_ARGS
 from rlrun.bench.logged import run_logged
 from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
 from rlrun.config.schema import PackedAttention
+from rlrun.engine.backends import backend_traits
 
 TORCHRUN_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -118,8 +119,8 @@ class Variant:
 
     def engine_memory(self, backend: str) -> str:
         """How the engine's memory was sized, for the JSON."""
-        if backend != "sglang":
-            return "embedded: static KV cache sized to the batch (prompts x samples x (prompt_len + new_tokens))"
+        if backend not in BENCH_SERVER_ARGS:
+            return f"{backend}: static KV cache sized to the batch (prompts x samples x (prompt_len + new_tokens))"
         fraction = SGLANG_SERVER_ARGS["mem_fraction_static"] if self.offload else RESIDENT_SGLANG_MEM_FRACTION
         return f"sglang mem_fraction_static {fraction}"
 
@@ -262,10 +263,10 @@ def run_config(
 ) -> dict:
     """The ``rlrun train`` config of one run (written next to its metrics as ``bench_step.yaml``)."""
     engine: dict = {"backend": settings.backend, "startup_timeout_s": 600}
-    if settings.backend == "sglang":
-        engine["sglang_server_args"] = dict(SGLANG_SERVER_ARGS)
+    if settings.backend in BENCH_SERVER_ARGS:
+        engine["server_args"] = dict(BENCH_SERVER_ARGS[settings.backend])
         if not variant.offload:
-            engine["sglang_server_args"]["mem_fraction_static"] = RESIDENT_SGLANG_MEM_FRACTION
+            engine["server_args"]["mem_fraction_static"] = RESIDENT_SGLANG_MEM_FRACTION
     sample_len = settings.prompt_len + settings.new_tokens
     return {
         "model": {"path": str(inputs_dir / "model"), "dtype": dtype, "packed_attention": variant.packed_attention},
@@ -405,7 +406,8 @@ def summarise(
 
 def versions(backend: str) -> dict[str, str]:
     """Installed versions of what the run's figures depend on."""
-    names = ["torch", "transformers", "megatron-core"] + (["sglang"] if backend == "sglang" else [])
+    package = backend_traits(backend).package
+    names = ["torch", "transformers", "megatron-core"] + ([package] if package else [])
     out = {}
     for name in names:
         try:

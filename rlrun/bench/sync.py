@@ -70,24 +70,15 @@ def bench_sync_shape(
     backend: str = "embedded",
 ) -> SyncResult:
     """Warm up once, then time ``repeats`` syncs of one shape; frees the model and worker before returning."""
-    from rlrun.bench.engines import engine_spawn_kwargs
+    from rlrun.bench.engines import bench_spec
     from rlrun.engine.client import EngineClient
     from rlrun.megatron import build_model
 
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-", dir=run_dir) as tmp:
         hf_dir = write_random_model(get_shape(shape), Path(tmp), getattr(torch, dtype), str(parallel.device))
         model = build_model(str(hf_dir), parallel, dtype=dtype)
-        with EngineClient.spawn(
-            backend=backend,
-            model_path=hf_dir,
-            run_dir=run_dir,
-            rank=0,
-            seed=0,
-            dtype=dtype,
-            base_gpu_id=parallel.device.index or 0,
-            startup_timeout_s=600,
-            **engine_spawn_kwargs(backend),
-        ) as engine:
+        spec = bench_spec(backend, hf_dir, dtype, parallel.device.index or 0)
+        with EngineClient.spawn(spec, run_dir=run_dir, rank=0, startup_timeout_s=600) as engine:
             _sync_once(engine, model, "warmup", bucket_bytes, parallel.device)
             runs = [_sync_once(engine, model, str(i), bucket_bytes, parallel.device) for i in range(repeats)]
     del model

@@ -11,23 +11,43 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlrun.algo.specs import (
+    ESTIMATORS,
+    Aggregation,
+    Estimator,
+    EstimatorSpec,
+    KLEstimator,
+    LossType,
+    PolicyLoss,
+    RoutingReplayMode,
+    TISLevel,
+    TISMode,
+)
+from rlrun.engine.backends import backend_traits
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
+"""``model.moe.load_balancing``'s values (rlrun/megatron/moe.py)."""
+Dispatcher = Literal["auto", "alltoall", "allgather"]
+"""``model.moe.token_dispatcher``'s values (rlrun/megatron/moe.py)."""
 
 
 class MoEConfig(Section):
     """Routing and load balancing of mixture-of-experts models (Megatron's ``moe_*`` options; ignored for
     dense models). The fields are ``rlrun.megatron.moe.MoEOptions``'s."""
 
-    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    load_balancing: LoadBalancing = "aux_loss"
     """Megatron's ``moe_router_load_balancing_type``: the auxiliary loss over each micro-batch's tokens
     (``aux_loss``), per sequence (``seq_aux_loss``), over the global batch (``global_aux_loss``), or none."""
     aux_loss_coeff: float | None = Field(None, ge=0)
     """Weight of the load-balancing loss; None: the checkpoint's ``router_aux_loss_coef``."""
     z_loss_coeff: float | None = Field(None, ge=0)
     """Weight of the router z-loss (mean squared logsumexp of the router logits); None: off."""
-    token_dispatcher: Literal["auto", "alltoall", "allgather"] = "auto"
+    token_dispatcher: Dispatcher = "auto"
     """How tokens reach their experts' EP ranks. ``auto``: ``alltoall`` on CUDA, ``allgather`` on CPU
     (Megatron's all-to-all dispatcher needs CUDA streams)."""
 
@@ -253,8 +273,9 @@ class DebugConfig(Section):
 
 
 class EngineConfig(Section):
-    backend: Literal["embedded", "sglang"] = "embedded"
-    """Rollout engine. ``embedded`` is pure PyTorch and runs everywhere; ``sglang`` needs a GPU."""
+    backend: str = "embedded"
+    """Rollout engine (one of ``rlrun.engine.backends.BACKENDS``). ``embedded`` is pure PyTorch and runs
+    everywhere; ``sglang`` needs a GPU."""
     tp: int = Field(1, ge=1)
     """Ranks per engine group (rlrun/engine/group.py): ``tp`` consecutive local ranks share one engine,
     which only the group's first rank (the leader) starts and drives; the others hand it their prompts.
@@ -271,23 +292,25 @@ class EngineConfig(Section):
     """Size of one flattened weight-sync bucket."""
     verify_weights: bool = False
     """Debug: after every weight sync, check that the engine holds exactly the bytes sent (per-tensor
-    sha256 on both sides, one extra pass over the weights). Embedded backend only."""
-    sglang_server_args: dict[str, Any] = {}
-    """Extra ``sglang.Engine`` (ServerArgs) keyword arguments for ``backend: sglang``, passed as-is, e.g.
-    ``mem_fraction_static``, ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true``
-    makes SGLang honour the per-sample seeds (rollouts reproducible, somewhat slower)."""
+    sha256 on both sides, one extra pass over the weights). Backends with weight checksums only (embedded)."""
+    server_args: dict[str, Any] = {}
+    """Extra keyword arguments of the backend's server, passed as-is (backends that take them only). For
+    ``sglang``: ``sglang.Engine`` (ServerArgs) arguments, e.g. ``mem_fraction_static``,
+    ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true`` makes SGLang honour the
+    per-sample seeds (rollouts reproducible, somewhat slower)."""
 
     @model_validator(mode="after")
     def _backend_options(self) -> EngineConfig:
-        if self.verify_weights and self.backend != "embedded":
+        traits = backend_traits(self.backend)
+        if self.verify_weights and not traits.supports_checksums:
             raise ValueError(
-                f"engine.verify_weights (true) must go with backend embedded because sglang.Engine "
-                f"offers no per-tensor weight access (backend is {self.backend}); set it to false"
+                f"engine.verify_weights (true) must be false with backend {self.backend} because it "
+                f"offers no per-tensor weight checksums; set it to false or use backend embedded"
             )
-        if self.sglang_server_args and self.backend != "sglang":
+        if self.server_args and not traits.accepts_server_args:
             raise ValueError(
-                f"engine.sglang_server_args must be empty with backend {self.backend} because only "
-                "the sglang backend reads them; remove them or set engine.backend: sglang"
+                f"engine.server_args must be empty with backend {self.backend} because it reads none; "
+                "remove them or pick a backend that takes server arguments (sglang)"
             )
         return self
 
@@ -300,7 +323,7 @@ class KLConfig(Section):
     reward_coef: float = Field(0.0, ge=0)
     """Weight of the per-token KL penalty subtracted from the advantages / token rewards before training
     (``A_t -= reward_coef * kl_t``, KL of the old policy to the reference). 0 disables."""
-    estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    estimator: KLEstimator = "k3"
     """Per-token KL estimator (rlrun/algo/kl.py): k1 = log ratio, k2 = squared / 2, k3 = non-negative
     unbiased, low_var_kl = k3 clamped to [-10, 10]."""
     unbiased: bool = False
@@ -334,10 +357,10 @@ class RefConfig(Section):
 class TISConfig(Section):
     """Truncated importance sampling for the train/inference mismatch (rlrun/algo/mismatch.py)."""
 
-    mode: Literal["off", "clip", "mask"] = "off"
+    mode: TISMode = "off"
     """``clip``: weight the policy loss by clamp(pi_old / pi_rollout, clip_low, clip) (TIS); ``mask``:
     drop tokens (or sequences) whose ratio is outside [clip_low, clip] (IcePop); ``off``: no weighting."""
-    level: Literal["token", "sequence", "geometric"] = "token"
+    level: TISLevel = "token"
     """One ratio per token, per sequence (product) or per sequence (geometric mean)."""
     clip: float = Field(2.0, gt=0)
     """Upper bound of the ratio."""
@@ -355,12 +378,15 @@ class OPDConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal[
-        "grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-    ] = "grpo"
-    """How advantages are computed (rlrun/algo/advantages.py). grpo / gspo / cispo: group-normalised reward
-    (gspo and cispo also change the policy loss); reinforce_plus_plus(_baseline): discounted token returns
-    (with a group-mean baseline), need ``normalize_advantages``; ppo: GAE, needs a critic."""
+    advantage_estimator: Estimator = "grpo"
+    """How advantages are computed (one row each in rlrun/algo/specs.py). grpo / gspo / cispo:
+    group-normalised reward; reinforce_plus_plus(_baseline): discounted token returns (with a group-mean
+    baseline), need ``normalize_advantages``; rloo: leave-one-out group baseline; ppo: GAE, needs a critic.
+    Each implies a ``policy_loss``."""
+    policy_loss: PolicyLoss | None = None
+    """The per-token policy term of ``loss_type: policy``: ``ppo_clip`` (PPO's clipped ratio), ``gspo``
+    (the clipped sequence ratio, arXiv 2507.18071) or ``cispo`` (clipped, detached IS weight times logp,
+    arXiv 2506.13585). None: the estimator's (gspo and cispo theirs, every other ppo_clip)."""
     normalize_std: bool = True
     """GRPO family: divide the group-centred reward by the group std (False gives Dr.GRPO)."""
     normalize_advantages: bool = False
@@ -373,13 +399,13 @@ class AlgorithmConfig(Section):
     """``module:function`` or ``file.py:function`` replacing the estimator, called per micro-batch as
     ``fn(cfg: AlgorithmConfig, mb: MicroBatch, kl: Tensor) -> (advantages, returns)`` ([B, S-1] each);
     ``mb.advantages`` holds each sample's group score broadcast over its response tokens."""
-    loss_type: Literal["policy", "sft", "custom"] = "policy"
+    loss_type: LossType = "policy"
     """policy: the clipped policy-gradient loss; sft: negative log-likelihood of the response tokens;
     custom: ``custom_loss``."""
     custom_loss: str | None = None
     """Loss for ``loss_type: custom``: ``fn(cfg, mb, logprobs, entropy, aggregate) -> (loss, metrics)``;
     ``aggregate(x)`` reduces a per-token tensor the configured way, metrics are summed tensors."""
-    loss_aggregation: Literal["token", "sample", "sequence"] = "token"
+    loss_aggregation: Aggregation = "token"
     """token: mean over the step's tokens; sample: mean per sample, then over samples; sequence: token
     sum per sample / ``rollout.max_new_tokens``, then mean over samples (Dr.GRPO)."""
     eps_clip: float = Field(0.2, gt=0)
@@ -399,7 +425,7 @@ class AlgorithmConfig(Section):
     rollout_data_postprocess: str | None = None
     """``fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None`` called on every
     rank after advantages are computed and before training; may edit the micro-batches in place."""
-    routing_replay: Literal["none", "trainer", "rollout"] = "none"
+    routing_replay: RoutingReplayMode = "none"
     """MoE models only (rlrun/megatron/routing_replay.py): ``trainer`` (R2) records the old-policy forward's
     expert choices and replays them in the training forward; ``rollout`` (R3) replays the engine's choices
     in every forward of the step (the engine records them; SGLang needs ``enable_return_routed_experts``)."""
@@ -411,6 +437,15 @@ class AlgorithmConfig(Section):
     @property
     def clip_high(self) -> float:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def estimator_spec(self) -> EstimatorSpec:
+        return ESTIMATORS[self.advantage_estimator]
+
+    @property
+    def resolved_policy_loss(self) -> PolicyLoss:
+        """``policy_loss``, or the estimator's when unset."""
+        return self.policy_loss or self.estimator_spec.policy_loss
 
     @property
     def uses_ref(self) -> bool:
@@ -572,18 +607,26 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _critic_matches_estimator(self) -> RunConfig:
         algo, critic = self.algorithm, self.critic
-        if algo.advantage_estimator == "ppo" and critic.config is None and algo.custom_advantage is None:
+        if algo.routing_replay == "rollout" and backend_traits(self.engine.backend).routed_experts_args is None:
             raise ValueError(
-                "algorithm.advantage_estimator (ppo) must come with algorithm.custom_advantage or "
-                "critic.config because GAE needs critic values; set critic.config: "
-                "configs/critic/smollm2.yaml"
+                f"algorithm.routing_replay (rollout) must go with an engine that returns routed experts "
+                f"because it replays the engine's expert choices; engine.backend {self.engine.backend} "
+                "cannot; set algorithm.routing_replay: trainer or pick a backend that returns them"
+            )
+        needs_critic = algo.estimator_spec.needs_critic
+        if needs_critic and critic.config is None and algo.custom_advantage is None:
+            raise ValueError(
+                f"algorithm.advantage_estimator ({algo.advantage_estimator}) must come with "
+                "algorithm.custom_advantage or critic.config because its advantages need critic values; "
+                "set critic.config: configs/critic/smollm2.yaml"
             )
         if critic.config is not None:
-            if algo.advantage_estimator != "ppo" and algo.custom_advantage is None:
+            if not needs_critic and algo.custom_advantage is None:
                 raise ValueError(
                     f"critic.config ('{critic.config}') must be unset for advantage_estimator "
-                    f"{algo.advantage_estimator} because only GAE or a custom_advantage reads the "
-                    f"values; set algorithm.advantage_estimator: ppo or remove critic.config"
+                    f"{algo.advantage_estimator} because only a critic-based estimator (ppo) or a "
+                    f"custom_advantage reads the values; set algorithm.advantage_estimator: ppo or remove "
+                    f"critic.config"
                 )
             from rlrun.config.critic import load_critic_config
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    with EngineClient.spawn(backend="embedded", model_path=hf_dir, run_dir=run_dir, rank=rank, seed=seed) as engine:
+    with EngineClient.spawn(BackendSpec("embedded", hf_dir, seed), run_dir=run_dir, rank=rank) as engine:
         results = engine.generate(prompt_ids, {"max_new_tokens": 8, "n": 8, "temperature": 1.0})
         engine.update_weights(hf_named_tensors, weight_version="1", bucket_bytes=512 * 2**20)
 
@@ -114,15 +114,13 @@ class EngineClient:
         log_path: Path,
         request_timeout_s: float,
         token: bytes,
-        backend: str = "embedded",
-        dtype: str = "float32",
-        tp_size: int = 1,
+        spec: BackendSpec,
     ) -> None:
         self.rank = rank
-        self.backend = backend
-        self.tp_size = tp_size
+        self.spec = spec
+        self.tp_size = spec.tp_size
         """The engine's TP size: every weight bucket goes out as one payload per engine TP rank."""
-        self.dtype = dtype
+        self.dtype = spec.dtype
         """The engine's weight dtype, which synced tensors are cast to (and verified in)."""
         self.endpoint = endpoint
         self.process = process
@@ -140,41 +138,28 @@ class EngineClient:
     @classmethod
     def spawn(
         cls,
+        spec: BackendSpec,
         *,
-        backend: str,
-        model_path: str | Path,
         run_dir: Path,
         rank: int,
-        seed: int,
-        dtype: str = "float32",
         startup_timeout_s: float = 300,
         request_timeout_s: float = 600,
         heartbeat_timeout_s: float = 8.0,
-        base_gpu_id: int | None = None,
-        tp_size: int = 1,
-        enable_memory_saver: bool = False,
-        server_args: Mapping[str, Any] | None = None,
         extra_env: Mapping[str, str] | None = None,
     ) -> EngineClient:
-        """Start a worker and wait (up to ``startup_timeout_s``) until it answers ``health``.
+        """Start a worker for ``spec`` and wait (up to ``startup_timeout_s``) until it answers ``health``.
 
-        ``base_gpu_id`` defaults to this rank's LOCAL_RANK (the worker shares CUDA_VISIBLE_DEVICES);
         ``extra_env`` adds variables to the worker's environment only (SGLANG_* switches, say).
         """
+        if spec.tp_size > 1 and not spec.traits.shards_over_tp:
+            raise ValueError(
+                f"engine tp_size ({spec.tp_size}) must be 1 for backend {spec.backend} because it does not "
+                "shard over TP (one engine serves its group); spawn it with tp_size 1"
+            )
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         endpoint = choose_endpoint(run_dir, f"engine-{rank}")
         log_path = run_dir / f"engine-{rank}.log"
-        spec = BackendSpec(
-            backend=backend,
-            model_path=str(model_path),
-            seed=seed,
-            dtype=dtype,
-            base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)) if base_gpu_id is None else base_gpu_id,
-            tp_size=tp_size,
-            enable_memory_saver=enable_memory_saver,
-            server_args=dict(server_args or {}),
-        )
         token = secrets.token_bytes(16)
         command = [
             sys.executable,
@@ -205,10 +190,8 @@ class EngineClient:
             log_path=log_path,
             request_timeout_s=request_timeout_s,
             token=token,
-            backend=backend,
-            dtype=dtype,
-            tp_size=tp_size if backend == "sglang" else 1,
-        )  # the embedded engine is never sharded
+            spec=spec,
+        )
         try:
             client.rpc.call("health", timeout_s=startup_timeout_s)
         except BaseException as exc:
@@ -216,7 +199,7 @@ class EngineClient:
             if not isinstance(exc, RpcError):
                 raise
             raise type(exc)(
-                f"engine worker for rank {rank} ({backend} backend, model {model_path}) did not start: {exc}"
+                f"engine worker for rank {rank} ({spec.backend} backend, model {spec.model_path}) did not start: {exc}"
             ) from None
         client.rpc.arm_heartbeat(heartbeat_timeout_s)  # from now on the worker's event loop answers pings
         log.info("engine worker for rank %d up (pid %d, %s)", rank, process.pid, endpoint.address)

@@ -27,8 +27,9 @@ shutdown are leader-only calls that the other ranks skip. What each role does:
   handle of GPU 0's memory (benchmarks/results/logs/engine_tp2_sglang_first_run_h200x2.log). On CPU the payloads
   are shared-memory descriptors fetched from each member's resource sharer, so the members take the
   leader's multiprocessing ``authkey`` (which the engine worker is given) when the group forms.
-* **backends**: ``sglang`` gets ``tp_size=engine.tp`` and ``base_gpu_id`` = the leader's local rank,
-  so its TP ranks sit on exactly the group's GPUs. The ``embedded`` engine is not sharded: one engine
+* **backends** (``BackendTraits.shards_over_tp``): ``sglang`` gets ``tp_size=engine.tp`` and
+  ``base_gpu_id`` = the leader's local rank, so its TP ranks sit on exactly the group's GPUs. The
+  ``embedded`` engine is not sharded: one engine
   on the leader's device serves the whole group (tp_size 1, one payload per bucket from the leader).
 
 A dead engine is noticed by the leader's watchdog (rlrun/runtime/watchdog.py), which ends every rank.
@@ -36,6 +37,7 @@ A dead engine is noticed by the leader's watchdog (rlrun/runtime/watchdog.py), w
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import subprocess
 from collections.abc import Callable, Iterable
@@ -46,6 +48,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from rlrun.engine.backends import BackendSpec
 from rlrun.engine.client import EngineClient
 from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket
 
@@ -118,7 +121,8 @@ class EngineGroup:
     """Gloo group of the group's ranks; None when ``tp == 1`` (nothing to forward)."""
 
     sharded: bool
-    """The engine's TP ranks sit on the group's GPUs (sglang, tp > 1): every rank builds its TP rank's payload."""
+    """The engine's TP ranks sit on the group's GPUs (a backend that shards over TP, tp > 1): every rank
+    builds its TP rank's payload."""
 
     def __init__(
         self,
@@ -133,10 +137,11 @@ class EngineGroup:
         self.sharded = sharded
 
     @classmethod
-    def spawn(cls, layout: GroupLayout, *, backend: str, **spawn_kwargs: Any) -> EngineGroup:
+    def spawn(cls, layout: GroupLayout, spec: BackendSpec, **spawn_kwargs: Any) -> EngineGroup:
         """Form every group's process group (collective: all ranks call this), then start the engine
-        on each leader with ``EngineClient.spawn(**spawn_kwargs)``. A leader that fails to start its
-        engine raises, and so do its members."""
+        on each leader with ``EngineClient.spawn(spec, **spawn_kwargs)``, on the group's GPUs (``spec``'s
+        ``tp_size`` and ``base_gpu_id`` are the layout's). A leader that fails to start its engine
+        raises, and so do its members."""
         process_group = None
         if layout.tp > 1:
             for ranks in layout.all_groups():
@@ -146,12 +151,10 @@ class EngineGroup:
             authkey = [bytes(multiprocessing.current_process().authkey)]
             dist.broadcast_object_list(authkey, group=process_group, group_src=0)
             multiprocessing.current_process().authkey = authkey[0]
-        group = cls(layout, None, process_group, sharded=backend == "sglang" and layout.tp > 1)
-        group.client = group._on_leader(
-            lambda: EngineClient.spawn(
-                backend=backend, tp_size=layout.tp, base_gpu_id=layout.local_leader, **spawn_kwargs
-            )
-        )
+        sharded = spec.traits.shards_over_tp and layout.tp > 1
+        spec = dataclasses.replace(spec, tp_size=layout.tp if sharded else 1, base_gpu_id=layout.local_leader)
+        group = cls(layout, None, process_group, sharded=sharded)
+        group.client = group._on_leader(lambda: EngineClient.spawn(spec, **spawn_kwargs))
         return group
 
     # ---- what the loop calls on every rank --------------------------------------------------------

@@ -39,11 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+
+from rlrun.config.schema import Dispatcher, LoadBalancing
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
-LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
-Dispatcher = Literal["auto", "alltoall", "allgather"]
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
+
+from rlrun.algo.specs import RoutingReplayMode as Mode
 
 if TYPE_CHECKING:
     from rlrun.data.batch import MicroBatch
     from rlrun.megatron.model import MegatronModel
-
-Mode = Literal["none", "trainer", "rollout"]
 
 
 class RoutingReplay:

@@ -10,11 +10,8 @@ rank 0, and draw again until the batch is full.
 Only rank 0 holds the sampler, so its position (checkpointed) counts every prompt drawn, including
 the ones whose groups the filter dropped: a resumed run draws what the original would have drawn.
 
-Metrics (rank 0, per step): ``rollout/sampling_rounds``, ``rollout/prompts_drawn``,
-``rollout/filter_drop_frac`` (groups the filter dropped / groups generated), ``rollout/surplus_groups``
-(passed but beyond ``prompts_per_step``, discarded), ``rollout/filter_exhausted`` (1 when the round
-limit ended the step short), ``rollout/raw_reward_mean`` and ``rollout/reward_errors`` (over every
-generated sample, filtered or not; failing rewards are also logged with their message).
+Rank 0 logs the rounds, draws and filter outcome as ``rollout/*`` (docs/metrics.md); failing rewards
+are also logged with their message.
 """
 
 from __future__ import annotations

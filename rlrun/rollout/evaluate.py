@@ -7,7 +7,7 @@ estimator of Chen et al. 2021 (arXiv 2107.03374), averaged over prompts::
 
     pass@k = 1 - C(n - c, k) / C(n, k)     (n samples, c solved; 1 when n - c < k)
 
-Logged as ``eval/<name>/reward_mean``, ``eval/<name>/pass@<k>`` (k <= n) and ``time/eval_s``.
+Logged as ``eval/<name>/*`` and ``time/eval_s`` (docs/metrics.md).
 """
 
 from __future__ import annotations

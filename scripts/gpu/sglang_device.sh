@@ -79,7 +79,7 @@ step_train() {
   [ -f $MODEL/config.json ] || python scripts/gpu/prepare_model.py $MODEL || return 1
   config=configs/gpu/sglang_colocate.yaml
   if [ -n "${RLRUN_SGLANG_EXTRA_SERVER_ARGS:-}" ]; then  # same extra server args as the suite, e.g. no CUDA graphs
-    python -c 'import json, os, sys, yaml; c = yaml.safe_load(open(sys.argv[1])); c["engine"]["sglang_server_args"].update(json.loads(os.environ["RLRUN_SGLANG_EXTRA_SERVER_ARGS"])); yaml.safe_dump(c, open(sys.argv[2], "w"))' $config /tmp/sglang_colocate.yaml || return 1
+    python -c 'import json, os, sys, yaml; c = yaml.safe_load(open(sys.argv[1])); c["engine"]["server_args"].update(json.loads(os.environ["RLRUN_SGLANG_EXTRA_SERVER_ARGS"])); yaml.safe_dump(c, open(sys.argv[2], "w"))' $config /tmp/sglang_colocate.yaml || return 1
     config=/tmp/sglang_colocate.yaml
   fi
   # python -m torch.distributed.run, not `torchrun`: that script's shebang is the image's Python, whose ranks

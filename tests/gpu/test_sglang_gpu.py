@@ -95,6 +95,7 @@ def model_dir(parallel, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory, record):
     """Started before the trainer allocates (SGLang sizes its KV cache from free memory), memory saver on."""
+    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
 
     extra_env = {}
@@ -103,16 +104,13 @@ def engine(model_dir, tmp_path_factory, record):
         extra_env = {"PYTHONPATH": os.pathsep.join(p for p in (fakes, os.environ.get("PYTHONPATH")) if p)}
     record["memory_gb"]["before_engine"] = used_gb()
     start = time.perf_counter()
+    spec = BackendSpec(
+        "sglang", str(model_dir), 0, DTYPE, base_gpu_id=0, enable_memory_saver=True, server_args=dict(SERVER_ARGS)
+    )
     client = EngineClient.spawn(
-        backend="sglang",
-        model_path=model_dir,
+        spec,
         run_dir=tmp_path_factory.mktemp("engine"),
         rank=0,
-        seed=0,
-        dtype=DTYPE,
-        base_gpu_id=0,
-        enable_memory_saver=True,
-        server_args=SERVER_ARGS,
         startup_timeout_s=600,
         request_timeout_s=300,
         extra_env=extra_env,

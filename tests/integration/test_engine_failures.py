@@ -85,9 +85,9 @@ TRAINER = textwrap.dedent("""
     from pathlib import Path
     # As in a terminal: a test runner started in the background (``cmd &``) passes SIGINT on ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
-    with EngineClient.spawn(backend="embedded", model_path=sys.argv[1], run_dir=Path(sys.argv[2]), rank=0,
-                            seed=0) as engine:
+    with EngineClient.spawn(BackendSpec("embedded", sys.argv[1], 0), run_dir=Path(sys.argv[2]), rank=0) as engine:
         print(engine.process.pid, flush=True)
         while True:  # always mid-generate when the signal comes, however fast the engine is
             engine.generate([[72, 101, 108]], {"max_new_tokens": 500, "ignore_eos": True})

@@ -74,6 +74,7 @@ def _logprob_gap(model, prompts: list[list[int]], results: list[dict]) -> tuple[
 
 
 def _group_run(model_dir: str, run_dir: str) -> dict:
+    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.group import EngineGroup, EngineGroupError, GroupLayout
     from rlrun.megatron import build_model, export_hf_weights, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
@@ -86,11 +87,9 @@ def _group_run(model_dir: str, run_dir: str) -> dict:
         try:  # the leader's engine cannot start: the member must not wait for it
             EngineGroup.spawn(
                 layout,
-                backend="embedded",
-                model_path=f"{run_dir}/no-model",
+                BackendSpec("embedded", f"{run_dir}/no-model", 3),
                 run_dir=run_dir,
                 rank=parallel.rank,
-                seed=3,
                 startup_timeout_s=60,
             )
         except Exception as exc:  # noqa: BLE001 - both ranks report what they raised
@@ -99,11 +98,9 @@ def _group_run(model_dir: str, run_dir: str) -> dict:
         fake_env = {"PYTHONPATH": os.pathsep.join(p for p in (str(FAKES_DIR), os.environ.get("PYTHONPATH")) if p)}
         group = EngineGroup.spawn(
             layout,
-            backend="sglang",
-            model_path=model_dir,
+            BackendSpec("sglang", str(model_dir), 3),
             run_dir=Path(run_dir) / "sglang",
             rank=parallel.rank,
-            seed=3,
             extra_env=fake_env,
         )
         try:
@@ -116,11 +113,9 @@ def _group_run(model_dir: str, run_dir: str) -> dict:
 
         group = EngineGroup.spawn(
             layout,
-            backend="embedded",
-            model_path=model_dir,
+            BackendSpec("embedded", str(model_dir), 3),
             run_dir=Path(run_dir) / "embedded",
             rank=parallel.rank,
-            seed=3,
         )
         try:
             group.update_weights(export_hf_weights(model), weight_version="1", bucket_bytes=1 << 14)

@@ -36,6 +36,7 @@ def collect_scenarios(model_dir: str, run_dir: str, scenarios: list[tuple[dict, 
 
     from rlrun.config.schema import RunConfig
     from rlrun.data.prompts import PromptDataset, PromptSampler
+    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
     from rlrun.rollout.collect import RolloutRuntime
     from rlrun.runtime.dist import destroy_distributed, init_distributed
@@ -45,7 +46,7 @@ def collect_scenarios(model_dir: str, run_dir: str, scenarios: list[tuple[dict, 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         with EngineClient.spawn(
-            backend="embedded", model_path=model_dir, run_dir=Path(run_dir), rank=parallel.rank, seed=parallel.rank
+            BackendSpec("embedded", str(model_dir), parallel.rank), run_dir=Path(run_dir), rank=parallel.rank
         ) as engine:
             for overrides, num_steps in scenarios:
                 cfg = RunConfig.model_validate({**overrides, "model": {"path": model_dir}, "train": {"seed": SEED}})

@@ -48,6 +48,7 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
 def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
 
     model_dir = tiny_model_dirs["qwen2"]
@@ -57,7 +58,7 @@ def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
     data = DataConfig(path=str(rows), system_prompt=SYSTEM)
     prompts = PromptDataset(data, tokenizer).prompts
     cfg = RolloutConfig(samples_per_prompt=4, max_new_tokens=6, generate_fn=f"{AGENT}:generate")
-    with EngineClient.spawn(backend="embedded", model_path=model_dir, run_dir=tmp_path, rank=0, seed=0) as engine:
+    with EngineClient.spawn(BackendSpec("embedded", str(model_dir), 0), run_dir=tmp_path, rank=0) as engine:
         recorder = RecordingEngine(engine)
         samples = run_generate_fn(
             load_generate_fn(cfg.generate_fn),

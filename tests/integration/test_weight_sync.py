@@ -14,12 +14,13 @@ TOL = 1e-4
 def _engine_vs_trainer(model_dir: str, run_dir: str, tp: int):
     from rlrun.data.batch import collate
     from rlrun.data.sample import Prompt, Sample
+    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
     parallel = init_distributed(tp=tp, pp=1, seed=7)
-    engine = EngineClient.spawn(backend="embedded", model_path=model_dir, run_dir=run_dir, rank=parallel.rank, seed=3)
+    engine = EngineClient.spawn(BackendSpec("embedded", str(model_dir), 3), run_dir=run_dir, rank=parallel.rank)
     try:
         model = build_model(model_dir, parallel, dtype="float32")
         optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)

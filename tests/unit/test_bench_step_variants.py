@@ -45,7 +45,7 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     assert tuple(cfg.logging.profile_steps) == (3,)
     if backend == "sglang":
         fraction = SGLANG_SERVER_ARGS["mem_fraction_static"] if variant.offload else RESIDENT_SGLANG_MEM_FRACTION
-        assert cfg.engine.sglang_server_args["mem_fraction_static"] == fraction
+        assert cfg.engine.server_args["mem_fraction_static"] == fraction
         assert str(fraction) in variant.engine_memory(backend)
     assert SGLANG_SERVER_ARGS["mem_fraction_static"] == 0.3  # the shared default is copied, never changed
 

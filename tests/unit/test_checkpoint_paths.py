@@ -56,3 +56,13 @@ def test_unfinished_model_checkpoint_is_named(tmp_path):
     path = make_checkpoint(tmp_path / "step_000001", 1)
     with pytest.raises(ValueError, match=rf"checkpoint {path / 'actor'} must hold a Megatron distributed checkpoint"):
         check_shapes({}, path / "actor")
+
+
+def test_resume_auto_continues_from_the_newest_of_several_complete_checkpoints(tmp_path):
+    own = tmp_path / "checkpoints"
+    newest = make_checkpoint(own / "step_000010", 10)
+    make_checkpoint(own / "step_000009", 9)  # written last: the pick goes by step, not by time or name order
+    make_checkpoint(own / "step_000002", 2)
+    make_checkpoint(own / "step_000011", 11, complete=False)  # an unfinished save is never picked
+    assert resolve_start(CheckpointConfig(resume="auto"), own) == newest
+    assert resolve_load(str(own)) == newest  # checkpoint.load of a directory: its newest complete one too

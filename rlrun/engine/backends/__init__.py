@@ -1,43 +1,140 @@
-"""Engine backends: what the worker process drives behind the RPC.
+"""Engine backends: what the worker process drives behind the RPC, and what each one can do.
 
 A backend does the work; the worker (``rlrun.engine.worker``) owns the contract's rules
-(``rlrun.engine.lifecycle``), so a backend may assume every call it gets is legal. Backend methods
-are coroutines run on the worker's event loop (``backend.loop`` when the backend brings its own, as
-``sglang.Engine`` does). Backends are imported lazily by name so the worker only pays for (and only
-needs) the one it runs; only ``backends.sglang`` imports sglang.
+(``rlrun.engine.lifecycle``, docs/engine-contract.md), so a backend may assume every call it gets is
+legal. Backend methods are coroutines run on the worker's event loop (``backend.loop`` when the backend
+brings its own, as ``sglang.Engine`` does).
+
+``BACKENDS`` describes each backend by its traits; the rest of rlrun reads traits, never names. A backend
+is built in the worker from its ``factory`` path, imported only there, so the trainer pays for (and
+needs) none of them; only ``backends.sglang`` imports sglang. This module imports no torch at load
+(the config schema validates ``engine.*`` against ``BACKENDS``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
-from typing import Any, Literal, Protocol
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from rlrun.engine.sampling import SamplingParams
 from rlrun.engine.types import GenResult, OpResult
 
-BACKENDS = ("embedded", "sglang")
+if TYPE_CHECKING:
+    from rlrun.config.schema import RunConfig
+    from rlrun.engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendTraits:
+    """What the trainer may rely on of a backend."""
+
+    factory: str
+    """``module:callable`` that builds the backend from a :class:`BackendSpec`, imported in the worker."""
+    shards_over_tp: bool
+    """``engine.tp > 1`` splits the engine over the group's GPUs (one weight payload per engine TP rank);
+    otherwise one unsharded engine on the leader's device serves the group."""
+    supports_checksums: bool
+    """Answers ``weight_checksums`` (``engine.verify_weights``)."""
+    accepts_server_args: bool
+    """Reads ``engine.server_args`` (passed through unchecked)."""
+    routed_experts_args: Mapping[str, Any] | None
+    """Server arguments under which it returns each sample's routed experts (``algorithm.routing_replay:
+    rollout``); ``{}``: it always does for MoE models; None: it cannot."""
+    needs_gpu: bool = False
+    package: str | None = None
+    """The distribution it imports (``rlrun doctor`` checks it is installed)."""
+
+
+BACKENDS: dict[str, BackendTraits] = {
+    "embedded": BackendTraits(
+        factory="rlrun.engine.backends.embedded_backend:EmbeddedBackend.from_spec",
+        shards_over_tp=False,
+        supports_checksums=True,
+        accepts_server_args=False,
+        routed_experts_args={},
+    ),
+    "sglang": BackendTraits(
+        factory="rlrun.engine.backends.sglang:SglangBackend",
+        shards_over_tp=True,
+        supports_checksums=False,  # sglang.Engine offers no per-tensor weight access
+        accepts_server_args=True,
+        routed_experts_args={"enable_return_routed_experts": True},
+        needs_gpu=True,
+        package="sglang",
+    ),
+}
+
+
+def register_backend(name: str, traits: BackendTraits) -> None:
+    """Add a backend (a new engine, or a test's): its ``factory`` must be importable in the worker too."""
+    if name in BACKENDS:
+        raise ValueError(f"engine backend {name!r} is already registered; pick another name")
+    BACKENDS[name] = traits
+
+
+def backend_traits(name: str) -> BackendTraits:
+    if name not in BACKENDS:
+        raise ValueError(
+            f"engine.backend ({name!r}) must be one of {sorted(BACKENDS)} because those are registered; "
+            "set engine.backend accordingly"
+        )
+    return BACKENDS[name]
 
 
 @dataclasses.dataclass(frozen=True)
 class BackendSpec:
     """Everything a worker needs to build its backend; crosses to the worker as JSON on its command line."""
 
-    backend: Literal["embedded", "sglang"]
+    backend: str
     model_path: str
     seed: int
     dtype: str = "float32"
-    base_gpu_id: int = 0
-    """GPU index under the (shared) CUDA_VISIBLE_DEVICES: the trainer rank's LOCAL_RANK, so that a
-    device index in a CUDA IPC handle means the same GPU on both sides."""
+    base_gpu_id: int | None = None
+    """GPU index under the (shared) CUDA_VISIBLE_DEVICES: the trainer rank's LOCAL_RANK (None: read it
+    from the environment), so that a device index in a CUDA IPC handle means the same GPU on both sides."""
     device: str | None = None
-    """Embedded only: None picks ``cuda:<base_gpu_id>`` when CUDA is available, else ``cpu``."""
+    """Unsharded backends: None picks ``cuda:<base_gpu_id>`` when CUDA is available, else ``cpu``."""
     tp_size: int = 1
+    """Engine TP ranks; more than 1 only for backends that shard over TP."""
     enable_memory_saver: bool = False
-    """SGLang only: wrap weights and KV cache in torch_memory_saver regions so release frees them."""
+    """Wrap weights and KV cache in torch_memory_saver regions so release frees them (``offload.rollout``)."""
     server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """SGLang only: extra ``sglang.Engine`` (ServerArgs) keyword arguments, passed through."""
+    """Extra backend keyword arguments (``engine.server_args`` plus what the run needs), passed through."""
+    factory: str = ""
+    """The backend's ``BackendTraits.factory`` (filled from ``BACKENDS``): the worker process imports it
+    without having to know the trainer's registrations."""
+
+    def __post_init__(self) -> None:
+        traits = backend_traits(self.backend) if not self.factory else None
+        if traits is not None:
+            object.__setattr__(self, "factory", traits.factory)
+        if self.base_gpu_id is None:
+            object.__setattr__(self, "base_gpu_id", int(os.environ.get("LOCAL_RANK", 0)))
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, *, seed: int) -> BackendSpec:
+        """The run's engine (``engine.*``, ``model.*``, ``offload.rollout``) plus the server arguments its
+        algorithm needs: routing replay of the engine's experts asks the backend to return them."""
+        traits = backend_traits(cfg.engine.backend)
+        server_args = dict(cfg.engine.server_args)
+        if cfg.algorithm.routing_replay == "rollout":
+            server_args.update(traits.routed_experts_args or {})
+        return cls(
+            backend=cfg.engine.backend,
+            model_path=cfg.model.path,
+            seed=seed,
+            dtype=cfg.model.dtype,
+            enable_memory_saver=cfg.offload.rollout,
+            server_args=server_args,
+        )
+
+    @property
+    def traits(self) -> BackendTraits:
+        return backend_traits(self.backend)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -97,16 +194,9 @@ class EngineBackend(Protocol):
 
 
 def load_backend(spec: BackendSpec) -> EngineBackend:
-    """Build the named backend (importing its module only now)."""
-    if spec.backend == "embedded":
-        from rlrun.engine.backends.embedded_backend import EmbeddedBackend
-
-        return EmbeddedBackend(spec.model_path, seed=spec.seed, dtype=spec.dtype, device=spec.resolved_device())
-    if spec.backend == "sglang":
-        from rlrun.engine.backends.sglang import SglangBackend
-
-        return SglangBackend(spec)
-    raise ValueError(
-        f"engine backend ({spec.backend!r}) must be one of {list(BACKENDS)} because those are "
-        "implemented; set engine.backend accordingly"
-    )
+    """Build the backend from ``spec.factory`` (importing its module only now, in the worker)."""
+    module, _, attr = spec.factory.partition(":")
+    factory: Any = importlib.import_module(module)
+    for name in attr.split("."):
+        factory = getattr(factory, name)
+    return factory(spec)

@@ -14,6 +14,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rlrun.engine.backends import BackendSpec
 from rlrun.engine.backends.decode_control import DecodeControl
 from rlrun.engine.backends.embedded import EmbeddedEngine
 from rlrun.engine.payload import deserialize_flattened_bucket, tensor_checksum
@@ -34,6 +35,10 @@ class EmbeddedBackend:
         self.control = DecodeControl()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="embedded-decode")
         self._loading = asyncio.Lock()  # continue_generation waits for a load that runs while paused
+
+    @classmethod
+    def from_spec(cls, spec: BackendSpec) -> EmbeddedBackend:
+        return cls(spec.model_path, seed=spec.seed, dtype=spec.dtype, device=spec.resolved_device())
 
     @property
     def weight_version(self) -> str:

@@ -197,7 +197,7 @@ class SglangBackend:
         self.capabilities = SglangCapabilities.detect(self.engine, SafeUnpickler)
         self.routed_topk = _routed_topk(spec)
         """The model's top-k when the server records routed experts (``enable_return_routed_experts`` in
-        ``engine.sglang_server_args``, for ``algorithm.routing_replay: rollout``); requests then ask for them."""
+        ``engine.server_args``, for ``algorithm.routing_replay: rollout``); requests then ask for them."""
         self._inflight: set[str] = set()
 
     @property
