@@ -173,21 +173,32 @@ def gae(
     lambd: float,
     sample_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (arXiv 1506.02438), returns ``(advantages, returns)``:
+    """Generalised advantage estimation (arXiv 1506.02438) over each sample's action tokens (the mask),
+    returns ``(advantages, returns)``; with ``t'`` the sample's next action token after ``t``::
 
-        delta_t = r_t + gamma * V_{t+1} - V_t
-        A_t     = delta_t + gamma * lambd * A_{t+1}
+        delta_t = r_t + gamma * V_{t'} - V_t
+        A_t     = delta_t + gamma * lambd * A_{t'}
         R_t     = A_t + V_t
 
-    Values outside the mask count as 0, so the state after the last response token is terminal; so is
-    each sample's end in a packed row (``V_{t+1}`` and ``A_{t+1}`` of the next sample count as 0).
+    Masked positions inside a response (a tool's output in a multi-turn sample) are not steps of the
+    policy: they are skipped, not discounted, so the token that calls a tool bootstraps from the value of
+    the first token after the tool's output (verl's multi-turn GAE does the same). After the sample's last
+    action token the state is terminal (``V`` = ``A`` = 0), also at each sample's end in a packed row.
     """
-    values = values.float() * mask
-    next_values = torch.cat([values[..., 1:], torch.zeros_like(values[..., :1])], dim=-1)
-    next_values = next_values * continues(sample_ids, values).to(values.dtype)
-    deltas = rewards + gamma * next_values - values
-    advantages = discounted_returns(deltas, gamma * lambd, sample_ids)
-    return advantages * mask, (advantages + values) * mask
+    values, mask = values.float(), mask.float()
+    carry = continues(sample_ids, values).to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[..., 0])
+    next_advantage = torch.zeros_like(values[..., 0])
+    for t in range(values.shape[-1] - 1, -1, -1):
+        next_value, next_advantage = next_value * carry[..., t], next_advantage * carry[..., t]
+        delta = rewards[..., t] + gamma * next_value - values[..., t]
+        advantage = delta + gamma * lambd * next_advantage
+        action = mask[..., t] > 0
+        advantages[..., t] = torch.where(action, advantage, 0.0)
+        next_value = torch.where(action, values[..., t], next_value)
+        next_advantage = torch.where(action, advantage, next_advantage)
+    return advantages, (advantages + values) * mask
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The critic's clipped value loss (PPO, as slime's ``value_loss`` and OpenRLHF's ``ValueLoss``).
+"""The critic's clipped value loss (PPO, as verl's ``compute_value_loss`` and OpenRLHF's ``ValueLoss``; slime's
+``value_loss`` is the same without the 0.5 factor, so its value gradients are twice these).
 
 Per token, with ``V`` the critic's new values, ``V_old`` the values it produced before this update
 (the ones GAE used) and ``R`` the GAE returns::
@@ -24,7 +25,7 @@ class ValueLossTerms:
     loss: torch.Tensor
     """0.5 * the pessimistic squared error."""
     clipped: torch.Tensor
-    """1.0 where the clipped error was the larger one (the clip was active)."""
+    """1.0 where the clip was active: ``|V - V_old| > value_clip`` and the clipped error the larger one."""
 
 
 def clipped_value_loss(
@@ -36,8 +37,9 @@ def clipped_value_loss(
     if value_clip is None:
         return ValueLossTerms(loss=0.5 * error * mask, clipped=torch.zeros_like(error))
     old_values = old_values.float()
-    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
-    clipped_error = (clipped_values - returns) ** 2
-    return ValueLossTerms(
-        loss=0.5 * torch.maximum(error, clipped_error) * mask, clipped=(clipped_error > error).float() * mask
-    )
+    change = values - old_values
+    clipped_error = (old_values + change.clamp(-value_clip, value_clip) - returns) ** 2
+    # Where the clamp is inactive, V_old + (V - V_old) differs from V by rounding only, so the two errors are
+    # compared only where it binds (a strict > on all tokens counted 0.4-1.1% of unclipped tokens as clipped).
+    active = (change.abs() > value_clip) & (clipped_error > error)
+    return ValueLossTerms(loss=0.5 * torch.where(active, clipped_error, error) * mask, clipped=active.float() * mask)

@@ -125,3 +125,30 @@ def test_whiten_across_ranks_equals_whole_batch_statistics():
     assert (out * (1 - mask)).abs().sum() == 0
     with pytest.raises(ValueError, match="no response token"):
         whiten(x, torch.zeros_like(mask), masked_moments(x, torch.zeros_like(mask)))
+
+
+def _gae_over_actions(rewards: list[float], values: list[float], gamma: float, lambd: float) -> list[float]:
+    """Textbook GAE of one sample whose lists hold only its action tokens (the reference)."""
+    out, last = [0.0] * len(rewards), 0.0
+    for j in reversed(range(len(rewards))):
+        next_v = values[j + 1] if j + 1 < len(rewards) else 0.0
+        last = rewards[j] + gamma * next_v - values[j] + gamma * lambd * last
+        out[j] = last
+    return out
+
+
+@pytest.mark.parametrize("gamma, lambd", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0)])
+def test_gae_skips_tool_spans_inside_a_response(gamma, lambd):
+    """The issue's multi-turn example: 4 action tokens, 64 tool tokens, 4 action tokens, reward 1 at the end,
+    V = 0.5. GAE over the action tokens only; before the fix the tool-calling token got delta = r - V
+    (-0.466 at gamma 1, lambda 0.95) because every masked position still applied gamma * lambda."""
+    mask = torch.tensor([[1.0] * 4 + [0.0] * 64 + [1.0] * 4 + [0.0] * 3])  # 3 pad positions after the end
+    values = torch.full(mask.shape, 0.5) * mask + 7.0 * (1 - mask)  # garbage values outside the mask
+    rewards = torch.zeros(mask.shape)
+    rewards[0, 71] = 1.0
+    adv, ret = gae(rewards, values, mask, gamma, lambd)
+    actions = [i for i in range(mask.shape[1]) if mask[0, i] > 0]
+    want = _gae_over_actions([rewards[0, i].item() for i in actions], [0.5] * 8, gamma, lambd)
+    assert [adv[0, i].item() for i in actions] == pytest.approx(want, abs=1e-6)
+    assert adv[0, 3].item() > 0  # the tool-calling token
+    assert (adv * (1 - mask)).abs().sum() == 0 and (ret * (1 - mask)).abs().sum() == 0
