@@ -6,14 +6,16 @@ One step:
                 the rank; samples are gathered to rank 0
   2. engine sleeps (release_memory_occupation), trainer wakes
   3. scores     rank 0 turns each group's rewards into per-sample scores and drops tied groups
-  4. scatter    rank 0 packs samples into micro-batches under a token budget, balances them over
-                DP ranks and scatters them (TP peers of a DP rank receive the same micro-batches)
+  4. scatter    rank 0 splits the kept groups into ``train.updates_per_rollout`` updates, packs each
+                update's samples into micro-batches under a token budget, balances them over DP ranks
+                and scatters them (TP peers of a DP rank receive the same micro-batches)
   5. log-probs  critic values (PPO, rlrun/critic.py), old-policy / reference / teacher log-probs, role
                 weights swapped in from CPU backups (rlrun/roles.py; the old-policy pass is skipped
                 when the training forward can reuse it), then per-token advantages (rlrun/algo) and
                 the post-process hook
-  6. train      the critic's value-loss step first (PPO), then Megatron forward/backward with the
-                configured loss (rlrun/algo/objective.py), optimizer step, role backups refreshed
+  6. train      per update (and per epoch): the critic's value-loss step first (PPO), then Megatron
+                forward/backward with the configured loss (rlrun/algo/objective.py) and an optimizer
+                step; role backups refreshed after the last update
   7. engine wakes for weights; weight sync (Megatron -> HF names -> flattened buckets -> ZMQ);
                 the trainer sleeps and the engine wakes its KV cache when the next step starts
   8. log        metrics.jsonl + console line on rank 0
@@ -57,6 +59,15 @@ class RunState:
     """Steps completed."""
     weight_version: int = 0
     """Version of the weights the engine holds (bumped by every sync)."""
+
+
+@dataclass
+class Update:
+    """One optimizer update's share of a rollout on this rank: its micro-batches and the update's global
+    count of loss tokens (every rank's), which normalises the update's loss."""
+
+    micro_batches: list[MicroBatch]
+    num_global_tokens: int
 
 
 @dataclass
@@ -189,11 +200,13 @@ def setup(cfg: RunConfig, parallel) -> Components:
             moe_options=MoEOptions(**cfg.model.moe.model_dump()),
             packed_attention=cfg.model.packed_attention,
         )
-        optimizer, scheduler = make_optimizer_and_scheduler(model, opt, cfg.train.num_steps)
+        optimizer, scheduler = make_optimizer_and_scheduler(
+            model, opt, cfg.train.num_steps * cfg.train.updates_per_step
+        )
         critic = Critic.build(cfg, parallel)
     for trained in [optimizer] + ([critic.optimizer] if critic else []):
         offloader.keep_optimizer_state_in_region(trained)
-    roles = ModelRoles.create(cfg.algorithm, model)
+    roles = ModelRoles.create(cfg.algorithm, model, num_optimizer_steps=cfg.train.updates_per_step)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     sampler = None
     if parallel.is_rank0:
@@ -236,15 +249,16 @@ def train_one_step(parts: Components, state: RunState) -> None:
         parts.offloader.trainer_wake()
     with timer("scatter"):
         work = rank0_schedule(parts, samples, metrics) if parts.parallel.is_rank0 else None
-        micro_batches, num_global_tokens = scatter_from_rank0(work, parts.parallel.cpu_group)
+        updates = [Update(mbs, tokens) for mbs, tokens in scatter_from_rank0(work, parts.parallel.cpu_group)]
     if parts.cfg.debug.rollout_only:
-        micro_batches = []  # rollout metrics only: no training and no weight sync
+        updates = []  # rollout metrics only: no training and no weight sync
+    micro_batches = [mb for update in updates for mb in update.micro_batches]
     if micro_batches:
-        with timer("logprobs"):
+        with timer("logprobs"):  # once over the whole rollout, before the first update
             metrics.update(compute_old_logprobs(parts, micro_batches, state.step))
         maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, micro_batches)
         with timer("train"):
-            metrics.update(train(parts, micro_batches, num_global_tokens, state.step))
+            metrics.update(train(parts, updates, state.step))
     mark("train")
     with timer("offload"):
         parts.offloader.engine_wake_for_sync()
@@ -271,7 +285,8 @@ def rollout(parts: Components, step: int, metrics: dict) -> list[Sample] | None:
 
 
 def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> list:
-    """Group scores, tied-group filtering, packing and DP balancing; one payload per global rank."""
+    """Group scores, tied-group filtering, the split into updates, packing and DP balancing; one payload per
+    global rank: a ``(micro_batches, num_global_tokens)`` pair per update."""
     cfg = parts.cfg
     groups = group_samples(samples, cfg.rollout.samples_per_prompt)
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)
@@ -284,16 +299,31 @@ def rank0_schedule(parts: Components, samples: list[Sample], metrics: dict) -> l
         for s, a in zip(g, score, strict=False)
     ]
     if not kept:
-        return [([], 0)] * parts.parallel.world_size
-    per_dp = schedule_micro_batches(
-        [s for s, _ in kept],
-        [a for _, a in kept],
-        dp_size=parts.parallel.dp_size,
-        max_tokens=cfg.train.max_tokens_per_micro_batch,
-        pad_token_id=parts.tokenizer.pad_token_id or 0,
-    )
-    num_global_tokens = sum(s.num_loss_tokens for s, _ in kept)
-    return [(per_dp[dp_rank], num_global_tokens) for dp_rank in parts.dp_rank_of]
+        return [[]] * parts.parallel.world_size
+    per_update = []  # [update][dp rank] -> micro-batches, and each update's global token count
+    for part in split_into_updates(kept, cfg.rollout.samples_per_prompt, cfg.train.updates_per_rollout):
+        per_dp = schedule_micro_batches(
+            [s for s, _ in part],
+            [a for _, a in part],
+            dp_size=parts.parallel.dp_size,
+            max_tokens=cfg.train.max_tokens_per_micro_batch,
+            pad_token_id=parts.tokenizer.pad_token_id or 0,
+        )
+        per_update.append((per_dp, sum(s.num_loss_tokens for s, _ in part)))
+    return [[(per_dp[dp_rank], tokens) for per_dp, tokens in per_update] for dp_rank in parts.dp_rank_of]
+
+
+def split_into_updates(kept: list, group_size: int, num_updates: int) -> list[list]:
+    """The kept samples (prompt-major, whole groups) in ``min(num_updates, groups)`` consecutive parts of
+    whole groups, as equal in group count as possible (the first parts get the extra groups)."""
+    num_groups = len(kept) // group_size
+    num_parts = min(num_updates, num_groups)
+    sizes = [num_groups // num_parts + (k < num_groups % num_parts) for k in range(num_parts)]
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(kept[start * group_size : (start + size) * group_size])
+        start += size
+    return parts
 
 
 def rollout_metrics(samples: list[Sample], kept_groups: torch.Tensor) -> dict[str, float]:
@@ -313,29 +343,35 @@ def compute_old_logprobs(parts: Components, micro_batches: list[MicroBatch], ste
     return logprobs_and_advantages(parts.cfg, parts.roles, parts.parallel, micro_batches, step, parts.critic)
 
 
-def train(parts: Components, micro_batches: list[MicroBatch], num_global_tokens: int, step: int) -> dict[str, float]:
-    """The critic's value-loss step first (PPO), then one actor step over this rank's micro-batches with the
-    configured RL loss (skipped during ``critic.num_critic_only_steps``)."""
-    from rlrun.rl_step import train_policy
+def train(parts: Components, updates: list[Update], step: int) -> dict[str, float]:
+    """Per epoch and update: the critic's value-loss step first (PPO), then one actor step over the update's
+    micro-batches with the configured RL loss (skipped during ``critic.num_critic_only_steps``); the role
+    backups follow the actor after the last update."""
+    from rlrun.rl_step import combine_update_metrics, train_policy
 
     critic = parts.critic
-    metrics = critic.train(micro_batches, num_global_tokens) if critic is not None else {}
+    per_update = []
+    for _ in range(parts.cfg.train.epochs_per_rollout):
+        for update in updates:
+            metrics = critic.train(update.micro_batches, update.num_global_tokens) if critic is not None else {}
+            if critic is None or critic.actor_trains(step):
+                metrics["lr"] = parts.scheduler.get_lr(parts.optimizer.param_groups[0])  # the LR of this update
+                metrics.update(
+                    train_policy(
+                        parts.cfg,
+                        parts.roles,
+                        parts.parallel,
+                        parts.model,
+                        parts.optimizer,
+                        update.micro_batches,
+                        update.num_global_tokens,
+                    )
+                )
+                parts.scheduler.step(1)
+            per_update.append(metrics)
     if critic is None or critic.actor_trains(step):
-        metrics["lr"] = parts.scheduler.get_lr(parts.optimizer.param_groups[0])  # the LR of this update
-        metrics.update(
-            train_policy(
-                parts.cfg,
-                parts.roles,
-                parts.parallel,
-                parts.model,
-                parts.optimizer,
-                micro_batches,
-                num_global_tokens,
-                step,
-            )
-        )
-        parts.scheduler.step(1)
-    return metrics
+        parts.roles.after_train_step(step)
+    return combine_update_metrics(per_update, len(updates))
 
 
 def sync_weights(parts: Components, version: int) -> None:

@@ -65,9 +65,8 @@ def train_policy(
     optimizer,
     micro_batches: list[MicroBatch],
     num_global_tokens: int,
-    step: int,
 ) -> dict[str, float]:
-    """One optimizer step with the configured loss; then the role backups follow the new actor."""
+    """One optimizer step with the configured loss over one update's micro-batches."""
     from rlrun.megatron import train_step
 
     local_samples = torch.tensor(sum(mb.num_loss_samples for mb in micro_batches))  # packed rows: not per row
@@ -86,7 +85,6 @@ def train_policy(
             temperature=cfg.rollout.temperature,
             with_entropy=True,
         )
-    roles.after_train_step(step)
     metrics = {
         f"train/{name}": value if name.startswith("moe_") else value / num_global_tokens
         for name, value in out.items()
@@ -101,3 +99,25 @@ def train_policy(
         }
     )
     return metrics
+
+
+def combine_update_metrics(per_update: list[dict[str, float]], updates_per_epoch: int) -> dict[str, float]:
+    """A step's metrics from its updates' (epoch-major): with one update, its own; with several, every
+    update's under ``<prefix>/update_<k>/<name>`` (``k`` from 0, so a plot shows them within the step; the
+    bare ``lr`` under ``train/``) and the step's aggregate under the plain name: the mean over updates, except
+    ``train/num_loss_tokens``, the rollout's loss tokens (the sum over one epoch's updates)."""
+    if len(per_update) <= 1:
+        return per_update[0] if per_update else {}
+    combined: dict[str, float] = {}
+    for k, metrics in enumerate(per_update):
+        for name, value in metrics.items():
+            prefix, _, rest = name.rpartition("/") if "/" in name else ("train", "", name)
+            combined[f"{prefix}/update_{k}/{rest}"] = value
+    for name in per_update[0]:
+        values = [m[name] for m in per_update if name in m]
+        combined[name] = sum(values) / len(values)
+    if "train/num_loss_tokens" in combined:
+        combined["train/num_loss_tokens"] = sum(
+            m.get("train/num_loss_tokens", 0) for m in per_update[:updates_per_epoch]
+        )
+    return combined

@@ -69,22 +69,25 @@ def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bo
 class ModelRoles:
     """The role weights of one rank's model and the forward passes that fill micro-batch log-probs."""
 
-    def __init__(self, cfg: AlgorithmConfig, model: MegatronModel, backup: WeightBackup | None) -> None:
+    def __init__(
+        self, cfg: AlgorithmConfig, model: MegatronModel, backup: WeightBackup | None, num_optimizer_steps: int = 1
+    ) -> None:
         from rlrun.megatron.routing_replay import RoutingReplay
 
         self.cfg = cfg
         self.model = model
         self.backup = backup
         """None when no role other than the actor exists (nothing is ever swapped)."""
-        self.reuse_logprobs = can_reuse_logprobs(cfg)
+        self.reuse_logprobs = can_reuse_logprobs(cfg, num_optimizer_steps)
         self.routing: RoutingReplay | None = RoutingReplay.create(model, cfg.routing_replay)
         """MoE routing replay around the forwards (``algorithm.routing_replay``); None when off."""
 
     @classmethod
-    def create(cls, cfg: AlgorithmConfig, model: MegatronModel) -> ModelRoles:
-        """Back up the actor and load every configured role; the model holds the actor on return."""
+    def create(cls, cfg: AlgorithmConfig, model: MegatronModel, num_optimizer_steps: int = 1) -> ModelRoles:
+        """Back up the actor and load every configured role; the model holds the actor on return.
+        ``num_optimizer_steps``: the updates per rollout step (reuse of the training forward needs one)."""
         if not (cfg.uses_ref or cfg.uses_teacher or cfg.keep_old_actor):
-            return cls(cfg, model, None)
+            return cls(cfg, model, None, num_optimizer_steps)
         backup = WeightBackup(model.module)
         backup.backup("actor")
         if cfg.uses_ref:
@@ -94,7 +97,7 @@ class ModelRoles:
         if cfg.keep_old_actor:
             backup.copy("actor", "old_actor")
         backup.restore("actor")
-        return cls(cfg, model, backup)
+        return cls(cfg, model, backup, num_optimizer_steps)
 
     @property
     def needs_old_forward(self) -> bool:

@@ -496,6 +496,20 @@ class TrainConfig(Section):
     """Token budget of one micro-batch (prompt + response, after padding) per DP rank."""
     seed: int = 1234
     """Seeds data order, sampling and initialisation."""
+    updates_per_rollout: int = Field(1, ge=1)
+    """Optimizer updates per rollout (slime's ``--num-steps-per-rollout``): the step's kept groups are split,
+    in order, into this many parts of whole groups, each one actor update (and one critic update) normalised
+    by its own global token and sample counts. Old-policy, reference and teacher log-probs, values and
+    advantages are computed once over the whole rollout before the first update, so from the second update
+    on the policy ratio moves off 1 and the PPO clip can bind. A step that keeps fewer groups trains one
+    update per kept group. The LR schedule counts updates."""
+    epochs_per_rollout: int = Field(1, ge=1)
+    """Passes over the rollout's updates (verl's ``ppo_epochs``): each pass runs every update again, in order."""
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates one rollout step takes (updates x epochs): what the LR schedule counts."""
+        return self.updates_per_rollout * self.epochs_per_rollout
 
 
 class CheckpointConfig(Section):
@@ -607,6 +621,12 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _critic_matches_estimator(self) -> RunConfig:
         algo, critic = self.algorithm, self.critic
+        if self.train.updates_per_rollout > self.rollout.prompts_per_step:
+            raise ValueError(
+                f"train.updates_per_rollout ({self.train.updates_per_rollout}) must be <= rollout.prompts_per_step "
+                f"({self.rollout.prompts_per_step}) because each update trains whole groups; lower it or draw "
+                "more prompts per step"
+            )
         if algo.routing_replay == "rollout" and backend_traits(self.engine.backend).routed_experts_args is None:
             raise ValueError(
                 f"algorithm.routing_replay (rollout) must go with an engine that returns routed experts "

@@ -1,4 +1,5 @@
-"""PPO with a critic through the real CLI under torchrun (2 ranks, tiny model, embedded engines).
+"""PPO with a critic through the real CLI under torchrun (2 ranks, tiny model, embedded engines), with 4
+optimizer updates per rollout (``train.updates_per_rollout``) for the actor and the critic.
 
 Run A: 4 steps, the first critic-only, checkpoints every 2 steps. Run B resumes A's step-2 checkpoint in
 another directory and must reproduce A's steps 2 and 3 exactly: the critic's model and optimizer (and
@@ -35,11 +36,14 @@ def test_ppo_trains_critic_first_checkpoints_and_resumes_both(tiny_model_dirs, t
         "critic.num_critic_only_steps=1",
         "checkpoint.save_interval=2",
         "train.num_steps=4",
+        "train.updates_per_rollout=4",
     )
     model = tiny_model_dirs["qwen3"]
     full = run_train(model, tmp_path / "a", *settings)
     assert [r["step"] for r in full] == [0, 1, 2, 3]
-    assert all(r["critic/value_clip_frac"] == 0.0 and r["critic/grad_norm"] > 0 for r in full)
+    # The critic's first update of a step starts from the values GAE used: its clip cannot be active.
+    assert all(r["critic/update_0/value_clip_frac"] == 0.0 and r["critic/grad_norm"] > 0 for r in full)
+    assert all(f"critic/update_{k}/value_loss" in r for r in full for k in range(4))
     assert "train/loss" not in full[0] and all("train/loss" in r for r in full[1:])  # step 0: critic only
     # (the value loss on fresh tiny-model rollouts is too noisy to fall reliably in 4 steps; the descent on
     # a fixed batch is in test_critic_model.py, the fall over SmolLM2 rollouts in configs/quickstart_ppo.yaml)
@@ -56,3 +60,5 @@ def test_ppo_trains_critic_first_checkpoints_and_resumes_both(tiny_model_dirs, t
     assert [r["step"] for r in resumed] == [2, 3]
     for got, want in zip(resumed, full[2:], strict=False):
         assert {k: got[k] for k in COMPARED} == {k: want[k] for k in COMPARED}
+        per_update = [k for k in want if "/update_" in k]
+        assert len(per_update) > 8 and {k: got[k] for k in per_update} == {k: want[k] for k in per_update}

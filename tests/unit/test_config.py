@@ -152,3 +152,11 @@ def test_colocate_turns_both_offloads_on_unless_set(tmp_path):
     assert (offload.train, offload.rollout) == (True, True)
     assert load_config(path, ["offload.rollout=false"]).offload.rollout is False
     assert load_config(write(tmp_path, "{}\n")).offload.train is False
+
+
+def test_more_updates_per_rollout_than_groups_is_refused_by_name(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  prompts_per_step: 2\n")
+    with pytest.raises(ConfigError, match=r"train.updates_per_rollout \(3\) must be <= rollout.prompts_per_step \(2\)"):
+        load_config(path, ["train.updates_per_rollout=3"])
+    assert load_config(path, ["train.updates_per_rollout=2", "train.epochs_per_rollout=2"]).train.updates_per_step == 4
