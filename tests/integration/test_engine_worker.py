@@ -208,7 +208,7 @@ def test_payload_with_a_global_off_sglangs_allowlist_is_refused_and_the_engine_s
 def test_unknown_weight_names(engine):
     """The embedded engine refuses a name its model lacks; SGLang skips it with a warning (its
     ``load_weights`` logs "Parameter ... not found in params_dict"), and so does the adapter."""
-    if engine.backend == "embedded":
+    if engine.spec.backend == "embedded":
         with pytest.raises(EngineOpError, match="weight model.nope must be a parameter"):
             engine.update_weights([("model.nope", torch.zeros(2))], weight_version="bad", bucket_bytes=1024)
         assert engine.get_weight_version() != "bad"
@@ -245,7 +245,7 @@ def test_release_resume_rules_in_the_per_step_order(engine, reference):
 
 def test_sync_can_be_verified_by_weight_checksums(engine, reference):
     original = [(name, p.detach().clone()) for name, p in reference.named_parameters()]
-    if engine.backend == "sglang":
+    if engine.spec.backend == "sglang":
         with pytest.raises(RpcRemoteError, match="NotImplementedError"):
             engine.weight_checksums()
         return
