@@ -92,7 +92,10 @@ def build_gpt(
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rotary_percent=arch.rope.rotary_percent if arch.rope is not None else 1.0,
     )
+    if arch.rope is not None:
+        arch.rope.apply_to(gpt.rotary_pos_emb)  # scaled RoPE: transformers' frequencies (rlrun/megatron/rope.py)
     # The local spec's torch RMSNorm ignores params_dtype; cast the whole model like Megatron's
     # Float16Module does (RoPE's inv_freq is a plain attribute and stays fp32).
     gpt = gpt.to(device=parallel.device, dtype=config.params_dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -90,9 +91,12 @@ def test_vocab_padding_is_minimal_multiple():
 @pytest.mark.parametrize(
     "override, field",
     [
-        ({"model_type": "mistral"}, "model_type"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope_parameters.rope_type"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
@@ -107,3 +111,28 @@ def test_unsupported_configs_name_the_field(override, field):
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="model.dtype"):
         transformer_config(ModelArch.from_dict(SMOLLM2), tp=1, pp=1, dtype="float16")
+
+
+@pytest.mark.parametrize("window", [None, 8192, 131072])
+def test_mistral_window_at_least_max_positions_is_full_attention(window):
+    arch = ModelArch.from_dict({**SMOLLM2, "model_type": "mistral", "sliding_window": window, "head_dim": 128})
+    assert arch.model_type == "mistral" and arch.head_dim == 128 and not arch.qkv_bias and not arch.qk_norm
+
+
+def test_mistral_short_window_names_the_fix():
+    with pytest.raises(
+        ValueError,
+        match=r"sliding_window \(4096\) must be null or a window of at least "
+        r"max_position_embeddings \(8192\) because attention is built as full",
+    ):
+        ModelArch.from_dict({**SMOLLM2, "model_type": "mistral", "sliding_window": 4096})
+
+
+def test_yarn_sets_the_softmax_scale_and_llama3_does_not():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    config = transformer_config(ModelArch.from_dict({**SMOLLM2, "rope_scaling": yarn}), tp=1, pp=1, dtype="float32")
+    assert config.softmax_scale == pytest.approx((0.1 * math.log(4.0) + 1) ** 2 / 8.0)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    arch = ModelArch.from_dict({**SMOLLM2, "rope_scaling": llama3})
+    assert transformer_config(arch, tp=1, pp=1, dtype="float32").softmax_scale is None
+    assert arch.rope.rope_type == "llama3" and arch.rope.original_max_position_embeddings == 8192
