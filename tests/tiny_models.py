@@ -104,8 +104,37 @@ def tiny_config(kind: str, vocab_size: int = 264, tie: bool = False):
             router_aux_loss_coef=0.01,
             **common,
         )
+    if kind == "glm4_moe":
+        return _glm4_moe_config(common)
     raise ValueError(
-        f"unknown tiny model kind {kind!r}; expected llama, qwen2, qwen3, qwen3_moe, qwen2_moe or one of {FAMILY_KINDS}"
+        f"unknown tiny model kind {kind!r}; expected llama, qwen2, qwen3, qwen3_moe, qwen2_moe, glm4_moe or one of "
+        f"{FAMILY_KINDS}"
+    )
+
+
+def _glm4_moe_config(common: dict):
+    """GLM-4.5 MoE: layer 0 dense, layer 1 MoE (4 experts top-2, sigmoid + correction bias, scaling 2.5, one
+    shared expert); q/k/v bias, QK-norm, RoPE on half of each 16-channel head; 6 query heads in 3 groups."""
+    from transformers import Glm4MoeConfig
+
+    common = {**common, "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}
+    return Glm4MoeConfig(
+        head_dim=16,
+        rope_parameters={"rope_theta": 1000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_nextn_predict_layers=0,
+        **common,
     )
 
 
@@ -149,6 +178,9 @@ def make_tiny_model(
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.05 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's routing bias: a checkpoint buffer
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -11,6 +11,10 @@ Supported families (``model_type``) and what distinguishes them:
 * ``qwen3``: RMSNorm on each query and key head (QK-norm) and an explicit ``head_dim``.
 * ``qwen3_moe`` / ``qwen2_moe``: ``qwen3`` / ``qwen2`` attention with mixture-of-experts MLPs
   (``rlrun.megatron.moe``).
+* ``glm4_moe`` (GLM-4.5/4.6): q/k/v biases (its ``attention_bias``; o_proj has none), optional QK-norm
+  (``use_qk_norm``), RoPE on the first ``partial_rotary_factor`` of each head's channels (half-split
+  rotation, the rest passed through: Megatron's ``rotary_percent``), sigmoid-routed MoE with shared experts
+  and dense first layers (``rlrun.megatron.moe``).
 
 All are pre-norm decoders with RMSNorm, SwiGLU MLPs, grouped-query attention and RoPE, plain or scaled
 (``linear``, ``llama3``, ``yarn``: ``rlrun.megatron.rope``); a config that asks for anything else (dynamic
@@ -49,11 +53,12 @@ from rlrun.megatron.moe import MOE_MODEL_TYPES, MoEArch, MoEOptions, moe_config_
 from rlrun.megatron.rope import Rope, rope_from_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+PARTIAL_ROTARY_MODEL_TYPES = ("glm4_moe",)
+"""Families whose transformers code rotates the first ``partial_rotary_factor`` of each head and passes the
+rest through, as Megatron's ``rotary_percent`` does."""
 REFUSED_MODEL_TYPES = {
     "deepseek_v3": "its multi-latent attention (low-rank q/kv projections with a decoupled RoPE head) and grouped "
     "sigmoid routing with a score-correction bias have no entry in rlrun's weight map and router options yet",
-    "glm4_moe": "its MoE routing (sigmoid scores, score-correction bias, routed_scaling_factor, dense first "
-    "layers) and partial rotary have no entry in rlrun's weight map and router options yet",
     "gemma3_text": "the local layer spec has no (1 + w) RMSNorm, GeGLU, embedding scaling or per-layer "
     "sliding-window attention (SDPACoreAttention is full causal only)",
     "gemma3": "it is a vision-language model; the text decoder (gemma3_text) is refused as well",
@@ -133,8 +138,8 @@ class ModelArch:
             rope_theta=rope.theta,
             rms_norm_eps=float(cfg["rms_norm_eps"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type in ("qwen2", "qwen2_moe"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or (model_type == "glm4_moe" and bool(cfg["attention_bias"])),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(cfg["use_qk_norm"])),
             rope=rope,
             moe=MoEArch.from_dict(cfg, path, cfg["num_hidden_layers"]) if model_type in MOE_MODEL_TYPES else None,
         )
@@ -218,8 +223,10 @@ def model_features(cfg: dict, path: Path = Path("config.json")) -> list[Feature]
 
     features = [_attention_feature(cfg, path), _rope_feature(cfg, path)]
     rope = rope_parameters(cfg)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        partial = rope["partial_rotary_factor"]
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial != 1.0 and cfg.get("model_type") in PARTIAL_ROTARY_MODEL_TYPES:
+        features.append(Feature("partial rotary", f"RoPE on {partial:.0%} of each head, the rest passed through"))
+    elif partial != 1.0:
         reason = (
             f"transformers' {cfg.get('model_type')} rotates whole heads (its default RoPE ignores the "
             "factor and its attention has no pass-through channels)"
@@ -239,10 +246,12 @@ def model_features(cfg: dict, path: Path = Path("config.json")) -> list[Feature]
         features.append(
             Feature("MLP bias", "", _unsupported(path, "mlp_bias", True, "be false", "the MLP is built without biases"))
         )
-    if cfg.get("attention_bias"):
+    if cfg.get("attention_bias") and cfg.get("model_type") != "glm4_moe":  # GLM's attention_bias is q/k/v only
         reason = "Megatron's add_qkv_bias cannot express a bias on o_proj"
         features.append(Feature("o_proj bias", "", _unsupported(path, "attention_bias", True, "be false", reason)))
     features.append(_sliding_window_feature(cfg, path))
+    if cfg.get("model_type") in MOE_MODEL_TYPES:
+        features.append(_moe_feature(cfg, path))
     tied = bool(cfg.get("tie_word_embeddings", False))
     features.append(Feature("embeddings", "tied to the output layer" if tied else "separate lm_head"))
     return features
@@ -251,7 +260,10 @@ def model_features(cfg: dict, path: Path = Path("config.json")) -> list[Feature]
 def _attention_feature(cfg: dict, path: Path) -> Feature:
     heads, groups = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     extras = {"qwen2": ", q/k/v bias", "qwen2_moe": ", q/k/v bias", "qwen3": ", QK-norm", "qwen3_moe": ", QK-norm"}
-    detail = f"{heads} query heads, {groups} key/value heads{extras.get(cfg.get('model_type'), '')}"
+    extra = extras.get(cfg.get("model_type"), "")
+    if cfg.get("model_type") == "glm4_moe":
+        extra = (", q/k/v bias" if cfg.get("attention_bias") else "") + (", QK-norm" if cfg.get("use_qk_norm") else "")
+    detail = f"{heads} query heads, {groups} key/value heads{extra}"
     return Feature("attention", detail)
 
 
@@ -269,6 +281,20 @@ def _rope_feature(cfg: dict, path: Path) -> Feature:
         error = exc if isinstance(exc, ValueError) else ValueError(f"{path}: rope_parameters lacks {exc}")
         return Feature("RoPE", detail, error)
     return Feature("RoPE", detail)
+
+
+def _moe_feature(cfg: dict, path: Path) -> Feature:
+    try:
+        moe = MoEArch.from_dict(cfg, path, cfg["num_hidden_layers"])
+    except ValueError as exc:
+        return Feature("MoE routing", "", exc)
+    detail = f"{moe.num_experts} experts, top-{moe.topk}, {moe.score_function}"
+    detail += " + correction bias" if moe.expert_bias else ""
+    detail += f", groups {moe.group_topk} of {moe.num_groups}" if moe.num_groups else ""
+    detail += f", scaling {moe.scaling_factor}" if moe.scaling_factor not in (None, 1.0) else ""
+    detail += ", shared expert" if moe.shared_expert_ffn_hidden_size else ""
+    dense = moe.moe_layers.count(False)
+    return Feature("MoE routing", detail + (f", {dense} dense layer(s)" if dense else ""))
 
 
 def _sliding_window_feature(cfg: dict, path: Path) -> Feature:

@@ -133,8 +133,10 @@ def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, pa
         raise RuntimeError(
             f"Megatron parameters without an HF source: {sorted(unmapped)}; rlrun/megatron/hf_weights.py must map them"
         )
+    # Buffers the map names too: GLM-4.5's router correction bias (rlrun.megatron.moe).
+    tensors = {**dict(gpt.named_buffers()), **params}
     for mapping in mappings:
-        param = params[mapping.megatron_name]
+        param = tensors[mapping.megatron_name]
         hf_tensors = [checkpoint.get(name) for name in mapping.hf_names]
         full = to_megatron(arch, mapping, hf_tensors, parallel.tp_size)
         if is_expert_param(mapping.megatron_name):

@@ -61,6 +61,26 @@ def test_scaled_rope_and_mistral_models_generate_as_hf(family_model_dirs, kind):
         torch.testing.assert_close(torch.tensor(result["output_logprobs"]), want, rtol=0, atol=1e-5)
 
 
+def test_glm4_moe_generates_as_hf_and_loads_its_routing_bias(tmp_path):
+    """GLM-4.5 MoE: greedy decoding equals HF's; the trainer's export includes the router's correction bias (a
+    persistent buffer, not a parameter), and loading it changes the engine's routing."""
+    from safetensors.torch import load_file
+
+    from tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model("glm4_moe", tmp_path / "glm4_moe")
+    engine = EmbeddedEngine(model_dir, seed=0)
+    greedy = {"max_new_tokens": 8, "top_k": 1, "ignore_eos": True}
+    results = engine.generate(PROMPTS, greedy)
+    assert [r["output_ids"] for r in results] == [hf_greedy(hf_model(model_dir), p, 8) for p in PROMPTS]
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    bias = load_file(model_dir / "model.safetensors")[name]
+    engine.load_weights([(name, -10 * bias)])
+    assert [r["output_ids"] for r in engine.generate(PROMPTS, greedy)] != [r["output_ids"] for r in results]
+    engine.load_weights([(name, bias)])
+    assert [r["output_ids"] for r in engine.generate(PROMPTS, greedy)] == [r["output_ids"] for r in results]
+
+
 def test_eos_from_generation_config_and_stop_tokens_end_a_response(tiny_model_dirs, tmp_path):
     greedy = hf_greedy(hf_model(tiny_model_dirs["qwen2"]), PROMPTS[0], 12)
     stop = greedy[3]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_config
+from rlrun.megatron.hf_config import ModelArch, head_padding_note, model_features, transformer_config
 
 # SmolLM2-135M-Instruct's config.json fields that matter (9 heads / 3 KV heads, tied, rope_theta 1e5).
 SMOLLM2 = {
@@ -136,3 +136,66 @@ def test_yarn_sets_the_softmax_scale_and_llama3_does_not():
     arch = ModelArch.from_dict({**SMOLLM2, "rope_scaling": llama3})
     assert transformer_config(arch, tp=1, pp=1, dtype="float32").softmax_scale is None
     assert arch.rope.rope_type == "llama3" and arch.rope.original_max_position_embeddings == 8192
+
+
+GLM45 = {
+    "model_type": "glm4_moe",
+    "hidden_size": 96,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
+    "head_dim": 16,
+    "vocab_size": 300,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5},
+    "attention_bias": True,
+    "use_qk_norm": False,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+}
+
+
+def test_glm45_moe_config():
+    arch = ModelArch.from_dict(GLM45)
+    assert (arch.qkv_bias, arch.qk_norm, arch.rope.dim, arch.rope.rotary_percent) == (True, False, 8, 0.5)
+    assert arch.moe.moe_layers == (False, True, True) and arch.moe.shared_expert_ffn_hidden_size == 64
+    config = transformer_config(arch, tp=1, pp=1, dtype="float32", ep=2)
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    assert config.moe_router_bias_update_rate == 0.0 and config.moe_router_topk_scaling_factor == 2.5
+    assert config.moe_router_num_groups is None and not config.moe_shared_expert_gate
+    assert config.moe_shared_expert_intermediate_size == 64 and config.moe_layer_freq == [0, 1, 1]
+    grouped = ModelArch.from_dict({**GLM45, "n_group": 4, "topk_group": 2})
+    assert (grouped.moe.num_groups, grouped.moe.group_topk) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"norm_topk_prob": False}, r"norm_topk_prob \(False\) must be true because Megatron's sigmoid router"),
+        ({"n_group": 4, "topk_group": 1}, r"num_experts_per_tok // topk_group \(4 // 1\) must be 2"),
+    ],
+)
+def test_glm45_routing_megatron_cannot_express_is_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArch.from_dict({**GLM45, **override})
+    routing = {f.name: f for f in model_features({**GLM45, **override})}["MoE routing"]
+    assert not routing.supported and routing.error.args[0].startswith("config.json: ")
+
+
+def test_glm45_features_name_the_routing():
+    features = {f.name: f for f in model_features(GLM45)}
+    assert all(f.supported for f in features.values())
+    assert features["MoE routing"].detail == (
+        "8 experts, top-4, sigmoid + correction bias, scaling 2.5, shared expert, 1 dense layer(s)"
+    )
+    assert features["attention"].detail == "6 query heads, 3 key/value heads, q/k/v bias"
+    assert "50%" in features["partial rotary"].detail
