@@ -106,9 +106,42 @@ def tiny_config(kind: str, vocab_size: int = 264, tie: bool = False):
         )
     if kind == "glm4_moe":
         return _glm4_moe_config(common)
+    if kind == "deepseek_v3":
+        return _deepseek_v3_config(common)
     raise ValueError(
         f"unknown tiny model kind {kind!r}; expected llama, qwen2, qwen3, qwen3_moe, qwen2_moe, glm4_moe or one of "
         f"{FAMILY_KINDS}"
+    )
+
+
+def _deepseek_v3_config(common: dict):
+    """DeepSeek-V3: multi-latent attention (q_lora_rank 24, kv_lora_rank 16, per head 12 + 8 query/key and 10
+    value channels, interleaved RoPE with YaRN factor 4 and mscale / mscale_all_dim 1.0 / 0.8), layer 0 dense,
+    layer 1 MoE (8 experts top-4 from the best 2 of 4 groups, sigmoid + correction bias, one shared expert)."""
+    from transformers import DeepseekV3Config
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+            "mscale_all_dim": 0.8, "rope_theta": 1000.0}  # fmt: skip
+    common = {**common, "num_key_value_heads": common["num_attention_heads"]}
+    return DeepseekV3Config(
+        rope_parameters=rope,
+        rms_norm_eps=1e-6,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,
+        **common,
     )
 
 

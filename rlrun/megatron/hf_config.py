@@ -15,6 +15,8 @@ Supported families (``model_type``) and what distinguishes them:
   (``use_qk_norm``), RoPE on the first ``partial_rotary_factor`` of each head's channels (half-split
   rotation, the rest passed through: Megatron's ``rotary_percent``), sigmoid-routed MoE with shared experts
   and dense first layers (``rlrun.megatron.moe``).
+* ``deepseek_v3`` (DeepSeek-V3/R1, Kimi-K2, Moonlight): multi-latent attention (``rlrun.megatron.mla``) with
+  GLM-4.5's router, shared experts and dense first layers.
 
 All are pre-norm decoders with RMSNorm, SwiGLU MLPs, grouped-query attention and RoPE, plain or scaled
 (``linear``, ``llama3``, ``yarn``: ``rlrun.megatron.rope``); a config that asks for anything else (dynamic
@@ -49,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from rlrun.megatron.mla import MLA_MODEL_TYPES, MLAArch
 from rlrun.megatron.moe import MOE_MODEL_TYPES, MoEArch, MoEOptions, moe_config_kwargs
 from rlrun.megatron.rope import Rope, rope_from_config
 
@@ -57,8 +60,6 @@ PARTIAL_ROTARY_MODEL_TYPES = ("glm4_moe",)
 """Families whose transformers code rotates the first ``partial_rotary_factor`` of each head and passes the
 rest through, as Megatron's ``rotary_percent`` does."""
 REFUSED_MODEL_TYPES = {
-    "deepseek_v3": "its multi-latent attention (low-rank q/kv projections with a decoupled RoPE head) and grouped "
-    "sigmoid routing with a score-correction bias have no entry in rlrun's weight map and router options yet",
     "gemma3_text": "the local layer spec has no (1 + w) RMSNorm, GeGLU, embedding scaling or per-layer "
     "sliding-window attention (SDPACoreAttention is full causal only)",
     "gemma3": "it is a vision-language model; the text decoder (gemma3_text) is refused as well",
@@ -101,6 +102,8 @@ class ModelArch:
     """The rotary embedding (scaling variant, rotary channels); None: plain RoPE over ``head_dim``."""
     moe: MoEArch | None = None
     """The mixture-of-experts MLPs; None for a dense model."""
+    mla: MLAArch | None = None
+    """Multi-latent attention (then ``rope`` is None: MLA builds its own rotary embedding)."""
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> ModelArch:
@@ -124,7 +127,8 @@ class ModelArch:
                 f"this config.json does not describe a grouped-query attention model"
             )
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        rope = rope_from_config(cfg, head_dim, path)
+        mla = MLAArch.from_dict(cfg, path) if model_type in MLA_MODEL_TYPES else None
+        rope = rope_from_config(cfg, head_dim, path) if mla is None else None
         return cls(
             model_type=model_type,
             num_layers=cfg["num_hidden_layers"],
@@ -135,13 +139,14 @@ class ModelArch:
             head_dim=head_dim,
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg["max_position_embeddings"],
-            rope_theta=rope.theta,
+            rope_theta=rope.theta if rope is not None else mla.rope_theta,
             rms_norm_eps=float(cfg["rms_norm_eps"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or (model_type == "glm4_moe" and bool(cfg["attention_bias"])),
             qk_norm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(cfg["use_qk_norm"])),
             rope=rope,
             moe=MoEArch.from_dict(cfg, path, cfg["num_hidden_layers"]) if model_type in MOE_MODEL_TYPES else None,
+            mla=mla,
         )
 
     def padded_vocab_size(self, tp: int) -> int:
@@ -258,6 +263,16 @@ def model_features(cfg: dict, path: Path = Path("config.json")) -> list[Feature]
 
 
 def _attention_feature(cfg: dict, path: Path) -> Feature:
+    if cfg.get("model_type") in MLA_MODEL_TYPES:
+        try:
+            mla = MLAArch.from_dict(cfg, path)
+        except (ValueError, KeyError) as exc:
+            return Feature("attention", "multi-latent", exc if isinstance(exc, ValueError) else ValueError(str(exc)))
+        detail = (
+            f"multi-latent, {cfg.get('num_attention_heads')} heads, q_lora_rank {mla.q_lora_rank}, kv_lora_rank "
+            f"{mla.kv_lora_rank}, RoPE {mla.rope_type}{' interleaved' if mla.rope_interleave else ''}"
+        )
+        return Feature("attention", detail)
     heads, groups = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     extras = {"qwen2": ", q/k/v bias", "qwen2_moe": ", q/k/v bias", "qwen3": ", QK-norm", "qwen3_moe": ", QK-norm"}
     extra = extras.get(cfg.get("model_type"), "")
@@ -342,7 +357,7 @@ def transformer_config(
         )
     bf16 = dtype == "bfloat16"
     moe = {} if arch.moe is None else moe_config_kwargs(arch.moe, moe_options or MoEOptions(), tp, ep, etp)
-    return TransformerConfig(
+    kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -373,3 +388,8 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         **moe,
     )
+    if arch.mla is None:
+        return TransformerConfig(**kwargs)
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(**{**kwargs, **arch.mla.config_kwargs(tp)})

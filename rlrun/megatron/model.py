@@ -15,6 +15,7 @@ import torch
 
 from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
+from rlrun.megatron.mla import patch_mla_without_te
 from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
@@ -78,6 +79,8 @@ def build_gpt(
     arch = ModelArch.from_hf_dir(hf_dir)
     if arch.moe is not None:
         patch_router_without_te()
+    if arch.mla is not None:
+        patch_mla_without_te()
     config = transformer_config(
         arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size, parallel.etp_size, moe_options
     )

@@ -12,7 +12,8 @@ Routing, HF vs Megatron (both score with a softmax over the router logits):
 * ``norm_topk_prob=True``: the top-k probabilities renormalised to sum to 1, which equals a softmax over
   the top-k logits: Megatron's default (``moe_router_pre_softmax=False``).
 
-GLM-4.5 MoE (``glm4_moe``) scores with a sigmoid instead: experts are picked by ``sigmoid(logit) + b`` with
+GLM-4.5 MoE (``glm4_moe``) and DeepSeek-V3 (``deepseek_v3``, whose router transformers implements identically)
+score with a sigmoid instead: experts are picked by ``sigmoid(logit) + b`` with
 the checkpoint's score-correction bias ``b`` (``mlp.gate.e_score_correction_bias``), weighted by their
 ``sigmoid(logit)`` renormalised over the top k, times ``routed_scaling_factor``: Megatron's
 ``moe_router_score_function="sigmoid"`` with ``moe_router_enable_expert_bias`` (the bias is Megatron's
@@ -58,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3")
 LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
 Dispatcher = Literal["auto", "alltoall", "allgather"]
 
@@ -93,7 +94,7 @@ class MoEArch:
 
     @classmethod
     def from_dict(cls, cfg: dict, path: Path, num_layers: int) -> MoEArch:
-        if cfg.get("model_type") == "glm4_moe":
+        if cfg.get("model_type") in ("glm4_moe", "deepseek_v3"):  # the same router and layout
             return cls._glm4_moe(cfg, path, num_layers)
         num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
         topk = cfg["num_experts_per_tok"]
@@ -118,7 +119,8 @@ class MoEArch:
 
     @classmethod
     def _glm4_moe(cls, cfg: dict, path: Path, num_layers: int) -> MoEArch:
-        """GLM-4.5 MoE: sigmoid routing with a correction bias, dense first layers, ungated shared experts."""
+        """GLM-4.5 MoE and DeepSeek-V3: sigmoid routing with a correction bias, dense first layers, ungated shared
+        experts (transformers' two routers are the same code)."""
         num_experts, topk = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
         num_groups, group_topk = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
         if topk > 1 and not cfg.get("norm_topk_prob", True):

@@ -71,9 +71,9 @@ def test_model_family_and_features_are_listed(family_model_dirs, tmp_path):
     # A refused family and feature: every row stays listed, the refused ones name the field and the reason.
     config = json.loads((family_model_dirs["mistral"] / "config.json").read_text())
     (tmp_path / "model.safetensors").write_bytes(b"")
-    refused = {**config, "model_type": "deepseek_v3", "use_sliding_window": True, "sliding_window": 64}
+    refused = {**config, "model_type": "gemma3_text", "use_sliding_window": True, "sliding_window": 64}
     (tmp_path / "config.json").write_text(json.dumps(refused))
     checks = by_name(config_checks(RunConfig.model_validate({"model": {"path": str(tmp_path)}}), num_gpus=0))
-    assert checks["model.family"].status == "missing" and "multi-latent attention" in checks["model.family"].detail
+    assert checks["model.family"].status == "missing" and "(1 + w) RMSNorm" in checks["model.family"].detail
     assert checks["model: attention span"].status == "missing"
     assert checks["model: RoPE"].status == "ok"

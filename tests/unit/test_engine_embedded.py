@@ -61,14 +61,16 @@ def test_scaled_rope_and_mistral_models_generate_as_hf(family_model_dirs, kind):
         torch.testing.assert_close(torch.tensor(result["output_logprobs"]), want, rtol=0, atol=1e-5)
 
 
-def test_glm4_moe_generates_as_hf_and_loads_its_routing_bias(tmp_path):
-    """GLM-4.5 MoE: greedy decoding equals HF's; the trainer's export includes the router's correction bias (a
-    persistent buffer, not a parameter), and loading it changes the engine's routing."""
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+def test_sigmoid_routed_moe_generates_as_hf_and_loads_its_routing_bias(kind, tmp_path):
+    """GLM-4.5 MoE and DeepSeek-V3 (multi-latent attention): greedy decoding equals HF's; the trainer's export
+    includes the router's correction bias (a persistent buffer, not a parameter), and loading it changes the
+    engine's routing."""
     from safetensors.torch import load_file
 
     from tiny_models import make_tiny_model
 
-    model_dir = make_tiny_model("glm4_moe", tmp_path / "glm4_moe")
+    model_dir = make_tiny_model(kind, tmp_path / kind)
     engine = EmbeddedEngine(model_dir, seed=0)
     greedy = {"max_new_tokens": 8, "top_k": 1, "ignore_eos": True}
     results = engine.generate(PROMPTS, greedy)

@@ -199,3 +199,59 @@ def test_glm45_features_name_the_routing():
     )
     assert features["attention"].detail == "6 query heads, 3 key/value heads, q/k/v bias"
     assert "50%" in features["partial rotary"].detail
+
+
+DEEPSEEK_V3 = {
+    **{k: v for k, v in GLM45.items() if k not in ("attention_bias", "use_qk_norm", "head_dim")},
+    "model_type": "deepseek_v3",
+    "num_key_value_heads": 6,
+    "rms_norm_eps": 1e-6,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 10,
+    "head_dim": 8,
+    "n_group": 4,
+    "topk_group": 2,
+    "rope_parameters": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1, "rope_theta": 1e4},
+}  # fmt: skip
+
+
+def test_deepseek_v3_config_is_multi_latent_attention():
+    arch = ModelArch.from_dict(DEEPSEEK_V3)
+    assert arch.rope is None and arch.mla.rope_type == "yarn" and arch.mla.rope_interleave
+    config = transformer_config(arch, tp=1, pp=1, dtype="float32", ep=2)
+    assert type(config).__name__ == "MLATransformerConfig" and config.multi_latent_attention
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim) == (24, 16, 12, 8)
+    assert (config.v_head_dim, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (10, 40, 1, 1)
+    assert config.softmax_scale is None  # MLA computes its own (mscale_all_dim), as transformers does
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (4, 2)
+    features = {f.name: f for f in model_features(DEEPSEEK_V3)}
+    assert features["attention"].detail.startswith("multi-latent, 6 heads, q_lora_rank 24, kv_lora_rank 16")
+    # transformers takes the plain YaRN factor when mscale is unset: Megatron gets (1, 0), the same value.
+    plain = {**DEEPSEEK_V3, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}
+    assert (ModelArch.from_dict(plain).mla.mscale, ModelArch.from_dict(plain).mla.mscale_all_dim) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"rms_norm_eps": 1e-5}, r"rms_norm_eps \(1e-05\) must be 1e-6 because transformers' q/kv latent norms"),
+        ({"attention_bias": True}, r"attention_bias \(True\) must be false"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2, "rope_theta": 1e4}},
+         r"rope_parameters .* must give factor, and no attention_factor"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0, "rope_theta": 1e4}},
+         r"rope_parameters.mscale \(None\) must be set when mscale_all_dim is"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0, "rope_theta": 1e4}}, r"be 'default' or 'yarn'"),
+    ],
+)  # fmt: skip
+def test_deepseek_v3_variants_megatron_cannot_express_are_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArch.from_dict({**DEEPSEEK_V3, **override})
+
+
+def test_deepseek_v3_needs_tp1():
+    with pytest.raises(ValueError, match=r"parallel.tp \(2\) must be 1 for"):
+        transformer_config(ModelArch.from_dict(DEEPSEEK_V3), tp=2, pp=1, dtype="float32")
