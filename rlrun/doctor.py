@@ -5,9 +5,10 @@ Three groups of checks, each a :class:`Check` with a status:
 * packages: versions of torch (with its CUDA and NCCL), megatron-core, transformers, sglang,
   torch_memory_saver, pyzmq and the optional logging/plot packages;
 * devices: the GPUs torch can see (or why a run would use CPU and gloo);
-* config: for each thing the config turns on, whether its requirement is met (model directory,
-  prompt file, engine backend, offload, TensorBoard/W&B packages, world size vs ``parallel.tp``,
-  the checkpoint it would resume from).
+* config: for each thing the config turns on, whether its requirement is met (model directory, the
+  model's family and each architectural feature it needs, supported or refused, prompt file, engine
+  backend, offload, TensorBoard/W&B packages, world size vs ``parallel.tp``, the checkpoint it would
+  resume from).
 
 ``missing`` means the run would fail; ``warn`` means it would run, but probably not as meant.
 """
@@ -83,7 +84,7 @@ def config_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
     """What ``cfg`` turns on, and whether this machine provides it (``num_gpus`` visible)."""
     from rlrun.checkpoint import resolve_resume
 
-    checks = [_model_check(cfg), _data_check(cfg)]
+    checks = [_model_check(cfg), *_architecture_checks(cfg), _data_check(cfg)]
     traits = backend_traits(cfg.engine.backend)
     needs = [f"the {traits.package} package"] if traits.package else []
     needs += ["a GPU"] if traits.needs_gpu else []
@@ -155,6 +156,26 @@ def _model_check(cfg: RunConfig) -> Check:
         return Check("config", "model.path", "missing", f"{path} has no *.safetensors weights")
     size = sum(w.stat().st_size for w in weights) / 2**30
     return Check("config", "model.path", "ok", f"{path} ({len(weights)} safetensors file(s), {size:.2f} GiB)")
+
+
+def _architecture_checks(cfg: RunConfig) -> list[Check]:
+    """``model.family`` and one ``model: <feature>`` row per feature of config.json, ``missing`` when refused."""
+    import json
+
+    from rlrun.megatron.hf_config import family_feature, model_features
+
+    path = Path(cfg.model.path) / "config.json"
+    if not path.is_file():
+        return []
+    hf_config = json.loads(path.read_text())
+    checks = []
+    for feature in (family_feature(hf_config, path), *model_features(hf_config, path)):
+        name = "model.family" if feature.name == "family" else f"model: {feature.name}"
+        if feature.supported:
+            checks.append(Check("config", name, "ok", f"{feature.detail} (supported)".lstrip()))
+        else:
+            checks.append(Check("config", name, "missing", f"refused: {feature.error}"))
+    return checks
 
 
 def _data_check(cfg: RunConfig) -> Check:

@@ -38,6 +38,15 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def family_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """The RoPE-scaling and Mistral kinds of ``tiny_models.FAMILY_KINDS`` (llama3, linear, YaRN, mistral)."""
+    from tiny_models import FAMILY_KINDS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("family_models")
+    return {kind: make_tiny_model(kind, root / kind) for kind in FAMILY_KINDS}
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen3-MoE (4 experts, top-2, QK-norm) HF dir, per-expert tensors on disk."""
     from tiny_models import make_tiny_model

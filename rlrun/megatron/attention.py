@@ -99,6 +99,9 @@ def layer_spec(
     some layers are MoE (``mlp_only_layers``), the result is pipeline stage ``pp_rank``'s list of layer specs.
     """
     moe_layers = arch.moe.moe_layers if arch.moe is not None else (False,) * arch.num_layers
+    if arch.mla is not None and packed_attention == "auto":
+        # FlashAttention's kernel takes one head size for q, k and v; MLA's values are narrower (rlrun.megatron.mla).
+        packed_attention = "per_sample"
     attention = core_attention(packed_attention, dtype)
     if all(moe_layers) or not any(moe_layers):
         return _layer_spec(arch, any(moe_layers), attention)
@@ -119,10 +122,15 @@ def _layer_spec(arch: ModelArch, moe: bool, attention: type) -> ModuleSpec:
         num_experts=arch.moe.num_experts if moe else None,
         moe_grouped_gemm=False,
         normalization="RMSNorm",
-        qk_layernorm=arch.qk_norm,
+        qk_layernorm=arch.qk_norm or arch.mla is not None,  # MLA: the q/kv latent norms
+        multi_latent_attention=arch.mla is not None,
     )
     # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
     spec.submodules.self_attention.submodules.core_attention = attention
+    if arch.mla is not None and arch.mla.q_lora_rank is None:  # no query latent, so no norm on it
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        spec.submodules.self_attention.submodules.q_layernorm = IdentityOp
     return spec
 
 
@@ -184,7 +192,11 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
+        # k_channels / v_channels: multi-latent attention's q/k and v head sizes differ; SDPA reads them from
+        # the tensors.
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError(

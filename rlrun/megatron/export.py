@@ -42,7 +42,7 @@ def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[s
 
     ``meta``: no communication, meta tensors of the right shapes (what the other stages must receive).
     """
-    params = dict(model.module.named_parameters())
+    params = {**dict(model.module.named_buffers()), **dict(model.module.named_parameters())}  # mapped buffers too
     parallel = model.parallel
     per_rank = [
         weight_mappings(model.arch, parallel.pp_rank, parallel.pp_size, r, parallel.ep_size)

@@ -2,15 +2,27 @@
 
 Supported families (``model_type``) and what distinguishes them:
 
-* ``llama`` (SmolLM2, Llama 2/3 without rope scaling): no biases, often tied embeddings.
+* ``llama`` (SmolLM2, Llama 2, Llama 3.x): no biases, often tied embeddings; Llama 3.1+ scale RoPE
+  (``rope_type: llama3``).
+* ``mistral``: Llama's weights and layers with an explicit ``head_dim``, and a ``sliding_window`` that is
+  accepted only when it is null or at least ``max_position_embeddings`` (then every sequence the model
+  can take is shorter than the window, and sliding-window attention is full causal attention).
 * ``qwen2``: biases on q/k/v (not on o_proj).
 * ``qwen3``: RMSNorm on each query and key head (QK-norm) and an explicit ``head_dim``.
 * ``qwen3_moe`` / ``qwen2_moe``: ``qwen3`` / ``qwen2`` attention with mixture-of-experts MLPs
   (``rlrun.megatron.moe``).
+* ``glm4_moe`` (GLM-4.5/4.6): q/k/v biases (its ``attention_bias``; o_proj has none), optional QK-norm
+  (``use_qk_norm``), RoPE on the first ``partial_rotary_factor`` of each head's channels (half-split
+  rotation, the rest passed through: Megatron's ``rotary_percent``), sigmoid-routed MoE with shared experts
+  and dense first layers (``rlrun.megatron.moe``).
+* ``deepseek_v3`` (DeepSeek-V3/R1, Kimi-K2, Moonlight): multi-latent attention (``rlrun.megatron.mla``) with
+  GLM-4.5's router, shared experts and dense first layers.
 
-All three are pre-norm decoders with RMSNorm, SwiGLU MLPs, grouped-query attention and RoPE; a
-config that asks for anything else (rope scaling, sliding windows, MLP biases) is refused with the
-``config.json`` field to blame, rather than converted into a model that computes something different.
+All are pre-norm decoders with RMSNorm, SwiGLU MLPs, grouped-query attention and RoPE, plain or scaled
+(``linear``, ``llama3``, ``yarn``: ``rlrun.megatron.rope``); a config that asks for anything else (dynamic
+or long RoPE, effective sliding windows, MLP or o_proj biases) is refused with the ``config.json`` field to
+blame, rather than converted into a model that computes something different. ``model_features`` lists
+what a config needs, supported or refused, for ``rlrun doctor``.
 
 Head padding. Megatron gives each TP rank whole key/value groups, so ``tp`` must divide the number of
 groups ``G`` (and then the number of query heads ``H = G * heads_per_group`` too). When it does not
@@ -39,9 +51,22 @@ from pathlib import Path
 
 import torch
 
+from rlrun.megatron.mla import MLA_MODEL_TYPES, MLAArch
 from rlrun.megatron.moe import MOE_MODEL_TYPES, MoEArch, MoEOptions, moe_config_kwargs
+from rlrun.megatron.rope import Rope, rope_from_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+PARTIAL_ROTARY_MODEL_TYPES = ("glm4_moe",)
+"""Families whose transformers code rotates the first ``partial_rotary_factor`` of each head and passes the
+rest through, as Megatron's ``rotary_percent`` does."""
+REFUSED_MODEL_TYPES = {
+    "gemma3_text": "the local layer spec has no (1 + w) RMSNorm, GeGLU, embedding scaling or per-layer "
+    "sliding-window attention (SDPACoreAttention is full causal only)",
+    "gemma3": "it is a vision-language model; the text decoder (gemma3_text) is refused as well",
+    "gemma2": "the local layer spec has no (1 + w) RMSNorm, GeGLU, logit soft-capping or sliding-window layers",
+    "mixtral": "its experts (block_sparse_moe w1/w2/w3) have no entry in rlrun's weight map yet",
+}
+"""Families asked for but not converted, with the missing piece (``model_type`` errors name it)."""
 VOCAB_PAD_MULTIPLE = 128
 """The embedding is padded to a multiple of ``VOCAB_PAD_MULTIPLE * tp`` rows (Megatron's convention):
 each TP rank then holds an equal, aligned vocabulary slice."""
@@ -73,8 +98,12 @@ class ModelArch:
     tie_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    rope: Rope | None = None
+    """The rotary embedding (scaling variant, rotary channels); None: plain RoPE over ``head_dim``."""
     moe: MoEArch | None = None
     """The mixture-of-experts MLPs; None for a dense model."""
+    mla: MLAArch | None = None
+    """Multi-latent attention (then ``rope`` is None: MLA builds its own rotary embedding)."""
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> ModelArch:
@@ -85,16 +114,10 @@ class ModelArch:
     def from_dict(cls, cfg: dict, path: Path = Path("config.json")) -> ModelArch:
         """Validate a parsed ``config.json`` and keep the fields Megatron needs."""
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise _unsupported(
-                path,
-                "model_type",
-                model_type,
-                f"be one of {SUPPORTED_MODEL_TYPES}",
-                "rlrun only converts these decoder families to Megatron",
-            )
+        family = family_feature(cfg, path)
+        if family.error is not None:
+            raise family.error
         _check_supported_features(cfg, path)
-        rope = cfg.get("rope_parameters") or {}
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads != 0:
@@ -103,6 +126,9 @@ class ModelArch:
                 f"({num_kv_heads}) because every key/value head serves the same number of query heads; "
                 f"this config.json does not describe a grouped-query attention model"
             )
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        mla = MLAArch.from_dict(cfg, path) if model_type in MLA_MODEL_TYPES else None
+        rope = rope_from_config(cfg, head_dim, path) if mla is None else None
         return cls(
             model_type=model_type,
             num_layers=cfg["num_hidden_layers"],
@@ -110,15 +136,17 @@ class ModelArch:
             ffn_hidden_size=cfg["intermediate_size"],
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg["max_position_embeddings"],
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_theta=rope.theta if rope is not None else mla.rope_theta,
             rms_norm_eps=float(cfg["rms_norm_eps"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type in ("qwen2", "qwen2_moe"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or (model_type == "glm4_moe" and bool(cfg["attention_bias"])),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or (model_type == "glm4_moe" and bool(cfg["use_qk_norm"])),
+            rope=rope,
             moe=MoEArch.from_dict(cfg, path, cfg["num_hidden_layers"]) if model_type in MOE_MODEL_TYPES else None,
+            mla=mla,
         )
 
     def padded_vocab_size(self, tp: int) -> int:
@@ -164,34 +192,149 @@ def head_padding_note(arch: ModelArch, tp: int) -> str | None:
 
 
 def _check_supported_features(cfg: dict, path: Path) -> None:
-    rope = cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
-    if cfg.get("rope_scaling"):
-        raise _unsupported(
-            path,
-            "rope_scaling",
-            cfg["rope_scaling"],
-            "be null",
-            "Megatron's RotaryEmbedding here implements plain RoPE only",
+    """Raise for the first feature of ``cfg`` that the Megatron model would not compute as HF does."""
+    for feature in model_features(cfg, path):
+        if feature.error is not None:
+            raise feature.error
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One thing a ``config.json`` asks of the model, and whether rlrun builds it (``error`` None) or not."""
+
+    name: str
+    detail: str
+    error: ValueError | None = None
+
+    @property
+    def supported(self) -> bool:
+        return self.error is None
+
+
+def family_feature(cfg: dict, path: Path = Path("config.json")) -> Feature:
+    """The ``model_type``: supported, or refused with the missing piece (``REFUSED_MODEL_TYPES``)."""
+    model_type = cfg.get("model_type")
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return Feature("family", str(model_type))
+    reason = REFUSED_MODEL_TYPES.get(model_type, "rlrun only converts these decoder families to Megatron")
+    error = _unsupported(path, "model_type", model_type, f"be one of {SUPPORTED_MODEL_TYPES}", reason)
+    return Feature("family", str(model_type), error)
+
+
+def model_features(cfg: dict, path: Path = Path("config.json")) -> list[Feature]:
+    """Every architectural feature of ``cfg`` that matters to the conversion, each supported or refused
+    (the refusal is the ``ValueError`` that loading would raise); ``rlrun doctor`` prints them."""
+    from rlrun.megatron.rope import rope_parameters
+
+    features = [_attention_feature(cfg, path), _rope_feature(cfg, path)]
+    rope = rope_parameters(cfg)
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial != 1.0 and cfg.get("model_type") in PARTIAL_ROTARY_MODEL_TYPES:
+        features.append(Feature("partial rotary", f"RoPE on {partial:.0%} of each head, the rest passed through"))
+    elif partial != 1.0:
+        reason = (
+            f"transformers' {cfg.get('model_type')} rotates whole heads (its default RoPE ignores the "
+            "factor and its attention has no pass-through channels)"
         )
-    if rope_type != "default":
-        raise _unsupported(
-            path,
-            "rope_parameters.rope_type",
-            rope_type,
-            "be 'default'",
-            "Megatron's RotaryEmbedding here implements plain RoPE only",
+        error = _unsupported(path, "partial_rotary_factor", partial, "be 1.0", reason)
+        features.append(Feature("partial rotary", f"RoPE on {partial:.0%} of each head", error))
+    activation = cfg.get("hidden_act", "silu")
+    mlp = "mixture of experts" if cfg.get("model_type") in MOE_MODEL_TYPES else "dense"
+    features.append(
+        Feature(f"MLP ({mlp})", f"{activation}, gated")
+        if activation == "silu"
+        else Feature(
+            "MLP", activation, _unsupported(path, "hidden_act", activation, "be 'silu'", "the MLP is built as SwiGLU")
         )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise _unsupported(path, "hidden_act", cfg["hidden_act"], "be 'silu'", "the MLP is built as SwiGLU")
+    )
     if cfg.get("mlp_bias"):
-        raise _unsupported(path, "mlp_bias", True, "be false", "the MLP is built without biases")
-    if cfg.get("attention_bias"):
-        raise _unsupported(
-            path, "attention_bias", True, "be false", "Megatron's add_qkv_bias cannot express a bias on o_proj"
+        features.append(
+            Feature("MLP bias", "", _unsupported(path, "mlp_bias", True, "be false", "the MLP is built without biases"))
         )
-    if cfg.get("use_sliding_window"):
-        raise _unsupported(path, "use_sliding_window", True, "be false", "attention is built as full causal")
+    if cfg.get("attention_bias") and cfg.get("model_type") != "glm4_moe":  # GLM's attention_bias is q/k/v only
+        reason = "Megatron's add_qkv_bias cannot express a bias on o_proj"
+        features.append(Feature("o_proj bias", "", _unsupported(path, "attention_bias", True, "be false", reason)))
+    features.append(_sliding_window_feature(cfg, path))
+    if cfg.get("model_type") in MOE_MODEL_TYPES:
+        features.append(_moe_feature(cfg, path))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    features.append(Feature("embeddings", "tied to the output layer" if tied else "separate lm_head"))
+    return features
+
+
+def _attention_feature(cfg: dict, path: Path) -> Feature:
+    if cfg.get("model_type") in MLA_MODEL_TYPES:
+        try:
+            mla = MLAArch.from_dict(cfg, path)
+        except (ValueError, KeyError) as exc:
+            return Feature("attention", "multi-latent", exc if isinstance(exc, ValueError) else ValueError(str(exc)))
+        detail = (
+            f"multi-latent, {cfg.get('num_attention_heads')} heads, q_lora_rank {mla.q_lora_rank}, kv_lora_rank "
+            f"{mla.kv_lora_rank}, RoPE {mla.rope_type}{' interleaved' if mla.rope_interleave else ''}"
+        )
+        return Feature("attention", detail)
+    heads, groups = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    extras = {"qwen2": ", q/k/v bias", "qwen2_moe": ", q/k/v bias", "qwen3": ", QK-norm", "qwen3_moe": ", QK-norm"}
+    extra = extras.get(cfg.get("model_type"), "")
+    if cfg.get("model_type") == "glm4_moe":
+        extra = (", q/k/v bias" if cfg.get("attention_bias") else "") + (", QK-norm" if cfg.get("use_qk_norm") else "")
+    detail = f"{heads} query heads, {groups} key/value heads{extra}"
+    return Feature("attention", detail)
+
+
+def _rope_feature(cfg: dict, path: Path) -> Feature:
+    from rlrun.megatron.rope import rope_parameters
+
+    rope = rope_parameters(cfg)
+    detail = f"{rope['rope_type']}, theta {rope['rope_theta']}"
+    if rope.get("factor") is not None:
+        detail += f", factor {rope['factor']}"
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(cfg.get("num_attention_heads") or 1, 1)
+    try:
+        rope_from_config(cfg, head_dim, path)
+    except (ValueError, KeyError) as exc:
+        error = exc if isinstance(exc, ValueError) else ValueError(f"{path}: rope_parameters lacks {exc}")
+        return Feature("RoPE", detail, error)
+    return Feature("RoPE", detail)
+
+
+def _moe_feature(cfg: dict, path: Path) -> Feature:
+    try:
+        moe = MoEArch.from_dict(cfg, path, cfg["num_hidden_layers"])
+    except ValueError as exc:
+        return Feature("MoE routing", "", exc)
+    detail = f"{moe.num_experts} experts, top-{moe.topk}, {moe.score_function}"
+    detail += " + correction bias" if moe.expert_bias else ""
+    detail += f", groups {moe.group_topk} of {moe.num_groups}" if moe.num_groups else ""
+    detail += f", scaling {moe.scaling_factor}" if moe.scaling_factor not in (None, 1.0) else ""
+    detail += ", shared expert" if moe.shared_expert_ffn_hidden_size else ""
+    dense = moe.moe_layers.count(False)
+    return Feature("MoE routing", detail + (f", {dense} dense layer(s)" if dense else ""))
+
+
+def _sliding_window_feature(cfg: dict, path: Path) -> Feature:
+    """Mistral applies ``sliding_window`` whenever it is set; Qwen2/Qwen3 only with ``use_sliding_window``.
+    A window of at least ``max_position_embeddings`` tokens never cuts a sequence the model can take."""
+    window = cfg.get("sliding_window")
+    applied = cfg.get("use_sliding_window", False) if cfg.get("model_type") != "mistral" else window is not None
+    if not applied:
+        return Feature("attention span", "full causal")
+    max_positions = cfg["max_position_embeddings"]
+    if window is not None and window >= max_positions:
+        return Feature("attention span", f"sliding window {window} >= {max_positions} positions: full causal")
+    field = "sliding_window" if cfg.get("model_type") == "mistral" else "use_sliding_window"
+    value = window if field == "sliding_window" else True
+    error = _unsupported(
+        path,
+        field,
+        value,
+        f"be null or a window of at least max_position_embeddings ({max_positions})"
+        if field == "sliding_window"
+        else "be false (or sliding_window at least max_position_embeddings)",
+        f"attention is built as full causal, and a window of {window} tokens would hide earlier tokens "
+        "from longer sequences",
+    )
+    return Feature("attention span", f"sliding window {window}", error)
 
 
 def transformer_config(
@@ -214,7 +357,7 @@ def transformer_config(
         )
     bf16 = dtype == "bfloat16"
     moe = {} if arch.moe is None else moe_config_kwargs(arch.moe, moe_options or MoEOptions(), tp, ep, etp)
-    return TransformerConfig(
+    kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -228,6 +371,7 @@ def transformer_config(
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_norm,
+        softmax_scale=arch.rope.softmax_scale if arch.rope is not None else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -244,3 +388,8 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         **moe,
     )
+    if arch.mla is None:
+        return TransformerConfig(**kwargs)
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(**{**kwargs, **arch.mla.config_kwargs(tp)})

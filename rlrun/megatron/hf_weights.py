@@ -51,7 +51,7 @@ from safetensors import safe_open
 from rlrun.megatron.hf_config import ModelArch
 from rlrun.megatron.moe import moe_mlp_mappings
 
-Kind = Literal["copy", "vocab", "qkv", "o_proj", "concat"]
+Kind = Literal["copy", "vocab", "qkv", "o_proj", "concat", "mla_q", "mla_kv"]
 
 
 @dataclass(frozen=True)
@@ -84,21 +84,10 @@ def weight_mappings(
         mc, hf = f"decoder.layers.{local}.", f"model.layers.{i}."
         attn = f"{hf}self_attn."
         maps.append(WeightMapping(f"{mc}input_layernorm.weight", (f"{hf}input_layernorm.weight",), "copy"))
-        maps.append(
-            WeightMapping(
-                f"{mc}self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"
-            )
-        )
-        if arch.qkv_bias:
-            maps.append(
-                WeightMapping(
-                    f"{mc}self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"
-                )
-            )
-        if arch.qk_norm:
-            maps.append(WeightMapping(f"{mc}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "copy"))
-            maps.append(WeightMapping(f"{mc}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy"))
-        maps.append(WeightMapping(f"{mc}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "o_proj"))
+        if arch.mla is not None:  # multi-latent attention (rlrun.megatron.mla)
+            maps += [WeightMapping(*row) for row in arch.mla.mappings(mc, attn)]
+        else:
+            maps += _attention_mappings(arch, mc, attn)
         maps.append(WeightMapping(f"{mc}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",), "copy"))
         if arch.moe is not None and arch.moe.moe_layers[i]:
             maps += [WeightMapping(*row) for row in moe_mlp_mappings(arch.moe, mc, hf, ep_rank, ep_size)]
@@ -119,6 +108,23 @@ def weight_mappings(
     return maps
 
 
+def _attention_mappings(arch: ModelArch, mc: str, attn: str) -> list[WeightMapping]:
+    """Grouped-query attention: packed q/k/v (and biases), QK-norm, o_proj."""
+    maps = []
+    maps.append(
+        WeightMapping(f"{mc}self_attention.linear_qkv.weight", tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv")
+    )
+    if arch.qkv_bias:
+        maps.append(
+            WeightMapping(f"{mc}self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv")
+        )
+    if arch.qk_norm:
+        maps.append(WeightMapping(f"{mc}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "copy"))
+        maps.append(WeightMapping(f"{mc}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "copy"))
+    maps.append(WeightMapping(f"{mc}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "o_proj"))
+    return maps
+
+
 def _zero_pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """``tensor`` with zeros appended along ``dim`` up to ``size``."""
     missing = list(tensor.shape)
@@ -131,6 +137,8 @@ def to_megatron(arch: ModelArch, mapping: WeightMapping, hf_tensors: list[torch.
     for a model with ``tp`` tensor-parallel ranks."""
     if mapping.kind == "copy":
         return hf_tensors[0]
+    if mapping.kind in ("mla_q", "mla_kv"):
+        return arch.mla.permute_rope_rows(mapping.kind, hf_tensors[0])
     if mapping.kind == "concat":
         return torch.cat(hf_tensors, dim=0)
     if mapping.kind == "vocab":
@@ -146,6 +154,8 @@ def to_hf(arch: ModelArch, mapping: WeightMapping, full: torch.Tensor) -> list[t
     """Split a full Megatron tensor back into its HF tensors, padding dropped (inverse of ``to_megatron``)."""
     if mapping.kind == "copy":
         return [full]
+    if mapping.kind in ("mla_q", "mla_kv"):
+        return [arch.mla.permute_rope_rows(mapping.kind, full, to_hf=True)]
     if mapping.kind == "concat":
         return list(full.chunk(len(mapping.hf_names), dim=0))
     if mapping.kind == "vocab":

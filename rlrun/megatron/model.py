@@ -15,6 +15,7 @@ import torch
 
 from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
+from rlrun.megatron.mla import patch_mla_without_te
 from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
@@ -78,6 +79,8 @@ def build_gpt(
     arch = ModelArch.from_hf_dir(hf_dir)
     if arch.moe is not None:
         patch_router_without_te()
+    if arch.mla is not None:
+        patch_mla_without_te()
     config = transformer_config(
         arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size, parallel.etp_size, moe_options
     )
@@ -92,7 +95,10 @@ def build_gpt(
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rotary_percent=arch.rope.rotary_percent if arch.rope is not None else 1.0,
     )
+    if arch.rope is not None:
+        arch.rope.apply_to(gpt.rotary_pos_emb)  # scaled RoPE: transformers' frequencies (rlrun/megatron/rope.py)
     # The local spec's torch RMSNorm ignores params_dtype; cast the whole model like Megatron's
     # Float16Module does (RoPE's inv_freq is a plain attribute and stays fp32).
     gpt = gpt.to(device=parallel.device, dtype=config.params_dtype)
@@ -130,8 +136,10 @@ def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, pa
         raise RuntimeError(
             f"Megatron parameters without an HF source: {sorted(unmapped)}; rlrun/megatron/hf_weights.py must map them"
         )
+    # Buffers the map names too: GLM-4.5's router correction bias (rlrun.megatron.moe).
+    tensors = {**dict(gpt.named_buffers()), **params}
     for mapping in mappings:
-        param = params[mapping.megatron_name]
+        param = tensors[mapping.megatron_name]
         hf_tensors = [checkpoint.get(name) for name in mapping.hf_names]
         full = to_megatron(arch, mapping, hf_tensors, parallel.tp_size)
         if is_expert_param(mapping.megatron_name):

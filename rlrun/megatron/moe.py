@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE): their architecture, options and HF weight names.
+"""Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, GLM-4.5 MoE): their architecture, options and HF weight names.
 
 An MoE decoder layer replaces the dense SwiGLU MLP with a router (``gate``: ``[num_experts, hidden]``)
 that sends each token to its ``topk`` best experts (each a SwiGLU MLP of ``moe_ffn_hidden_size``) and
@@ -12,6 +12,21 @@ Routing, HF vs Megatron (both score with a softmax over the router logits):
 * ``norm_topk_prob=True``: the top-k probabilities renormalised to sum to 1, which equals a softmax over
   the top-k logits: Megatron's default (``moe_router_pre_softmax=False``).
 
+GLM-4.5 MoE (``glm4_moe``) and DeepSeek-V3 (``deepseek_v3``, whose router transformers implements identically)
+score with a sigmoid instead: experts are picked by ``sigmoid(logit) + b`` with
+the checkpoint's score-correction bias ``b`` (``mlp.gate.e_score_correction_bias``), weighted by their
+``sigmoid(logit)`` renormalised over the top k, times ``routed_scaling_factor``: Megatron's
+``moe_router_score_function="sigmoid"`` with ``moe_router_enable_expert_bias`` (the bias is Megatron's
+``router.expert_bias`` buffer) and ``moe_router_topk_scaling_factor``. Megatron renormalises sigmoid scores
+whenever ``topk > 1``, so ``norm_topk_prob: false`` is refused. ``b`` stays the checkpoint's
+(``moe_router_bias_update_rate=0``): the engine routes with the same bias, and Megatron's aux-loss-free
+balancing would move the trainer's routing away from it. Group-limited routing (``n_group > 1``) picks
+groups by the sum of their top ``topk // topk_group`` scores in Megatron and their top 2 in transformers,
+so it is accepted only where the two agree. The first ``first_k_dense_replace`` layers are dense, and
+``n_shared_experts * moe_intermediate_size`` wide ungated shared experts (``mlp.shared_experts``) see
+every token. Its multi-token-prediction layers (``num_nextn_predict_layers``) are not used by transformers'
+model, nor loaded here.
+
 Megatron names (local spec, ``SequentialMLP`` experts) and their HF sources, layer ``i``:
 
 ==================================================  ===============================================
@@ -23,7 +38,10 @@ linear_fc2.weight
 decoder.layers.i.mlp.shared_experts.linear_fc1      model.layers.i.mlp.shared_expert.{gate,up}_proj
 decoder.layers.i.mlp.shared_experts.linear_fc2      model.layers.i.mlp.shared_expert.down_proj
 decoder.layers.i.mlp.shared_experts.gate_weight     model.layers.i.mlp.shared_expert_gate.weight
+decoder.layers.i.mlp.router.expert_bias (buffer)    model.layers.i.mlp.gate.e_score_correction_bias
 ==================================================  ===============================================
+
+(GLM-4.5's shared experts are ``mlp.shared_experts.*``, plural, without a gate.)
 
 Expert parallelism: the ``num_experts`` experts are split into ``ep`` equal consecutive blocks, EP rank
 ``r`` holding experts ``[r * E/ep, (r + 1) * E/ep)`` as ``local_experts.0 ...``. Each expert's weights
@@ -39,10 +57,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from rlrun.config.schema import Dispatcher, LoadBalancing
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -59,9 +78,24 @@ class MoEArch:
     router_aux_loss_coef: float
     shared_expert_ffn_hidden_size: int = 0
     """Qwen2-MoE's ``shared_expert_intermediate_size``; 0: no shared expert."""
+    shared_expert_gate: bool = True
+    """Qwen2-MoE scales its shared expert by ``sigmoid(shared_expert_gate(x))``; GLM-4.5's has no gate."""
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    expert_bias: bool = False
+    """A score-correction bias added to the scores for choosing experts only (GLM-4.5)."""
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
+    """``routed_scaling_factor``: multiplies the routed experts' weights."""
+
+    @property
+    def shared_expert_prefix(self) -> str:
+        return "shared_expert" if self.shared_expert_gate else "shared_experts"
 
     @classmethod
     def from_dict(cls, cfg: dict, path: Path, num_layers: int) -> MoEArch:
+        if cfg.get("model_type") in ("glm4_moe", "deepseek_v3"):  # the same router and layout
+            return cls._glm4_moe(cfg, path, num_layers)
         num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
         topk = cfg["num_experts_per_tok"]
         if not num_experts or not 1 <= topk <= num_experts:
@@ -81,6 +115,40 @@ class MoEArch:
             moe_layers=moe_layers,
             router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
             shared_expert_ffn_hidden_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        )
+
+    @classmethod
+    def _glm4_moe(cls, cfg: dict, path: Path, num_layers: int) -> MoEArch:
+        """GLM-4.5 MoE and DeepSeek-V3: sigmoid routing with a correction bias, dense first layers, ungated shared
+        experts (transformers' two routers are the same code)."""
+        num_experts, topk = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+        num_groups, group_topk = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+        if topk > 1 and not cfg.get("norm_topk_prob", True):
+            raise ValueError(
+                f"{path}: norm_topk_prob (False) must be true because Megatron's sigmoid router always "
+                f"renormalises the top-{topk} scores; use a model with norm_topk_prob: true"
+            )
+        if num_groups > 1 and topk // group_topk != 2:
+            raise ValueError(
+                f"{path}: num_experts_per_tok // topk_group ({topk} // {group_topk}) must be 2 because Megatron "
+                f"ranks expert groups by their top {topk // group_topk} scores and transformers by their top 2; "
+                f"use a model with n_group: 1 or such a ratio"
+            )
+        first_dense = cfg.get("first_k_dense_replace") or 0
+        return cls(
+            num_experts=num_experts,
+            topk=topk,
+            ffn_hidden_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=True,
+            moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+            shared_expert_ffn_hidden_size=int(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"],
+            shared_expert_gate=False,
+            score_function="sigmoid",
+            expert_bias=True,
+            num_groups=num_groups if num_groups > 1 else None,
+            group_topk=group_topk if num_groups > 1 else None,
+            scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         )
 
 
@@ -134,14 +202,19 @@ def moe_config_kwargs(moe: MoEArch, options: MoEOptions, tp: int, ep: int, etp: 
         moe_layer_freq=[int(sparse) for sparse in moe.moe_layers],
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_router_topk=moe.topk,
-        moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob and moe.score_function == "softmax",
+        moe_router_score_function=moe.score_function,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_bias_update_rate=0.0,  # the checkpoint's correction bias, as the engine routes (see above)
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_router_topk_scaling_factor=moe.scaling_factor,
         moe_router_load_balancing_type=balancing,
         moe_aux_loss_coeff=0.0 if balancing == "none" else coeff,
         moe_z_loss_coeff=options.z_loss_coeff,
         moe_token_dispatcher_type=options.resolved_dispatcher(),
         moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
-        moe_shared_expert_gate=moe.shared_expert_ffn_hidden_size > 0,
+        moe_shared_expert_gate=moe.shared_expert_ffn_hidden_size > 0 and moe.shared_expert_gate,
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
@@ -155,6 +228,8 @@ def moe_mlp_mappings(
     rank's experts, shared expert. ``mc`` / ``hf`` are the layer prefixes (``decoder.layers.0.``)."""
     local = moe.num_experts // ep_size
     rows = [(f"{mc}mlp.router.weight", (f"{hf}mlp.gate.weight",), "copy")]
+    if moe.expert_bias:
+        rows.append((f"{mc}mlp.router.expert_bias", (f"{hf}mlp.gate.e_score_correction_bias",), "copy"))
     for j in range(local):
         expert = f"{hf}mlp.experts.{ep_rank * local + j}."
         mc_expert = f"{mc}mlp.experts.local_experts.{j}."
@@ -163,7 +238,7 @@ def moe_mlp_mappings(
         )
         rows.append((f"{mc_expert}linear_fc2.weight", (f"{expert}down_proj.weight",), "copy"))
     if moe.shared_expert_ffn_hidden_size:
-        shared = f"{hf}mlp.shared_expert."
+        shared = f"{hf}mlp.{moe.shared_expert_prefix}."
         rows.append(
             (
                 f"{mc}mlp.shared_experts.linear_fc1.weight",
@@ -172,7 +247,8 @@ def moe_mlp_mappings(
             )
         )
         rows.append((f"{mc}mlp.shared_experts.linear_fc2.weight", (f"{shared}down_proj.weight",), "copy"))
-        rows.append((f"{mc}mlp.shared_experts.gate_weight", (f"{hf}mlp.shared_expert_gate.weight",), "copy"))
+        if moe.shared_expert_gate:
+            rows.append((f"{mc}mlp.shared_experts.gate_weight", (f"{hf}mlp.shared_expert_gate.weight",), "copy"))
     return rows
 
 

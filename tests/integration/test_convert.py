@@ -1,5 +1,6 @@
 """``rlrun convert``: HF -> Megatron distributed checkpoint (TP=2) -> HF reproduces every original tensor bit
-for bit, for each tiny family (tied embeddings, QKV bias, QK-norm); config and tokenizer files are copied;
+for bit, for each tiny family (tied embeddings, QKV bias, QK-norm, and the RoPE-scaling and Mistral kinds of
+tiny_models.FAMILY_KINDS, whose 3 key/value groups are padded to 4 at TP=2); config and tokenizer files are copied;
 ``checkpoint.load`` of the converted directory into a bf16 model gives the weights ``build_model`` loads from the
 HF directory, also after an update (the optimizer's fp32 main weights follow the load).
 
@@ -20,10 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 from dist_utils import run_distributed
+from tiny_models import FAMILY_KINDS
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", *FAMILY_KINDS)
 
 
 @dataclass
@@ -93,8 +95,8 @@ def assert_same_hf_dir(original: Path, converted: Path) -> None:
         assert (converted / file).read_bytes() == (original / file).read_bytes(), file
 
 
-def test_round_trip_is_exact_for_every_family_at_tp2(tiny_model_dirs, tmp_path):
-    hf_dirs = {family: str(tiny_model_dirs[family]) for family in FAMILIES}
+def test_round_trip_is_exact_for_every_family_at_tp2(tiny_model_dirs, family_model_dirs, tmp_path):
+    hf_dirs = {family: str({**tiny_model_dirs, **family_model_dirs}[family]) for family in FAMILIES}
     result = run_distributed(_round_trips, 2, hf_dirs, str(tmp_path))
     for family in FAMILIES:
         assert_same_hf_dir(Path(hf_dirs[family]), tmp_path / family / "hf")

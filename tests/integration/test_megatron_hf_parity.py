@@ -1,4 +1,6 @@
-"""Megatron vs Hugging Face on tiny Llama (tied), Qwen2 (QKV bias) and Qwen3 (QK-norm) models.
+"""Megatron vs Hugging Face on tiny Llama (tied), Qwen2 (QKV bias) and Qwen3 (QK-norm) models, and on the
+``FAMILY_KINDS`` of tests/tiny_models.py: Llama 3.1 RoPE with non-default parameters (untied), linear RoPE
+(tied), Qwen2/Qwen3 YaRN, Mistral (explicit head_dim), each with 6 query heads in 3 groups (padded at TP=2).
 
 References: HF transformers fp32 log-probs and entropies, and the safetensors on disk for the export
 round trip. Each layout (TP=1, TP=2, PP=2: one layer per stage, the tied embedding split over the first
@@ -14,8 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from dist_utils import run_distributed
+from tiny_models import FAMILY_KINDS
 
-KINDS = ("llama", "qwen2", "qwen3")
+KINDS = ("llama", "qwen2", "qwen3", *FAMILY_KINDS)
 TEMPERATURE = 0.7
 pytestmark = pytest.mark.slow
 
@@ -44,6 +47,11 @@ def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor, pp
 
 
 @pytest.fixture(scope="module")
+def model_dirs(tiny_model_dirs, family_model_dirs) -> dict:
+    return {**tiny_model_dirs, **family_model_dirs}
+
+
+@pytest.fixture(scope="module")
 def tokens(tiny_model_dirs) -> torch.Tensor:
     """Random ids over the whole HF vocabulary, so the last (padding-adjacent) ids are exercised."""
     vocab_size = json.loads((tiny_model_dirs["llama"] / "config.json").read_text())["vocab_size"]
@@ -54,9 +62,9 @@ def tokens(tiny_model_dirs) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
-def megatron_run(request, tiny_model_dirs, tokens):
+def megatron_run(request, model_dirs, tokens):
     tp, pp = request.param
-    dirs = {kind: str(tiny_model_dirs[kind]) for kind in KINDS}
+    dirs = {kind: str(model_dirs[kind]) for kind in KINDS}
     return tp, run_distributed(_parity_worker, tp * pp, dirs, tp, tokens, pp, all_ranks=True)
 
 
@@ -70,9 +78,9 @@ def _hf_reference(hf_dir, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_logprobs_and_entropy_match_hf(kind, megatron_run, tiny_model_dirs, tokens):
+def test_logprobs_and_entropy_match_hf(kind, megatron_run, model_dirs, tokens):
     _, ranks = megatron_run
-    ref_logprobs, ref_entropy = _hf_reference(tiny_model_dirs[kind], tokens)
+    ref_logprobs, ref_entropy = _hf_reference(model_dirs[kind], tokens)
     for result in ranks:
         got = result[kind]
         assert got["logprobs"].shape == (tokens.shape[0], tokens.shape[1] - 1)
@@ -82,9 +90,9 @@ def test_logprobs_and_entropy_match_hf(kind, megatron_run, tiny_model_dirs, toke
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_export_round_trips_exactly(kind, megatron_run, tiny_model_dirs):
+def test_export_round_trips_exactly(kind, megatron_run, model_dirs):
     _, ranks = megatron_run
-    on_disk = load_file(tiny_model_dirs[kind] / "model.safetensors")
+    on_disk = load_file(model_dirs[kind] / "model.safetensors")
     for result in ranks:
         exported = result[kind]["weights"]
         assert set(exported) == set(on_disk)

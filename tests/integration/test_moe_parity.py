@@ -1,5 +1,8 @@
-"""Megatron vs Hugging Face on tiny random Qwen3-MoE (4 experts, top-2, QK-norm) and Qwen2-MoE (QKV bias, a
-gated shared expert) models, fp32.
+"""Megatron vs Hugging Face on tiny random Qwen3-MoE (4 experts, top-2, QK-norm), Qwen2-MoE (QKV bias, a
+gated shared expert) and GLM-4.5 MoE (sigmoid routing with a correction bias and scaling factor, an ungated
+shared expert, a dense first layer, partial rotary, QKV bias, QK-norm; plain and group-limited routing) and
+DeepSeek-V3 (multi-latent attention with interleaved YaRN RoPE, or without a query latent and with half-split
+RoPE as ``deepseek_v3_lite``; GLM's router with groups) models, fp32.
 
 References: HF transformers' log-probs and entropies, and the safetensors on disk for the export round
 trip. Layouts: EP=1 (one rank), EP=2 (two ranks, two experts each, the all-gather token dispatcher),
@@ -21,8 +24,23 @@ from safetensors.torch import load_file
 from dist_utils import run_distributed
 
 TEMPERATURE = 0.7
-KINDS = ("qwen3_moe", "qwen2_moe", "qwen3_moe_dense0")
-"""``qwen3_moe_dense0``: layer 0 a dense MLP (``mlp_only_layers: [0]``), layer 1 MoE."""
+KINDS = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "qwen3_moe_dense0",
+    "glm4_moe",
+    "glm4_moe_grouped",
+    "deepseek_v3",
+    "deepseek_v3_lite",
+)
+"""``qwen3_moe_dense0``: layer 0 a dense MLP (``mlp_only_layers: [0]``), layer 1 MoE. ``glm4_moe``: layer 0
+dense (``first_k_dense_replace: 1``); ``glm4_moe_grouped``: the same with 8 experts in 4 groups, top-4 from
+the best 2 groups. ``deepseek_v3``: layer 0 dense, 8 experts in 4 groups, top-4 from the best 2;
+``deepseek_v3_lite``: the same with ``q_lora_rank: null`` (Moonlight) and ``rope_interleave: false``."""
+NUM_EXPERTS = {"glm4_moe_grouped": 8, "deepseek_v3": 8, "deepseek_v3_lite": 8}
+"""Routed experts per MoE layer where not 4."""
+GROUPED = {"n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4}
+LITE = {"q_lora_rank": None, "rope_interleave": False}
 LAYOUTS = {"ep1": (1, 1, 1, 1), "ep2": (1, 2, 1, 1), "etp2": (1, 1, 2, 1), "pp2": (1, 1, 1, 2)}  # (tp, ep, etp, pp)
 pytestmark = pytest.mark.slow
 
@@ -78,6 +96,12 @@ def moe_dirs(tiny_moe_dir, tmp_path_factory) -> dict[str, Path]:
         "qwen3_moe_dense0": make_tiny_model(
             "qwen3_moe", tmp_path_factory.mktemp("dense0"), config_overrides={"mlp_only_layers": [0]}
         ),
+        "glm4_moe": make_tiny_model("glm4_moe", tmp_path_factory.mktemp("glm4_moe")),
+        "glm4_moe_grouped": make_tiny_model(
+            "glm4_moe", tmp_path_factory.mktemp("glm4_grouped"), config_overrides=GROUPED
+        ),
+        "deepseek_v3": make_tiny_model("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3")),
+        "deepseek_v3_lite": make_tiny_model("deepseek_v3", tmp_path_factory.mktemp("ds_lite"), config_overrides=LITE),
     }
 
 
@@ -104,11 +128,12 @@ def test_logprobs_and_entropy_match_hf(kind, megatron_run, moe_dirs, tokens):
     layout, ranks = megatron_run
     ref_logprobs, ref_entropy = _hf_reference(moe_dirs[kind], tokens)
     _, ep, etp, pp = LAYOUTS[layout]
-    sparse = [kind != "qwen3_moe_dense0" or layer == 1 for layer in range(2)]
+    sparse = [kind in ("qwen3_moe", "qwen2_moe") or layer == 1 for layer in range(2)]
+    num_experts = NUM_EXPERTS.get(kind, 4)
     for rank, result in enumerate(rank[kind] for rank in ranks):
         stage = sparse[rank // (len(ranks) // pp) * (2 // pp) :][: 2 // pp]  # this rank's layers
         assert sorted(result["fc1_rows"]) == [local for local, moe in enumerate(stage) if moe]
-        assert result["local_expert_params"] == sum(stage) * 2 * (4 // ep)  # MoE layers x (fc1, fc2) x experts
+        assert result["local_expert_params"] == sum(stage) * 2 * (num_experts // ep)  # layers x (fc1, fc2) x experts
         assert set(result["fc1_rows"].values()) <= {2 * 32 // etp}  # [gate; up] of moe_intermediate_size / etp
         torch.testing.assert_close(result["logprobs"], ref_logprobs, rtol=0, atol=1e-4)
         torch.testing.assert_close(result["entropy"], ref_entropy, rtol=0, atol=1e-4)
@@ -143,10 +168,14 @@ def _convert_worker(hf_dir: str, out_root: str) -> None:
     destroy_distributed()
 
 
-def test_convert_hf_to_mcore_to_hf_is_exact(tiny_moe_dir, tmp_path):
-    """``rlrun convert`` hf -> Megatron distributed checkpoint -> hf gives back every tensor bit for bit."""
-    run_distributed(_convert_worker, 1, str(tiny_moe_dir), str(tmp_path))
-    want, got = load_file(tiny_moe_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v3_lite"])
+def test_convert_hf_to_mcore_to_hf_is_exact(kind, moe_dirs, tmp_path):
+    """``rlrun convert`` hf -> Megatron distributed checkpoint -> hf gives back every tensor bit for bit (GLM-4.5's
+    correction bias is a Megatron buffer, saved and loaded with the parameters; the lite DeepSeek's RoPE rows are
+    interleaved on the way in and back on the way out)."""
+    hf_dir = moe_dirs[kind]
+    run_distributed(_convert_worker, 1, str(hf_dir), str(tmp_path))
+    want, got = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from importlib import metadata
 
 from typer.testing import CliRunner
@@ -58,3 +59,21 @@ def test_cli_exits_1_when_something_is_missing(tmp_path):
     result = CliRunner().invoke(app, ["doctor", str(config)])
     assert result.exit_code == 1
     assert "model.path" in result.output and "missing" in result.output
+
+
+def test_model_family_and_features_are_listed(family_model_dirs, tmp_path):
+    cfg = RunConfig.model_validate({"model": {"path": str(family_model_dirs["qwen2_yarn"])}})
+    checks = by_name(config_checks(cfg, num_gpus=0))
+    assert checks["model.family"].status == "ok" and checks["model.family"].detail == "qwen2 (supported)"
+    assert checks["model: RoPE"].status == "ok" and "yarn" in checks["model: RoPE"].detail
+    assert checks["model: attention"].detail == "6 query heads, 3 key/value heads, q/k/v bias (supported)"
+    assert checks["model: attention span"].status == "ok"
+    # A refused family and feature: every row stays listed, the refused ones name the field and the reason.
+    config = json.loads((family_model_dirs["mistral"] / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    refused = {**config, "model_type": "gemma3_text", "use_sliding_window": True, "sliding_window": 64}
+    (tmp_path / "config.json").write_text(json.dumps(refused))
+    checks = by_name(config_checks(RunConfig.model_validate({"model": {"path": str(tmp_path)}}), num_gpus=0))
+    assert checks["model.family"].status == "missing" and "(1 + w) RMSNorm" in checks["model.family"].detail
+    assert checks["model: attention span"].status == "missing"
+    assert checks["model: RoPE"].status == "ok"

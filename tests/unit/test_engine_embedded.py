@@ -15,6 +15,7 @@ from engine_contract import hf_greedy, hf_logprobs
 from rlrun.engine.backends.decode_control import DecodeControl
 from rlrun.engine.backends.embedded import SYNC_EVERY, EmbeddedEngine
 from rlrun.engine.sampling import SamplingParams, filter_probs, row_rids
+from tiny_models import FAMILY_KINDS
 
 pytestmark = pytest.mark.slow  # loads models
 
@@ -45,6 +46,41 @@ def test_top_k_1_matches_hf_greedy_decoding(tiny_model_dirs):
     results = engine.generate(PROMPTS, {"max_new_tokens": 12, "top_k": 1, "ignore_eos": True})
     reference = hf_model(tiny_model_dirs["qwen2"])
     assert [r["output_ids"] for r in results] == [hf_greedy(reference, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", list(FAMILY_KINDS))
+def test_scaled_rope_and_mistral_models_generate_as_hf(family_model_dirs, kind):
+    """The engine serves the RoPE-scaling and Mistral kinds (transformers computes them): greedy decoding
+    equals HF's ``generate``, and the log-probs equal an HF forward."""
+    engine = EmbeddedEngine(family_model_dirs[kind], seed=0)
+    results = engine.generate(PROMPTS, {"max_new_tokens": 8, "top_k": 1, "ignore_eos": True})
+    reference = hf_model(family_model_dirs[kind])
+    assert [r["output_ids"] for r in results] == [hf_greedy(reference, p, 8) for p in PROMPTS]
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        want = hf_logprobs(reference, prompt, result["output_ids"], temperature=1.0)
+        torch.testing.assert_close(torch.tensor(result["output_logprobs"]), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+def test_sigmoid_routed_moe_generates_as_hf_and_loads_its_routing_bias(kind, tmp_path):
+    """GLM-4.5 MoE and DeepSeek-V3 (multi-latent attention): greedy decoding equals HF's; the trainer's export
+    includes the router's correction bias (a persistent buffer, not a parameter), and loading it changes the
+    engine's routing."""
+    from safetensors.torch import load_file
+
+    from tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(kind, tmp_path / kind)
+    engine = EmbeddedEngine(model_dir, seed=0)
+    greedy = {"max_new_tokens": 8, "top_k": 1, "ignore_eos": True}
+    results = engine.generate(PROMPTS, greedy)
+    assert [r["output_ids"] for r in results] == [hf_greedy(hf_model(model_dir), p, 8) for p in PROMPTS]
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    bias = load_file(model_dir / "model.safetensors")[name]
+    engine.load_weights([(name, -10 * bias)])
+    assert [r["output_ids"] for r in engine.generate(PROMPTS, greedy)] != [r["output_ids"] for r in results]
+    engine.load_weights([(name, bias)])
+    assert [r["output_ids"] for r in engine.generate(PROMPTS, greedy)] == [r["output_ids"] for r in results]
 
 
 def test_eos_from_generation_config_and_stop_tokens_end_a_response(tiny_model_dirs, tmp_path):

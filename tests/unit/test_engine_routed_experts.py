@@ -40,6 +40,30 @@ def test_engine_routing_equals_hf_router_for_every_forwarded_token(moe_dir):
         assert torch.equal(experts.sort(-1).values, reference.to(torch.int32)), b
 
 
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+def test_sigmoid_routers_are_recorded(kind, tmp_path):
+    """GLM-4.5 / DeepSeek-V3 routers (``*TopkRouter``, sigmoid + correction bias) are recorded too: the ids equal
+    what HF's own routers pick over the whole sequence; layer 0 is dense, so one MoE layer is recorded."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_model(kind, tmp_path / kind, seed=3)
+    engine = EmbeddedEngine(model_dir, seed=0)
+    prompt = [5, 17, 99, 3, 42, 7]
+    result = engine.generate([prompt], {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True})[0]
+    tokens = prompt + result["output_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    picked = []
+    for module in model.modules():
+        if type(module).__name__.endswith("TopkRouter"):
+            module.register_forward_hook(lambda _m, _a, out: picked.append(out[2].sort(-1).values))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([tokens]))
+    experts = decode(result["routed_experts"], len(tokens))
+    topk = model.config.num_experts_per_tok
+    assert experts.shape == (len(tokens) - 1, 1, topk)
+    assert torch.equal(experts.sort(-1).values[:, 0], picked[0][:-1].to(torch.int32))
+
+
 def test_routing_encoding_round_trips_sglang_form():
     experts = torch.randint(0, 128, (9, 3, 8), dtype=torch.int32)
     assert torch.equal(decode(encode(experts), num_tokens=10), experts)

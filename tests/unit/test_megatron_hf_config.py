@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_config
+from rlrun.megatron.hf_config import ModelArch, head_padding_note, model_features, transformer_config
 
 # SmolLM2-135M-Instruct's config.json fields that matter (9 heads / 3 KV heads, tied, rope_theta 1e5).
 SMOLLM2 = {
@@ -90,9 +91,12 @@ def test_vocab_padding_is_minimal_multiple():
 @pytest.mark.parametrize(
     "override, field",
     [
-        ({"model_type": "mistral"}, "model_type"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope_parameters.rope_type"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
@@ -107,3 +111,147 @@ def test_unsupported_configs_name_the_field(override, field):
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="model.dtype"):
         transformer_config(ModelArch.from_dict(SMOLLM2), tp=1, pp=1, dtype="float16")
+
+
+@pytest.mark.parametrize("window", [None, 8192, 131072])
+def test_mistral_window_at_least_max_positions_is_full_attention(window):
+    arch = ModelArch.from_dict({**SMOLLM2, "model_type": "mistral", "sliding_window": window, "head_dim": 128})
+    assert arch.model_type == "mistral" and arch.head_dim == 128 and not arch.qkv_bias and not arch.qk_norm
+
+
+def test_mistral_short_window_names_the_fix():
+    with pytest.raises(
+        ValueError,
+        match=r"sliding_window \(4096\) must be null or a window of at least "
+        r"max_position_embeddings \(8192\) because attention is built as full",
+    ):
+        ModelArch.from_dict({**SMOLLM2, "model_type": "mistral", "sliding_window": 4096})
+
+
+def test_yarn_sets_the_softmax_scale_and_llama3_does_not():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    config = transformer_config(ModelArch.from_dict({**SMOLLM2, "rope_scaling": yarn}), tp=1, pp=1, dtype="float32")
+    assert config.softmax_scale == pytest.approx((0.1 * math.log(4.0) + 1) ** 2 / 8.0)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    arch = ModelArch.from_dict({**SMOLLM2, "rope_scaling": llama3})
+    assert transformer_config(arch, tp=1, pp=1, dtype="float32").softmax_scale is None
+    assert arch.rope.rope_type == "llama3" and arch.rope.original_max_position_embeddings == 8192
+
+
+GLM45 = {
+    "model_type": "glm4_moe",
+    "hidden_size": 96,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
+    "head_dim": 16,
+    "vocab_size": 300,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5},
+    "attention_bias": True,
+    "use_qk_norm": False,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+}
+
+
+def test_glm45_moe_config():
+    arch = ModelArch.from_dict(GLM45)
+    assert (arch.qkv_bias, arch.qk_norm, arch.rope.dim, arch.rope.rotary_percent) == (True, False, 8, 0.5)
+    assert arch.moe.moe_layers == (False, True, True) and arch.moe.shared_expert_ffn_hidden_size == 64
+    config = transformer_config(arch, tp=1, pp=1, dtype="float32", ep=2)
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    assert config.moe_router_bias_update_rate == 0.0 and config.moe_router_topk_scaling_factor == 2.5
+    assert config.moe_router_num_groups is None and not config.moe_shared_expert_gate
+    assert config.moe_shared_expert_intermediate_size == 64 and config.moe_layer_freq == [0, 1, 1]
+    grouped = ModelArch.from_dict({**GLM45, "n_group": 4, "topk_group": 2})
+    assert (grouped.moe.num_groups, grouped.moe.group_topk) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"norm_topk_prob": False}, r"norm_topk_prob \(False\) must be true because Megatron's sigmoid router"),
+        ({"n_group": 4, "topk_group": 1}, r"num_experts_per_tok // topk_group \(4 // 1\) must be 2"),
+    ],
+)
+def test_glm45_routing_megatron_cannot_express_is_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArch.from_dict({**GLM45, **override})
+    routing = {f.name: f for f in model_features({**GLM45, **override})}["MoE routing"]
+    assert not routing.supported and routing.error.args[0].startswith("config.json: ")
+
+
+def test_glm45_features_name_the_routing():
+    features = {f.name: f for f in model_features(GLM45)}
+    assert all(f.supported for f in features.values())
+    assert features["MoE routing"].detail == (
+        "8 experts, top-4, sigmoid + correction bias, scaling 2.5, shared expert, 1 dense layer(s)"
+    )
+    assert features["attention"].detail == "6 query heads, 3 key/value heads, q/k/v bias"
+    assert "50%" in features["partial rotary"].detail
+
+
+DEEPSEEK_V3 = {
+    **{k: v for k, v in GLM45.items() if k not in ("attention_bias", "use_qk_norm", "head_dim")},
+    "model_type": "deepseek_v3",
+    "num_key_value_heads": 6,
+    "rms_norm_eps": 1e-6,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 10,
+    "head_dim": 8,
+    "n_group": 4,
+    "topk_group": 2,
+    "rope_parameters": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1, "rope_theta": 1e4},
+}  # fmt: skip
+
+
+def test_deepseek_v3_config_is_multi_latent_attention():
+    arch = ModelArch.from_dict(DEEPSEEK_V3)
+    assert arch.rope is None and arch.mla.rope_type == "yarn" and arch.mla.rope_interleave
+    config = transformer_config(arch, tp=1, pp=1, dtype="float32", ep=2)
+    assert type(config).__name__ == "MLATransformerConfig" and config.multi_latent_attention
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim) == (24, 16, 12, 8)
+    assert (config.v_head_dim, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (10, 40, 1, 1)
+    assert config.softmax_scale is None  # MLA computes its own (mscale_all_dim), as transformers does
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (4, 2)
+    features = {f.name: f for f in model_features(DEEPSEEK_V3)}
+    assert features["attention"].detail.startswith("multi-latent, 6 heads, q_lora_rank 24, kv_lora_rank 16")
+    # transformers takes the plain YaRN factor when mscale is unset: Megatron gets (1, 0), the same value.
+    plain = {**DEEPSEEK_V3, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}
+    assert (ModelArch.from_dict(plain).mla.mscale, ModelArch.from_dict(plain).mla.mscale_all_dim) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"rms_norm_eps": 1e-5}, r"rms_norm_eps \(1e-05\) must be 1e-6 because transformers' q/kv latent norms"),
+        ({"attention_bias": True}, r"attention_bias \(True\) must be false"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.2, "rope_theta": 1e4}},
+         r"rope_parameters .* must give factor, and no attention_factor"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0, "rope_theta": 1e4}},
+         r"rope_parameters.mscale \(None\) must be set when mscale_all_dim is"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0, "rope_theta": 1e4}}, r"be 'default' or 'yarn'"),
+    ],
+)  # fmt: skip
+def test_deepseek_v3_variants_megatron_cannot_express_are_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArch.from_dict({**DEEPSEEK_V3, **override})
+
+
+def test_deepseek_v3_needs_tp1():
+    with pytest.raises(ValueError, match=r"parallel.tp \(2\) must be 1 for"):
+        transformer_config(ModelArch.from_dict(DEEPSEEK_V3), tp=2, pp=1, dtype="float32")

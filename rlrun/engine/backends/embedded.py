@@ -166,6 +166,9 @@ class EmbeddedEngine:
         self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
         self.max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._params = dict(self.model.named_parameters())
+        # Persistent buffers are checkpoint tensors the trainer sends as well (GLM-4.5's routing correction bias).
+        saved = self.model.state_dict()
+        self._saved_buffers = {name: b for name, b in self.model.named_buffers() if name in saved}
         # Names that alias a parameter listed under another name (tied lm_head -> embed_tokens).
         param_at = {t.data_ptr(): name for name, t in self._params.items()}
         self._aliases = {
@@ -430,7 +433,9 @@ class EmbeddedEngine:
                     f"model; send only {self._aliases[name]} (SGLang ignores it too)"
                 )
             # MoE experts arrive under checkpoint names and fill slices of fused parameters.
-            target = self._params.get(name, expert_slice(self._params, name))
+            target = self._params.get(name, self._saved_buffers.get(name))
+            if target is None:
+                target = expert_slice(self._params, name)
             if target is None:
                 raise ValueError(
                     f"weight {name} must be a parameter of {type(self.model).__name__} because the "

@@ -25,8 +25,9 @@ import torch
 
 from rlrun.engine.types import RoutedExperts
 
-ROUTER_SUFFIX = "TopKRouter"
-"""transformers 5 names its MoE routers ``<Family>TopKRouter`` (Qwen3-MoE, Qwen2-MoE, Mixtral...)."""
+ROUTER_SUFFIX = "topkrouter"
+"""transformers 5 names its MoE routers ``<Family>TopKRouter`` (Qwen3-MoE, Qwen2-MoE, Mixtral...) or
+``<Family>TopkRouter`` (GLM-4.5 MoE, DeepSeek-V3); matched case-insensitively."""
 
 
 class RouterRecorder:
@@ -45,7 +46,7 @@ class RouterRecorder:
     @classmethod
     def attach(cls, model: torch.nn.Module) -> RouterRecorder | None:
         """A recorder on ``model``'s routers (in layer order), or None for a dense model."""
-        routers = [m for m in model.modules() if type(m).__name__.endswith(ROUTER_SUFFIX)]
+        routers = [m for m in model.modules() if type(m).__name__.lower().endswith(ROUTER_SUFFIX)]
         if not routers:
             return None
         return cls(routers, int(routers[0].top_k), int(routers[0].weight.shape[0]))

@@ -43,12 +43,17 @@ class StaticKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this layer's new K/V ([rows, heads, q_len, dim]) and return the full buffers."""
         if layer_idx == len(self.keys):  # first forward: allocate from the model's own shapes
-            shape = (self.num_rows, key.shape[1], self.max_len, key.shape[-1])
-            self.keys.append(torch.zeros(shape, dtype=key.dtype, device=key.device))
-            self.values.append(torch.zeros(shape, dtype=value.dtype, device=value.device))
+            self._allocate(key, value)
         self.keys[layer_idx].index_copy_(2, self.columns, key)
         self.values[layer_idx].index_copy_(2, self.columns, value)
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The next layer's buffers, each shaped after its own tensor: multi-latent attention (DeepSeek-V3) caches
+        its kv latent as "keys" and its RoPE key as "values", of different widths."""
+        for buffers, t in ((self.keys, key), (self.values, value)):
+            shape = (self.num_rows, t.shape[1], self.max_len, t.shape[-1])
+            buffers.append(torch.zeros(shape, dtype=t.dtype, device=t.device))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Capacity, not fill: callers always pass explicit position ids (transformers only asks for
@@ -61,9 +66,7 @@ class StaticKVCache:
         width = prefill.max_len
         for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values, strict=False)):
             if layer == len(self.keys):
-                shape = (self.num_rows, key.shape[1], self.max_len, key.shape[-1])
-                self.keys.append(torch.zeros(shape, dtype=key.dtype, device=key.device))
-                self.values.append(torch.zeros(shape, dtype=value.dtype, device=value.device))
+                self._allocate(key, value)
             self.keys[layer][:, :, :width].copy_(key[rows])
             self.values[layer][:, :, :width].copy_(value[rows])
 
@@ -89,7 +92,7 @@ def static_cache_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature; returns ([B, q_len, H, D], None).
+    """transformers' attention-function signature; returns ([B, q_len, H, D_v], None).
 
     One query position: the ``G = H / H_kv`` query heads that share a KV head (heads ``kv * G + g``,
     transformers' ``repeat_kv`` order) become a length-G query over that head, under the same
@@ -103,7 +106,7 @@ def static_cache_attention(
         )
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(batch, 1, heads, dim), None
+    return out.reshape(batch, 1, heads, value.shape[-1]), None  # MLA's value heads are narrower than its queries
 
 
 AttentionInterface.register(ATTENTION, static_cache_attention)
