@@ -32,7 +32,7 @@ class MoEConfig(Section):
     (Megatron's all-to-all dispatcher needs CUDA streams)."""
 
 
-PackedAttention = Literal["auto", "per_sample", "flash_varlen"]
+PackedAttention = Literal["auto", "per_sample", "efficient_varlen", "flash_varlen"]
 """``model.packed_attention``'s values (rlrun/megatron/attention.py)."""
 
 
@@ -45,10 +45,11 @@ class ModelConfig(Section):
     """Mixture-of-experts options (Qwen3-MoE, Qwen2-MoE)."""
     packed_attention: PackedAttention = "auto"
     """How the trainer attends packed rows (several samples in one row) without TransformerEngine:
-    ``per_sample``, one SDPA call per sample (everywhere); ``flash_varlen``, one FlashAttention varlen call
-    per layer for the whole row (CUDA and bfloat16 only; on the H200 a Qwen3-0.6B GRPO train phase of
-    128 x 640 tokens took 1.64 s instead of 2.10, BENCHMARKS.md); ``auto``, flash_varlen where it can run,
-    else per_sample."""
+    ``per_sample``, one attention call per sample (everywhere; slow: host-bound at RL batch sizes);
+    ``efficient_varlen``, one memory-efficient varlen call per layer for the whole row (CUDA), the kernel the
+    embedded engine runs, so trainer and engine log-probs agree (docs/on_policy.md); ``flash_varlen``, one
+    FlashAttention-2 varlen call per layer (CUDA, bfloat16; off-policy by 0.03-0.05 nats per token in bf16
+    because no engine runs that kernel); ``auto``, efficient_varlen on CUDA, else per_sample."""
 
 
 class ParallelConfig(Section):
