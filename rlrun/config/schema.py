@@ -397,6 +397,11 @@ class AlgorithmConfig(Section):
     """Keep a CPU copy of the weights last synced to the engine and take old log-probs from it."""
     skip_tied_groups: bool = True
     """Drop groups whose rewards are all equal before training (their advantage is zero)."""
+    max_logprob_gap: float | None = Field(None, gt=0)
+    """The on-policy gate: stop the run when a step's ``train/logprob_gap`` (token mean |trainer - engine|
+    log-prob) exceeds this, and at step 0 unless the policy ratio is exactly 1 and the old-policy KL exactly
+    0 (``train/abs_log_ratio``, ``train/approx_kl``). None: off. The embedded engine and the trainer agree
+    bitwise on CUDA (docs/on_policy.md) and to ~1e-7 in fp32 on CPU, so 1e-6 holds there; SGLang needs more."""
     rollout_data_postprocess: str | None = None
     """``fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None`` called on every
     rank after advantages are computed and before training; may edit the micro-batches in place."""
