@@ -121,9 +121,12 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer divides its logits by the same value for log-probs."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Below 1 with the embedded engine, each draw's kept set is replayed in the trainer
+    (top-p mask replay, docs/on_policy.md): both sides' log-probs are renormalised over it, so the ratio is
+    for the policy that sampled; a filtering row keeps at most 512 tokens (``sampling.KEPT_SET_WIDTH``).
+    SGLang returns no kept sets: there both sides stay on the unfiltered distribution."""
     top_k: int = Field(-1, ge=-1)
-    """Top-k sampling; -1 (or 0) keeps the whole vocabulary."""
+    """Top-k sampling; -1 (or 0) keeps the whole vocabulary (with top_p < 1: at most 512 tokens, above)."""
     reward: str = "first_number"
     """Reward function: a built-in name (math, gsm8k, exact_match, format_boxed, format_think,
     first_number), an ``http(s)://`` URL of a reward server (see ``remote_reward``), or

@@ -42,6 +42,9 @@ class BatchShape:
     stop_width: int
     sample: bool
     filter: bool
+    kept_width: int = 0
+    """Width of the kept-set buffer (top-p mask replay; ``sampling.KEPT_SET_WIDTH`` or the vocabulary if
+    smaller) when some row filters, else 0."""
 
 
 @dataclasses.dataclass
@@ -68,6 +71,9 @@ class DecodeBatch:
     stop_ids: torch.Tensor
     """[B, stop_width] token ids that end each row, padded with -1."""
     sampling: SamplingTensors
+    kept_ids: torch.Tensor | None = None
+    """[B, max_len, kept_width] int64: step s's kept set of each row (``sample_tokens``' ``kept_out``), when
+    some row filters; None otherwise."""
     routed_experts: torch.Tensor | None = None
     """[B, max_len, layers, topk] (uint8 or int32, ``RouterRecorder.dtype``): the experts of the token each
     decode step forwarded (column ``step - 1``), written by the engine's router hooks (MoE models only;
@@ -94,6 +100,7 @@ class DecodeBatch:
             max_new=zeros(rows),
             stop_ids=zeros(rows, shape.stop_width) - 1,
             sampling=sampling,
+            kept_ids=zeros(rows, shape.max_len, shape.kept_width) - 1 if shape.kept_width else None,
         )
 
     def load(
@@ -125,7 +132,10 @@ class DecodeBatch:
 
     def record(self, logits: torch.Tensor) -> None:
         """Sample step ``step`` from ``logits`` ([B, V]) and apply the device-side end conditions."""
-        token, logprob = sample_tokens(logits, self.sampling, self.step)
+        kept = None if self.kept_ids is None else torch.empty_like(self.kept_ids[:, 0])
+        token, logprob = sample_tokens(logits, self.sampling, self.step, kept)
+        if kept is not None:
+            self.kept_ids.index_copy_(1, self.step, kept[:, None])
         self.tokens.index_copy_(1, self.step, token[:, None])
         self.logprobs.index_copy_(1, self.step, logprob[:, None])
         self.lengths += self.active

@@ -39,7 +39,15 @@ from rlrun.engine.backends.fused_experts import expert_slice
 from rlrun.engine.backends.fused_norm import fuse_rms_norms
 from rlrun.engine.backends.routing_record import RouterRecorder, encode
 from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, prefill_mask
-from rlrun.engine.sampling import SamplingParams, SamplingTensors, per_prompt_params, row_key, row_rids
+from rlrun.engine.kept_set import encode_kept_ids
+from rlrun.engine.sampling import (
+    KEPT_SET_WIDTH,
+    SamplingParams,
+    SamplingTensors,
+    per_prompt_params,
+    row_key,
+    row_rids,
+)
 from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, FinishReason, GenResult, RoutedExperts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -240,6 +248,10 @@ class EmbeddedEngine:
         ]
         for result, row_experts in zip(results, experts or [], strict=False):
             result["routed_experts"] = row_experts
+        if batch.kept_ids is not None:
+            for b, result in enumerate(results):
+                if bool(batch.sampling.filters[b]):
+                    result["kept_ids"] = encode_kept_ids(batch.kept_ids[b, : lengths[b]])
         return results
 
     def _routed_experts(
@@ -399,6 +411,7 @@ class EmbeddedEngine:
             stop_width=_round_up(stop_ids.shape[1], 8),
             sample=sampling.sample,
             filter=sampling.filter,
+            kept_width=min(KEPT_SET_WIDTH, self.vocab_size) if sampling.sample and sampling.filter else 0,
         )
         batch, step_graph = self._batch_for(shape, sampling)
         max_new = torch.tensor([p.max_new_tokens for p in row_params], device=self.device)
