@@ -9,8 +9,10 @@ Glossary of logged names (README "Metrics" repeats it for users):
   train/policy_loss            token-mean PPO-clip loss
   train/clip_frac              fraction of response tokens where the clip was active
   train/approx_kl              token-mean old_logp - new_logp (k1) during the update
+  train/abs_log_ratio          token-mean |new_logp - old_logp|: 0 exactly when every ratio is exactly 1
   train/grad_norm              global gradient norm before clipping
   train/logprob_gap            token-mean |trainer logp - engine logp| of the sampled tokens
+                               (algorithm.max_logprob_gap gates it; docs/on_policy.md)
   train/num_loss_tokens        response tokens that carried loss this step
   time/<phase>_s               wall seconds of each phase (rollout, logprobs, train, sync, ...)
   time/step_s                  sum of the phases
