@@ -347,7 +347,7 @@ def train(parts: Components, updates: list[Update], step: int) -> dict[str, floa
     """Per epoch and update: the critic's value-loss step first (PPO), then one actor step over the update's
     micro-batches with the configured RL loss (skipped during ``critic.num_critic_only_steps``); the role
     backups follow the actor after the last update."""
-    from rlrun.rl_step import combine_update_metrics, train_policy
+    from rlrun.rl_step import check_on_policy, combine_update_metrics, train_policy
 
     critic = parts.critic
     per_update = []
@@ -371,6 +371,8 @@ def train(parts: Components, updates: list[Update], step: int) -> dict[str, floa
             per_update.append(metrics)
     if critic is None or critic.actor_trains(step):
         parts.roles.after_train_step(step)
+        # The gate reads the first update: later ones have moved the weights off the old policy on purpose.
+        check_on_policy(parts.cfg.algorithm.max_logprob_gap, step, per_update[0])
     return combine_update_metrics(per_update, len(updates))
 
 

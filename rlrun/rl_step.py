@@ -57,6 +57,34 @@ def logprobs_and_advantages(
     return metrics
 
 
+class OffPolicyError(RuntimeError):
+    """The trainer did not score the samples as the engine did (``algorithm.max_logprob_gap``)."""
+
+
+def check_on_policy(max_gap: float | None, step: int, metrics: dict[str, float]) -> None:
+    """The on-policy gate (``algorithm.max_logprob_gap``; None: off). The step's trainer-vs-engine gap must be
+    at most ``max_gap``; at step 0, before any update, the training forward must also reproduce the old
+    log-probs exactly (ratio 1, KL 0), since both are the trainer's own forwards of the same weights."""
+    if max_gap is None or "train/logprob_gap" not in metrics:
+        return
+    gap = metrics["train/logprob_gap"]
+    if not gap <= max_gap:  # also NaN
+        raise OffPolicyError(
+            f"train/logprob_gap at step {step} ({gap:.3g} nats per token) must be <= algorithm.max_logprob_gap "
+            f"({max_gap:g}) because the policy gradient is for the engine's samples: the trainer and the engine "
+            "disagree (kernels, dtype, weights out of sync; docs/on_policy.md); fix that, or raise or unset "
+            "algorithm.max_logprob_gap to train off-policy"
+        )
+    log_ratio, kl = metrics.get("train/abs_log_ratio", 0.0), metrics.get("train/approx_kl", 0.0)
+    if step == 0 and (log_ratio != 0.0 or kl != 0.0):
+        raise OffPolicyError(
+            f"at step 0 the policy ratio must be exactly 1 and the old-policy KL exactly 0 (got mean "
+            f"|log ratio| {log_ratio:.3g}, approx_kl {kl:.3g}) "
+            "because nothing has been updated yet: the old-log-prob and the training forward of the same weights "
+            "differ (a non-deterministic kernel, or different packing); unset algorithm.max_logprob_gap to ignore"
+        )
+
+
 def train_policy(
     cfg: RunConfig,
     roles: ModelRoles,

@@ -153,7 +153,10 @@ class ModelRoles:
         routing = contextlib.nullcontext() if self.routing is None else self.routing.role_forward(field, micro_batches)
         with torch.no_grad(), routing:
             for mb in micro_batches:
-                logprobs = compute_logprobs(self.model, mb.tokens, mb.position_ids, temperature)
+                # The policy's own log-probs follow the sampling distribution (top-p mask replay); the
+                # reference and the teacher are scored over the whole vocabulary.
+                kept_ids = mb.kept_ids if field == "old_logprobs" else None
+                logprobs = compute_logprobs(self.model, mb.tokens, mb.position_ids, temperature, kept_ids)
                 setattr(mb, field, logprobs.float().cpu())
 
 

@@ -94,6 +94,7 @@ class Objective:
             entropy=entropy_term.detach(),
             clip_frac=agg.token_sum(terms.clipped),
             approx_kl=agg.token_sum(terms.approx_kl.detach()),
+            abs_log_ratio=agg.token_sum((logprobs.detach() - old).abs()),
         )
         return loss, metrics
 

@@ -151,7 +151,10 @@ def step(
     ] = "on",
     teardown_nccl: Annotated[str, typer.Option(help="on|off: offload.teardown_nccl (only with --offload on).")] = "on",
     packed_attention: Annotated[
-        str, typer.Option(help="auto, per_sample or flash_varlen (CUDA, bf16): model.packed_attention.")
+        str,
+        typer.Option(
+            help="auto, per_sample, efficient_varlen (CUDA) or flash_varlen (CUDA, bf16): model.packed_attention."
+        ),
     ] = "auto",
     profile_step: Annotated[
         int | None, typer.Option(help="Profile this step; its train phase's top ops go into the JSON.")

@@ -70,7 +70,12 @@ RESIDENT_SGLANG_MEM_FRACTION = 0.15
 """SGLang's ``mem_fraction_static`` with offload off: weights + KV cache for 128 x 640 tokens (9.4 GB at
 Qwen3-0.6B/1.7B) fit in 21 GB of an H200, next to a 1.7B trainer's 106 GB peak (measured 2026-11-29);
 the offload runs keep SGLANG_SERVER_ARGS' 0.3, since the engine has the device to itself while it generates."""
-ATTENTION_SUFFIX: dict[str, str] = {"auto": "", "per_sample": "_persample", "flash_varlen": "_varlen"}
+ATTENTION_SUFFIX: dict[str, str] = {
+    "auto": "",
+    "per_sample": "_persample",
+    "efficient_varlen": "_effvarlen",
+    "flash_varlen": "_varlen",
+}
 """A variant's label suffix for each ``model.packed_attention`` (``auto``, the default, adds none)."""
 PROFILED_PHASE = "train"
 INPUTS = "inputs"

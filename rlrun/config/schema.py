@@ -52,7 +52,7 @@ class MoEConfig(Section):
     (Megatron's all-to-all dispatcher needs CUDA streams)."""
 
 
-PackedAttention = Literal["auto", "per_sample", "flash_varlen"]
+PackedAttention = Literal["auto", "per_sample", "efficient_varlen", "flash_varlen"]
 """``model.packed_attention``'s values (rlrun/megatron/attention.py)."""
 
 
@@ -65,10 +65,11 @@ class ModelConfig(Section):
     """Mixture-of-experts options (Qwen3-MoE, Qwen2-MoE)."""
     packed_attention: PackedAttention = "auto"
     """How the trainer attends packed rows (several samples in one row) without TransformerEngine:
-    ``per_sample``, one SDPA call per sample (everywhere); ``flash_varlen``, one FlashAttention varlen call
-    per layer for the whole row (CUDA and bfloat16 only; on the H200 a Qwen3-0.6B GRPO train phase of
-    128 x 640 tokens took 1.64 s instead of 2.10, BENCHMARKS.md); ``auto``, flash_varlen where it can run,
-    else per_sample."""
+    ``per_sample``, one attention call per sample (everywhere; slow: host-bound at RL batch sizes);
+    ``efficient_varlen``, one memory-efficient varlen call per layer for the whole row (CUDA), the kernel the
+    embedded engine runs, so trainer and engine log-probs agree (docs/on_policy.md); ``flash_varlen``, one
+    FlashAttention-2 varlen call per layer (CUDA, bfloat16; off-policy by 0.03-0.05 nats per token in bf16
+    because no engine runs that kernel); ``auto``, efficient_varlen on CUDA, else per_sample."""
 
 
 class ParallelConfig(Section):
@@ -140,9 +141,12 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer divides its logits by the same value for log-probs."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Below 1 with the embedded engine, each draw's kept set is replayed in the trainer
+    (top-p mask replay, docs/on_policy.md): both sides' log-probs are renormalised over it, so the ratio is
+    for the policy that sampled; a filtering row keeps at most 512 tokens (``sampling.KEPT_SET_WIDTH``).
+    SGLang returns no kept sets: there both sides stay on the unfiltered distribution."""
     top_k: int = Field(-1, ge=-1)
-    """Top-k sampling; -1 (or 0) keeps the whole vocabulary."""
+    """Top-k sampling; -1 (or 0) keeps the whole vocabulary (with top_p < 1: at most 512 tokens, above)."""
     reward: str = "first_number"
     """Reward function: a built-in name (math, gsm8k, exact_match, format_boxed, format_think,
     first_number), an ``http(s)://`` URL of a reward server (see ``remote_reward``), or
@@ -422,6 +426,11 @@ class AlgorithmConfig(Section):
     """Keep a CPU copy of the weights last synced to the engine and take old log-probs from it."""
     skip_tied_groups: bool = True
     """Drop groups whose rewards are all equal before training (their advantage is zero)."""
+    max_logprob_gap: float | None = Field(None, gt=0)
+    """The on-policy gate: stop the run when a step's ``train/logprob_gap`` (token mean |trainer - engine|
+    log-prob) exceeds this, and at step 0 unless the policy ratio is exactly 1 and the old-policy KL exactly
+    0 (``train/abs_log_ratio``, ``train/approx_kl``). None: off. The embedded engine and the trainer agree
+    bitwise on CUDA (docs/on_policy.md) and to ~1e-7 in fp32 on CPU, so 1e-6 holds there; SGLang needs more."""
     rollout_data_postprocess: str | None = None
     """``fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None`` called on every
     rank after advantages are computed and before training; may edit the micro-batches in place."""

@@ -45,6 +45,8 @@ class MicroBatch:
     routing replay), aligned with ``tokens``: each sample's ``Sample.routed_experts`` at its offset; the
     row's padding repeats the last real token's ids (a causally inert, valid top-k). None when a sample
     has none.
+    kept_ids: ``[B, S-1, W]`` int64, top-p mask replay: at a response token's position, the kept set it was
+    drawn from (``Sample.kept_ids``), -1 padded; all -1 elsewhere (no replay there). None when no sample has one.
     """
 
     tokens: torch.Tensor
@@ -58,6 +60,7 @@ class MicroBatch:
     returns: torch.Tensor | None = None
     values: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    kept_ids: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:
@@ -85,6 +88,7 @@ class MicroBatch:
             advantages=torch.zeros_like(self.advantages),
             rollout_logprobs=self.rollout_logprobs,
             routed_experts=self.routed_experts,
+            kept_ids=self.kept_ids,
         )
 
 
@@ -118,8 +122,34 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
     last_start = offset - samples[-1].total_length
     position_ids[0, offset:] = torch.arange(offset - last_start, seq_len - last_start)
     return MicroBatch(
-        tokens, position_ids, loss_mask, adv, rollout_lp, routed_experts=_packed_experts(samples, seq_len)
+        tokens,
+        position_ids,
+        loss_mask,
+        adv,
+        rollout_lp,
+        routed_experts=_packed_experts(samples, seq_len),
+        kept_ids=_packed_kept_ids(samples, seq_len),
     )
+
+
+def _packed_kept_ids(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
+    """``MicroBatch.kept_ids`` of one packed row (prediction positions, as ``rollout_logprobs``), or None."""
+    if all(s.kept_ids is None for s in samples):
+        return None
+    width = max(s.kept_ids.shape[1] for s in samples if s.kept_ids is not None)
+    kept = torch.full((1, seq_len - 1, width), -1, dtype=torch.long)
+    offset = 0
+    for s in samples:
+        if s.kept_ids is not None:
+            if s.kept_ids.shape[0] != len(s.response_ids):
+                raise ValueError(
+                    f"Sample.kept_ids ({s.kept_ids.shape[0]} rows) must have one row per response token "
+                    f"({len(s.response_ids)}) because the trainer replays them token by token; see Sample"
+                )
+            start = offset + len(s.prompt.prompt_ids) - 1
+            kept[0, start : start + len(s.response_ids), : s.kept_ids.shape[1]] = s.kept_ids
+        offset += s.total_length
+    return kept
 
 
 def _packed_experts(samples: list[Sample], seq_len: int) -> torch.Tensor | None:

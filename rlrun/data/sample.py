@@ -57,6 +57,11 @@ class Sample:
     predicts nothing in the loss, and a valid distinct top-k keeps the trainer's dispatch well formed.
     None: not recorded (dense model, or a multi-turn ``generate_fn``)."""
 
+    kept_ids: torch.Tensor | None = None
+    """Top-p mask replay: ``[len(response_ids), width]`` int32, each response token's kept set (the ids the
+    engine's top-p / top-k / min-p filter kept when it drew that token, -1 padded); ``rollout_logprobs`` are
+    then renormalised over it, and so are the trainer's. None: sampled without a filter (or by SGLang)."""
+
     @property
     def num_loss_tokens(self) -> int:
         """Response tokens the loss covers (the denominator of a token-mean loss)."""

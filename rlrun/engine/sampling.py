@@ -178,6 +178,8 @@ class SamplingTensors:
     top_p: torch.Tensor
     min_p: torch.Tensor
     greedy: torch.Tensor
+    filters: torch.Tensor
+    """[B] bool: the row draws at random through top-k, top-p or min-p (its kept set is replayed)."""
     keys: torch.Tensor
     """int64 noise key per row (:func:`uniform_noise`)."""
     sample: bool
@@ -194,10 +196,11 @@ class SamplingTensors:
 
         return cls(
             temperature=tensor([r.temperature for r in rows], torch.float32),
-            top_k=tensor([r.top_k if 0 < r.top_k < vocab else vocab for r in rows], torch.long),
+            top_k=tensor([_replayable_top_k(r, vocab) for r in rows], torch.long),
             top_p=tensor([r.top_p for r in rows], torch.float32),
             min_p=tensor([r.min_p for r in rows], torch.float32),
             greedy=tensor([r.greedy for r in rows], torch.bool),
+            filters=tensor([r.needs_filter and not r.greedy for r in rows], torch.bool),
             keys=tensor(list(keys), torch.long),
             sample=any(not r.greedy for r in rows),
             filter=any(r.needs_filter for r in rows if not r.greedy),
@@ -206,8 +209,20 @@ class SamplingTensors:
     def copy_(self, other: SamplingTensors) -> None:
         """Overwrite these tensors in place (a captured graph keeps reading the same memory)."""
         assert (self.sample, self.filter) == (other.sample, other.filter)
-        for field in ("temperature", "top_k", "top_p", "min_p", "greedy", "keys"):
+        for field in ("temperature", "top_k", "top_p", "min_p", "greedy", "filters", "keys"):
             getattr(self, field).copy_(getattr(other, field))
+
+
+KEPT_SET_WIDTH = 512
+"""At most this many tokens in a kept set: a filtering row's top-k is capped here (prime-rl's bound too; top-p
+at 0.9-0.95 rarely keeps more), so the set the trainer replays is the whole set the row sampled from."""
+
+
+def _replayable_top_k(params: SamplingParams, vocab: int) -> int:
+    """The row's top-k as a tensor value: the vocabulary size where off, at most :data:`KEPT_SET_WIDTH` where
+    the row filters (so its kept set fits the replay buffer)."""
+    top_k = params.top_k if 0 < params.top_k < vocab else vocab
+    return min(top_k, KEPT_SET_WIDTH) if params.needs_filter and not params.greedy else top_k
 
 
 def _filter_sorted(
@@ -241,23 +256,39 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return index.clamp_(max=weights.shape[-1] - 1)
 
 
-def sample_tokens(logits: torch.Tensor, t: SamplingTensors, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor, t: SamplingTensors, step: torch.Tensor, kept_out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (token ids [B], their log-probs [B], fp32).
 
     ``logits`` is [B, V]. Row b draws with one uniform ``uniform_noise(keys[b], step)`` by inverse
     CDF over its (filtered) probabilities, so its samples depend only on its key and the step, not
     on the batch. Greedy rows take the first argmax, as SGLang's and HF's greedy paths do. No host
     synchronisation: the step can be captured in a CUDA graph.
+
+    ``kept_out`` ([B, W] int64, written in place; top-p mask replay): each row's kept set, the token ids
+    its filter kept (most likely first, -1 after them; all -1 for a row without a filter). Its rows' log-probs
+    are then the sampling distribution's, renormalised over that set: ``log p(t) - log sum_{k kept} p(k)``.
+    Without ``kept_out`` they are log_softmax(logits / T) before any filter (SGLang's).
     """
     logprobs = torch.log_softmax(logits.float() / t.temperature[:, None], dim=-1)
     tokens = logprobs.argmax(dim=-1)
+    log_mass = None
     if t.sample:
         probs, u = logprobs.exp(), uniform_noise(t.keys, step)
         if t.filter:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             kept = _filter_sorted(sorted_probs, t.top_k, t.top_p, t.min_p)
             drawn = order.gather(-1, _inverse_cdf(kept, u)[:, None]).squeeze(-1)
+            if kept_out is not None:  # the kept set is a prefix of the sorted order (every filter drops a tail)
+                width = kept_out.shape[-1]
+                replayed = t.filters[:, None] & (kept[:, :width] > 0)
+                kept_out.copy_(torch.where(replayed, order[:, :width], -1))
+                log_mass = torch.where(t.filters, kept.sum(-1).log(), 0.0)
         else:
             drawn = _inverse_cdf(probs, u)
         tokens = torch.where(t.greedy, tokens, drawn)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    elif kept_out is not None:
+        kept_out.fill_(-1)
+    token_logprobs = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, token_logprobs if log_mass is None else token_logprobs - log_mass

@@ -41,9 +41,17 @@ class RoutedExperts(TypedDict):
     topk: int
 
 
+class KeptIds(TypedDict):
+    """A response's kept sets (top-p mask replay, ``rlrun.engine.kept_set``): base64 of ``[tokens, width]`` int32."""
+
+    data: str
+    width: int
+
+
 class GenResult(TypedDict):
-    """One sampled response. ``output_logprobs[i]`` is log_softmax(logits / T) of ``output_ids[i]``,
-    taken before top-p/top-k filtering, in fp32; None when the caller did not ask for log-probs."""
+    """One sampled response. ``output_logprobs[i]`` is log_softmax(logits / T) of ``output_ids[i]`` in fp32,
+    taken before top-p/top-k filtering (SGLang), or, when the result has ``kept_ids`` (the embedded engine on
+    a filtering row), renormalised over the kept set it was drawn from; None when the caller did not ask."""
 
     rid: str
     output_ids: list[int]
@@ -55,6 +63,8 @@ class GenResult(TypedDict):
     routed_experts: NotRequired[RoutedExperts]
     """MoE models, when recorded (rollout routing replay): the experts every MoE layer chose for every
     forwarded token (the last output token is never forwarded)."""
+    kept_ids: NotRequired[KeptIds]
+    """Filtering rows of the embedded engine (top-p mask replay): each output token's kept set."""
 
 
 class OpResult(TypedDict):

@@ -18,10 +18,16 @@ under which Megatron's RoPE also restarts per sample (``rope_utils._apply_rotary
 
 One SDPA call per sample is host-bound at RL batch sizes: on the H200 a Qwen3-0.6B train phase of 128
 samples of 640 tokens made 3,584 SDPA calls forward and as many backward per step, and the GPU was busy
-1.4 s of it (benchmarks/results/bench_step_qwen3-0.6b_sglang_profile_h200.json). ``model.packed_attention:
-flash_varlen`` (:class:`FlashVarlenCoreAttention`, CUDA and bfloat16; the default ``auto`` picks it there)
-attends all samples of a row in one FlashAttention-2 varlen call per layer instead: the same phase took
-1.64 s instead of 2.10 (benchmarks/results/peer_step_qwen3-0.6b_offload_h200.json).
+1.4 s of it (benchmarks/results/bench_step_qwen3-0.6b_sglang_profile_h200.json). So packed rows can be
+attended in one varlen call per layer:
+
+* ``efficient_varlen`` (:class:`EfficientVarlenCoreAttention`, CUDA, any dtype; what ``auto`` picks there):
+  the memory-efficient kernel that the embedded engine runs too (:mod:`rlrun.attention_kernel`), so the
+  trainer's log-probs equal the engine's (bitwise on the H200 for prompts the engine did not left-pad;
+  BENCHMARKS.md "On-policy exactness"). On CUDA the per-sample and unpacked paths run that kernel too.
+* ``flash_varlen`` (:class:`FlashVarlenCoreAttention`, CUDA, bf16): FlashAttention-2's varlen kernel. Fast,
+  but no engine runs it, so trainer and engine disagree by bf16 rounding amplified over the layers (0.03-0.05
+  nats per token on SmolLM2-135M): off-policy, kept for comparison.
 
 When TransformerEngine is importable, its ``TEDotProductAttention`` (cuDNN / flash, ``thd`` with
 ``cu_seqlens``) is the core attention instead. Only the core attention is swapped, not the whole TE
@@ -38,11 +44,11 @@ import functools
 from typing import TYPE_CHECKING, get_args
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from rlrun import attention_kernel
 from rlrun.config.schema import PackedAttention
 
 if TYPE_CHECKING:
@@ -63,9 +69,9 @@ def transformer_engine_attention() -> type | None:
 
 
 def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> type:
-    """The core attention class: TransformerEngine's when importable, else SDPA with packed rows attended
-    per sample or (``flash_varlen``: CUDA, bfloat16) in one varlen call; ``auto`` takes the varlen call
-    where it can run. ``dtype`` is ``model.dtype`` (its default here too)."""
+    """The core attention class: TransformerEngine's when importable, else packed rows attended per sample or
+    in one varlen call per layer (``efficient_varlen``: CUDA; ``flash_varlen``: CUDA, bfloat16); ``auto``
+    takes ``efficient_varlen`` on CUDA, the engine's kernel. ``dtype`` is ``model.dtype`` (its default here too)."""
     if packed_attention not in get_args(PackedAttention):
         raise ValueError(
             f"model.packed_attention ({packed_attention!r}) must be one of {list(get_args(PackedAttention))}"
@@ -73,14 +79,16 @@ def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> ty
     if transformer_engine_attention() is not None:
         return transformer_engine_attention()
     if packed_attention == "auto":
-        packed_attention = "flash_varlen" if torch.cuda.is_available() and dtype == "bfloat16" else "per_sample"
+        packed_attention = "efficient_varlen" if torch.cuda.is_available() else "per_sample"
     if packed_attention == "per_sample":
         return SDPACoreAttention
     if not torch.cuda.is_available():
         raise ValueError(
-            "model.packed_attention (flash_varlen) needs CUDA because FlashAttention's varlen kernel "
+            f"model.packed_attention ({packed_attention}) needs CUDA because its varlen kernel "
             "has no CPU implementation; use per_sample or auto on CPU"
         )
+    if packed_attention == "efficient_varlen":
+        return EfficientVarlenCoreAttention
     if dtype != "bfloat16":
         raise ValueError(
             f"model.packed_attention (flash_varlen) needs model.dtype bfloat16 (not {dtype}) because "
@@ -239,15 +247,34 @@ class SDPACoreAttention(MegatronModule):
         return torch.cat(outputs)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over ``[..., heads, S, dim]``; key/value may have fewer (grouped) heads."""
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=True,
-            scale=self.softmax_scale,
-            enable_gqa=k.shape[-3] != q.shape[-3],
+        """Causal attention over ``[B, heads, S, dim]``; key/value may have fewer (grouped) heads. On CUDA the
+        engine's kernel (rlrun.attention_kernel), elsewhere SDPA."""
+        return attention_kernel.causal(q, k, v, self.softmax_scale, self.dropout_p if self.training else 0.0)
+
+
+def _device_bounds(packed_seq_params) -> torch.Tensor:
+    bounds = packed_seq_params.cu_seqlens_device
+    if bounds is None:
+        raise ValueError(
+            "packed_seq_params must carry cu_seqlens_device because the varlen kernel reads "
+            "the sample bounds on the GPU; build it with rlrun.megatron.attention.packed_seq_params"
+        )
+    return bounds
+
+
+class EfficientVarlenCoreAttention(SDPACoreAttention):
+    """:class:`SDPACoreAttention` with packed rows in one memory-efficient varlen call per layer (CUDA, any
+    dtype): the kernel the embedded engine runs (rlrun.attention_kernel), so both compute the same log-probs."""
+
+    def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        return attention_kernel.causal_varlen(
+            query,
+            key,
+            value,
+            _device_bounds(packed_seq_params),
+            packed_seq_params.max_seqlen_q,
+            self.softmax_scale,
+            self.dropout_p if self.training else 0.0,
         )
 
 
@@ -257,12 +284,7 @@ class FlashVarlenCoreAttention(SDPACoreAttention):
     torch's own flash backward. Grouped-query heads are native to the kernel (no copies)."""
 
     def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
-        bounds = packed_seq_params.cu_seqlens_device
-        if bounds is None:
-            raise ValueError(
-                "packed_seq_params must carry cu_seqlens_device because the varlen kernel reads "
-                "the sample bounds on the GPU; build it with rlrun.megatron.attention.packed_seq_params"
-            )
+        bounds = _device_bounds(packed_seq_params)
         max_len = packed_seq_params.max_seqlen_q
         return torch.ops.aten._flash_attention_forward(
             query,

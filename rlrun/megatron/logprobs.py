@@ -24,19 +24,30 @@ from rlrun.megatron.pipeline import last_stage_outputs
 
 
 def vocab_parallel_token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int, with_entropy: bool
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    vocab_size: int,
+    with_entropy: bool,
+    kept_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(targets), entropy or None) for local logits ``[B, S, V_local]`` (or ``[S, V_local]``) and
     ``targets`` of the leading shape; chunked over tokens with a closed-form backward
-    (``rlrun.megatron.token_stats``), so no fp32 copy of the logits outlives a chunk."""
+    (``rlrun.megatron.token_stats``), so no fp32 copy of the logits outlives a chunk.
+
+    ``kept_ids`` (``MicroBatch.kept_ids``, top-p mask replay): where a position has a kept set, its log-prob is
+    renormalised over that set (``kept_set_logprobs``); the entropy stays the full distribution's."""
     from megatron.core import parallel_state as mpu
 
-    from rlrun.megatron.token_stats import chunked_token_stats
+    from rlrun.megatron.token_stats import chunked_token_stats, kept_set_logprobs
 
     start = mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
-    logprobs, entropy = chunked_token_stats(
-        logits, targets, temperature, start, vocab_size, mpu.get_tensor_model_parallel_group()
-    )
+    group = mpu.get_tensor_model_parallel_group()
+    logprobs, entropy = chunked_token_stats(logits, targets, temperature, start, vocab_size, group)
+    if kept_ids is not None:
+        kept_ids = kept_ids.to(logits.device)
+        renormalised = kept_set_logprobs(logits, targets, kept_ids, temperature, start, vocab_size, group)
+        logprobs = torch.where(kept_ids[..., 0] >= 0, renormalised, logprobs)
     return logprobs, entropy if with_entropy else None
 
 
@@ -68,14 +79,19 @@ def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
 
 
 def compute_logprobs(
-    model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor, temperature: float
+    model: MegatronModel,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    temperature: float,
+    kept_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``log p(tokens[:, 1:] | prefix)`` as ``[B, S-1]`` float32 on the model's device, logits divided
-    by ``temperature``, on every rank (with PP > 1, computed on the last stage and broadcast).
+    by ``temperature``, on every rank (with PP > 1, computed on the last stage and broadcast); renormalised
+    over ``kept_ids`` where given (top-p mask replay, ``vocab_parallel_token_stats``).
 
     Differentiable at PP=1; wrap in ``torch.no_grad()`` for forward-only passes (old, reference log-probs).
     """
-    (logprobs,) = _token_stats(model, tokens, position_ids, temperature, with_entropy=False)
+    (logprobs,) = _token_stats(model, tokens, position_ids, temperature, with_entropy=False, kept_ids=kept_ids)
     return logprobs
 
 
@@ -88,7 +104,12 @@ def compute_logprobs_and_entropy(
 
 
 def _token_stats(
-    model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor, temperature: float, with_entropy: bool
+    model: MegatronModel,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    kept_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """[log-probs] or [log-probs, entropy] of ``tokens`` on every rank of the pipeline."""
 
@@ -99,6 +120,7 @@ def _token_stats(
             temperature,
             model.arch.vocab_size,
             with_entropy=with_entropy,
+            kept_ids=kept_ids,
         )
         return [t for t in stats if t is not None]
 

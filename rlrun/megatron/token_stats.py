@@ -105,3 +105,46 @@ class _TokenStats(torch.autograd.Function):
             dz.scatter_add_(-1, t[row, span].unsqueeze(-1), (inv_t * g_lp[row, span] * owned[row, span]).unsqueeze(-1))
             grad[row, span, : ctx.valid] = dz
         return grad.reshape(logits.shape), None, None, None, None, None
+
+
+def kept_set_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    kept_ids: torch.Tensor,
+    temperature: float,
+    vocab_start: int,
+    vocab_size: int,
+    group,
+) -> torch.Tensor:
+    """Top-p mask replay: ``log p(target)`` renormalised over each position's kept set,
+    ``z_t - log sum_{k in kept} exp(z_k)`` with ``z = logits / temperature``; float32 of ``targets``' shape.
+
+    ``kept_ids`` is ``[..., K]`` of ``targets``' leading shape, -1 padded (``MicroBatch.kept_ids``); positions
+    whose set is empty give NaN-free garbage (callers select them away). Vocabulary-parallel like
+    :func:`chunked_token_stats`: each TP rank gathers the kept and target logits it owns, and the sums are
+    all-reduced; every rank computes the same loss, so the local gradient (autograd through the gathers:
+    ``onehot(t) - softmax over the kept set``, on this rank's ids) needs no backward communication.
+    The gathers touch K logits per position, but their backward writes one zero-filled buffer of the logits'
+    size (sparse only in its nonzeros).
+    """
+    valid = min(max(vocab_size - vocab_start, 0), logits.shape[-1])
+    local = kept_ids - vocab_start
+    owned = (kept_ids >= 0) & (local >= 0) & (local < valid)
+    z = logits.gather(-1, local.clamp(0, max(valid - 1, 0))).float() / temperature
+    z = z.masked_fill(~owned, float("-inf"))
+    m = z.detach().amax(dim=-1)
+    all_reduce(m, group, op=dist.ReduceOp.MAX)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    local_sum = (z - m.unsqueeze(-1)).exp().sum(dim=-1)
+    log_mass = m + _summed_over_ranks(local_sum, group).clamp(min=torch.finfo(torch.float32).tiny).log()
+    t = targets - vocab_start
+    t_owned = (t >= 0) & (t < valid)
+    z_t = logits.gather(-1, t.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1).float() / temperature
+    return _summed_over_ranks(z_t * t_owned, group) - log_mass
+
+
+def _summed_over_ranks(local: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``local`` over the TP ranks, differentiable in this rank's term only (module docstring)."""
+    total = local.detach().clone()
+    all_reduce(total, group)
+    return local + (total - local.detach())

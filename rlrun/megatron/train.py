@@ -171,7 +171,12 @@ def train_step(
     def output_loss(micro_batch, output):
         targets = micro_batch.tokens[:, 1:].to(output.device)
         logprobs, entropy = vocab_parallel_token_stats(
-            output[:, :-1], targets, temperature, model.arch.vocab_size, with_entropy=with_entropy
+            output[:, :-1],
+            targets,
+            temperature,
+            model.arch.vocab_size,
+            with_entropy=with_entropy,
+            kept_ids=getattr(micro_batch, "kept_ids", None),  # top-p mask replay; None without it
         )
         return loss_fn(micro_batch, logprobs, *((entropy,) if with_entropy else ()))
 

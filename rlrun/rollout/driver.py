@@ -72,9 +72,19 @@ def generate_samples(
                 finish_reason=result["finish_reason"]["type"],
                 weight_version=str(result.get("weight_version", "")),
                 routed_experts=_routed_experts(result, len(prompt.prompt_ids)),
+                kept_ids=_kept_ids(result),
             )
         )
     return samples
+
+
+def _kept_ids(result):
+    """The sample's ``[response_len, width]`` kept sets (``Sample.kept_ids``), or None."""
+    if "kept_ids" not in result:
+        return None
+    from rlrun.engine.kept_set import decode_kept_ids
+
+    return decode_kept_ids(result["kept_ids"], len(result["output_ids"]))
 
 
 def _routed_experts(result, prompt_len: int):

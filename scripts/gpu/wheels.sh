@@ -6,7 +6,8 @@
 # A call carries at most 64 MiB; this set is ~25 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"  # in a worktree .git is a file; this is the shared exclude
+grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 mapfile -t missing < <(python3 - <<'PY'
 import re
 def pins(path):

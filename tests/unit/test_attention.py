@@ -103,24 +103,27 @@ def test_packed_attention_choice_is_checked():
     if transformer_engine_attention() is not None:
         return
     assert core_attention("per_sample") is SDPACoreAttention
-    assert core_attention("auto", "float32") is SDPACoreAttention  # FlashAttention has no float32 kernel
     if not torch.cuda.is_available():
         assert core_attention("auto", "bfloat16") is SDPACoreAttention
-        with pytest.raises(ValueError, match="needs CUDA"):
-            core_attention("flash_varlen")
-    else:
-        assert core_attention("auto", "bfloat16").__name__ == "FlashVarlenCoreAttention"
+        assert core_attention("auto", "float32") is SDPACoreAttention
+        for varlen in ("flash_varlen", "efficient_varlen"):
+            with pytest.raises(ValueError, match="needs CUDA"):
+                core_attention(varlen)
+    else:  # the engine's kernel, in both dtypes (rlrun.attention_kernel)
+        assert core_attention("auto", "bfloat16").__name__ == "EfficientVarlenCoreAttention"
+        assert core_attention("auto", "float32").__name__ == "EfficientVarlenCoreAttention"
         with pytest.raises(ValueError, match="needs model.dtype bfloat16"):
             core_attention("flash_varlen", "float32")
 
 
-def test_flash_varlen_call_fits_the_kernel_schema_and_its_autograd():
+@pytest.mark.parametrize("kind", ["flash", "efficient"])
+def test_varlen_call_fits_the_kernel_schema_and_its_autograd(kind):
     """The varlen kernel is CUDA-only; on meta tensors its schema, shape rules and backward formula still run,
     so a wrong argument (order, dtype of the bounds, GQA head counts) fails here, not first on a GPU."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from rlrun.megatron.attention import FlashVarlenCoreAttention, PackedRows
+    from rlrun.megatron.attention import EfficientVarlenCoreAttention, FlashVarlenCoreAttention, PackedRows
 
     heads, kv_heads, dim = 16, 8, 128
     config = TransformerConfig(
@@ -132,9 +135,8 @@ def test_flash_varlen_call_fits_the_kernel_schema_and_its_autograd():
         attention_dropout=0.0,
         use_cpu_initialization=True,
     )
-    attention = FlashVarlenCoreAttention(
-        config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
-    )
+    cls = FlashVarlenCoreAttention if kind == "flash" else EfficientVarlenCoreAttention
+    attention = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     bounds = torch.tensor([0, 640, 677, 1280], dtype=torch.int32)
     params = PackedRows(
         qkv_format="thd",
@@ -150,8 +152,10 @@ def test_flash_varlen_call_fits_the_kernel_schema_and_its_autograd():
     )
     out = attention(q, k, v, None, packed_seq_params=params)
     assert out.shape == (1280, heads * dim) and out.dtype == torch.bfloat16
-    out.sum().backward()
-    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+    assert out.grad_fn is not None
+    if kind == "flash":  # torch 2.13's meta kernel of the efficient backward takes ``scale`` twice (a torch bug)
+        out.sum().backward()
+        assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
     with pytest.raises(ValueError, match="cu_seqlens_device"):
         attention(
             q,

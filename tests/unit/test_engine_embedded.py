@@ -19,7 +19,7 @@ from tiny_models import FAMILY_KINDS
 
 pytestmark = pytest.mark.slow  # loads models
 
-PROMPTS = [[72, 101, 108, 108, 111], [257, 9, 44], [1, 2, 3, 4, 5, 6, 7, 8, 9]]  # different lengths: left padding
+PROMPTS = [[72, 101, 108, 108, 111], [257, 9, 44], [1, 2, 3, 4, 5, 6, 7, 8, 9]]  # different lengths: padding
 
 
 def hf_model(model_dir):
@@ -27,7 +27,11 @@ def hf_model(model_dir):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_logprobs_match_an_hf_forward_before_filtering(tiny_model_dirs, kind):
+def test_logprobs_match_an_hf_forward_renormalised_over_the_kept_set(tiny_model_dirs, kind):
+    """Top-p / top-k rows report the sampling distribution's log-prob (renormalised over the kept set, top-p
+    mask replay) and that kept set, which is the filter's survivors under an HF forward's probabilities."""
+    from rlrun.engine.kept_set import decode_kept_ids
+
     engine = EmbeddedEngine(tiny_model_dirs[kind], seed=0)
     params = {"max_new_tokens": 10, "temperature": 0.7, "top_k": 20, "top_p": 0.9, "n": 2, "ignore_eos": True}
     results = engine.generate(PROMPTS, params)
@@ -37,7 +41,25 @@ def test_logprobs_match_an_hf_forward_before_filtering(tiny_model_dirs, kind):
         prompt = PROMPTS[k // 2]  # prompt-major
         assert result["prompt_tokens"] == len(prompt) and result["completion_tokens"] == 10
         assert result["finish_reason"] == {"type": "length", "length": 10}
-        want = hf_logprobs(reference, prompt, result["output_ids"], temperature=0.7)
+        kept = decode_kept_ids(result["kept_ids"], 10)
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + result["output_ids"]])).logits[0, len(prompt) - 1 : -1].float()
+        logp = torch.log_softmax(logits / 0.7, dim=-1)
+        survivors = filter_probs(logp.exp(), [SamplingParams(temperature=0.7, top_k=20, top_p=0.9)] * 10)
+        for j, token in enumerate(result["output_ids"]):
+            ids = kept[j][kept[j] >= 0].long()
+            assert set(ids.tolist()) == set(survivors[j].nonzero().flatten().tolist()) and token in ids.tolist()
+            want = logp[j, token] - torch.logsumexp(logp[j, ids], dim=0)
+            torch.testing.assert_close(torch.tensor(result["output_logprobs"][j]), want, rtol=0, atol=1e-5)
+
+
+def test_logprobs_without_a_filter_match_an_hf_forward(tiny_model_dirs):
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
+    results = engine.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0.7, "n": 2, "ignore_eos": True})
+    reference = hf_model(tiny_model_dirs["qwen3"])
+    for k, result in enumerate(results):
+        assert "kept_ids" not in result
+        want = hf_logprobs(reference, PROMPTS[k // 2], result["output_ids"], temperature=0.7)
         torch.testing.assert_close(torch.tensor(result["output_logprobs"]), want, rtol=0, atol=1e-5)
 
 

@@ -6,8 +6,10 @@ reused by later generate calls of the same shape after :meth:`DecodeBatch.load`.
 step reads a value back to the host: end conditions (stop tokens, length) are applied on the device
 and recorded as a finish code per row; the host reads the state every few steps.
 
-Rows are samples. The layout is left-padded: every prompt ends at column ``width - 1`` of the
-cache, decode step t writes column ``width + t - 1``, and all rows share that column.
+Rows are samples. The layout is right-padded: every prompt starts at column 0 of the cache, and row b's
+decode step t writes column ``len_b + t - 1`` (its own column, ``cache.columns[b]``), over the prompt
+padding first. So each row's keys are columns ``0 .. len_b + t - 1`` with no gap, as the trainer sees
+them (rlrun.attention_kernel: that is what makes the two bitwise equal).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class BatchShape:
     stop_width: int
     sample: bool
     filter: bool
+    kept_width: int = 0
+    """Width of the kept-set buffer (top-p mask replay; ``sampling.KEPT_SET_WIDTH`` or the vocabulary if
+    smaller) when some row filters, else 0."""
 
 
 @dataclasses.dataclass
@@ -66,6 +71,9 @@ class DecodeBatch:
     stop_ids: torch.Tensor
     """[B, stop_width] token ids that end each row, padded with -1."""
     sampling: SamplingTensors
+    kept_ids: torch.Tensor | None = None
+    """[B, max_len, kept_width] int64: step s's kept set of each row (``sample_tokens``' ``kept_out``), when
+    some row filters; None otherwise."""
     routed_experts: torch.Tensor | None = None
     """[B, max_len, layers, topk] (uint8 or int32, ``RouterRecorder.dtype``): the experts of the token each
     decode step forwarded (column ``step - 1``), written by the engine's router hooks (MoE models only;
@@ -79,7 +87,7 @@ class DecodeBatch:
             return torch.zeros(*size, dtype=dtype, device=device)
 
         return cls(
-            cache=StaticKVCache(rows, shape.max_len, device),
+            cache=StaticKVCache(rows, shape.max_len, device, per_row=True),
             input_ids=zeros(rows, 1),
             positions=zeros(rows, 1),
             mask=torch.ones(rows, 1, 1, shape.max_len, dtype=torch.bool, device=device),
@@ -92,6 +100,7 @@ class DecodeBatch:
             max_new=zeros(rows),
             stop_ids=zeros(rows, shape.stop_width) - 1,
             sampling=sampling,
+            kept_ids=zeros(rows, shape.max_len, shape.kept_width) - 1 if shape.kept_width else None,
         )
 
     def load(
@@ -106,12 +115,12 @@ class DecodeBatch:
         """Reset every buffer in place for a new call: prompts' K/V and mask, positions, counters."""
         width = prefill.max_len
         self.cache.load_prefix(prefill, prompt_of_row)
-        self.cache.columns.fill_(width)
         row_mask = prompt_mask.bool()[prompt_of_row]
+        self.positions.copy_(row_mask.sum(-1, keepdim=True))
+        self.cache.columns.copy_(self.positions[:, 0])  # the first decode forward writes each prompt's next column
         self.mask.zero_()
         self.mask[:, 0, 0, :width] = row_mask
-        self.mask[:, 0, 0, width] = True  # the first decode forward writes and reads this column
-        self.positions.copy_(row_mask.sum(-1, keepdim=True))
+        self.mask.scatter_(3, self.positions.view(-1, 1, 1, 1), True)
         self.step.zero_()
         self.lengths.zero_()
         self.active.fill_(True)
@@ -123,7 +132,10 @@ class DecodeBatch:
 
     def record(self, logits: torch.Tensor) -> None:
         """Sample step ``step`` from ``logits`` ([B, V]) and apply the device-side end conditions."""
-        token, logprob = sample_tokens(logits, self.sampling, self.step)
+        kept = None if self.kept_ids is None else torch.empty_like(self.kept_ids[:, 0])
+        token, logprob = sample_tokens(logits, self.sampling, self.step, kept)
+        if kept is not None:
+            self.kept_ids.index_copy_(1, self.step, kept[:, None])
         self.tokens.index_copy_(1, self.step, token[:, None])
         self.logprobs.index_copy_(1, self.step, logprob[:, None])
         self.lengths += self.active
@@ -139,7 +151,7 @@ class DecodeBatch:
         """After a decode forward: the next one writes (and attends to) the next column."""
         self.positions += 1
         self.cache.columns += 1
-        self.mask.index_fill_(3, self.cache.columns, True)
+        self.mask.scatter_(3, self.cache.columns.view(-1, 1, 1, 1), True)
 
     def end_rows(self, rows: torch.Tensor, code: Finish) -> None:
         """Finish the still-active rows in the bool mask ``rows`` with ``code`` (abort)."""

@@ -2,8 +2,9 @@
 
 It serves the same contract as the SGLang backend with a batched decode loop over static buffers:
 
-1. prefill each *distinct prompt* once (left-padded, explicit position_ids, only the last position's
-   logits) into a :class:`StaticKVCache`, then copy its KV to the ``n`` samples of its group in a
+1. prefill each *distinct prompt* once (right-padded, so every prompt starts at cache column 0 as each
+   sample starts at key 0 in the trainer; only each prompt's last position's logits) into a
+   :class:`StaticKVCache`, then copy its KV to the ``n`` samples of its group in a
    preallocated decode cache (:mod:`rlrun.engine.backends.decode_batch`);
 2. decode all samples together, one token per step; a step (forward, sampling with per-row
    counter-based noise, end conditions) touches only device buffers, so on GPU it is captured once
@@ -38,7 +39,15 @@ from rlrun.engine.backends.fused_experts import expert_slice
 from rlrun.engine.backends.fused_norm import fuse_rms_norms
 from rlrun.engine.backends.routing_record import RouterRecorder, encode
 from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, prefill_mask
-from rlrun.engine.sampling import SamplingParams, SamplingTensors, per_prompt_params, row_key, row_rids
+from rlrun.engine.kept_set import encode_kept_ids
+from rlrun.engine.sampling import (
+    KEPT_SET_WIDTH,
+    SamplingParams,
+    SamplingTensors,
+    per_prompt_params,
+    row_key,
+    row_rids,
+)
 from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, FinishReason, GenResult, RoutedExperts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -179,6 +188,8 @@ class EmbeddedEngine:
         # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40).
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        decoder_params = inspect.signature(self.model.get_decoder().forward).parameters
+        self._decoder_cache_kwarg = "cache" if "cache" in decoder_params else "past_key_values"
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self._rng = torch.Generator().manual_seed(seed)
         self._decode_slot: tuple[BatchShape, DecodeBatch, StepGraph] | None = None
@@ -240,19 +251,23 @@ class EmbeddedEngine:
         ]
         for result, row_experts in zip(results, experts or [], strict=False):
             result["routed_experts"] = row_experts
+        if batch.kept_ids is not None:
+            for b, result in enumerate(results):
+                if bool(batch.sampling.filters[b]):
+                    result["kept_ids"] = encode_kept_ids(batch.kept_ids[b, : lengths[b]])
         return results
 
     def _routed_experts(
         self, batch: DecodeBatch, prompts: list[list[int]], rows: Sequence[tuple[int, int]], lengths: list[int]
     ) -> list[RoutedExperts]:
         """Per row, SGLang's ``routed_experts`` (with its topk): the prompt's tokens (from the prefill, whose
-        prompts end at the last column) then the output tokens that were forwarded (all but the last)."""
+        prompts start at the first column) then the output tokens that were forwarded (all but the last)."""
         width = max(len(p) for p in prompts)
         prefill = self._prefill_experts.reshape(len(prompts), width, *self._prefill_experts.shape[1:])
         out = []
         for b, (i, _) in enumerate(rows):
             forwarded = len(prompts[i]) + lengths[b] - 1
-            row = torch.cat([prefill[i, width - len(prompts[i]) :], batch.routed_experts[b, : max(lengths[b] - 1, 0)]])
+            row = torch.cat([prefill[i, : len(prompts[i])], batch.routed_experts[b, : max(lengths[b] - 1, 0)]])
             out.append(encode(row[:forwarded]))
         return out
 
@@ -308,20 +323,38 @@ class EmbeddedEngine:
         )
         return out.logits[:, -1].float()
 
+    def _prefill_forward(
+        self, ids, attention_mask, positions, cache: StaticKVCache, last: torch.Tensor
+    ) -> torch.Tensor:
+        """The prefill's model call: K/V into ``cache``, fp32 logits at each prompt's last position ``last``
+        ([P]); the LM head sees only those rows (a right-padded batch has no common last column)."""
+        decoder = self.model.get_decoder()
+        hidden = decoder(
+            input_ids=ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._decoder_cache_kwarg: cache},
+        ).last_hidden_state
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        return self.model.get_output_embeddings()(hidden[rows, last][:, None])[:, -1].float()
+
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
-        """Prefill distinct prompts once, left-padded so every prompt ends at the last column; returns
-        (next-token logits per prompt, their cache, the [P, W] prompt mask)."""
+        """Prefill distinct prompts once, right-padded so every prompt starts at column 0 (the attention
+        kernel then splits its keys into the same blocks as the trainer does: bitwise equal log-probs,
+        rlrun.attention_kernel); returns (next-token logits per prompt, their cache, the [P, W] prompt mask)."""
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
+        mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], device=self.device)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         cache = StaticKVCache(len(prompts), width, self.device)
         cache.columns = torch.arange(width, device=self.device)
         if self.router_recorder is None:
-            return self._forward(ids, prefill_mask(mask), positions, cache), cache, mask
+            return self._prefill_forward(ids, prefill_mask(mask), positions, cache, last), cache, mask
         self._prefill_experts = self.router_recorder.prefill_buffer(ids.numel(), self.device)
         with self.router_recorder.writing(self._prefill_experts):
-            return self._forward(ids, prefill_mask(mask), positions, cache), cache, mask
+            return self._prefill_forward(ids, prefill_mask(mask), positions, cache, last), cache, mask
 
     def _decode_step(self, batch: DecodeBatch) -> None:
         """One decode step on the batch's buffers only (the part that is captured as a CUDA graph)."""
@@ -381,6 +414,7 @@ class EmbeddedEngine:
             stop_width=_round_up(stop_ids.shape[1], 8),
             sample=sampling.sample,
             filter=sampling.filter,
+            kept_width=min(KEPT_SET_WIDTH, self.vocab_size) if sampling.sample and sampling.filter else 0,
         )
         batch, step_graph = self._batch_for(shape, sampling)
         max_new = torch.tensor([p.max_new_tokens for p in row_params], device=self.device)

@@ -8,10 +8,11 @@ max_len, head_dim]`` buffers, and the columns a forward writes are a device tens
 ``max_len`` columns under a boolean ``[rows, 1, q_len, max_len]`` mask (True = attend), passed to the
 model as a ready 4-D mask, which transformers' SDPA path uses as is (no mask building, no host sync).
 
-Decode attention (:func:`static_cache_attention`, registered with transformers as
-``ATTENTION``): a one-token query of ``H`` heads over ``H_kv`` cached heads is computed as ``H/H_kv``
-queries per KV head, so SDPA reads each cached head once; transformers' SDPA path would first copy
-the cache ``H/H_kv`` times (``repeat_kv``, which it does whenever a mask is given).
+Attention (:func:`static_cache_attention`, registered with transformers as ``ATTENTION``) runs the kernel
+the trainer runs too (:mod:`rlrun.attention_kernel`: on CUDA the memory-efficient kernel, called directly,
+not through SDPA's per-call choice), so the engine's log-probs are the trainer's. A one-token decode query
+of ``H`` heads over ``H_kv`` cached heads is computed as ``H/H_kv`` queries per KV head, so the kernel
+reads each cached head once instead of a copy per query head (``repeat_kv``).
 
 The object duck-types the part of transformers' ``Cache`` that decoder layers call
 (``update(key, value, layer_idx, ...)``; ``get_seq_length``), which is the same in transformers
@@ -25,6 +26,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from rlrun.attention_kernel import masked
+
 ATTENTION = "rlrun_static_cache"
 """The ``attn_implementation`` name the embedded engine loads its model with."""
 
@@ -32,20 +35,28 @@ ATTENTION = "rlrun_static_cache"
 class StaticKVCache:
     """Fixed-size per-layer K/V buffers; a forward writes its new K/V at :attr:`columns`."""
 
-    def __init__(self, num_rows: int, max_len: int, device: torch.device) -> None:
+    def __init__(self, num_rows: int, max_len: int, device: torch.device, per_row: bool = False) -> None:
         self.num_rows = num_rows
         self.max_len = max_len
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.columns = torch.zeros(1, dtype=torch.long, device=device)
-        """Cache columns the next forward writes, one per query position (set or advanced in place)."""
+        self.per_row = per_row
+        self.columns = torch.zeros(num_rows if per_row else 1, dtype=torch.long, device=device)
+        """Cache columns the next forward writes (set or advanced in place): one per query position, shared
+        by all rows; or, ``per_row`` (decode, one query position), one per row."""
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this layer's new K/V ([rows, heads, q_len, dim]) and return the full buffers."""
         if layer_idx == len(self.keys):  # first forward: allocate from the model's own shapes
             self._allocate(key, value)
-        self.keys[layer_idx].index_copy_(2, self.columns, key)
-        self.values[layer_idx].index_copy_(2, self.columns, value)
+        if self.per_row:
+            index = self.columns.view(-1, 1, 1, 1).expand(-1, key.shape[1], 1, key.shape[-1])
+            self.keys[layer_idx].scatter_(2, index, key)
+            index = self.columns.view(-1, 1, 1, 1).expand(-1, value.shape[1], 1, value.shape[-1])
+            self.values[layer_idx].scatter_(2, index, value)
+        else:
+            self.keys[layer_idx].index_copy_(2, self.columns, key)
+            self.values[layer_idx].index_copy_(2, self.columns, value)
         return self.keys[layer_idx], self.values[layer_idx]
 
     def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -72,8 +83,8 @@ class StaticKVCache:
 
 
 def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
-    """[P, 1, W, W] boolean mask for left-padded prompts: causal over real tokens. A padding query
-    attends to itself only, so no row is fully masked (SDPA would return NaN there, and the NaN
+    """[P, 1, W, W] boolean mask for padded prompts: causal over real tokens. A padding query
+    attends to itself only, so no row is fully masked (the kernel would return NaN there, and the NaN
     would reach the padding's cached K/V)."""
     width = prompt_mask.shape[-1]
     causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
@@ -96,16 +107,19 @@ def static_cache_attention(
 
     One query position: the ``G = H / H_kv`` query heads that share a KV head (heads ``kv * G + g``,
     transformers' ``repeat_kv`` order) become a length-G query over that head, under the same
-    [B, 1, 1, L] mask. Longer queries (prefill) go to transformers' SDPA path unchanged.
+    [B, 1, 1, L] mask. Longer queries (prefill) attend under their [B, 1, q_len, L] mask. Without a
+    boolean mask (never from this engine) transformers' SDPA path runs.
     """
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
-    if q_len != 1 or heads % kv_heads:
+    if attention_mask is None or attention_mask.dtype != torch.bool or heads % kv_heads:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if q_len != 1:
+        return masked(query, key, value, attention_mask, scale=scaling).transpose(1, 2), None
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    out = masked(grouped, key, value, attention_mask, scale=scaling)
     return out.reshape(batch, 1, heads, value.shape[-1]), None  # MLA's value heads are narrower than its queries
 
 

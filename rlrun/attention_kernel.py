@@ -1,0 +1,138 @@
+"""The one attention kernel the trainer and the embedded engine share on CUDA, so that their log-probs agree.
+
+Why: torch SDPA picks its kernel per call (cuDNN, FlashAttention-2, memory-efficient, math) from the inputs,
+the GPU and the torch version. The engine attends under a boolean mask (left-padded prefill, a KV cache
+read under a column mask), so it never gets FlashAttention; the trainer attends causally without a mask.
+When the two sides run different kernels, each attention output can round differently in bf16, and 30
+layers amplify that to the whole bf16-vs-fp32 difference of a model (0.03-0.05 nats per token on
+SmolLM2-135M with the trainer on FlashAttention's varlen kernel, BENCHMARKS.md "On-policy exactness").
+
+So on CUDA both sides call the memory-efficient (xformers/cutlass) kernel directly, never through SDPA's
+choice: the trainer as one varlen call per layer over a packed row (``cu_seqlens``, causal), the engine
+with its mask as an additive bias. One query row's result in that kernel depends only on its own
+scores and on how its keys fall into the kernel's key blocks, which start at the sample's first key on
+both sides when the prompt is not left-padded. Then the two forwards are bitwise equal, whatever the
+number of queries per call (decode's one token, the trainer's whole sequence) and whatever other
+samples share the call. A left-padded prompt (shorter than the longest in its engine batch) shifts its
+keys against those blocks: still the same kernel, but its sums are split differently, so rare bf16
+roundings differ (measured in BENCHMARKS.md).
+
+The kernel also runs in float32 (FlashAttention does not), so fp32 CUDA runs pack too. On CPU everything
+stays on ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CAUSAL_FROM_TOP_LEFT = 1
+"""``custom_mask_type`` of ``aten._efficient_attention_forward``: query i sees keys 0..i of its sample."""
+BIAS_ALIGN = 16
+"""The kernel reads the bias in rows aligned to this many elements (what SDPA's own ``pad_bias`` does)."""
+
+
+def uses_shared_kernel(tensor: torch.Tensor) -> bool:
+    """True where the shared kernel runs (CUDA); elsewhere callers use plain SDPA."""
+    return tensor.is_cuda
+
+
+def _scale(query: torch.Tensor, scale: float | None) -> float:
+    """The softmax scale as transformers computes it (``head_dim ** -0.5``), passed explicitly on both sides
+    so that no side derives it in another precision."""
+    return query.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _repeat_heads(kv: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """Grouped-query K/V with ``heads`` query heads: KV head j serves query heads j*G .. j*G+G-1 (transformers'
+    ``repeat_kv`` and Megatron's order). The kernel has no grouped heads, so they are copied."""
+    groups = heads // kv.shape[dim]
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=dim)
+
+
+def causal_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention within each sample of a packed row: ``[T, heads, dim]`` in and out, samples
+    bounded by ``cu_seqlens`` (int32, on the device). Differentiable (torch's efficient-attention backward)."""
+    heads = query.shape[1]
+    key, value = (_repeat_heads(t, heads, 1) for t in (key, value))
+    out = torch.ops.aten._efficient_attention_forward(
+        query.unsqueeze(0),
+        key.unsqueeze(0),
+        value.unsqueeze(0),
+        None,
+        cu_seqlens,
+        cu_seqlens,
+        max_len,
+        max_len,
+        dropout_p,
+        CAUSAL_FROM_TOP_LEFT,
+        torch.is_grad_enabled() and query.requires_grad,
+        scale=_scale(query, scale),
+    )[0]
+    return out.squeeze(0)
+
+
+def causal(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Causal attention over ``[B, heads, S, dim]`` (key/value may have fewer, grouped heads)."""
+    if not uses_shared_kernel(query):
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=dropout_p,
+            is_causal=True,
+            scale=scale,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
+    key, value = (_repeat_heads(t, query.shape[1], 1) for t in (key, value))
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # the kernel's [B, S, heads, dim]
+    out = torch.ops.aten._efficient_attention_forward(
+        q,
+        k,
+        v,
+        None,
+        None,
+        None,
+        None,
+        None,
+        dropout_p,
+        CAUSAL_FROM_TOP_LEFT,
+        torch.is_grad_enabled() and query.requires_grad,
+        scale=_scale(query, scale),
+    )[0]
+    return out.transpose(1, 2)
+
+
+def masked(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Inference attention over ``[B, heads, q_len, dim]`` under a boolean mask broadcastable to
+    ``[B, heads, q_len, k_len]`` (True = attend); key/value may have fewer, grouped heads. No autograd."""
+    if not uses_shared_kernel(query):
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
+        )
+    key, value = (_repeat_heads(t, query.shape[1], 1) for t in (key, value))
+    batch, heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    # SDPA's own conversion (0 where attended, -inf elsewhere, in the query's dtype), padded so that each
+    # bias row starts aligned; the kernel adds 0.0 exactly, so attended scores are unchanged.
+    padded = -(-k_len // BIAS_ALIGN) * BIAS_ALIGN
+    bias = torch.full((*mask.shape[:-1], padded), float("-inf"), dtype=query.dtype, device=query.device)
+    bias[..., :k_len].masked_fill_(mask, 0.0)
+    bias = bias[..., :k_len].expand(batch, heads, q_len, k_len)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = torch.ops.aten._efficient_attention_forward(
+        q, k, v, bias, None, None, None, None, 0.0, 0, False, scale=_scale(query, scale)
+    )[0]
+    return out.transpose(1, 2)
