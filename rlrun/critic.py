@@ -62,7 +62,9 @@ class Critic:
             seed=cfg.train.seed,
             packed_attention=spec.model.packed_attention,
         )
-        optimizer, scheduler = make_optimizer_and_scheduler(model, spec.optimizer, cfg.train.num_steps)
+        optimizer, scheduler = make_optimizer_and_scheduler(
+            model, spec.optimizer, cfg.train.num_steps * cfg.train.updates_per_step
+        )
         return cls(settings=cfg.critic, model=model, optimizer=optimizer, scheduler=scheduler)
 
     def actor_trains(self, step: int) -> bool:

@@ -10,8 +10,12 @@ grad-norm counts a parameter without ``tensor_model_parallel`` on TP rank 0 only
 
 The head starts from the HF directory's ``score.weight`` / ``score.bias`` when present (HF's
 ``*ForSequenceClassification`` / ``*ForTokenClassification`` with one label, i.e. a reward or value
-model), otherwise fresh: normal(0, ``init_method_std``) weights and a zero bias, as Megatron initialises
-a new output layer, seeded identically on every rank so DP replicas start equal.
+model), otherwise fresh: normal(0, 1 / (hidden + 1)) weights (OpenRLHF's value-head init) and a zero bias,
+seeded identically on every rank so DP replicas start equal. The values then start near 0 (std
+``|h| / (hidden + 1)``: 0.08 on SmolLM2-135M's final hidden states, norm ~48) and the first GAE advantages
+are close to the returns. Megatron's output-layer init, normal(0, ``init_method_std`` = 0.02), gave values
+of std 0.95 there, varying by ~1 from one position to the next: the first steps' advantages were that
+noise rather than the rewards (0 or ~1, rare), and the PPO quickstart's actor barely moved.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def build_critic_model(
     gpt.share_embeddings_and_output_weights = False
     if parallel.is_last_stage:
         gpt.output_layer = ValueHead(arch.hidden_size, config.params_dtype, parallel.device)
-        init_value_head(gpt.output_layer, HFCheckpoint(hf_dir), config.init_method_std, seed)
+        init_value_head(gpt.output_layer, HFCheckpoint(hf_dir), 1.0 / (arch.hidden_size + 1), seed)
     return wrap_ddp(gpt, arch, config, parallel, dtype)
 
 
