@@ -108,7 +108,8 @@ def layer_spec(
     """
     moe_layers = arch.moe.moe_layers if arch.moe is not None else (False,) * arch.num_layers
     if arch.mla is not None and packed_attention == "auto":
-        # FlashAttention's kernel takes one head size for q, k and v; MLA's values are narrower (rlrun.megatron.mla).
+        # MLA's values are narrower than its queries and keys: FlashAttention's kernel refuses that, and the varlen
+        # kernels are untested with it (rlrun.megatron.mla); SDPA per sample takes it.
         packed_attention = "per_sample"
     attention = core_attention(packed_attention, dtype)
     if all(moe_layers) or not any(moe_layers):

@@ -60,10 +60,13 @@ PARTIAL_ROTARY_MODEL_TYPES = ("glm4_moe",)
 """Families whose transformers code rotates the first ``partial_rotary_factor`` of each head and passes the
 rest through, as Megatron's ``rotary_percent`` does."""
 REFUSED_MODEL_TYPES = {
-    "gemma3_text": "the local layer spec has no (1 + w) RMSNorm, GeGLU, embedding scaling or per-layer "
-    "sliding-window attention (SDPACoreAttention is full causal only)",
-    "gemma3": "it is a vision-language model; the text decoder (gemma3_text) is refused as well",
-    "gemma2": "the local layer spec has no (1 + w) RMSNorm, GeGLU, logit soft-capping or sliding-window layers",
+    "gemma3_text": "Megatron's TransformerLayer has no norm after the attention and after the MLP (Gemma's "
+    "post_attention_layernorm / post_feedforward_layernorm sandwich), GPTModel has one rotary embedding where "
+    "Gemma 3's sliding and full layers use different rope_theta, and the local spec has no (1 + w) RMSNorm, "
+    "embedding scaling or per-layer sliding-window attention (SDPACoreAttention is full causal)",
+    "gemma3": "it is a vision-language model; its text decoder (gemma3_text) is refused as well",
+    "gemma2": "Megatron's TransformerLayer has no norm after the attention and after the MLP (Gemma's sandwich "
+    "norms), and the local spec has no attention or final logit soft-capping, (1 + w) RMSNorm or sliding layers",
     "mixtral": "its experts (block_sparse_moe w1/w2/w3) have no entry in rlrun's weight map yet",
 }
 """Families asked for but not converted, with the missing piece (``model_type`` errors name it)."""
