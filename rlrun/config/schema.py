@@ -147,6 +147,17 @@ class RolloutConfig(Section):
     SGLang returns no kept sets: there both sides stay on the unfiltered distribution."""
     top_k: int = Field(-1, ge=-1)
     """Top-k sampling; -1 (or 0) keeps the whole vocabulary (with top_p < 1: at most 512 tokens, above)."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings (SGLang's ``stop``): a response ends with the token that completes one of them in its
+    decoded text; that token stays in the response (``finish_reason`` "stop"). Not affected by
+    ``ignore_eos``. A ``generate_fn`` may pass its own per turn (``traj.generate(stop=...)``)."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a response (kept in it), on top of the model's EOS; ``ignore_eos`` disables them."""
+    skip_special_tokens: bool = True
+    """Drop special tokens when decoding a single-turn response (and the text ``traj.generate()`` returns)
+    into the text rewards read. The engine returns token ids only, so this is the trainer's decode; the
+    trained tokens are the same either way. A multi-turn sample's ``response_text`` always keeps them, so
+    its turns stay visible."""
     reward: str = "first_number"
     """Reward function: a built-in name (math, gsm8k, exact_match, format_boxed, format_think,
     first_number), an ``http(s)://`` URL of a reward server (see ``remote_reward``), or
@@ -184,6 +195,16 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _over_sampling_covers_a_batch(self) -> RolloutConfig:
+        if any(not stop for stop in self.stop):
+            raise ValueError(
+                f"rollout.stop ({self.stop}) must hold non-empty strings because an empty stop string would "
+                "match before the first token; drop the empty entry"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"rollout.stop_token_ids ({self.stop_token_ids}) must be >= 0 because they are vocabulary ids; "
+                "fix the negative entry"
+            )
         if self.over_sampling_prompts is not None and self.over_sampling_prompts < self.prompts_per_step:
             raise ValueError(
                 f"rollout.over_sampling_prompts ({self.over_sampling_prompts}) must be >= "

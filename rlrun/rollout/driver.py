@@ -34,7 +34,19 @@ def sampling_params(cfg: RolloutConfig, seed: int) -> dict:
         "n": cfg.samples_per_prompt,
         "sampling_seed": seed,
         "ignore_eos": cfg.ignore_eos,
+        **stop_params(cfg.stop, cfg.stop_token_ids),
     }
+
+
+def stop_params(stop: list[str] | None, stop_token_ids: list[int] | None) -> dict:
+    """The engine's ``stop`` / ``stop_token_ids`` entries, only when set (an unset key keeps the engine's
+    default, so a backend or fake without stop support sees the params it always saw)."""
+    out: dict = {}
+    if stop:
+        out["stop"] = list(stop)
+    if stop_token_ids:
+        out["stop_token_ids"] = list(stop_token_ids)
+    return out
 
 
 def generate_samples(
@@ -54,7 +66,15 @@ def generate_samples(
     n = cfg.samples_per_prompt
     if generate_fn is not None:
         return run_generate_fn(
-            generate_fn, engine, prompts, n, sampling_params(cfg, seed), seed, tokenizer, max_context_tokens
+            generate_fn,
+            engine,
+            prompts,
+            n,
+            sampling_params(cfg, seed),
+            seed,
+            tokenizer,
+            max_context_tokens,
+            skip_special_tokens=cfg.skip_special_tokens,
         )
     results = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg, seed), return_logprob=True)
     if len(results) != len(prompts) * n:
@@ -67,7 +87,7 @@ def generate_samples(
                 group_index=prompt.index,
                 prompt=prompt,
                 response_ids=list(result["output_ids"]),
-                response_text=tokenizer.decode(result["output_ids"], skip_special_tokens=True),
+                response_text=tokenizer.decode(result["output_ids"], skip_special_tokens=cfg.skip_special_tokens),
                 rollout_logprobs=list(result["output_logprobs"]),
                 finish_reason=result["finish_reason"]["type"],
                 weight_version=str(result.get("weight_version", "")),

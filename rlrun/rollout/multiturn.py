@@ -128,13 +128,26 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "stop"
+    matched_stop: str | int | None = None
+    """What ended the last turn when it stopped: the stop string, or the EOS / stop token id."""
     weight_version: str = ""
     num_turns: int = 0
+    skip_special_tokens: bool = True
+    """``rollout.skip_special_tokens``: whether the text ``generate`` returns drops special tokens."""
 
-    async def generate(self, max_new_tokens: int | None = None) -> str:
+    async def generate(
+        self,
+        max_new_tokens: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> str:
         """Let the model continue the prompt and everything appended so far; returns the new turn's text.
 
-        Its tokens (ending with the stop token when it stopped) are appended with loss mask 1.
+        Its tokens (ending with the stop token or the tokens that completed a stop string, when it
+        stopped) are appended with loss mask 1. ``stop`` / ``stop_token_ids`` replace the run's
+        ``rollout.stop`` / ``rollout.stop_token_ids`` for this turn only (e.g. ``stop=["</tool_call>"]``
+        to hand control back at the end of a tool call); None keeps the run's. ``finish_reason`` then
+        says "stop" and :attr:`matched_stop` which string or token id ended the turn.
         """
         room = self.max_context_tokens - len(self.prompt.prompt_ids) - len(self.response_ids)
         if room <= 0 and self.num_turns == 0:
@@ -148,14 +161,19 @@ class Trajectory:
             raise ContextFull(f"prompt + response reached max_context_tokens ({self.max_context_tokens})")
         params = {**self.sampling, "n": 1, "sampling_seed": self.seed + _SEED_STRIDE * self.num_turns}
         params["max_new_tokens"] = min(room, max_new_tokens or params["max_new_tokens"])
+        if stop is not None:
+            params["stop"] = _check_stop(stop)
+        if stop_token_ids is not None:
+            params["stop_token_ids"] = [int(t) for t in stop_token_ids]
         result = await self.batcher.generate(self.prompt.prompt_ids + self.response_ids, params)
         self.num_turns += 1
         self.response_ids += result["output_ids"]
         self.loss_mask += [1] * len(result["output_ids"])
         self.logprobs += result["output_logprobs"]
         self.finish_reason = result["finish_reason"]["type"]
+        self.matched_stop = result["finish_reason"].get("matched")
         self.weight_version = str(result.get("weight_version", ""))
-        return self.tokenizer.decode(result["output_ids"], skip_special_tokens=True)
+        return self.tokenizer.decode(result["output_ids"], skip_special_tokens=self.skip_special_tokens)
 
     def append_env(self, text: str) -> list[int]:
         """Append tool / environment text (special tokens such as ``<|im_start|>`` are parsed) with loss
@@ -187,14 +205,35 @@ class Trajectory:
         )
 
 
+def _check_stop(stop: list[str]) -> list[str]:
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(
+            f"traj.generate(stop={stop!r}) must be a list of non-empty strings because each one ends the "
+            "turn when the decoded text contains it; pass e.g. stop=['</tool_call>']"
+        )
+    return list(stop)
+
+
 def run_generate_fn(
-    fn: Callable, engine, prompts: list[Prompt], n: int, sampling: dict, seed: int, tokenizer, max_context_tokens: int
+    fn: Callable,
+    engine,
+    prompts: list[Prompt],
+    n: int,
+    sampling: dict,
+    seed: int,
+    tokenizer,
+    max_context_tokens: int,
+    skip_special_tokens: bool = True,
 ) -> list[Sample]:
     """``n`` trajectories per prompt through ``fn``; samples come back prompt-major."""
-    return asyncio.run(_run_all(fn, engine, prompts, n, sampling, seed, tokenizer, max_context_tokens))
+    return asyncio.run(
+        _run_all(fn, engine, prompts, n, sampling, seed, tokenizer, max_context_tokens, skip_special_tokens)
+    )
 
 
-async def _run_all(fn, engine, prompts, n, sampling, seed, tokenizer, max_context_tokens) -> list[Sample]:
+async def _run_all(
+    fn, engine, prompts, n, sampling, seed, tokenizer, max_context_tokens, skip_special_tokens
+) -> list[Sample]:
     batcher = TurnBatcher(engine, num_live=len(prompts) * n)
     trajectories = [
         Trajectory(
@@ -205,6 +244,7 @@ async def _run_all(fn, engine, prompts, n, sampling, seed, tokenizer, max_contex
             batcher=batcher,
             seed=seed + 1_000_003 * j,
             max_context_tokens=max_context_tokens,
+            skip_special_tokens=skip_special_tokens,
         )
         for p in prompts
         for j in range(n)
