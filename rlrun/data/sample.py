@@ -61,6 +61,17 @@ class Sample:
     """Top-p mask replay: ``[len(response_ids), width]`` int32, each response token's kept set (the ids the
     engine's top-p / top-k / min-p filter kept when it drew that token, -1 padded); ``rollout_logprobs`` are
     then renormalised over it, and so are the trainer's. None: sampled without a filter (or by SGLang)."""
+    carried_tokens: int = 0
+    """Partial rollout: response tokens generated in earlier steps (the sample was aborted at a batch
+    boundary and continued from prompt + those tokens); 0 for a sample generated within one step."""
+    weight_spans: list[tuple[str, int]] | None = None
+    """Partial rollout: ``(weight_version, num_tokens)`` runs over the response, oldest first, when its
+    tokens came from more than one generate call; None: every token is ``weight_version``'s."""
+
+    @property
+    def first_weight_version(self) -> str:
+        """The weight version that generated the response's first token."""
+        return self.weight_spans[0][0] if self.weight_spans else self.weight_version
 
     @property
     def num_loss_tokens(self) -> int:

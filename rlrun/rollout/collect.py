@@ -7,6 +7,11 @@ rank 0, and draw again until the batch is full.
               rank 0: dynamic filter keeps whole groups; enough kept or ``max_sampling_rounds``? stop
     (the stop is itself a scatter of ``None`` to every rank, so all ranks leave the loop together)
 
+With ``rollout.abort_surplus`` / ``rollout.partial_rollout`` the rounds stream instead (one engine call
+per group, rank 0 told at every tick which groups finished; rlrun/rollout/streaming.py): the groups still
+generating when the batch is full are aborted, and with partial rollout carried into the next step,
+whose first round generates them first.
+
 Only rank 0 holds the sampler, so its position (checkpointed) counts every prompt drawn, including
 the ones whose groups the filter dropped: a resumed run draws what the original would have drawn.
 
@@ -31,6 +36,7 @@ from rlrun.rollout.evaluate import Evaluator
 from rlrun.rollout.filters import GroupFilter, apply_filter, load_filter
 from rlrun.rollout.multiturn import load_generate_fn
 from rlrun.rollout.rewards import load_reward_fn, score_samples
+from rlrun.rollout.streaming import TICK_S, GroupJob, GroupStream, is_unfinished
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +61,25 @@ class RoundTally:
     prompts_drawn: int = 0
     groups_generated: int = 0
 
+    aborted: list[list[Sample]] = field(default_factory=list)
+    """Streaming rounds: groups still generating when the batch filled, as the abort returned them."""
+    abort_wait_s: float = 0.0
+
     def add_round(self, groups: list[list[Sample]], keep: GroupFilter | None) -> None:
         self.rounds += 1
-        self.last_round = groups
+        self.last_round = []
+        self.add_groups(groups, keep)
+
+    def add_groups(self, groups: list[list[Sample]], keep: GroupFilter | None) -> None:
+        """Finished, scored groups of the current round (streaming rounds add them as they come)."""
+        self.last_round += groups
         self.generated += [s for g in groups for s in g]
         self.groups_generated += len(groups)
         self.kept += groups if keep is None else apply_filter(keep, groups)
+
+    @property
+    def full(self) -> bool:
+        return len(self.kept) >= self.target
 
     def batch(self) -> RolloutBatch:
         exhausted = len(self.kept) < self.target
@@ -118,6 +137,15 @@ class RolloutRuntime:
     evaluator: Evaluator | None = None
     group: Any = None
     """rlrun.engine.group.EngineGroup when ``engine.tp > 1``: its leader generates the whole group's prompts."""
+    carry: list[list[Sample]] = field(default_factory=list)
+    """Rank 0, ``rollout.partial_rollout``: groups aborted (or kept beyond the batch) at the last step's end,
+    generated first in the next step. Not checkpointed: a resumed run starts without them (their prompts
+    count as drawn)."""
+
+    @property
+    def streams(self) -> bool:
+        """Whether rounds stream groups and abort the rest once the batch is full (rlrun/rollout/streaming.py)."""
+        return self.cfg.rollout.streams
 
     @classmethod
     def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler, group=None) -> RolloutRuntime:
@@ -175,7 +203,7 @@ class RolloutRuntime:
         if debug.load_rollout_data:
             samples = load_rollout(debug.load_rollout_data, step) if self.parallel.is_rank0 else None
             return RolloutBatch(samples, {"rollout/loaded_from_disk": 1.0}) if samples is not None else None
-        batch = self._sample_rounds(step)
+        batch = self._stream_rounds(step) if self.streams else self._sample_rounds(step)
         if batch is not None and debug.save_rollout_data:
             save_rollout(self.debug_dir, step, batch.samples)
         return batch
@@ -199,6 +227,96 @@ class RolloutRuntime:
                 tally.add_round(groups, self.hooks.group_filter)
         return tally.batch() if tally is not None else None
 
+    def _stream_rounds(self, step: int) -> RolloutBatch | None:
+        """Sampling rounds of one engine call per group, aborting what still generates once the batch is
+        full (rlrun/rollout/streaming.py); rank 0 returns the batch, with the carry for the next step."""
+        r, parallel = self.cfg.rollout, self.parallel
+        tally = RoundTally(target=r.prompts_per_step) if parallel.is_rank0 else None
+        pending: list[GroupJob] = []
+        if tally is not None:
+            carried, self.carry = self.carry, []
+            tally.add_groups([g for g in carried if not any(is_unfinished(s) for s in g)], self.hooks.group_filter)
+            pending = [GroupJob(g[0].prompt, g) for g in carried if any(is_unfinished(s) for s in g)]
+        for round_index in itertools.count():
+            plan = self._plan_stream_round(tally, pending) if tally is not None else None
+            pending = []
+            jobs = scatter_from_rank0(plan, parallel.cpu_group)
+            if jobs is None:
+                break
+            seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
+            self._stream_one_round(jobs, seed, tally)
+        if tally is None:
+            return None
+        batch = tally.batch()
+        surplus = tally.kept[tally.target :]
+        if r.partial_rollout:  # nothing drawn is thrown away: aborted and surplus groups train in a later step
+            self.carry = tally.aborted + surplus
+        batch.metrics.update(partial_rollout_metrics(tally, batch.samples, self.carry, r.partial_rollout))
+        if r.partial_rollout_mask_offpolicy:
+            batch.metrics["rollout/offpolicy_masked_tokens"] = sum(mask_older_weights(s) for s in batch.samples)
+        return batch
+
+    def _stream_one_round(self, jobs: list[GroupJob], seed: int, tally: RoundTally | None) -> None:
+        """Every rank: generate its groups until rank 0 says the batch is full or nothing is left."""
+        r, group = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
+
+        def score(samples: list[Sample]) -> None:
+            score_samples(samples, self.hooks.reward_fn, group if r.reward_per_group else None, r.reward_concurrency)
+
+        stream = GroupStream(self.engine, r, seed, self.tokenizer, score)
+        stream.add(jobs)
+        decision, cpu_group = "go", self.parallel.cpu_group
+        while decision == "go":
+            reports = gather_to_rank0((stream.take_done(TICK_S), stream.num_open, stream.error), cpu_group)
+            plan = self._decide(tally, reports) if tally is not None else None
+            decision, more = scatter_from_rank0(plan, cpu_group)
+            stream.add(more)
+        if decision.startswith("fail"):
+            stream.close()
+            raise RuntimeError(f"rollout {decision}")
+        leftover, wait_s = stream.abort_and_drain() if decision == "abort" else (stream.take_done(0), 0.0)
+        stream.close()
+        reports = gather_to_rank0((leftover, wait_s), self.parallel.cpu_group)
+        if tally is not None:
+            for outcomes, rank_wait_s in reports:
+                tally.add_groups([o.samples for o in outcomes if not o.aborted], self.hooks.group_filter)
+                tally.aborted += [o.samples for o in outcomes if o.aborted]
+                tally.abort_wait_s = max(tally.abort_wait_s, rank_wait_s)
+
+    def _decide(self, tally: RoundTally, reports: list) -> list[tuple[str, list[GroupJob]]]:
+        """Rank 0 at a tick, per rank: ``go`` on (with more groups when the kept and the generating ones
+        cannot fill the batch: slime's refill, drawn as soon as it is known to be needed), ``abort`` (batch
+        full), ``end`` (nothing generating, nothing more to draw) or ``fail: ...``."""
+        r, world_size = self.cfg.rollout, self.parallel.world_size
+        errors = [f"rank {rank}: {error}" for rank, (_, _, error) in enumerate(reports) if error]
+        if errors:
+            return [("fail: " + "; ".join(errors), [])] * world_size
+        for outcomes, _, _ in reports:
+            tally.add_groups([o.samples for o in outcomes if not o.aborted], self.hooks.group_filter)
+            tally.aborted += [o.samples for o in outcomes if o.aborted]
+        if tally.full:
+            return [("abort", [])] * world_size
+        num_open = sum(n for _, n, _ in reports)
+        if len(tally.kept) + num_open < tally.target and tally.rounds < r.max_sampling_rounds:
+            return [("go", jobs) for jobs in self._draw_jobs(tally, [])]
+        return [("end" if num_open == 0 else "go", [])] * world_size
+
+    def _plan_stream_round(self, tally: RoundTally, carried: list[GroupJob]) -> list[list[GroupJob]] | None:
+        """Rank 0: the round's groups per rank (carried ones first, then fresh prompts), or ``None`` to stop."""
+        if tally.full or tally.rounds >= self.cfg.rollout.max_sampling_rounds:
+            return [None] * self.parallel.world_size
+        return self._draw_jobs(tally, carried)
+
+    def _draw_jobs(self, tally: RoundTally, carried: list[GroupJob]) -> list[list[GroupJob]]:
+        """Rank 0: one draw (a sampling round) of ``prompts_per_round`` groups, the carried ones counted
+        first, split over the ranks."""
+        tally.rounds += 1
+        tally.last_round = []
+        num_fresh = self.cfg.rollout.prompts_per_round - len(carried)
+        fresh = self.sampler.next_batch(num_fresh) if num_fresh > 0 else []
+        tally.prompts_drawn += len(fresh)
+        return split_groups(carried + [GroupJob(p) for p in fresh], self.parallel.world_size)
+
     def _plan_round(self, tally: RoundTally) -> list[list[Prompt] | None]:
         """Rank 0: the next round's prompts per rank, or ``None`` for every rank to stop."""
         r, world_size = self.cfg.rollout, self.parallel.world_size
@@ -207,6 +325,52 @@ class RolloutRuntime:
         prompts = self.sampler.next_batch(r.prompts_per_round)
         tally.prompts_drawn += len(prompts)
         return split_groups(prompts, world_size)
+
+
+def partial_rollout_metrics(
+    tally: RoundTally, samples: list[Sample], carry: list[list[Sample]], partial: bool
+) -> dict[str, float]:
+    """Streaming rounds' metrics (docs/metrics.md): aborts, the carry and the batch's staleness."""
+    staleness = [_version_number(s.weight_version) - _version_number(s.first_weight_version) for s in samples]
+    carried_out = [s for g in carry for s in g]
+    metrics = {
+        "rollout/aborted_groups": len(tally.aborted),
+        "rollout/aborted_tokens": sum(len(s.response_ids) for g in tally.aborted for s in g),
+        "rollout/abort_wait_s": tally.abort_wait_s,
+    }
+    if partial:
+        metrics.update(
+            {
+                "rollout/carried_groups": len(carry),
+                "rollout/carried_partial_samples": sum(s.finish_reason == "abort" for s in carried_out),
+                "rollout/carried_samples": sum(s.carried_tokens > 0 for s in samples),
+                "rollout/tokens_saved": sum(s.carried_tokens for s in samples),
+                "rollout/staleness_mean": sum(staleness) / max(len(staleness), 1),
+                "rollout/staleness_max": max(staleness, default=0),
+            }
+        )
+    return metrics
+
+
+def _version_number(version: str) -> int:
+    """Weight versions are sync counts; the engine's initial ``default`` is 0."""
+    return int(version) if version.isdigit() else 0
+
+
+def mask_older_weights(sample: Sample) -> int:
+    """Zero the loss mask of the response tokens generated by older weights than the sample's last tokens
+    (``rollout.partial_rollout_mask_offpolicy``); returns how many were masked."""
+    if not sample.weight_spans:
+        return 0
+    mask = list(sample.loss_mask or [1] * len(sample.response_ids))
+    start = masked = 0
+    for version, num_tokens in sample.weight_spans:
+        if version != sample.weight_version:
+            masked += sum(mask[start : start + num_tokens])
+            mask[start : start + num_tokens] = [0] * num_tokens
+        start += num_tokens
+    sample.loss_mask = mask
+    return masked
 
 
 def model_context_tokens(model_path: str) -> int:

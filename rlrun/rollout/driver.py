@@ -57,10 +57,11 @@ def generate_samples(
     tokenizer,
     generate_fn: Callable | None = None,
     max_context_tokens: int | None = None,
+    rid: str | None = None,
 ) -> list[Sample]:
-    """``samples_per_prompt`` responses per prompt, prompt-major: one engine call, or the custom
-    multi-turn ``generate_fn`` (:mod:`rlrun.rollout.multiturn`, trajectories capped at
-    ``max_context_tokens``) when ``rollout.generate_fn`` is set."""
+    """``samples_per_prompt`` responses per prompt, prompt-major: one engine call (its rids prefixed ``rid``
+    when given), or the custom multi-turn ``generate_fn`` (:mod:`rlrun.rollout.multiturn`, trajectories
+    capped at ``max_context_tokens``) when ``rollout.generate_fn`` is set."""
     if not prompts:
         return []
     n = cfg.samples_per_prompt
@@ -76,7 +77,8 @@ def generate_samples(
             max_context_tokens,
             skip_special_tokens=cfg.skip_special_tokens,
         )
-    results = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg, seed), return_logprob=True)
+    rids = {"rids": [f"{rid}-{i}" for i in range(len(prompts))]} if rid else {}  # abortable by the prefix
+    results = engine.generate([p.prompt_ids for p in prompts], sampling_params(cfg, seed), return_logprob=True, **rids)
     if len(results) != len(prompts) * n:
         raise RuntimeError(f"engine returned {len(results)} results for {len(prompts)} prompts x n={n}")
     samples = []

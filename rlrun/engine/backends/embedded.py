@@ -23,9 +23,10 @@ behind the worker's event loop and owns abort/pause through a :class:`DecodeCont
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,22 @@ class _StopStrings:
     def match(self, output_ids: list[int]) -> str | None:
         tail = self.tokenizer.decode(output_ids[-self.window :])
         return next((s for s in self.stops if s in tail), None)
+
+
+class EarlyDelivery:
+    """Parts of one decode batch (the rows of each merged generate call) and where their results go."""
+
+    def __init__(self, parts: Sequence[Sequence[int]], callback: Callable[[int, list[GenResult]], None]) -> None:
+        self.parts = [list(p) for p in parts]
+        self.callback = callback
+        """``callback(part, results)``, called on the decode thread once per part delivered early."""
+        self.delivered = [False] * len(self.parts)
+
+    def deliver_done(self, active: list[bool], results_of: Callable[[list[int]], list[GenResult]]) -> None:
+        for k, rows in enumerate(self.parts):
+            if not self.delivered[k] and not any(active[b] for b in rows):
+                self.delivered[k] = True
+                self.callback(k, results_of(rows))
 
 
 class _StopStringRows:
@@ -216,58 +233,88 @@ class EmbeddedEngine:
         *,
         request: RequestHandle | None = None,
         control: DecodeControl | None = None,
+        early: EarlyDelivery | None = None,
     ) -> list[GenResult]:
         """Sample ``n`` responses per prompt; results are prompt-major (all samples of prompt 0 first).
 
         ``request`` (its rows' rids and abort flags) and ``control`` (the pause gate) come from the
-        async backend; called directly, the request cannot be aborted or paused.
+        async backend; called directly, the request cannot be aborted or paused. ``early`` (the async
+        backend's merged calls) hands each part of the batch its results as soon as all its rows are
+        done, at the host looks, while the rest decodes on; the return value still holds every row.
         """
         params = per_prompt_params(len(input_ids), sampling_params)
-        self._check_prompts(input_ids, params)
+        self.check_prompts(input_ids, params)
         rids = rids if rids is not None else [uuid.uuid4().hex for _ in input_ids]
         if len(rids) != len(input_ids):
             raise ValueError(f"rids ({len(rids)} ids) must have one id per prompt ({len(input_ids)}); pass None or fix")
         request = request if request is not None else RequestHandle(row_rids(rids, params))
         control = control if control is not None else DecodeControl()
         rows = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
+
+        def results_of(batch: DecodeBatch, steps: int, stop_strings: dict[int, str], subset: Sequence[int]):
+            return self._results(batch, steps, stop_strings, subset, input_ids, params, rows, request, return_logprob)
+
         with control.running():
-            batch, steps, stop_strings = self._decode(input_ids, params, rows, request, control)
-        tokens, logprobs = batch.tokens[:, :steps].tolist(), batch.logprobs[:, :steps].tolist()
-        lengths, finish = batch.lengths.tolist(), batch.finish.tolist()
-        experts = self._routed_experts(batch, input_ids, rows, lengths) if self.router_recorder else None
-        results: list[GenResult] = [
-            {
-                "rid": request.row_rids[b],
-                "output_ids": tokens[b][: lengths[b]],
-                "output_logprobs": logprobs[b][: lengths[b]] if return_logprob else None,
-                "finish_reason": self._finish_reason(
-                    finish[b], tokens[b][: lengths[b]], params[i], stop_strings.get(b)
-                ),
-                "prompt_tokens": len(input_ids[i]),
-                "completion_tokens": lengths[b],
-                "weight_version": self.weight_version,
-            }
-            for b, (i, _) in enumerate(rows)
-        ]
-        for result, row_experts in zip(results, experts or [], strict=False):
-            result["routed_experts"] = row_experts
+            batch, steps, stop_strings = self._decode(input_ids, params, rows, request, control, early, results_of)
+        return results_of(batch, steps, stop_strings, range(len(rows)))
+
+    def _results(
+        self,
+        batch: DecodeBatch,
+        steps: int,
+        stop_strings: dict[int, str],
+        subset: Sequence[int],
+        input_ids: list[list[int]],
+        params: list[SamplingParams],
+        rows: Sequence[tuple[int, int]],
+        request: RequestHandle,
+        return_logprob: bool,
+    ) -> list[GenResult]:
+        """The results of the finished rows ``subset`` (one host read of their buffers)."""
+        index = torch.tensor(list(subset), device=self.device, dtype=torch.long)
+        tokens, logprobs = batch.tokens[index, :steps].tolist(), batch.logprobs[index, :steps].tolist()
+        lengths, finish = batch.lengths[index].tolist(), batch.finish[index].tolist()
+        results: list[GenResult] = []
+        for k, b in enumerate(subset):
+            i = rows[b][0]
+            output_ids = tokens[k][: lengths[k]]
+            results.append(
+                {
+                    "rid": request.row_rids[b],
+                    "output_ids": output_ids,
+                    "output_logprobs": logprobs[k][: lengths[k]] if return_logprob else None,
+                    "finish_reason": self._finish_reason(finish[k], output_ids, params[i], stop_strings.get(b)),
+                    "prompt_tokens": len(input_ids[i]),
+                    "completion_tokens": lengths[k],
+                    "weight_version": self.weight_version,
+                }
+            )
+        if self.router_recorder:
+            experts = self._routed_experts(batch, input_ids, [rows[b] for b in subset], lengths, list(subset))
+            for result, row_experts in zip(results, experts, strict=True):
+                result["routed_experts"] = row_experts
         if batch.kept_ids is not None:
-            for b, result in enumerate(results):
+            for k, b in enumerate(subset):
                 if bool(batch.sampling.filters[b]):
-                    result["kept_ids"] = encode_kept_ids(batch.kept_ids[b, : lengths[b]])
+                    results[k]["kept_ids"] = encode_kept_ids(batch.kept_ids[b, : lengths[k]])
         return results
 
     def _routed_experts(
-        self, batch: DecodeBatch, prompts: list[list[int]], rows: Sequence[tuple[int, int]], lengths: list[int]
+        self,
+        batch: DecodeBatch,
+        prompts: list[list[int]],
+        rows: Sequence[tuple[int, int]],
+        lengths: list[int],
+        batch_rows: list[int],
     ) -> list[RoutedExperts]:
         """Per row, SGLang's ``routed_experts`` (with its topk): the prompt's tokens (from the prefill, whose
         prompts start at the first column) then the output tokens that were forwarded (all but the last)."""
         width = max(len(p) for p in prompts)
         prefill = self._prefill_experts.reshape(len(prompts), width, *self._prefill_experts.shape[1:])
         out = []
-        for b, (i, _) in enumerate(rows):
-            forwarded = len(prompts[i]) + lengths[b] - 1
-            row = torch.cat([prefill[i, : len(prompts[i])], batch.routed_experts[b, : max(lengths[b] - 1, 0)]])
+        for (i, _), length, b in zip(rows, lengths, batch_rows, strict=True):
+            forwarded = len(prompts[i]) + length - 1
+            row = torch.cat([prefill[i, : len(prompts[i])], batch.routed_experts[b, : max(length - 1, 0)]])
             out.append(encode(row[:forwarded]))
         return out
 
@@ -287,7 +334,7 @@ class EmbeddedEngine:
         """The last generate's decode step ran as a CUDA graph (False on CPU or if capture failed)."""
         return self._decode_slot is not None and self._decode_slot[2].captured
 
-    def _check_prompts(self, input_ids: list[list[int]], params: list[SamplingParams]) -> None:
+    def check_prompts(self, input_ids: list[list[int]], params: list[SamplingParams]) -> None:
         for i, (prompt, p) in enumerate(zip(input_ids, params, strict=False)):
             if not prompt or min(prompt) < 0 or max(prompt) >= self.vocab_size:
                 raise ValueError(
@@ -398,6 +445,8 @@ class EmbeddedEngine:
         rows: Sequence[tuple[int, int]],
         request: RequestHandle,
         control: DecodeControl,
+        early: EarlyDelivery | None = None,
+        results_of: Callable | None = None,
     ) -> tuple[DecodeBatch, int, dict[int, str]]:
         """Run the batch to its end; returns (its buffers, steps recorded, stop strings matched by row)."""
         max_steps = max(p.max_new_tokens for p in params)
@@ -436,6 +485,9 @@ class EmbeddedEngine:
             steps += 1
             if steps % SYNC_EVERY == 0:
                 stop_strings.scan(batch, steps)
+                if early is not None:
+                    done = functools.partial(results_of, batch, steps, stop_strings.matched)
+                    early.deliver_done(batch.active.tolist(), done)
                 if not batch.active.any():
                     break
         stop_strings.scan(batch, steps)

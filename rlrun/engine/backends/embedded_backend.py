@@ -12,16 +12,53 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from rlrun.engine.backends import BackendSpec
-from rlrun.engine.backends.decode_control import DecodeControl
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.backends.decode_control import DecodeControl, RequestHandle
+from rlrun.engine.backends.embedded import EarlyDelivery, EmbeddedEngine
 from rlrun.engine.payload import deserialize_flattened_bucket, tensor_checksum
 from rlrun.engine.sampling import SamplingParams, row_rids
 from rlrun.engine.types import GenResult, OpResult
 
 PARK_POLL_S = 0.005
+MERGE_WAIT_S = 0.005
+"""How long a generate call that finds the engine idle waits for others to join its batch (calls sent
+together from several trainer threads arrive within a few milliseconds)."""
+
+
+@dataclass
+class _PendingCall:
+    input_ids: list[list[int]]
+    params: list[SamplingParams]
+    return_logprob: bool
+    rids: list[str]
+    request: RequestHandle
+    future: asyncio.Future
+
+
+class _MergedRequest:
+    """The requests of merged calls seen as one (their rows in order); abort flags stay each call's own,
+    so aborting one call's rids (or a call queued behind the batch) works as before merging."""
+
+    def __init__(self, requests: list[RequestHandle]) -> None:
+        self.requests = requests
+        self.row_rids = [rid for r in requests for rid in r.row_rids]
+
+    @property
+    def aborted(self) -> list[bool]:
+        return [flag for r in self.requests for flag in r.aborted]
+
+
+def _set_result(future: asyncio.Future, results: list[GenResult]) -> None:
+    if not future.done():  # a part delivered early is not resolved again at the end
+        future.set_result(results)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
 
 class EmbeddedBackend:
@@ -35,6 +72,8 @@ class EmbeddedBackend:
         self.control = DecodeControl()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="embedded-decode")
         self._loading = asyncio.Lock()  # continue_generation waits for a load that runs while paused
+        self._pending: list[_PendingCall] = []
+        self._merger: asyncio.Future | None = None
 
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> EmbeddedBackend:
@@ -50,10 +89,59 @@ class EmbeddedBackend:
     async def generate(
         self, input_ids: list[list[int]], params: list[SamplingParams], return_logprob: bool, rids: list[str]
     ) -> list[GenResult]:
+        """Calls that arrive together (within ``MERGE_WAIT_S``, or while a batch decodes) decode as one
+        batch, and each call returns as soon as its own rows are done: a trainer can send one call per
+        group and see groups finish one by one (partial rollout) without losing the batched decode.
+        Every row's noise depends only on its own seed, so merging does not change what is sampled."""
+        self.engine.check_prompts(input_ids, params)  # a bad call fails alone, not the batch it would join
         with self.control.registered(row_rids(rids, params)) as request:
-            return await self._on_compute_thread(
-                self.engine.generate, input_ids, params, return_logprob, rids, request=request, control=self.control
+            future = asyncio.get_running_loop().create_future()
+            call = _PendingCall(input_ids, params, return_logprob, rids, request, future)
+            self._pending.append(call)
+            if self._merger is None or self._merger.done():
+                self._merger = asyncio.ensure_future(self._run_merged())
+            return await call.future
+
+    async def _run_merged(self) -> None:
+        """Decode the pending calls in merged batches until none is left (one batch at a time)."""
+        await asyncio.sleep(MERGE_WAIT_S)
+        while self._pending:
+            by_logprob: dict[bool, list[_PendingCall]] = {}
+            for call in self._pending:
+                by_logprob.setdefault(call.return_logprob, []).append(call)
+            self._pending = []
+            for calls in by_logprob.values():
+                await self._decode_merged(calls)
+
+    async def _decode_merged(self, calls: list[_PendingCall]) -> None:
+        loop = asyncio.get_running_loop()
+        parts, start = [], 0
+        for call in calls:
+            num_rows = len(call.request.row_rids)
+            parts.append(range(start, start + num_rows))
+            start += num_rows
+
+        def resolve(k: int, results: list[GenResult]) -> None:
+            loop.call_soon_threadsafe(_set_result, calls[k].future, results)
+
+        merged = _MergedRequest([c.request for c in calls])
+        try:
+            results = await self._on_compute_thread(
+                self.engine.generate,
+                [ids for c in calls for ids in c.input_ids],
+                [p for c in calls for p in c.params],
+                calls[0].return_logprob,
+                [rid for c in calls for rid in c.rids],
+                request=merged,
+                control=self.control,
+                early=EarlyDelivery(parts, resolve),
             )
+        except Exception as exc:  # noqa: BLE001 - every merged call fails with the batch's error
+            for call in calls:
+                _set_exception(call.future, exc)
+            return
+        for call, rows in zip(calls, parts, strict=True):
+            _set_result(call.future, results[rows.start : rows.stop])
 
     async def abort(self, rid: str, abort_all: bool) -> None:
         self.control.abort(rid, abort_all)
