@@ -61,3 +61,23 @@ def test_every_key_a_run_writes_is_documented(tiny_model_dirs, tmp_path):
     keys = {key for record in records for key in record}
     assert {"train/kl_loss", "train/tis_mean", "eval/add/pass@2", "rollout/filter_drop_frac"} <= keys
     assert undocumented(keys) == []
+
+
+@pytest.mark.slow
+def test_partial_rollout_run_writes_documented_keys(tiny_model_dirs, tmp_path):
+    """A CLI training run with partial rollout: it trains through the loop, and its streaming-round
+    metrics are all in the glossary."""
+    records = run_train(
+        tiny_model_dirs["qwen3"],
+        tmp_path / "run",
+        "train.num_steps=3",
+        "rollout.max_new_tokens=64",
+        "rollout.stop_token_ids=[0,1,2,3,4,5,6,7]",
+        "rollout.over_sampling_prompts=8",
+        "rollout.partial_rollout=true",
+        "rollout.partial_rollout_mask_offpolicy=true",
+    )
+    keys = {key for record in records for key in record}
+    assert {"rollout/tokens_saved", "rollout/staleness_max", "rollout/carried_groups", "train/loss"} <= keys
+    assert undocumented(keys) == []
+    assert sum(r["rollout/carried_groups"] for r in records) > 0  # surplus groups travelled to later steps
