@@ -27,3 +27,15 @@ def test_mask_older_weights_zeroes_exactly_the_older_spans():
     assert mask_older_weights(sample) == 5 and sample.loss_mask == [0] * 5 + [1] * 4
     fresh = Sample(0, prompt, [5, 6], "", [0.0, 0.0], "stop", weight_version="3")
     assert mask_older_weights(fresh) == 0 and fresh.loss_mask is None
+
+
+def test_carried_top_p_kept_sets_concatenate():
+    import torch
+
+    from rlrun.rollout.streaming import _concat_kept
+
+    old = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)
+    new = torch.tensor([[4, 5, 6]], dtype=torch.int32)
+    assert _concat_kept(old, new, 2).tolist() == [[1, 2, -1], [3, -1, -1], [4, 5, 6]]
+    assert _concat_kept(None, new, 0) is new  # nothing carried: the continuation's own sets
+    assert _concat_kept(old, None, 2) is None  # one side without a filter: no replay for the sample
