@@ -15,6 +15,8 @@ print one line per problem and exit 1; errors at run time propagate with their t
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -65,8 +67,8 @@ def _load(config: Path, overrides: list[str], check_inputs: bool = False) -> Run
 def train(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006 - typer reads the default
     """Run RL training (one process per rank; launch with torchrun)."""
     cfg = _load(config, overrides)
-    from rlrun.loop import run
     from rlrun.megatron.attention import core_attention
+    from rlrun.trainer.loop import run
 
     try:  # what the machine must offer the config (CUDA for flash_varlen), before any rank starts work
         core_attention(cfg.model.packed_attention, cfg.model.dtype)
@@ -74,7 +76,10 @@ def train(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006 
         typer.echo(f"{config}: {err}", err=True)
         raise typer.Exit(1) from None
 
-    run(cfg)
+    if run(cfg):  # torch_memory_saver would abort Python's teardown of the trainer (Offloader.needs_hard_exit)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @config_app.command("show")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from rlrun.checkpoint import ACTOR, COMPLETE, HF_FILES, Layout, Marker, copy_hf_files
+from rlrun.trainer.checkpoint import ACTOR, COMPLETE, HF_FILES, Layout, Marker, copy_hf_files
 
 SHARD_BYTES = 5 * 2**30
 """Largest safetensors file ``mcore-to-hf`` writes; bigger models get an index and several files."""

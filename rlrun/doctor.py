@@ -82,7 +82,7 @@ def device_checks() -> list[Check]:
 
 def config_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
     """What ``cfg`` turns on, and whether this machine provides it (``num_gpus`` visible)."""
-    from rlrun.checkpoint import resolve_resume
+    from rlrun.trainer.checkpoint import resolve_resume
 
     checks = [_model_check(cfg), *_architecture_checks(cfg), _data_check(cfg)]
     traits = backend_traits(cfg.engine.backend)

@@ -8,7 +8,7 @@ GSPO's sequence-ratio clip or CISPO;
 ``agg`` is the configured aggregation (rlrun/algo/aggregate.py). Metrics are masked *sums*; dividing
 them by the step's token count gives token means (and, for the aggregated terms, the configured mean).
 
-When the micro-batch has no ``old_logprobs`` (the reuse path, see ``rlrun.roles``), the old policy is
+When the micro-batch has no ``old_logprobs`` (the reuse path, see ``rlrun.trainer.roles``), the old policy is
 this forward's own log-probs, detached: the same numbers the no-grad forward would have produced.
 """
 

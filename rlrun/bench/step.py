@@ -3,7 +3,7 @@
 
 Each run is ``rlrun train`` under torchrun (one rank per device, trainer and engine colocated, offload on) on a
 random-init model of a published shape, so the figures are the loop's own: ``time/<phase>_s`` and
-``memory/*`` from ``metrics.jsonl`` (rlrun/loop.py), not a re-timing. The inputs are built once per
+``memory/*`` from ``metrics.jsonl`` (rlrun/trainer/loop.py), not a re-timing. The inputs are built once per
 work directory and shared by every backend and by the TRL comparison (benchmarks/trl_grpo.py):
 
 * the model: ``rlrun.bench.shapes.write_random_model`` plus a WordLevel tokenizer over the whole
@@ -148,7 +148,7 @@ class StepRecord:
     trainer_max_allocated_gb: float
     """torch.cuda.max_memory_allocated of the trainer process over the step (0 on CPU)."""
     offload: dict[str, float]
-    """The step's ``offload/*`` metrics without the prefix (rlrun/offload.py: ``trainer_{sleep,wake}_{s,gb}``,
+    """The step's ``offload/*`` metrics without the prefix (rlrun/trainer/offload.py: ``trainer_{sleep,wake}_{s,gb}``,
     ``trainer_{gc,pause,resume,empty_cache}_s``, ``nccl_{destroy,rebuild}_s``, ``nccl_groups_{destroyed,rebuilt}``,
     ``engine_{release,resume_weights,resume_kv}_s``); on CPU only the engine's."""
     profiled: bool = False

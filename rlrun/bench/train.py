@@ -3,7 +3,7 @@
 One process, TP=1, the real training path: ``build_model`` from a random HF directory of the shape
 (Megatron local spec with ``rlrun.megatron.attention``'s core attention, Megatron DDP), micro-batches
 from ``rlrun.data.batch.schedule_micro_batches`` (several samples packed per row), and ``train_step``
-with the RL objective (GRPO loss with entropy, as ``rlrun.rl_step.train_policy`` calls it) and
+with the RL objective (GRPO loss with entropy, as ``rlrun.trainer.actor.Actor.train`` calls it) and
 Megatron's Adam. Layout ``rows`` puts the same samples one per row (positions 0..S-1, no packing) for
 comparison. One warm-up step, then ``steps`` timed steps; tokens/s uses the median step time.
 

@@ -649,7 +649,7 @@ class OffloadConfig(Section):
 
 
 class CriticConfig(Section):
-    """PPO's value model (rlrun/critic.py): on the actor's ranks, trained first each step on the clipped
+    """PPO's value model (rlrun/trainer/critic.py): on the actor's ranks, trained first each step on the clipped
     value loss; its values feed GAE in-process."""
 
     config: str | None = None

@@ -37,7 +37,7 @@ class MicroBatch:
     sample's group score (``rlrun.algo.advantages.group_scores``) broadcast over its response tokens;
     the rank's advantage step (``rlrun.algo.rank_advantages``) replaces it with per-token advantages.
     old_logprobs: ``[B, S-1]``, filled by the trainer's forward before training (None until then, and
-    None for good when the training forward reuses its own log-probs; see ``rlrun.roles``).
+    None for good when the training forward reuses its own log-probs; see ``rlrun.trainer.roles``).
     ref_logprobs, teacher_logprobs: ``[B, S-1]`` from the reference / teacher weights (None when unused).
     returns: ``[B, S-1]`` per-token returns of the advantage estimator (None until computed).
     values: ``[B, S-1]`` critic values for GAE (None: no critic).

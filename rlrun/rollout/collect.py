@@ -164,9 +164,14 @@ class RolloutRuntime:
             runtime.evaluator = Evaluator(runtime, tokenizer)
         return runtime
 
-    def evaluate_if_due(self, step: int) -> dict[str, float]:
-        """Eval metrics (rank 0) when ``eval.interval`` says this step evaluates, else ``{}``."""
-        return self.evaluator.run(step) if self.evaluator is not None and self.evaluator.due(step) else {}
+    def eval_due(self, step: int) -> bool:
+        """Whether ``eval.interval`` says this step evaluates (before its rollout)."""
+        return self.evaluator is not None and self.evaluator.due(step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Eval metrics (rank 0; ``{}`` elsewhere); every rank takes part. Call when :meth:`eval_due`."""
+        assert self.evaluator is not None, "evaluate() without eval.interval > 0"
+        return self.evaluator.run(step)
 
     def generate_and_score(
         self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None

@@ -1,0 +1,226 @@
+"""The synchronous RL loop: every rank runs this, step by step, in lockstep.
+
+One step (``train_one_step``; each phase runs in the memory placement it needs, rlrun/trainer/offload.py):
+  1. eval       when ``eval.interval`` says so: the eval sets generated and scored like a rollout
+  2. rollout    the trainer sleeps, the engine wakes its KV cache; rank 0 draws prompts and scatters whole
+                groups to ranks; each rank's engine generates ``samples_per_prompt`` responses with
+                log-probs; rewards are scored on the rank; samples are gathered to rank 0
+  3. scatter    the engine releases its memory, the trainer wakes; rank 0 turns each group's rewards into
+                per-sample scores, drops tied groups, splits the kept groups into ``train.updates_per_rollout``
+                updates, packs each update into micro-batches under a token budget, balances them over DP
+                ranks and scatters a ``TrainBatch`` to every rank (rlrun/trainer/batch.py; TP peers of a DP
+                rank receive the same micro-batches)
+  4. logprobs   ``Actor.prepare``: critic values (PPO), old-policy / reference / teacher log-probs (role
+                weights swapped in from CPU backups; the old-policy pass is skipped when the training forward
+                can reuse it), per-token advantages, the post-process hook (rlrun/trainer/actor.py)
+  5. train      ``Actor.train``: per update (and per epoch) the critic's value-loss step first (PPO), then
+                Megatron forward/backward with the configured loss and an optimizer step
+  6. sync       the engine's weights come back; Megatron -> HF names -> flattened buckets -> ZMQ
+  7. log        metrics.jsonl + console line on rank 0; between steps: stop request, checkpoint when due
+
+    torchrun ─┬─ rank 0: Megatron shard + loop ──ZMQ──> engine worker 0
+              └─ rank 1: Megatron shard + loop ──ZMQ──> engine worker 1
+                 (rollout data and gradients move with torch.distributed)
+
+Launch:  torchrun --standalone --nproc-per-node 2 -m rlrun train configs/quickstart.yaml
+Slurm:   see launch/ (srun + torchrun with a c10d rendezvous on the first node).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rlrun.config.load import dump_config
+from rlrun.config.schema import RunConfig
+from rlrun.data.prompts import PromptSampler
+from rlrun.data.sample import Sample
+from rlrun.data.transfer import all_gather, scatter_from_rank0
+from rlrun.engine.group import EngineGroup
+from rlrun.metrics import MetricsLogger, PhaseTimer
+from rlrun.rollout.collect import RolloutRuntime
+from rlrun.rollout.debug_data import maybe_save_train_data
+from rlrun.runtime.dist import Parallel
+from rlrun.trainer.actor import Actor
+from rlrun.trainer.batch import BatchPlanner, TrainBatch
+from rlrun.trainer.checkpoint import RunState
+from rlrun.trainer.offload import Offloader
+
+
+@dataclass
+class Components:
+    """What one rank holds for the whole run (built once by :func:`setup`): the run's settings and place,
+    the engine and the memory turn-taking around it, the trainer, the rollout side, rank 0's parts."""
+
+    cfg: RunConfig
+    parallel: Parallel
+    engine: EngineGroup
+    offloader: Offloader
+    actor: Actor
+    rollout: RolloutRuntime  # engine calls, rewards, rollout hooks, the dynamic filter, evaluation
+    planner: BatchPlanner  # rank 0 plans every rank's TrainBatch
+    sampler: PromptSampler | None  # rank 0 only
+    logger: MetricsLogger | None  # rank 0 only
+
+
+def run(cfg: RunConfig) -> bool:
+    """Train to ``cfg.train.num_steps`` (resuming as ``checkpoint.resume`` says) or until SIGTERM/SIGUSR1
+    asks to checkpoint and stop. A dead rank or engine worker ends every rank within seconds
+    (rlrun/runtime/watchdog.py); the engine worker never outlives this call. Returns whether the process
+    must end without Python's teardown (``Offloader.needs_hard_exit``: the CLI then calls ``os._exit``)."""
+    from rlrun.profiler import profile_step
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.runtime.preemption import StopRequest
+    from rlrun.runtime.watchdog import Watchdog
+    from rlrun.trainer.checkpoint import Checkpointer
+
+    parallel = init_distributed(
+        cfg.parallel.tp,
+        cfg.parallel.pp,
+        cfg.train.seed,
+        ep=cfg.parallel.ep,
+        etp=cfg.parallel.etp,
+        reloadable_backends=cfg.offload.reloadable_backends,
+    )
+    stop, watchdog, parts = StopRequest.install(), Watchdog.start(parallel), None
+    try:
+        with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
+            parts = setup(cfg, parallel)
+        watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
+        checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
+        resumed = parts.actor.restore(checkpointer, parts.sampler)
+        state = RunState(**resumed) if resumed is not None else RunState()
+        if resumed is not None:
+            sync_weights(parts, state.weight_version)  # the engine started from model.path's weights
+        if parts.logger is not None:
+            parts.logger.start(state.step)
+        stopping = False
+        # The setup's objects (~0.5M: Megatron, transformers, torch) live for the whole run; frozen, they
+        # are not walked again by each collection (the offloader's before every sleep took 0.3 s of it).
+        gc.freeze()
+        while state.step < cfg.train.num_steps and not stopping:
+            watchdog.step = state.step
+            with profile_step(cfg.logging, parallel.rank, state.step):
+                train_one_step(parts, state)
+            state.step += 1
+            stopping = stop.agreed(parallel.cpu_group)
+            checkpointer.poll()
+            last = state.step == cfg.train.num_steps
+            if checkpointer.due(state.step, last=last, stopping=stopping):
+                parts.actor.save(checkpointer, state, parts.sampler, blocking=last or stopping)
+        checkpointer.wait()
+        watchdog.close(parallel.cpu_group)
+    except BaseException as exc:
+        watchdog.fail(exc)
+        raise
+    finally:
+        gc.unfreeze()
+        if parts is not None:
+            parts.engine.shutdown()
+            if parts.logger is not None:
+                parts.logger.close()
+        destroy_distributed()
+    return parts.offloader.needs_hard_exit
+
+
+def setup(cfg: RunConfig, parallel: Parallel) -> Components:
+    from transformers import AutoTokenizer
+
+    from rlrun.engine.backends import BackendSpec
+    from rlrun.engine.group import GroupLayout
+
+    run_dir = Path(cfg.logging.run_dir)
+    if parallel.is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+    dist.barrier(group=parallel.cpu_group)
+    # The engine starts before Megatron allocates (SGLang sizes its KV cache from free memory); with
+    # engine.tp > 1 only each group's leader starts one (rlrun/engine/group.py).
+    env = parallel.env
+    layout = GroupLayout.of(cfg.engine.tp, env.rank, env.local_rank, env.world_size, env.local_world_size)
+    engine = EngineGroup.spawn(
+        layout,
+        BackendSpec.from_config(cfg, seed=cfg.train.seed + parallel.rank),
+        run_dir=run_dir,
+        rank=parallel.rank,
+        startup_timeout_s=cfg.engine.startup_timeout_s,
+        request_timeout_s=cfg.engine.request_timeout_s,
+        heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s,
+    )
+    offloader = Offloader(cfg.offload, engine, parallel.device)
+    actor = Actor.build(cfg, parallel, offloader)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    sampler = None
+    if parallel.is_rank0:
+        from rlrun.data.prompts import PromptDataset
+
+        sampler = PromptSampler(PromptDataset(cfg.data, tokenizer), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine)
+    dp_rank_of = all_gather(parallel.dp_rank, parallel.cpu_group)
+    return Components(
+        cfg=cfg,
+        parallel=parallel,
+        engine=engine,
+        offloader=offloader,
+        actor=actor,
+        rollout=rollout,
+        planner=BatchPlanner(cfg, dp_rank_of, parallel.dp_size, pad_token_id=tokenizer.pad_token_id or 0),
+        sampler=sampler,
+        logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
+    )
+
+
+def train_one_step(parts: Components, state: RunState) -> None:
+    """One step, the module docstring's list; every phase runs on every rank."""
+    phases, metrics = parts.offloader.phases(PhaseTimer(parts.logger)), {}
+    if parts.rollout.eval_due(state.step):
+        with phases("eval"):
+            metrics.update(parts.rollout.evaluate(state.step))
+    with phases("rollout"):
+        samples = collect_rollout(parts, state.step, metrics)
+    with phases("scatter"):
+        batch = scatter_train_batch(parts, samples, metrics)
+    if batch.updates:
+        with phases("logprobs"):  # once over the whole rollout, before the first update
+            metrics.update(parts.actor.prepare(batch, state.step))
+            maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, batch.micro_batches)
+        with phases("train"):
+            metrics.update(parts.actor.train(batch, state.step))
+        with phases("sync"):  # reads the trainer's weights: the trainer sleeps at the next step's start
+            state.weight_version += 1
+            sync_weights(parts, state.weight_version)
+    metrics.update(phases.finish())  # the engine gets its weights back also when nothing trained
+    if parts.logger is not None:
+        parts.logger.log(state.step, metrics)
+
+
+def collect_rollout(parts: Components, step: int, metrics: dict[str, float]) -> list[Sample] | None:
+    """Generate and score on every rank, refilling while a dynamic filter drops groups
+    (rlrun/rollout/collect.py); rank 0 returns the kept samples in prompt-major order."""
+    batch = parts.rollout.collect(step)
+    if batch is None:
+        return None
+    metrics.update(batch.metrics)
+    return batch.samples
+
+
+def scatter_train_batch(parts: Components, samples: list[Sample] | None, metrics: dict[str, float]) -> TrainBatch:
+    """Rank 0 plans every rank's ``TrainBatch`` (adding the rollout's metrics) and scatters them; with
+    ``debug.rollout_only`` nothing trains (rollout metrics only, no weight sync)."""
+    plan = parts.planner.plan(samples, metrics) if samples is not None else None
+    batch: TrainBatch = scatter_from_rank0(plan, parts.parallel.cpu_group)
+    return TrainBatch([]) if parts.cfg.debug.rollout_only else batch
+
+
+def sync_weights(parts: Components, version: int) -> None:
+    """Push the trainer's weights to this rank's engine as HF-named flattened buckets (its group's
+    leader does; the other ranks of an engine group only take part in the export's collectives)."""
+    parts.engine.update_weights(
+        parts.actor.export_weights(),
+        weight_version=str(version),
+        bucket_bytes=parts.cfg.engine.bucket_bytes,
+        verify=parts.cfg.engine.verify_weights,
+    )
