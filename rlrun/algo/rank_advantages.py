@@ -56,7 +56,7 @@ def assign_advantages(cfg: AlgorithmConfig, micro_batches: list[MicroBatch], dp_
         stats[2] += mask.sum()
         mb.advantages, mb.returns = advantages, returns
     if cfg.normalize_advantages:
-        moments = dp_sum(sum(masked_moments(mb.advantages, mb.loss_mask) for mb in micro_batches))
+        moments = dp_sum(sum((masked_moments(mb.advantages, mb.loss_mask) for mb in micro_batches), torch.zeros(())))
         for mb in micro_batches:
             mb.advantages = whiten(mb.advantages, mb.loss_mask, moments)
     return _metrics(cfg, dp_sum(stats))

@@ -206,11 +206,11 @@ class EngineGroup:
         outputs of its own items back."""
         if self.process_group is None:
             return fn(items)
-        gathered = [None] * self.layout.tp if self.layout.is_leader else None
+        gathered: list[Any] | None = [None] * self.layout.tp if self.layout.is_leader else None
         dist.gather_object(items, gathered, group=self.process_group, group_dst=0)
         failure: BaseException | None = None
-        per_rank = None
-        if self.layout.is_leader:
+        per_rank: list[Any] | None = None
+        if gathered is not None:  # the leader
             try:
                 per_rank = _split(
                     fn([x for part in gathered for x in part]), [len(p) for p in gathered], outputs_per_item
@@ -231,14 +231,16 @@ class EngineGroup:
     # ---- internals --------------------------------------------------------------------------------
 
     def _gather_payloads(self, bucket: list[tuple[str, torch.Tensor]]) -> list[bytes]:
-        """This rank's payload of ``bucket`` (its own device's buffer); the leader gets all, in rank order."""
-        gathered = [None] * self.layout.tp if self.layout.is_leader else None
+        """This rank's payload of ``bucket`` (its own device's buffer); the leader gets all, in rank order
+        (the members an empty list)."""
+        gathered: list[Any] | None = [None] * self.layout.tp if self.layout.is_leader else None
         dist.gather_object(serialize_flattened_bucket(bucket), gathered, group=self.process_group, group_dst=0)
-        return gathered
+        return gathered if gathered is not None else []
 
     def _on_leader(self, fn: Callable[[], R]) -> R | None:
         """Run ``fn`` on the leader and let the members know whether it worked (they get None)."""
-        result, outcome = None, [None]
+        result: R | None = None
+        outcome: list[LeaderFailure | None] = [None]
         if self.layout.is_leader:
             try:
                 result = fn()

@@ -162,7 +162,8 @@ def payload_globals(payload: bytes) -> list[tuple[str, str]]:
     memo: dict[int, str | None] = {}
     for op, arg, _ in pickletools.genops(payload):
         if op.name in ("GLOBAL", "INST"):
-            found.append(tuple(arg.split(" ", 1)))
+            global_module, _, global_name = str(arg).partition(" ")  # GLOBAL / INST: "module name"
+            found.append((global_module, global_name))
             recent.append(None)
         elif op.name == "STACK_GLOBAL":
             module, name = (recent[-2], recent[-1]) if len(recent) >= 2 else (None, None)
@@ -170,9 +171,9 @@ def payload_globals(payload: bytes) -> list[tuple[str, str]]:
             recent.append(None)
         elif op.name == "MEMOIZE":
             memo[len(memo)] = recent[-1] if recent else None
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT") and isinstance(arg, int):
             memo[arg] = recent[-1] if recent else None
-        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+        elif op.name in ("GET", "BINGET", "LONG_BINGET") and isinstance(arg, int):
             recent.append(memo.get(arg))
         elif op.name in _STRING_OPS:
             recent.append(arg if isinstance(arg, str) else None)

@@ -13,7 +13,7 @@ schedule's own division by its token count, because the caller's ``num_global_to
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -141,7 +141,7 @@ class OptimizerSettings(Protocol):
     adam_eps: float
     clip_grad: float
     lr_warmup_steps: int
-    lr_decay_style: str
+    lr_decay_style: Literal["constant", "linear", "cosine"]
     lr_decay_steps: int | None
 
 

@@ -110,8 +110,9 @@ class Watchdog:
         watchdog._thread.start()
         return watchdog
 
-    def watch_engine(self, process: subprocess.Popen, log_path: Path) -> None:
-        """Also treat the exit of this rank's engine worker as a failure of this rank."""
+    def watch_engine(self, process: subprocess.Popen | None, log_path: Path | None) -> None:
+        """Also treat the exit of this rank's engine worker as a failure of this rank (None: this rank has
+        none, a member of an engine group)."""
         self._engine, self._engine_log = process, log_path
 
     def close(self, group: dist.ProcessGroup) -> None:

@@ -149,7 +149,9 @@ class Actor:
 
         return export_hf_weights(self.model)
 
-    def save(self, checkpointer: Checkpointer, run_state: RunState, sampler: PromptSampler | None, blocking: bool):
+    def save(
+        self, checkpointer: Checkpointer, run_state: RunState, sampler: PromptSampler | None, blocking: bool
+    ) -> None:
         """Collective: checkpoint the actor (and critic) with ``run_state`` and rank 0's sampler cursor."""
         checkpointer.save(
             run_state,
@@ -161,7 +163,7 @@ class Actor:
             critic=self.critic,
         )
 
-    def restore(self, checkpointer: Checkpointer, sampler: PromptSampler | None) -> dict | None:
+    def restore(self, checkpointer: Checkpointer, sampler: PromptSampler | None) -> dict[str, int] | None:
         """Collective: load what ``checkpoint.resume`` / ``checkpoint.load`` pick; returns the saved run state
         fields (None: a fresh start). The old actor then holds the restored weights, which the engine gets next."""
         resumed = checkpointer.restore(

@@ -322,7 +322,7 @@ class Checkpointer:
         sampler: PromptSampler | None,
         critic: Critic | None = None,
         scheduler: OptimizerParamScheduler | None = None,
-    ) -> dict | None:
+    ) -> dict[str, int] | None:
         """Load the checkpoint ``checkpoint.resume`` / ``checkpoint.load`` pick into the model, optimizer,
         scheduler, RNGs, the critic and (rank 0) sampler; returns the saved RunState fields ({} for a
         weights-only checkpoint: step 0), or None for a fresh start."""
@@ -357,7 +357,7 @@ class Checkpointer:
     def _choose_start(self) -> Path | None:
         """Decided on rank 0 and broadcast, so every rank loads the same checkpoint; rank 0's error is raised
         on every rank, so none waits in a collective for a rank that failed."""
-        choice: list = [None]
+        choice: list[str | ValueError | None] = [None]
         if self.parallel.is_rank0:
             try:
                 choice = [str(resolve_start(self.cfg, self.dir) or "")]

@@ -91,6 +91,7 @@ class Critic:
         clip = self.settings.value_clip
 
         def loss_fn(mb: MicroBatch, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            assert mb.values is not None and mb.returns is not None  # checked above
             device = values.device
             mask, old, returns = (t.to(device) for t in (mb.loss_mask, mb.values, mb.returns))
             terms = clipped_value_loss(values, old, returns, mask, clip)

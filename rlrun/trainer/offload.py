@@ -27,7 +27,8 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Literal
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, ParamSpec, TypeVar
 
 import torch
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
     from rlrun.engine.group import EngineGroup
 
+P = ParamSpec("P")
+R = TypeVar("R")
 Placement = Literal["rollout", "train", "sync"]
 """Where device memory is: ``rollout`` (engine awake with its KV cache, trainer asleep), ``train`` (trainer
 awake, engine released), ``sync`` (trainer awake, the engine's weights back, its KV cache still released)."""
@@ -95,7 +98,7 @@ def gpu_gb_by_pid() -> dict[int, float]:
 
 
 @functools.cache
-def _nvml():
+def _nvml() -> ModuleType | None:
     """The initialised ``pynvml`` module, or None when it is missing or NVML does not start."""
     try:
         import pynvml
@@ -187,14 +190,15 @@ class Offloader:
         creates on its first call must live (a no-op without trainer offload)."""
         if self._saver is None:
             return
-        step = optimizer.step
+        optimizer.step = self._in_region(optimizer.step)
 
-        @functools.wraps(step)
-        def step_in_region(*args, **kwargs):
+    def _in_region(self, fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def in_region(*args: P.args, **kwargs: P.kwargs) -> R:
             with self.trainer_region():
-                return step(*args, **kwargs)
+                return fn(*args, **kwargs)
 
-        optimizer.step = step_in_region
+        return in_region
 
     def engine_sleep(self) -> None:
         """After rollout: the engine gives back weights, KV cache and graphs (never mid-request)."""
@@ -226,6 +230,7 @@ class Offloader:
         self._trainer_asleep = True
 
     def _release_trainer(self) -> None:
+        assert self._saver is not None
         with self._seconds("offload/trainer_gc_s"):
             gc.collect()  # tensors kept alive only by reference cycles would pin their blocks
         torch.cuda.ipc_collect()  # sync buckets whose IPC handles the engine has closed
@@ -247,6 +252,7 @@ class Offloader:
         self._trainer_asleep = False
 
     def _restore_trainer(self) -> None:
+        assert self._saver is not None
         with self._seconds("offload/trainer_resume_s"):
             self._saver.resume(TRAINER_TAG)
         if self.cfg.teardown_nccl:  # the communicators themselves are created at each group's first collective

@@ -119,6 +119,7 @@ class ModelRoles:
         ]
         if not swaps:
             return
+        assert self.backup is not None, "ModelRoles.create backs up the actor whenever a role exists"
         self.backup.backup("actor")
         for tag, field in swaps:
             self.backup.restore(tag)
@@ -185,7 +186,7 @@ def _load_ref(backup: WeightBackup, model: MegatronModel, path: str | None, step
     parallel = model.parallel
     # Rank 0 picks the checkpoint so every rank loads the same step even if the directory changes meanwhile;
     # its error is raised on every rank, so none waits in a collective for a rank that failed.
-    choice: list = [None]
+    choice: list[Path | ValueError | None] = [None]
     if parallel.is_rank0:
         try:
             choice = [_ref_checkpoint(path, step)]

@@ -180,7 +180,7 @@ class EmbeddedEngine:
         # SDPA-based attention that takes the static cache's ready boolean masks (see static_cache.py).
         self.model = (
             AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
-            .to(self.device)
+            .to(self.device)  # type: ignore[arg-type]  # transformers' wrapped .to hides the device overload
             .eval()
             .requires_grad_(False)
         )
@@ -309,6 +309,7 @@ class EmbeddedEngine:
     ) -> list[RoutedExperts]:
         """Per row, SGLang's ``routed_experts`` (with its topk): the prompt's tokens (from the prefill, whose
         prompts start at the first column) then the output tokens that were forwarded (all but the last)."""
+        assert self._prefill_experts is not None and batch.routed_experts is not None  # a MoE records them
         width = max(len(p) for p in prompts)
         prefill = self._prefill_experts.reshape(len(prompts), width, *self._prefill_experts.shape[1:])
         out = []
@@ -323,6 +324,7 @@ class EmbeddedEngine:
         if code == Finish.STOP_TOKEN:
             return {"type": "stop", "matched": output_ids[-1]}
         if code == Finish.STOP_STRING:
+            assert stop is not None  # the code of a stop string that matched
             return {"type": "stop", "matched": stop}
         if code == Finish.ABORT:
             return ABORTED
@@ -409,6 +411,7 @@ class EmbeddedEngine:
             if self.router_recorder is None:
                 logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
             else:
+                assert batch.routed_experts is not None  # allocated with the recorder
                 with self.router_recorder.writing(batch.routed_experts, batch.step):
                     logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
         batch.advance()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +50,8 @@ class RouterRecorder:
         routers = [m for m in model.modules() if type(m).__name__.lower().endswith(ROUTER_SUFFIX)]
         if not routers:
             return None
-        return cls(routers, int(routers[0].top_k), int(routers[0].weight.shape[0]))
+        first: Any = routers[0]  # a transformers router: top_k and weight are plain attributes
+        return cls(routers, int(first.top_k), int(first.weight.shape[0]))
 
     def _hook(self, layer: int):
         def write(_module, _args, output) -> None:

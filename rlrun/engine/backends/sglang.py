@@ -130,7 +130,7 @@ class SglangCapabilities:
     def detect(cls, engine: Any, unpickler: type) -> SglangCapabilities:
         tm = engine.tokenizer_manager
         sessions = hasattr(tm, "begin_weight_update") and hasattr(engine, "begin_weight_update")
-        source = "config_value" if hasattr(tm, "config_value") else "model_info"
+        source: Literal["config_value", "model_info"] = "config_value" if hasattr(tm, "config_value") else "model_info"
         return cls(weight_update_sessions=sessions, weight_version_from=source, unpickler=unpickler)
 
 
