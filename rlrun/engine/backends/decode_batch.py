@@ -134,7 +134,7 @@ class DecodeBatch:
         """Sample step ``step`` from ``logits`` ([B, V]) and apply the device-side end conditions."""
         kept = None if self.kept_ids is None else torch.empty_like(self.kept_ids[:, 0])
         token, logprob = sample_tokens(logits, self.sampling, self.step, kept)
-        if kept is not None:
+        if kept is not None and self.kept_ids is not None:  # both or neither
             self.kept_ids.index_copy_(1, self.step, kept[:, None])
         self.tokens.index_copy_(1, self.step, token[:, None])
         self.logprobs.index_copy_(1, self.step, logprob[:, None])
