@@ -489,6 +489,7 @@ class EmbeddedEngine:
             if steps % SYNC_EVERY == 0:
                 stop_strings.scan(batch, steps)
                 if early is not None:
+                    assert results_of is not None  # passed with early
                     done = functools.partial(results_of, batch, steps, stop_strings.matched)
                     early.deliver_done(batch.active.tolist(), done)
                 if not batch.active.any():
