@@ -110,9 +110,9 @@ def timed_collect(model_dir, data, reward, scenarios):
 
 
 @pytest.mark.xfail(
-    reason="known defect: since the merges of 2026-12-01 (rollout, then the trainer package) partial rollout loses "
-    "drawn groups (11, 16, 21 neither trained nor carried, on a fresh clone and alone); it passed on the rollout "
-    "branch before the trainer merge. Open until conservation holds again.",
+    reason="known defect: partial rollout loses drawn groups (11, 16, 21: slow groups, neither trained nor carried), "
+    "on a fresh clone of main and alone, and at the rollout branch's own last commit e6efe42; it passed in its "
+    "author's runs before the last rebase. Open until conservation holds again.",
     strict=False,
 )
 def test_partial_rollout_shortens_the_rollout_and_conserves_groups(tiny_model_dirs, tmp_path):
