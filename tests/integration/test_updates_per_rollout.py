@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -48,15 +46,15 @@ def make_update_batches(vocab_size: int, dp_rank: int):
 
 
 def _updates_worker(hf_dir: str, hand_driven: bool) -> dict:
-    import rlrun.roles
+    import rlrun.trainer.roles
     from rlrun.algo.aggregate import StepCounts
     from rlrun.algo.objective import Objective
     from rlrun.config.schema import RunConfig
-    from rlrun.loop import Update, train
     from rlrun.megatron import build_model, export_hf_weights, make_optimizer_and_scheduler, train_step
-    from rlrun.rl_step import dp_sum, logprobs_and_advantages
-    from rlrun.roles import ModelRoles
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.actor import Actor, TrainerHooks, dp_sum
+    from rlrun.trainer.batch import TrainBatch, Update
+    from rlrun.trainer.roles import ModelRoles
 
     cfg = RunConfig.model_validate(
         {
@@ -72,24 +70,26 @@ def _updates_worker(hf_dir: str, hand_driven: bool) -> dict:
     assert not roles.reuse_logprobs  # several updates: the old-policy forward is needed
     mbs = make_update_batches(model.arch.vocab_size, parallel.dp_rank)
     forwards = []
-    fill = rlrun.roles.ModelRoles._fill
-    rlrun.roles.ModelRoles._fill = lambda self, batches, *a: (forwards.append(len(batches)), fill(self, batches, *a))
-    logprobs_and_advantages(cfg, roles, parallel, mbs, step=0)
+    fill = rlrun.trainer.roles.ModelRoles._fill
+    rlrun.trainer.roles.ModelRoles._fill = lambda self, batches, *a: (
+        forwards.append(len(batches)),
+        fill(self, batches, *a),
+    )
+    actor = Actor(cfg, parallel, model, optimizer, scheduler, roles, None, TrainerHooks.load(cfg.algorithm))
     tokens = [int(dp_sum(parallel, mb.loss_mask.sum()).item()) for mb in mbs]
+    samples = [int(dp_sum(parallel, torch.tensor(mb.num_loss_samples)).item()) for mb in mbs]
+    batch = TrainBatch([Update([mb], n, k) for mb, n, k in zip(mbs, tokens, samples, strict=True)])
+    actor.prepare(batch, step=0)
     stats = []
     if hand_driven:
-        for mb, num_tokens in zip(mbs, tokens, strict=True):
-            samples = int(dp_sum(parallel, torch.tensor(mb.num_loss_samples)).item())
-            counts = StepCounts(num_tokens=num_tokens, num_samples=samples, max_response_len=12)
+        for mb, num_tokens, num_samples in zip(mbs, tokens, samples, strict=True):
+            counts = StepCounts(num_tokens=num_tokens, num_samples=num_samples, max_response_len=12)
             lr = scheduler.get_lr(optimizer.param_groups[0])
             out = train_step(model, optimizer, [mb], Objective(cfg.algorithm, counts), num_tokens, TEMPERATURE, True)
             scheduler.step(1)
             stats.append({"loss": out["loss"], "grad_norm": out["grad_norm"], "lr": lr})
     else:
-        parts = SimpleNamespace(
-            cfg=cfg, critic=None, scheduler=scheduler, optimizer=optimizer, roles=roles, parallel=parallel, model=model
-        )
-        metrics = train(parts, [Update([mb], n) for mb, n in zip(mbs, tokens, strict=True)], step=0)
+        metrics = actor.train(batch, step=0)
         for k in range(NUM_UPDATES):
             stats.append({name: metrics[f"train/update_{k}/{name}"] for name in ("loss", "grad_norm", "lr")})
         assert metrics["train/num_loss_tokens"] == sum(tokens)

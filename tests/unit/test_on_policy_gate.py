@@ -1,10 +1,10 @@
-"""The on-policy gate (``algorithm.max_logprob_gap``, rlrun.rl_step.check_on_policy) on given step metrics."""
+"""The on-policy gate (``algorithm.max_logprob_gap``, rlrun.trainer.actor.check_on_policy) on given step metrics."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlrun.rl_step import OffPolicyError, check_on_policy
+from rlrun.trainer.actor import OffPolicyError, check_on_policy
 
 
 def test_gate_off_or_within_bound_passes():
