@@ -681,8 +681,7 @@ class RunConfig(Section):
     critic: CriticConfig = CriticConfig()
 
     @model_validator(mode="after")
-    def _critic_matches_estimator(self) -> RunConfig:
-        algo, critic = self.algorithm, self.critic
+    def _rollout_fits_the_step(self) -> RunConfig:
         if self.rollout.streams and self.engine.tp > 1:
             raise ValueError(
                 f"engine.tp ({self.engine.tp}) must be 1 with rollout.abort_surplus / rollout.partial_rollout "
@@ -695,6 +694,11 @@ class RunConfig(Section):
                 f"({self.rollout.prompts_per_step}) because each update trains whole groups; lower it or draw "
                 "more prompts per step"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _critic_matches_estimator(self) -> RunConfig:
+        algo, critic = self.algorithm, self.critic
         if algo.routing_replay == "rollout" and backend_traits(self.engine.backend).routed_experts_args is None:
             raise ValueError(
                 f"algorithm.routing_replay (rollout) must go with an engine that returns routed experts "
