@@ -142,6 +142,9 @@ def step(
     micro_batch_samples: int = 32,
     lr: float = 1e-6,
     seed: int = 0,
+    updates_per_rollout: Annotated[
+        int, typer.Option(help="train.updates_per_rollout: optimizer steps per rollout (PPO-style minibatches).")
+    ] = 1,
     work: Annotated[
         Path, typer.Option(help="Model, prompts (shared across runs) and each backend's run directory.")
     ] = Path("runs/bench_step"),
@@ -179,6 +182,7 @@ def step(
         micro_batch_samples=micro_batch_samples,
         lr=lr,
         seed=seed,
+        updates_per_rollout=updates_per_rollout,
     )
     if packed_attention not in get_args(PackedAttention):
         raise typer.BadParameter(

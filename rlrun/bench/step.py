@@ -97,6 +97,9 @@ class StepSettings:
     """Samples per training micro-batch (the token budget is this many full samples)."""
     lr: float = 1e-6
     seed: int = 0
+    updates_per_rollout: int = 1
+    """``train.updates_per_rollout``: optimizer steps each rollout is split into (PPO-style; above 1 the old-policy
+    log-probs get their own forward pass before the first update)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +302,7 @@ def run_config(
         "train": {
             "num_steps": settings.steps,
             "seed": settings.seed,
+            "updates_per_rollout": settings.updates_per_rollout,
             "max_tokens_per_micro_batch": settings.micro_batch_samples * sample_len,
         },
         "checkpoint": {"save_interval": 0, "resume": "none"},
@@ -457,7 +461,9 @@ def bench_step(
 
     on_gpu = torch.cuda.is_available()
     dtype = "bfloat16" if on_gpu else "float32"
-    run_dir = work_dir / variant.label(settings.backend + ("" if ranks == 1 else f"_ranks{ranks}"))
+    base = settings.backend + ("" if ranks == 1 else f"_ranks{ranks}")
+    base += "" if settings.updates_per_rollout == 1 else f"_updates{settings.updates_per_rollout}"
+    run_dir = work_dir / variant.label(base)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     config_path = run_dir / "bench_step.yaml"

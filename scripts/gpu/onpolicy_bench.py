@@ -66,6 +66,10 @@ def main(argv: list[str]) -> None:
         row.update(summarise(records))
         if proc.returncode != 0:  # the worker's own error lines: torchrun's traceback follows them and says nothing
             row["error_lines"] = [line for line in proc.stderr.splitlines() if "Error" in line][:20]
+            row["stderr_tail"] = proc.stderr.splitlines()[-30:]
+            engine_log = run_dir / "engine-0.log"
+            if engine_log.exists():
+                row["engine_log_tail"] = engine_log.read_text().splitlines()[-20:]
         results["runs"][name] = row
         print(name, json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
         out_path.write_text(json.dumps(results, indent=1))

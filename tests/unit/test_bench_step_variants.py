@@ -50,6 +50,16 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     assert SGLANG_SERVER_ARGS["mem_fraction_static"] == 0.3  # the shared default is copied, never changed
 
 
+def test_run_config_splits_the_rollout_into_updates(tmp_path):
+    settings = StepSettings(updates_per_rollout=4)
+    config = run_config(settings, tmp_path / "inputs", tmp_path / "run", "float32")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cfg = load_config(path)
+    assert cfg.train.updates_per_rollout == 4
+    assert cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt == 4 * 32  # 32 samples per update
+
+
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("teardown", [True, False])
 @pytest.mark.parametrize("attention", ["auto", "per_sample", "flash_varlen"])
