@@ -347,6 +347,12 @@ class EngineConfig(Section):
     before the waiting call fails; a dead worker is reported at once regardless. Keep it under 10 s."""
     bucket_bytes: int = Field(512 * 1024**2, ge=1024)
     """Size of one flattened weight-sync bucket."""
+    sync_interval: int = Field(1, ge=1)
+    """Push the trainer's weights to the engine after every N-th step (slime's ``--update-weights-interval``):
+    the steps in between sample with weights up to N - 1 updates old. ``algorithm.keep_old_actor`` then keeps
+    the weights the engine holds, so the importance ratio is taken against the policy that sampled; without
+    it the old log-probs are the live weights' (correct the engine's staleness with ``algorithm.tis``).
+    A resume syncs the restored weights at once (a checkpoint taken between syncs resumes as if synced)."""
     verify_weights: bool = False
     """Debug: after every weight sync, check that the engine holds exactly the bytes sent (per-tensor
     sha256 on both sides, one extra pass over the weights). Backends with weight checksums only (embedded)."""
@@ -687,6 +693,22 @@ class RunConfig(Section):
                 f"engine.tp ({self.engine.tp}) must be 1 with rollout.abort_surplus / rollout.partial_rollout "
                 "because streaming rounds send one call per group from each rank to its own engine; set "
                 "engine.tp: 1 or turn them off"
+            )
+        algo, interval = self.algorithm, self.engine.sync_interval
+        if algo.keep_old_actor and interval == 1:
+            raise ValueError(
+                "algorithm.keep_old_actor (true) has no effect with engine.sync_interval 1 because the engine "
+                "then holds the live weights at every step's start, so the old actor would be a second copy of "
+                "them and its forward a redundant one; set engine.sync_interval > 1 or keep_old_actor: false"
+            )
+        stale_old_logprobs = interval > 1 and not (algo.keep_old_actor or algo.use_rollout_logprobs)
+        if algo.max_logprob_gap is not None and stale_old_logprobs:
+            raise ValueError(
+                f"algorithm.max_logprob_gap ({algo.max_logprob_gap}) must be unset with engine.sync_interval "
+                f"{interval} unless algorithm.keep_old_actor is true, because the old log-probs are then the live "
+                "weights' while the engine samples with weights synced up to "
+                f"{interval - 1} steps earlier, and the gate would stop the first step between syncs; "
+                "set algorithm.keep_old_actor: true"
             )
         if self.train.updates_per_rollout > self.rollout.prompts_per_step:
             raise ValueError(

@@ -163,14 +163,16 @@ class Actor:
             critic=self.critic,
         )
 
+    def on_weights_synced(self) -> None:
+        """The engine now holds the actor's weights (see ``ModelRoles.on_weights_synced``)."""
+        self.roles.on_weights_synced()
+
     def restore(self, checkpointer: Checkpointer, sampler: PromptSampler | None) -> dict[str, int] | None:
         """Collective: load what ``checkpoint.resume`` / ``checkpoint.load`` pick; returns the saved run state
-        fields (None: a fresh start). The old actor then holds the restored weights, which the engine gets next."""
+        fields (None: a fresh start). The caller syncs the restored weights to the engine next."""
         resumed = checkpointer.restore(
             self.model, self.optimizer, sampler, critic=self.critic, scheduler=self.scheduler
         )
-        if resumed is not None:
-            self.roles.on_actor_loaded()
         return resumed
 
     def _update(self, update: Update) -> dict[str, float]:

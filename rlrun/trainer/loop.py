@@ -15,7 +15,8 @@ One step (``train_one_step``; each phase runs in the memory placement it needs, 
                 can reuse it), per-token advantages, the post-process hook (rlrun/trainer/actor.py)
   5. train      ``Actor.train``: per update (and per epoch) the critic's value-loss step first (PPO), then
                 Megatron forward/backward with the configured loss and an optimizer step
-  6. sync       the engine's weights come back; Megatron -> HF names -> flattened buckets -> ZMQ
+  6. sync       the engine's weights come back (every ``engine.sync_interval``-th step); Megatron -> HF names ->
+                flattened buckets -> ZMQ; the old actor (``algorithm.keep_old_actor``) becomes those weights
   7. log        metrics.jsonl + console line on rank 0; between steps: stop request, checkpoint when due
 
     torchrun ─┬─ rank 0: Megatron shard + loop ──ZMQ──> engine worker 0
@@ -189,12 +190,20 @@ def train_one_step(parts: Components, state: RunState) -> None:
             maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, batch.micro_batches)
         with phases("train"):
             metrics.update(parts.actor.train(batch, state.step))
+    if sync_due(parts.cfg.engine.sync_interval, state.step, trained=bool(batch.updates)):
         with phases("sync"):  # reads the trainer's weights: the trainer sleeps at the next step's start
             state.weight_version += 1
             sync_weights(parts, state.weight_version)
     metrics.update(phases.finish())  # the engine gets its weights back also when nothing trained
     if parts.logger is not None:
         parts.logger.log(state.step, metrics)
+
+
+def sync_due(interval: int, step: int, trained: bool) -> bool:
+    """Whether step ``step`` ends with a weight sync: after every ``interval``-th step; with interval 1 only
+    when the step trained (the engine already holds the weights otherwise). With a larger interval the sync
+    is due even after a step that trained nothing, since earlier steps since the last sync may have."""
+    return (step + 1) % interval == 0 and (trained or interval > 1)
 
 
 def collect_rollout(parts: Components, step: int, metrics: dict[str, float]) -> list[Sample] | None:
@@ -217,10 +226,12 @@ def scatter_train_batch(parts: Components, samples: list[Sample] | None, metrics
 
 def sync_weights(parts: Components, version: int) -> None:
     """Push the trainer's weights to this rank's engine as HF-named flattened buckets (its group's
-    leader does; the other ranks of an engine group only take part in the export's collectives)."""
+    leader does; the other ranks of an engine group only take part in the export's collectives); the old
+    actor (``algorithm.keep_old_actor``) becomes these weights."""
     parts.engine.update_weights(
         parts.actor.export_weights(),
         weight_version=str(version),
         bucket_bytes=parts.cfg.engine.bucket_bytes,
         verify=parts.cfg.engine.verify_weights,
     )
+    parts.actor.on_weights_synced()

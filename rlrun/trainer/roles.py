@@ -5,8 +5,8 @@ in for a no-grad forward pass, then the actor is swapped back before training:
 
     step:  backup(actor) -> [restore(ref) -> ref_logprobs] -> [restore(teacher) -> teacher_logprobs]
            -> [restore(old_actor | actor) -> old_logprobs] -> restore(actor) -> advantages -> train
-           -> after_train_step: old_actor <- actor (the weights the engine gets next), ref <- actor
-              every ``ref.update_interval`` steps
+           -> after_train_step: ref <- actor every ``ref.update_interval`` steps
+           -> on_weights_synced: old_actor <- actor (the weights the engine holds from now on)
 
 Where the role weights come from: ``ref.path`` / ``opd.teacher_path`` (HF directories of the same
 architecture) or, for the reference without a path, the actor's initial weights. ``ref.path`` may also
@@ -132,9 +132,9 @@ class ModelRoles:
             return contextlib.nullcontext()
         return self.routing.training_forward(micro_batches)
 
-    def on_actor_loaded(self) -> None:
-        """Call after the actor's weights were replaced outside training (checkpoint restore): the old
-        actor must be the weights the engine gets next, not the ones the model was built with."""
+    def on_weights_synced(self) -> None:
+        """Call after the engine got the actor's weights (a step's sync, or the first sync after a checkpoint
+        restore): the old actor is what the engine samples with until the next sync (``engine.sync_interval``)."""
         if self.backup is not None and self.cfg.keep_old_actor:
             self.backup.backup("old_actor")
 
@@ -142,8 +142,6 @@ class ModelRoles:
         """Refresh the role backups from the just-updated actor (call after the optimizer step)."""
         if self.backup is None:
             return
-        if self.cfg.keep_old_actor:
-            self.backup.backup("old_actor")  # the weights the engine samples the next step with
         interval = self.cfg.ref.update_interval
         if self.cfg.uses_ref and interval is not None and (step + 1) % interval == 0:
             self.backup.backup("ref")

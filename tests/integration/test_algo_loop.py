@@ -1,5 +1,6 @@
 """Every model role and most loss terms at once, through the real CLI under torchrun (2 ranks, tiny
-model): GSPO with a k3 KL reward penalty to a reference refreshed every 2 steps, the old actor kept,
+model): GSPO with a k3 KL reward penalty to a reference refreshed every 2 steps, weights synced to the engine
+every 3 steps with the old actor kept (the weights the engine holds),
 on-policy distillation from a teacher with other weights, TIS, entropy bonus, advantage whitening and
 a rollout-data post-process hook. Asserts on metrics.jsonl and on what the hook saw."""
 
@@ -49,6 +50,7 @@ def test_all_roles_and_terms_in_the_loop(tiny_model_dirs, tmp_path):
         "algorithm.kl.estimator=k3",
         "algorithm.ref.update_interval=2",
         "algorithm.keep_old_actor=true",
+        "engine.sync_interval=3",
         f"algorithm.opd.teacher_path={teacher}",
         "algorithm.opd.kl_coef=0.2",
         "algorithm.tis.mode=clip",
@@ -64,14 +66,19 @@ def test_all_roles_and_terms_in_the_loop(tiny_model_dirs, tmp_path):
         assert 0.0 <= r["train/clip_frac"] <= 1.0 and 0.0 <= r["train/tis_clip_frac"] <= 1.0
         assert abs(r["train/tis_mean"] - 1.0) < 1e-3  # engine and trainer agree: importance ratio ~ 1
         assert r["train/logprob_gap"] < 1e-4
-    # the reference starts as the initial actor (KL 0) and is refreshed after step 1: KL 0 again at step 2
+    # engine.sync_interval 3: the engine keeps the initial weights for all 3 steps, and so does the old actor
+    # (the gap above stays at round-off): the KL reward is the sampling policy's (the old actor's) against the
+    # reference, which starts as the initial actor (KL 0 at steps 0 and 1) and is refreshed after step 1 to
+    # the trained weights (KL > 0 at step 2); the policy ratio is 1 exactly at step 0 only
     by_step = {r["step"]: r for r in trained}
+    for step, r in by_step.items():
+        assert (r["train/abs_log_ratio"] == 0.0) == (step == 0 or sorted(by_step)[0] == step), step
     if 0 in by_step:
         assert by_step[0]["train/kl_reward"] < 1e-6
     if 1 in by_step:
-        assert by_step[1]["train/kl_reward"] > 1e-6
-    if 2 in by_step:
-        assert by_step[2]["train/kl_reward"] < 1e-6
+        assert by_step[1]["train/kl_reward"] < 1e-6
+    if 2 in by_step and (0 in by_step or 1 in by_step):
+        assert by_step[2]["train/kl_reward"] > 1e-6
     seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
     assert {s["step"] for s in seen} == set(by_step) and all(s["has_roles"] for s in seen)
     for step in by_step:  # whitened over both ranks: mean 0 and (unbiased) variance 1 over the step

@@ -3,7 +3,8 @@
 * reuse path (no old-log-prob forward) and full path give identical loss, gradients and updated weights;
 * reference / teacher weights swapped in from CPU backups give the log-probs of a model built from
   their own HF directories, and the actor's weights are back afterwards;
-* ``ref.update_interval`` and ``keep_old_actor`` refresh their backups from the updated actor.
+* ``ref.update_interval`` refreshes its backup from the updated actor after the step; ``keep_old_actor``'s
+  old actor follows the weights synced to the engine (``on_weights_synced``).
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def _roles_worker(actor_dir: str, ref_dir: str, teacher_dir: str) -> dict:
     updated = logprobs_of(model, mbs)
     roles.fill_logprobs(mbs, TEMPERATURE)
     after = {"ref": [mb.ref_logprobs for mb in mbs], "actor": [mb.old_logprobs for mb in mbs]}
+    roles.on_weights_synced()  # the engine now holds the updated weights
+    roles.fill_logprobs(mbs, TEMPERATURE)
+    after["synced_actor"] = [mb.old_logprobs for mb in mbs]
     destroy_distributed()
     return {"expected": expected, "got": got, "actor_restored": actor_restored, "updated": updated, "after": after}
 
@@ -153,9 +157,11 @@ def test_roles_swap_in_their_own_weights_and_follow_the_actor(tiny_model_dirs, t
     # the three models really differ, so the swaps are not vacuous
     assert not torch.allclose(result["expected"]["ref"][0], result["expected"]["actor"][0])
     assert not torch.allclose(result["expected"]["teacher"][0], result["expected"]["ref"][0])
-    # after the step: old actor (keep_old_actor) and ref (update_interval 1) are the updated actor
-    for updated, ref, old, initial in zip(
-        result["updated"], result["after"]["ref"], result["after"]["actor"], result["expected"]["actor"], strict=False
+    # after the step: ref (update_interval 1) is the updated actor; the old actor (keep_old_actor) stays the
+    # weights the engine holds until the next sync, then becomes the updated actor
+    after = result["after"]
+    for updated, ref, old, synced, initial in zip(
+        result["updated"], after["ref"], after["actor"], after["synced_actor"], result["expected"]["actor"], strict=False
     ):
-        assert torch.equal(ref, updated) and torch.equal(old, updated)
+        assert torch.equal(ref, updated) and torch.equal(old, initial) and torch.equal(synced, updated)
         assert not torch.allclose(updated, initial)

@@ -160,3 +160,21 @@ def test_more_updates_per_rollout_than_groups_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"train.updates_per_rollout \(3\) must be <= rollout.prompts_per_step \(2\)"):
         load_config(path, ["train.updates_per_rollout=3"])
     assert load_config(path, ["train.updates_per_rollout=2", "train.epochs_per_rollout=2"]).train.updates_per_step == 4
+
+
+def test_sync_interval_refuses_an_old_actor_that_changes_nothing_and_a_gate_that_cannot_hold(tmp_path):
+    path = write(tmp_path, "{}\n")
+    with pytest.raises(ConfigError, match=r"keep_old_actor \(true\) has no effect with engine.sync_interval 1"):
+        load_config(path, ["algorithm.keep_old_actor=true"])
+    with pytest.raises(ConfigError, match=r"max_logprob_gap \(1e-06\) must be unset with engine.sync_interval 2"):
+        load_config(path, ["engine.sync_interval=2", "algorithm.max_logprob_gap=1e-6"])
+    cfg = load_config(path, ["engine.sync_interval=2", "algorithm.max_logprob_gap=1e-6", "algorithm.keep_old_actor=true"])
+    assert cfg.engine.sync_interval == 2
+
+
+def test_sync_is_due_every_interval_steps():
+    from rlrun.trainer.loop import sync_due
+
+    assert [s for s in range(6) if sync_due(1, s, trained=True)] == [0, 1, 2, 3, 4, 5]
+    assert not sync_due(1, 3, trained=False)  # nothing changed since the last sync
+    assert [s for s in range(6) if sync_due(3, s, trained=False)] == [2, 5]  # earlier steps may have trained
