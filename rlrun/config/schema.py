@@ -352,7 +352,8 @@ class EngineConfig(Section):
     the steps in between sample with weights up to N - 1 updates old. ``algorithm.keep_old_actor`` then keeps
     the weights the engine holds, so the importance ratio is taken against the policy that sampled; without
     it the old log-probs are the live weights' (correct the engine's staleness with ``algorithm.tis``).
-    A resume syncs the restored weights at once (a checkpoint taken between syncs resumes as if synced)."""
+    A resume syncs the restored weights at once, so ``checkpoint.save_interval`` must be a multiple of it (a
+    checkpoint-and-stop between syncs resumes as if the engine had just been synced)."""
     verify_weights: bool = False
     """Debug: after every weight sync, check that the engine holds exactly the bytes sent (per-tensor
     sha256 on both sides, one extra pass over the weights). Backends with weight checksums only (embedded)."""
@@ -700,6 +701,14 @@ class RunConfig(Section):
                 "algorithm.keep_old_actor (true) has no effect with engine.sync_interval 1 because the engine "
                 "then holds the live weights at every step's start, so the old actor would be a second copy of "
                 "them and its forward a redundant one; set engine.sync_interval > 1 or keep_old_actor: false"
+            )
+        save = self.checkpoint.save_interval
+        if interval > 1 and save % interval:
+            raise ValueError(
+                f"checkpoint.save_interval ({save}) must be a multiple of engine.sync_interval ({interval}) because "
+                "a resume syncs the restored weights to the engine, which the uninterrupted run does only at sync "
+                f"steps, so only checkpoints taken there resume exactly; set checkpoint.save_interval: "
+                f"{interval * max(1, save // interval)}"
             )
         stale_old_logprobs = interval > 1 and not (algo.keep_old_actor or algo.use_rollout_logprobs)
         if algo.max_logprob_gap is not None and stale_old_logprobs:

@@ -161,7 +161,12 @@ def test_roles_swap_in_their_own_weights_and_follow_the_actor(tiny_model_dirs, t
     # weights the engine holds until the next sync, then becomes the updated actor
     after = result["after"]
     for updated, ref, old, synced, initial in zip(
-        result["updated"], after["ref"], after["actor"], after["synced_actor"], result["expected"]["actor"], strict=False
+        result["updated"],
+        after["ref"],
+        after["actor"],
+        after["synced_actor"],
+        result["expected"]["actor"],
+        strict=False,
     ):
         assert torch.equal(ref, updated) and torch.equal(old, initial) and torch.equal(synced, updated)
         assert not torch.allclose(updated, initial)

@@ -168,7 +168,9 @@ def test_sync_interval_refuses_an_old_actor_that_changes_nothing_and_a_gate_that
         load_config(path, ["algorithm.keep_old_actor=true"])
     with pytest.raises(ConfigError, match=r"max_logprob_gap \(1e-06\) must be unset with engine.sync_interval 2"):
         load_config(path, ["engine.sync_interval=2", "algorithm.max_logprob_gap=1e-6"])
-    cfg = load_config(path, ["engine.sync_interval=2", "algorithm.max_logprob_gap=1e-6", "algorithm.keep_old_actor=true"])
+    cfg = load_config(
+        path, ["engine.sync_interval=2", "algorithm.max_logprob_gap=1e-6", "algorithm.keep_old_actor=true"]
+    )
     assert cfg.engine.sync_interval == 2
 
 
@@ -178,3 +180,10 @@ def test_sync_is_due_every_interval_steps():
     assert [s for s in range(6) if sync_due(1, s, trained=True)] == [0, 1, 2, 3, 4, 5]
     assert not sync_due(1, 3, trained=False)  # nothing changed since the last sync
     assert [s for s in range(6) if sync_due(3, s, trained=False)] == [2, 5]  # earlier steps may have trained
+
+
+def test_sync_interval_needs_checkpoints_at_sync_steps(tmp_path):
+    path = write(tmp_path, "{}\n")
+    with pytest.raises(ConfigError, match=r"checkpoint.save_interval \(5\) must be a multiple of engine.sync_interval"):
+        load_config(path, ["engine.sync_interval=2", "checkpoint.save_interval=5"])
+    assert load_config(path, ["engine.sync_interval=2", "checkpoint.save_interval=4"]).checkpoint.save_interval == 4
