@@ -113,6 +113,10 @@ class Variant:
     """``model.packed_attention``: ``auto`` (the config's default: one varlen attention call per layer on
     CUDA in bf16, else one SDPA call per sample) or either of them by name."""
 
+    lora_rank: int | None = None
+    """``model.lora`` with this rank (alpha = 2 x rank, every projection; rlrun/megatron/lora.py): the base
+    frozen, only the adapters hold gradients and Adam state, merged weights synced. None: full fine-tuning."""
+
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
         return (
@@ -120,7 +124,15 @@ class Variant:
             + ("" if self.offload else "_resident")
             + ("" if self.teardown_nccl else "_keepnccl")
             + ATTENTION_SUFFIX[self.packed_attention]
+            + ("" if self.lora_rank is None else f"_lora{self.lora_rank}")
         )
+
+    def model_section(self, model_path: Path, dtype: str) -> dict:
+        """The run config's ``model`` section."""
+        model: dict = {"path": str(model_path), "dtype": dtype, "packed_attention": self.packed_attention}
+        if self.lora_rank is not None:
+            model["lora"] = {"rank": self.lora_rank, "alpha": 2.0 * self.lora_rank}
+        return model
 
     def engine_memory(self, backend: str) -> str:
         """How the engine's memory was sized, for the JSON."""
@@ -274,7 +286,7 @@ def run_config(
             engine["server_args"]["mem_fraction_static"] = RESIDENT_SGLANG_MEM_FRACTION
     sample_len = settings.prompt_len + settings.new_tokens
     return {
-        "model": {"path": str(inputs_dir / "model"), "dtype": dtype, "packed_attention": variant.packed_attention},
+        "model": variant.model_section(inputs_dir / "model", dtype),
         "data": {
             "path": str(inputs_dir / "prompts.jsonl"),
             "prompt_key": "prompt",
