@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from rlrun.megatron.model import MegatronModel
 from rlrun.megatron.tp_layout import Partition
+
+if TYPE_CHECKING:
+    from rlrun.config.schema import LoraConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -77,3 +81,16 @@ def write_peft_adapter(model: MegatronModel, directory: Path, base_model_path: s
         "revision": None,
     }
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_lora_config(directory: Path) -> LoraConfig | None:
+    """The ``model.lora`` that wrote the PEFT adapter in ``directory``; None when it holds none."""
+    from rlrun.config.schema import LoraConfig
+
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    return LoraConfig(
+        rank=raw["r"], alpha=raw["lora_alpha"], dropout=raw["lora_dropout"], target_modules=raw["target_modules"]
+    )

@@ -48,10 +48,12 @@ def pg_loss(batch: MicroBatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, di
 
 def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     from rlrun.config.schema import LoraConfig
+    from rlrun.convert import McoreToHf
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
     from rlrun.megatron import checkpoint as mcore_ckpt
     from rlrun.megatron.peft_export import write_peft_adapter
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.checkpoint import ACTOR, ADAPTER, HF_FILES, copy_hf_files
 
     parallel = init_distributed(tp=tp, pp=1, seed=0)
     lora = LoraConfig(rank=RANK, alpha=ALPHA)
@@ -77,16 +79,21 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
 
     # The adapters round-trip through a distributed checkpoint (column linears' B sharded over TP) into a
     # model whose adapters started elsewhere (another seed).
+    # Then `rlrun convert mcore-to-hf` of that checkpoint (with its adapter/) writes the merged weights.
     ckpt = Path(out_dir) / f"ckpt_tp{tp}"
     if parallel.is_rank0:
-        ckpt.mkdir()
+        (ckpt / ACTOR).mkdir(parents=True)
+        (Path(out_dir) / f"hf_tp{tp}").mkdir()  # as mcore_to_hf makes it before the ranks run
+        copy_hf_files(Path(hf_dir), ckpt / HF_FILES)
     torch.distributed.barrier(group=parallel.cpu_group)
-    save = mcore_ckpt.start_save(mcore_ckpt.training_state(model, optimizer, None, with_rng=False), ckpt)
+    save = mcore_ckpt.start_save(mcore_ckpt.training_state(model, optimizer, None, with_rng=False), ckpt / ACTOR)
     save.write()
     save.finish()
+    write_peft_adapter(model, ckpt / ADAPTER, hf_dir)
     fresh = build_model(hf_dir, parallel, dtype="float32", lora=lora, seed=6)
-    mcore_ckpt.load_weights(fresh, ckpt)
+    mcore_ckpt.load_weights(fresh, ckpt / ACTOR)
     loaded = {n: p.detach().clone() for n, p in fresh.module.named_parameters() if p.requires_grad}
+    McoreToHf(ckpt, Path(out_dir) / f"hf_tp{tp}", Path(hf_dir), "float32").run(parallel)
     result = {
         "bf16": _bf16_state(hf_dir, parallel, lora, batch) if tp == 1 else {},
         "stats": stats,
@@ -220,8 +227,13 @@ def test_tp2_equals_tp1(runs):
         torch.testing.assert_close(two[key], tensor, rtol=0, atol=atol, msg=key)
 
 
-def test_adapters_round_trip_through_a_checkpoint(runs):
-    for run in runs[:2]:
+def test_adapters_round_trip_through_a_checkpoint_and_convert_merges_them(runs):
+    out = runs[2]
+    for tp, run in ((1, runs[0]), (2, runs[1])):
         assert set(run["loaded"]) == set(run["adapters"])
         for name, tensor in run["adapters"].items():
             assert torch.equal(run["loaded"][name], tensor), name
+        converted = load_file(out / f"hf_tp{tp}" / "model.safetensors")
+        assert set(converted) == set(run["merged"])
+        for name, tensor in run["merged"].items():
+            assert torch.equal(converted[name], tensor), name
