@@ -162,7 +162,7 @@ class LoraAdapters:
         self.cfg = cfg
         self.arch = arch
         self.parallel = parallel
-        self.scale = cfg.alpha / cfg.rank
+        self.scale = cfg.scale
         self.enabled = True
         self.layers: list[dict[str, LoraBranch]] = []
         """Per local layer: HF projection -> branch."""

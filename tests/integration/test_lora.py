@@ -96,6 +96,7 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     McoreToHf(ckpt, Path(out_dir) / f"hf_tp{tp}", Path(hf_dir), "float32").run(parallel)
     result = {
         "bf16": _bf16_state(hf_dir, parallel, lora, batch) if tp == 1 else {},
+        "partial": _partial_targets(hf_dir, parallel, batch, Path(out_dir)) if tp == 1 else {},
         "stats": stats,
         "before": before,
         "after": after,
@@ -131,6 +132,58 @@ def _bf16_state(hf_dir: str, parallel, lora, batch: MicroBatch) -> dict[str, int
         "fp32_main": sum(p.numel() for p in mains if p.dtype == torch.float32),
         "adam_moments": sum(t.numel() for t in moments if t.dim() > 0),
     }
+
+
+PARTIAL = ("q_proj", "v_proj", "up_proj")
+"""Targets that leave parts of both fused linears without a branch (k rows, gate rows: zero deltas)."""
+
+
+def _partial_targets(hf_dir: str, parallel, batch: MicroBatch, out_dir: Path) -> dict:
+    """One step of a model with adapters on ``PARTIAL`` only: its merged export, PEFT files and log-probs."""
+    from rlrun.config.schema import LoraConfig
+    from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
+    from rlrun.megatron.peft_export import write_peft_adapter
+
+    model = build_model(hf_dir, parallel, dtype="float32", lora=LoraConfig(rank=2, target_modules=PARTIAL), seed=1)
+    optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
+    for _ in range(2):
+        train_step(model, optimizer, [batch], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE)
+    write_peft_adapter(model, out_dir / "adapter_partial", hf_dir)
+    with torch.no_grad():
+        logprobs = compute_logprobs(model, batch.tokens, batch.position_ids, TEMPERATURE)
+    return {"merged": {k: v.cpu() for k, v in export_hf_weights(model)}, "after": logprobs}
+
+
+def independent_merge(hf_dir: str, adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """The HF weights with every PEFT adapter of ``adapter_dir`` merged, ``W + alpha / r * B @ A``."""
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    peft = load_file(adapter_dir / "adapter_model.safetensors")
+    merged = load_file(Path(hf_dir) / "model.safetensors")
+    for key, a in peft.items():
+        if ".lora_A." in key:
+            module = key[len("base_model.model.") : -len(".lora_A.weight")]
+            b = peft[key.replace("lora_A", "lora_B")]
+            merged[f"{module}.weight"] = merged[f"{module}.weight"] + config["lora_alpha"] / config["r"] * b @ a
+    return merged
+
+
+def hf_logprobs(hf_dir: str, weights: dict[str, torch.Tensor], batch: MicroBatch) -> torch.Tensor:
+    """transformers' token log-probs of ``batch`` with ``weights`` loaded: what an engine serving them computes."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    hf.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        logits = hf(batch.tokens).logits[:, :-1].float() / TEMPERATURE
+    return torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
+
+
+def assert_matches_independent_merge(got: dict, hf_dir: str, adapter_dir: Path, batch: MicroBatch) -> None:
+    want = independent_merge(hf_dir, adapter_dir)
+    assert set(got["merged"]) == set(want) - {"lm_head.weight"}  # tied: the embedding only
+    for name, tensor in got["merged"].items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=1e-6, msg=name)
+    assert (got["after"] - hf_logprobs(hf_dir, want, batch)).abs().max() < 1e-4  # adapters live vs merged
 
 
 @pytest.fixture(scope="module")
@@ -181,32 +234,21 @@ def test_reference_is_the_base_with_adapters_off(runs):
 
 
 def test_merged_export_and_peft_files_match_an_independent_merge(runs, llama_dir, batch):
-    from transformers import AutoModelForCausalLM
-
     tp1, _, out = runs
-    adapter_dir = out / "adapter_tp1"
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    config = json.loads((out / "adapter_tp1" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, ALPHA)
-    peft = load_file(adapter_dir / "adapter_model.safetensors")
-    assert len(peft) == 2 * 7 * 2
-    original = load_file(Path(llama_dir) / "model.safetensors")
-    want = dict(original)
-    for key, a in peft.items():
-        if ".lora_A." not in key:
-            continue
-        module = key[len("base_model.model.") : -len(".lora_A.weight")]
-        b = peft[key.replace("lora_A", "lora_B")]
-        want[f"{module}.weight"] = original[f"{module}.weight"] + ALPHA / RANK * b @ a
-    assert set(tp1["merged"]) == set(want) - {"lm_head.weight"}  # tied: the embedding only
-    for name, tensor in tp1["merged"].items():
-        torch.testing.assert_close(tensor, want[name], rtol=0, atol=1e-6, msg=name)
+    assert len(load_file(out / "adapter_tp1" / "adapter_model.safetensors")) == 2 * 7 * 2
+    assert_matches_independent_merge(tp1, llama_dir, out / "adapter_tp1", batch)
 
-    hf = AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32)
-    hf.load_state_dict(want, strict=False)
-    with torch.no_grad():
-        logits = hf(batch.tokens).logits[:, :-1].float() / TEMPERATURE
-    hf_logprobs = torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
-    assert (tp1["after"] - hf_logprobs).abs().max() < 1e-4  # trainer (adapters live) vs merged weights
+
+def test_some_targets_only(runs, llama_dir, batch):
+    partial, out = runs[0]["partial"], runs[2]
+    peft = load_file(out / "adapter_partial" / "adapter_model.safetensors")
+    assert {key.split(".")[-3] for key in peft} == set(PARTIAL) and len(peft) == 2 * 3 * 2
+    assert_matches_independent_merge(partial, llama_dir, out / "adapter_partial", batch)
+    original = load_file(Path(llama_dir) / "model.safetensors")
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
+        assert torch.equal(partial["merged"][name], original[name])  # no branch: the base, exactly
 
 
 def test_tp2_equals_tp1(runs):
