@@ -75,6 +75,7 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
         reference = logprobs()
     merged = {k: v.cpu() for k, v in export_hf_weights(model)}
     write_peft_adapter(model, Path(out_dir) / f"adapter_tp{tp}", hf_dir)
+    roles = _reference_role(model, batch)
     trained = {n: p.detach().clone() for n, p in model.module.named_parameters() if p.requires_grad}
 
     # The adapters round-trip through a distributed checkpoint (column linears' B sharded over TP) into a
@@ -96,6 +97,8 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     McoreToHf(ckpt, Path(out_dir) / f"hf_tp{tp}", Path(hf_dir), "float32").run(parallel)
     result = {
         "bf16": _bf16_state(hf_dir, parallel, lora, batch) if tp == 1 else {},
+        "roles": roles,
+        "after_roles": logprobs(),
         "partial": _partial_targets(hf_dir, parallel, batch, Path(out_dir)) if tp == 1 else {},
         "stats": stats,
         "before": before,
@@ -132,6 +135,28 @@ def _bf16_state(hf_dir: str, parallel, lora, batch: MicroBatch) -> dict[str, int
         "fp32_main": sum(p.numel() for p in mains if p.dtype == torch.float32),
         "adam_moments": sum(t.numel() for t in moments if t.dim() > 0),
     }
+
+
+@dataclass
+class RoleBatch:
+    """What ModelRoles reads of a micro-batch and the fields it fills."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    kept_ids: None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+
+def _reference_role(model, batch: MicroBatch) -> dict:
+    """The trainer's reference role (KL loss on) over ``batch``: its log-probs and whether it made a weight copy."""
+    from rlrun.config.schema import AlgorithmConfig
+    from rlrun.trainer.roles import ModelRoles
+
+    roles = ModelRoles.create(AlgorithmConfig(kl={"loss_coef": 0.1}), model)
+    mb = RoleBatch(batch.tokens, batch.position_ids)
+    roles.fill_logprobs([mb], TEMPERATURE)
+    return {"copied": roles.backup is not None, "ref": mb.ref_logprobs}
 
 
 PARTIAL = ("q_proj", "v_proj", "up_proj")
@@ -230,6 +255,9 @@ def test_bf16_base_gets_no_gradients_nor_optimizer_state(runs):
 def test_reference_is_the_base_with_adapters_off(runs):
     tp1, _, _ = runs
     assert torch.equal(tp1["reference"], tp1["before"])  # B starts at 0: the start is the base, bitwise
+    assert not tp1["roles"]["copied"]  # the trainer's reference role: no weight backup...
+    assert torch.equal(tp1["roles"]["ref"], tp1["reference"])  # ...the adapters-off forward
+    assert torch.equal(tp1["after_roles"], tp1["after"])  # and the adapters are back on after it
     assert (tp1["after"] - tp1["before"]).abs().max() > 1e-3  # training moved the policy
 
 
