@@ -106,13 +106,17 @@ class LoraBranch(torch.nn.Module):
 
     def hidden(self, x: torch.Tensor, dropout: float) -> torch.Tensor:
         """``A x`` (summed over TP ranks for a row-parallel branch), the input of ``B`` on every rank."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
         )
 
         if dropout > 0 and torch.is_grad_enabled():
-            x = torch.nn.functional.dropout(x, dropout)
+            # As Megatron's own dropouts: a replicated input (column) draws from the default generator, the
+            # same on every TP rank; a TP-sharded one (row) from the model-parallel generator, one per rank.
+            with contextlib.nullcontext() if self.parallel == "column" else get_cuda_rng_tracker().fork():
+                x = torch.nn.functional.dropout(x, dropout)
         h = torch.nn.functional.linear(x, self.lora_A)
         if self.parallel == "column":
             return copy_to_tensor_model_parallel_region(h)

@@ -159,24 +159,34 @@ def _reference_role(model, batch: MicroBatch) -> dict:
     return {"copied": roles.backup is not None, "ref": mb.ref_logprobs}
 
 
-PARTIAL = ("q_proj", "v_proj", "up_proj")
-"""Targets that leave parts of both fused linears without a branch (k rows, gate rows: zero deltas)."""
+PARTIAL = ("q_proj", "v_proj", "up_proj", "down_proj")
+"""Targets that leave parts of both fused linears without a branch (k rows, gate rows: zero deltas), and one
+row-parallel projection (its dropout draws from the model-parallel generator)."""
 
 
 def _partial_targets(hf_dir: str, parallel, batch: MicroBatch, out_dir: Path) -> dict:
-    """One step of a model with adapters on ``PARTIAL`` only: its merged export, PEFT files and log-probs."""
+    """Two steps of a model with adapters on ``PARTIAL`` only (dropout 0.5): its merged export, PEFT files and
+    log-probs (no-grad, as the old-policy forward; and in a forward that builds a graph, as the training one)."""
     from rlrun.config.schema import LoraConfig
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
     from rlrun.megatron.peft_export import write_peft_adapter
 
-    model = build_model(hf_dir, parallel, dtype="float32", lora=LoraConfig(rank=2, target_modules=PARTIAL), seed=1)
+    lora = LoraConfig(rank=2, target_modules=PARTIAL, dropout=0.5)
+    model = build_model(hf_dir, parallel, dtype="float32", lora=lora, seed=1)
     optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
     for _ in range(2):
         train_step(model, optimizer, [batch], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE)
     write_peft_adapter(model, out_dir / "adapter_partial", hf_dir)
     with torch.no_grad():
         logprobs = compute_logprobs(model, batch.tokens, batch.position_ids, TEMPERATURE)
-    return {"merged": {k: v.cpu() for k, v in export_hf_weights(model)}, "after": logprobs}
+        again = compute_logprobs(model, batch.tokens, batch.position_ids, TEMPERATURE)
+    dropped = compute_logprobs(model, batch.tokens, batch.position_ids, TEMPERATURE).detach()  # builds a graph
+    return {
+        "merged": {k: v.cpu() for k, v in export_hf_weights(model)},
+        "after": logprobs,
+        "no_grad_repeats": torch.equal(again, logprobs),
+        "dropout_in_training": (dropped - logprobs).abs().max().item(),
+    }
 
 
 def independent_merge(hf_dir: str, adapter_dir: Path) -> dict[str, torch.Tensor]:
@@ -269,10 +279,11 @@ def test_merged_export_and_peft_files_match_an_independent_merge(runs, llama_dir
     assert_matches_independent_merge(tp1, llama_dir, out / "adapter_tp1", batch)
 
 
-def test_some_targets_only(runs, llama_dir, batch):
+def test_some_targets_only_with_dropout(runs, llama_dir, batch):
     partial, out = runs[0]["partial"], runs[2]
+    assert partial["no_grad_repeats"] and partial["dropout_in_training"] > 1e-3  # dropout: training forwards only
     peft = load_file(out / "adapter_partial" / "adapter_model.safetensors")
-    assert {key.split(".")[-3] for key in peft} == set(PARTIAL) and len(peft) == 2 * 3 * 2
+    assert {key.split(".")[-3] for key in peft} == set(PARTIAL) and len(peft) == 2 * 4 * 2
     assert_matches_independent_merge(partial, llama_dir, out / "adapter_partial", batch)
     original = load_file(Path(llama_dir) / "model.safetensors")
     for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
