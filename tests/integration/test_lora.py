@@ -76,6 +76,7 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     merged = {k: v.cpu() for k, v in export_hf_weights(model)}
     write_peft_adapter(model, Path(out_dir) / f"adapter_tp{tp}", hf_dir)
     roles = _reference_role(model, batch)
+    after_roles = logprobs()
     trained = {n: p.detach().clone() for n, p in model.module.named_parameters() if p.requires_grad}
 
     # The adapters round-trip through a distributed checkpoint (column linears' B sharded over TP) into a
@@ -92,13 +93,20 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     save.finish()
     write_peft_adapter(model, ckpt / ADAPTER, hf_dir)
     fresh = build_model(hf_dir, parallel, dtype="float32", lora=lora, seed=6)
-    mcore_ckpt.load_weights(fresh, ckpt / ACTOR)
+    fresh_optimizer = make_optimizer(fresh, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
+    mcore_ckpt.load(fresh, fresh_optimizer, None, ckpt / ACTOR, with_rng=False)
     loaded = {n: p.detach().clone() for n, p in fresh.module.named_parameters() if p.requires_grad}
+    # The adapters' Adam state came back too: one more step moves both models alike.
+    for m, o in ((model, optimizer), (fresh, fresh_optimizer)):
+        train_step(m, o, [batch], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE)
+    resumed_alike = all(
+        torch.equal(a, b) for a, b in zip(model.module.parameters(), fresh.module.parameters(), strict=True)
+    )
     McoreToHf(ckpt, Path(out_dir) / f"hf_tp{tp}", Path(hf_dir), "float32").run(parallel)
     result = {
         "bf16": _bf16_state(hf_dir, parallel, lora, batch) if tp == 1 else {},
         "roles": roles,
-        "after_roles": logprobs(),
+        "after_roles": after_roles,
         "partial": _partial_targets(hf_dir, parallel, batch, Path(out_dir)) if tp == 1 else {},
         "stats": stats,
         "before": before,
@@ -108,6 +116,7 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
         "adapters_init": adapters,
         "adapters": trained,
         "loaded": loaded,
+        "resumed_alike": resumed_alike,
         "base_before": base,
         "base_after": {n: p.detach().clone() for n, p in model.module.named_parameters() if not p.requires_grad},
         "optimized_are_adapters": optimized == {id(p) for p in params.values() if p.requires_grad},
@@ -311,6 +320,7 @@ def test_tp2_equals_tp1(runs):
 def test_adapters_round_trip_through_a_checkpoint_and_convert_merges_them(runs):
     out = runs[2]
     for tp, run in ((1, runs[0]), (2, runs[1])):
+        assert run["resumed_alike"]
         assert set(run["loaded"]) == set(run["adapters"])
         for name, tensor in run["adapters"].items():
             assert torch.equal(run["loaded"][name], tensor), name
