@@ -9,7 +9,8 @@ in for a no-grad forward pass, then the actor is swapped back before training:
               every ``ref.update_interval`` steps
 
 With LoRA (``model.lora``) the reference is no copy: it is the same model with its adapters off (the
-frozen base weights), and the teacher is scored with the adapters off too.
+frozen base weights), and the teacher is scored with the adapters off too. Without a teacher the backups
+(the old actor) hold the adapters alone, since every role shares the frozen base.
 
 Where the role weights come from: ``ref.path`` / ``opd.teacher_path`` (HF directories of the same
 architecture) or, for the reference without a path, the actor's initial weights. ``ref.path`` may also
@@ -91,7 +92,8 @@ class ModelRoles:
         ``num_optimizer_steps``: the updates per rollout step (reuse of the training forward needs one)."""
         if not (_ref_is_a_copy(cfg, model) or cfg.uses_teacher or cfg.keep_old_actor):
             return cls(cfg, model, None, num_optimizer_steps)
-        backup = WeightBackup(model.module)
+        # With LoRA and no teacher every role shares the frozen base: back up the adapters alone.
+        backup = WeightBackup(model.module, trainable_only=model.lora is not None and not cfg.uses_teacher)
         backup.backup("actor")
         if _ref_is_a_copy(cfg, model):
             _load_ref(backup, model, cfg.ref.path, cfg.ref.step)

@@ -165,7 +165,17 @@ def _reference_role(model, batch: MicroBatch) -> dict:
     roles = ModelRoles.create(AlgorithmConfig(kl={"loss_coef": 0.1}), model)
     mb = RoleBatch(batch.tokens, batch.position_ids)
     roles.fill_logprobs([mb], TEMPERATURE)
-    return {"copied": roles.backup is not None, "ref": mb.ref_logprobs}
+    # An old actor (a weight backup) holds the adapters alone: the base is every role's.
+    old_actor = ModelRoles.create(AlgorithmConfig(keep_old_actor=True), model)
+    old = RoleBatch(batch.tokens, batch.position_ids)
+    old_actor.fill_logprobs([old], TEMPERATURE)
+    assert old_actor.backup is not None
+    return {
+        "copied": roles.backup is not None,
+        "ref": mb.ref_logprobs,
+        "old": old.old_logprobs,
+        "old_actor_tensors": sorted(old_actor.backup.get("old_actor")),
+    }
 
 
 PARTIAL = ("q_proj", "v_proj", "up_proj", "down_proj")
@@ -277,6 +287,8 @@ def test_reference_is_the_base_with_adapters_off(runs):
     assert not tp1["roles"]["copied"]  # the trainer's reference role: no weight backup...
     assert torch.equal(tp1["roles"]["ref"], tp1["reference"])  # ...the adapters-off forward
     assert torch.equal(tp1["after_roles"], tp1["after"])  # and the adapters are back on after it
+    assert torch.equal(tp1["roles"]["old"], tp1["after"])  # the old actor's backup: the synced policy
+    assert tp1["roles"]["old_actor_tensors"] == sorted(tp1["adapters"])  # ...holding only the adapters
     assert (tp1["after"] - tp1["before"]).abs().max() > 1e-3  # training moved the policy
 
 
