@@ -1,7 +1,7 @@
 """LoRA on the Megatron model (rlrun/megatron/lora.py): frozen base, trained adapters, merged export, PEFT files,
-the adapters-off reference, checkpoints, and TP=2 == TP=1.
+the adapters-off reference, role backups, checkpoints (resume and convert), dropout, and TP=2 == PP=2 == TP=1.
 
-One run per layout (TP=1 on one process, TP=2 on two, gloo) builds the tiny Llama with adapters on every
+One run per layout (TP=1 on one process, TP=2 and PP=2 on two, gloo) builds the tiny Llama with adapters on every
 projection, trains two optimizer steps (B starts at zero, so A first moves at the second) and reports what
 the assertions read. Independent references: the merged weights are rebuilt from the PEFT file and the
 original safetensors by ``W + alpha / r * B @ A``, and the trainer's log-probs are compared with transformers'
@@ -46,7 +46,7 @@ def pg_loss(batch: MicroBatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, di
     return -(logprobs * batch.advantages * batch.loss_mask).sum(), {}
 
 
-def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
+def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str, pp: int = 1) -> dict:
     from rlrun.config.schema import LoraConfig
     from rlrun.convert import McoreToHf
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
@@ -55,7 +55,7 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     from rlrun.runtime.dist import destroy_distributed, init_distributed
     from rlrun.trainer.checkpoint import ACTOR, ADAPTER, HF_FILES, copy_hf_files
 
-    parallel = init_distributed(tp=tp, pp=1, seed=0)
+    parallel = init_distributed(tp=tp, pp=pp, seed=0)
     lora = LoraConfig(rank=RANK, alpha=ALPHA)
     model = build_model(hf_dir, parallel, dtype="float32", lora=lora, seed=5)
     optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
@@ -74,7 +74,7 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     with model.lora.disabled():
         reference = logprobs()
     merged = {k: v.cpu() for k, v in export_hf_weights(model)}
-    write_peft_adapter(model, Path(out_dir) / f"adapter_tp{tp}", hf_dir)
+    write_peft_adapter(model, Path(out_dir) / f"adapter_tp{tp}pp{pp}", hf_dir)
     roles = _reference_role(model, batch)
     after_roles = logprobs()
     trained = {n: p.detach().clone() for n, p in model.module.named_parameters() if p.requires_grad}
@@ -82,10 +82,10 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     # The adapters round-trip through a distributed checkpoint (column linears' B sharded over TP) into a
     # model whose adapters started elsewhere (another seed).
     # Then `rlrun convert mcore-to-hf` of that checkpoint (with its adapter/) writes the merged weights.
-    ckpt = Path(out_dir) / f"ckpt_tp{tp}"
+    ckpt = Path(out_dir) / f"ckpt_tp{tp}pp{pp}"
     if parallel.is_rank0:
         (ckpt / ACTOR).mkdir(parents=True)
-        (Path(out_dir) / f"hf_tp{tp}").mkdir()  # as mcore_to_hf makes it before the ranks run
+        (Path(out_dir) / f"hf_tp{tp}pp{pp}").mkdir()  # as mcore_to_hf makes it before the ranks run
         copy_hf_files(Path(hf_dir), ckpt / HF_FILES)
     torch.distributed.barrier(group=parallel.cpu_group)
     save = mcore_ckpt.start_save(mcore_ckpt.training_state(model, optimizer, None, with_rng=False), ckpt / ACTOR)
@@ -102,12 +102,12 @@ def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str) -> dict:
     resumed_alike = all(
         torch.equal(a, b) for a, b in zip(model.module.parameters(), fresh.module.parameters(), strict=True)
     )
-    McoreToHf(ckpt, Path(out_dir) / f"hf_tp{tp}", Path(hf_dir), "float32").run(parallel)
+    McoreToHf(ckpt, Path(out_dir) / f"hf_tp{tp}pp{pp}", Path(hf_dir), "float32").run(parallel)
     result = {
-        "bf16": _bf16_state(hf_dir, parallel, lora, batch) if tp == 1 else {},
+        "bf16": _bf16_state(hf_dir, parallel, lora, batch) if (tp, pp) == (1, 1) else {},
         "roles": roles,
         "after_roles": after_roles,
-        "partial": _partial_targets(hf_dir, parallel, batch, Path(out_dir)) if tp == 1 else {},
+        "partial": _partial_targets(hf_dir, parallel, batch, Path(out_dir)) if (tp, pp) == (1, 1) else {},
         "stats": stats,
         "before": before,
         "after": after,
@@ -253,15 +253,16 @@ def batch(llama_dir) -> MicroBatch:
 
 
 @pytest.fixture(scope="module")
-def runs(llama_dir, batch, tmp_path_factory) -> tuple[dict, dict, Path]:
+def runs(llama_dir, batch, tmp_path_factory) -> tuple[dict, dict, Path, dict]:
     out = tmp_path_factory.mktemp("lora")
     tp1 = run_distributed(_lora_worker, 1, llama_dir, 1, batch, str(out))
     tp2 = run_distributed(_lora_worker, 2, llama_dir, 2, batch, str(out))
-    return tp1, tp2, out
+    pp2 = run_distributed(_lora_worker, 2, llama_dir, 1, batch, str(out), 2)
+    return tp1, tp2, out, pp2
 
 
 def test_base_frozen_and_every_adapter_trained(runs):
-    tp1, _, _ = runs
+    tp1 = runs[0]
     assert tp1["optimized_are_adapters"]
     assert set(tp1["base_before"]) and all(".lora." not in n for n in tp1["base_before"])
     for name, tensor in tp1["base_before"].items():
@@ -282,7 +283,7 @@ def test_bf16_base_gets_no_gradients_nor_optimizer_state(runs):
 
 
 def test_reference_is_the_base_with_adapters_off(runs):
-    tp1, _, _ = runs
+    tp1 = runs[0]
     assert torch.equal(tp1["reference"], tp1["before"])  # B starts at 0: the start is the base, bitwise
     assert not tp1["roles"]["copied"]  # the trainer's reference role: no weight backup...
     assert torch.equal(tp1["roles"]["ref"], tp1["reference"])  # ...the adapters-off forward
@@ -293,11 +294,11 @@ def test_reference_is_the_base_with_adapters_off(runs):
 
 
 def test_merged_export_and_peft_files_match_an_independent_merge(runs, llama_dir, batch):
-    tp1, _, out = runs
-    config = json.loads((out / "adapter_tp1" / "adapter_config.json").read_text())
+    tp1, out = runs[0], runs[2]
+    config = json.loads((out / "adapter_tp1pp1" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, ALPHA)
-    assert len(load_file(out / "adapter_tp1" / "adapter_model.safetensors")) == 2 * 7 * 2
-    assert_matches_independent_merge(tp1, llama_dir, out / "adapter_tp1", batch)
+    assert len(load_file(out / "adapter_tp1pp1" / "adapter_model.safetensors")) == 2 * 7 * 2
+    assert_matches_independent_merge(tp1, llama_dir, out / "adapter_tp1pp1", batch)
 
 
 def test_some_targets_only_with_dropout(runs, llama_dir, batch):
@@ -312,15 +313,15 @@ def test_some_targets_only_with_dropout(runs, llama_dir, batch):
 
 
 def test_tp2_equals_tp1(runs):
-    tp1, tp2, out = runs
+    tp1, tp2, out = runs[:3]
     for got, want in zip(tp2["stats"], tp1["stats"], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
     for name, tensor in tp1["merged"].items():
         torch.testing.assert_close(tp2["merged"][name], tensor, rtol=0, atol=1e-5, msg=name)
     torch.testing.assert_close(tp2["after"], tp1["after"], rtol=0, atol=1e-5)
-    one = load_file(out / "adapter_tp1" / "adapter_model.safetensors")
-    two = load_file(out / "adapter_tp2" / "adapter_model.safetensors")
+    one = load_file(out / "adapter_tp1pp1" / "adapter_model.safetensors")
+    two = load_file(out / "adapter_tp2pp1" / "adapter_model.safetensors")
     assert set(one) == set(two)
     for key, tensor in one.items():
         # A's first non-zero gradient (step 2, after B left zero) is tiny; Adam's normalised step (~lr = 1e-2
@@ -331,12 +332,27 @@ def test_tp2_equals_tp1(runs):
 
 def test_adapters_round_trip_through_a_checkpoint_and_convert_merges_them(runs):
     out = runs[2]
-    for tp, run in ((1, runs[0]), (2, runs[1])):
+    for tp, pp, run in ((1, 1, runs[0]), (2, 1, runs[1]), (1, 2, runs[3])):
         assert run["resumed_alike"]
         assert set(run["loaded"]) == set(run["adapters"])
         for name, tensor in run["adapters"].items():
             assert torch.equal(run["loaded"][name], tensor), name
-        converted = load_file(out / f"hf_tp{tp}" / "model.safetensors")
+        converted = load_file(out / f"hf_tp{tp}pp{pp}" / "model.safetensors")
         assert set(converted) == set(run["merged"])
         for name, tensor in run["merged"].items():
             assert torch.equal(converted[name], tensor), name
+
+
+def test_pp2_equals_pp1(runs):
+    tp1, _, out, pp2 = runs
+    for got, want in zip(pp2["stats"], tp1["stats"], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+    assert set(pp2["merged"]) == set(tp1["merged"])
+    for name, tensor in tp1["merged"].items():
+        torch.testing.assert_close(pp2["merged"][name], tensor, rtol=0, atol=1e-6, msg=name)
+    one = load_file(out / "adapter_tp1pp1" / "adapter_model.safetensors")
+    two = load_file(out / "adapter_tp1pp2" / "adapter_model.safetensors")
+    assert set(one) == set(two)  # both stages' layers, under their global layer numbers
+    for key, tensor in one.items():
+        torch.testing.assert_close(two[key], tensor, rtol=0, atol=1e-6, msg=key)
