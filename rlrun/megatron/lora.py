@@ -235,8 +235,7 @@ def attach_lora(gpt: GPTModel, arch: ModelArch, cfg: LoraConfig, parallel: Paral
     """Freeze every parameter of ``gpt`` and add the configured branches (trainable) to each of its layers,
     with forward hooks on the targeted linears. Call before the DDP wrap and the optimizer."""
     _check_supported(arch, parallel)
-    if gpt.config.sequence_parallel:
-        raise ValueError("model.lora needs sequence parallelism off because the branches read the full sequence")
+    assert not gpt.config.sequence_parallel, "the branches read the whole sequence; rlrun runs without SP"
     for param in gpt.parameters():
         param.requires_grad_(False)
     adapters = LoraAdapters(cfg, arch, parallel)
