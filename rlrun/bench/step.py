@@ -15,12 +15,12 @@ Responses are forced to ``new_tokens`` tokens by ``rollout.ignore_eos``; the eng
 to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
 The reward (``even_token_reward``) has spread within a group so GRPO's advantages are not all zero.
 
-Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl`` and ``--packed-attention``) change how
-rlrun runs the same work: offload off keeps trainer and engine resident (what TRL does), with a smaller
-SGLang memory fraction so both fit. Every step also carries the offloader's ``offload/*`` figures
-(trainer sleep/wake seconds and GB and their parts, NCCL teardown/rebuild, the engine's release/resume
-seconds), so a slow ``offload``
-phase says where its seconds went. ``--profile-step K`` records step K with the torch profiler and puts
+Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl``, ``--packed-attention`` and ``--lora-rank``)
+change how rlrun runs the same work: offload off keeps trainer and engine resident (what TRL does), with a
+smaller SGLang memory fraction so both fit; ``--lora-rank`` trains LoRA adapters on the frozen base. Every
+step also carries the offloader's ``offload/*`` figures (trainer sleep/wake seconds and GB and their parts,
+NCCL teardown/rebuild, the engine's release/resume seconds), so a slow ``offload`` phase says where its
+seconds went. ``--profile-step K`` records step K with the torch profiler and puts
 the train phase's top ops into the JSON (rlrun/bench/trace_ops.py); that step is left out of the medians.
 
 Per step: the phases' seconds, output tokens (prompts x samples x new_tokens when the length held),
