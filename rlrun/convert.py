@@ -9,7 +9,8 @@
 so ``checkpoint.load=DIR`` starts training from it at step 0. ``mcore-to-hf`` takes that output or any
 training checkpoint (``step_*``), builds the model on the layout that saved it, loads the checkpoint and
 writes what ``export_hf_weights`` yields (padding cut off, the HF names) as safetensors in the dtype of
-the original ``config.json``, next to the saved config and tokenizer files.
+the original ``config.json``, next to the saved config and tokenizer files. A LoRA run's checkpoint (one with
+``adapter/``) is built with its adapters and written merged, ``W + alpha/r * B A`` (rlrun/megatron/lora.py).
 
 Ranks: when started by torchrun with ``tp * pp`` processes the command runs on them; otherwise it starts
 the ranks itself (local processes, gloo on CPU, NCCL on GPUs). ``build_model`` loads HF weights before
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rlrun.trainer.checkpoint import ACTOR, COMPLETE, HF_FILES, Layout, Marker, copy_hf_files
+from rlrun.trainer.checkpoint import ACTOR, ADAPTER, COMPLETE, HF_FILES, Layout, Marker, copy_hf_files
 
 SHARD_BYTES = 5 * 2**30
 """Largest safetensors file ``mcore-to-hf`` writes; bigger models get an index and several files."""
@@ -72,8 +73,10 @@ class McoreToHf:
         """On every rank: build the model, load the checkpoint, export; rank 0 writes the safetensors."""
         from rlrun.megatron import build_model, export_hf_weights
         from rlrun.megatron.checkpoint import load_weights
+        from rlrun.megatron.peft_export import read_lora_config
 
-        model = build_model(str(self.hf_dir), parallel, dtype=self.dtype)
+        lora = read_lora_config(self.ckpt_dir / ADAPTER)
+        model = build_model(str(self.hf_dir), parallel, dtype=self.dtype, lora=lora)
         load_weights(model, self.ckpt_dir / ACTOR)
         tensors = {name: tensor.cpu() for name, tensor in export_hf_weights(model)}
         if parallel.is_rank0:

@@ -165,6 +165,9 @@ def step(
     ranks: Annotated[
         int, typer.Option(help="torchrun ranks (DP, an engine each); --prompts counts over all of them.")
     ] = 1,
+    lora_rank: Annotated[
+        int | None, typer.Option(help="Train LoRA adapters of this rank (model.lora, alpha 2 x rank); unset: full.")
+    ] = None,
     out: OutFile = None,
 ) -> None:
     """Seconds per GRPO step of ``rlrun train`` (colocated, offload on by default), split by phase, tokens/s, memory."""
@@ -193,6 +196,7 @@ def step(
         offload=_on_off("--offload", offload),
         teardown_nccl=_on_off("--teardown-nccl", teardown_nccl),
         packed_attention=packed_attention,
+        lora_rank=lora_rank,
     )
     try:
         result = bench_step(settings, work, timeout_s, variant, profile_step, ranks)

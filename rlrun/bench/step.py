@@ -15,12 +15,12 @@ Responses are forced to ``new_tokens`` tokens by ``rollout.ignore_eos``; the eng
 to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
 The reward (``even_token_reward``) has spread within a group so GRPO's advantages are not all zero.
 
-Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl`` and ``--packed-attention``) change how
-rlrun runs the same work: offload off keeps trainer and engine resident (what TRL does), with a smaller
-SGLang memory fraction so both fit. Every step also carries the offloader's ``offload/*`` figures
-(trainer sleep/wake seconds and GB and their parts, NCCL teardown/rebuild, the engine's release/resume
-seconds), so a slow ``offload``
-phase says where its seconds went. ``--profile-step K`` records step K with the torch profiler and puts
+Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl``, ``--packed-attention`` and ``--lora-rank``)
+change how rlrun runs the same work: offload off keeps trainer and engine resident (what TRL does), with a
+smaller SGLang memory fraction so both fit; ``--lora-rank`` trains LoRA adapters on the frozen base. Every
+step also carries the offloader's ``offload/*`` figures (trainer sleep/wake seconds and GB and their parts,
+NCCL teardown/rebuild, the engine's release/resume seconds), so a slow ``offload`` phase says where its
+seconds went. ``--profile-step K`` records step K with the torch profiler and puts
 the train phase's top ops into the JSON (rlrun/bench/trace_ops.py); that step is left out of the medians.
 
 Per step: the phases' seconds, output tokens (prompts x samples x new_tokens when the length held),
@@ -116,6 +116,10 @@ class Variant:
     """``model.packed_attention``: ``auto`` (the config's default: one varlen attention call per layer on
     CUDA in bf16, else one SDPA call per sample) or either of them by name."""
 
+    lora_rank: int | None = None
+    """``model.lora`` with this rank (alpha = 2 x rank, every projection; rlrun/megatron/lora.py): the base
+    frozen, only the adapters hold gradients and Adam state, merged weights synced. None: full fine-tuning."""
+
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
         return (
@@ -123,7 +127,15 @@ class Variant:
             + ("" if self.offload else "_resident")
             + ("" if self.teardown_nccl else "_keepnccl")
             + ATTENTION_SUFFIX[self.packed_attention]
+            + ("" if self.lora_rank is None else f"_lora{self.lora_rank}")
         )
+
+    def model_section(self, model_path: Path, dtype: str) -> dict:
+        """The run config's ``model`` section."""
+        model: dict = {"path": str(model_path), "dtype": dtype, "packed_attention": self.packed_attention}
+        if self.lora_rank is not None:
+            model["lora"] = {"rank": self.lora_rank, "alpha": 2.0 * self.lora_rank}
+        return model
 
     def engine_memory(self, backend: str) -> str:
         """How the engine's memory was sized, for the JSON."""
@@ -277,7 +289,7 @@ def run_config(
             engine["server_args"]["mem_fraction_static"] = RESIDENT_SGLANG_MEM_FRACTION
     sample_len = settings.prompt_len + settings.new_tokens
     return {
-        "model": {"path": str(inputs_dir / "model"), "dtype": dtype, "packed_attention": variant.packed_attention},
+        "model": variant.model_section(inputs_dir / "model", dtype),
         "data": {
             "path": str(inputs_dir / "prompts.jsonl"),
             "prompt_key": "prompt",

@@ -56,6 +56,8 @@ def load_critic_config(cfg: RunConfig) -> CriticModelConfig:
     for name in CRITIC_SECTIONS:
         base: BaseModel = getattr(cfg, name)
         update = {key.partition(".")[2]: value for key, value in overrides.items() if key.partition(".")[0] == name}
+        if name == "model":
+            update["lora"] = None  # the actor's LoRA is the actor's: the critic trains its whole trunk
         try:
             sections[name] = type(base).model_validate({**base.model_dump(), **update})
         except ValidationError as err:
@@ -114,6 +116,12 @@ def _critic_overrides(path: Path) -> dict[str, Any]:
             f"critic.config ('{path}') critic overrides ({outside}) must be under "
             f"{', '.join(CRITIC_SECTIONS)} because the critic shares the actor's loop, data and "
             f"checkpoints; remove them"
+        )
+    lora = sorted(key for key in overrides if key.startswith("model.lora"))
+    if lora:
+        raise ValueError(
+            f"critic.config ('{path}') critic overrides ({lora}) must not set model.lora because the critic "
+            f"trains its whole trunk and value head (LoRA is the actor's, rlrun/megatron/lora.py); remove them"
         )
     return overrides
 

@@ -15,6 +15,7 @@ Only pydantic, PyYAML and the reward loader are imported, so ``rlrun config vali
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +141,12 @@ def _set_dotted(data: dict, key: str, value: Any, override: str) -> None:
 
 
 def _section_model(model: type[BaseModel], field: str) -> type[BaseModel] | None:
+    """The section type of ``field``, also of an optional section (``model.lora: LoraConfig | None``, which
+    ``--set model.lora.rank=8`` turns on)."""
     annotation = model.model_fields[field].annotation
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    members = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    section = members[0] if len(members) == 1 else None
+    return section if isinstance(section, type) and issubclass(section, BaseModel) else None
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:

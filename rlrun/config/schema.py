@@ -56,6 +56,49 @@ PackedAttention = Literal["auto", "per_sample", "efficient_varlen", "flash_varle
 """``model.packed_attention``'s values (rlrun/megatron/attention.py)."""
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""``model.lora.target_modules``' values: the HF projections (PEFT's names; rlrun/megatron/lora.py)."""
+
+
+class LoraConfig(Section):
+    """LoRA (arXiv 2106.09685) on the actor's attention and MLP linears (rlrun/megatron/lora.py): the base weights
+    are frozen (no gradients, no optimizer state), the engine gets merged weights, the KL reference is the base
+    (adapters off), and every checkpoint holds the adapters in PEFT's format (``step_N/adapter``). Dense
+    models only (no MoE, no multi-latent attention), with ``parallel.tp`` dividing the KV heads."""
+
+    rank: int = Field(16, ge=1)
+    """The adapters' rank r: ``A`` is ``[r, in]``, ``B`` ``[out, r]``."""
+    alpha: float = Field(32.0, gt=0)
+    """The branch is scaled by ``alpha / rank`` (PEFT's ``lora_alpha``)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the branch input (PEFT's ``lora_dropout``), in training forwards only: the old-policy and
+    reference forwards stay the model the engine samples. Above 0 the training forward no longer reproduces
+    the old log-probs exactly (``algorithm.max_logprob_gap``'s step-0 check)."""
+    target_modules: tuple[LoraTarget, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """The HF projections that get adapters; the rest of the model stays frozen as is."""
+
+    @model_validator(mode="after")
+    def _targets(self) -> LoraConfig:
+        if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(
+                f"model.lora.target_modules ({list(self.target_modules)}) must list distinct projections, at "
+                "least one, because each gets one adapter; e.g. [q_proj, v_proj]"
+            )
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class ModelConfig(Section):
     path: str = ".cache/models/SmolLM2-135M-Instruct"
     """Hugging Face model directory (config.json + safetensors + tokenizer files)."""
@@ -70,6 +113,8 @@ class ModelConfig(Section):
     embedded engine runs, so trainer and engine log-probs agree (docs/on_policy.md); ``flash_varlen``, one
     FlashAttention-2 varlen call per layer (CUDA, bfloat16; off-policy by 0.03-0.05 nats per token in bf16
     because no engine runs that kernel); ``auto``, efficient_varlen on CUDA, else per_sample."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of the whole actor (``LoraConfig``); None: full fine-tuning."""
 
 
 class ParallelConfig(Section):
@@ -725,6 +770,19 @@ class RunConfig(Section):
                 f"({self.rollout.prompts_per_step}) because each update trains whole groups; lower it or draw "
                 "more prompts per step"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_reference(self) -> RunConfig:
+        ref = self.algorithm.ref
+        if self.model.lora is None:
+            return self
+        for key, value in (("path", ref.path), ("update_interval", ref.update_interval)):
+            if value is not None:
+                raise ValueError(
+                    f"algorithm.ref.{key} ({value}) must be unset with model.lora because the LoRA reference is "
+                    "the frozen base model (adapters off), never a weight copy; unset it, or unset model.lora"
+                )
         return self
 
     @model_validator(mode="after")

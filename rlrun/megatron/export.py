@@ -27,7 +27,8 @@ def export_hf_weights(model: MegatronModel) -> Iterator[tuple[str, torch.Tensor]
     and attention-head padding cut off: names and shapes are exactly the HF checkpoint's.
 
     Tied models yield ``model.embed_tokens.weight`` only (no ``lm_head.weight``), like their safetensors.
-    The tensors are fresh copies on the model's device; the caller may keep or move them.
+    The tensors are fresh copies on the model's device; the caller may keep or move them. With LoRA
+    (``model.lora``) the targeted weights are merged, ``W + scale * B A``, so the engine needs no adapter support.
     """
     if model.parallel.pp_size == 1:
         yield from _stage_tensors(model)
@@ -51,7 +52,7 @@ def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[s
     mine = per_rank[parallel.ep_rank]
     indexed = [(i, m) for i, m in enumerate(mine) if m.exported]
     for experts, group in itertools.groupby(indexed, key=lambda item: is_expert_param(item[1].megatron_name)):
-        gathered = [(i, _gather(model, params[m.megatron_name], experts, meta)) for i, m in group]
+        gathered = [(i, _gather(model, m.megatron_name, params[m.megatron_name], experts, meta)) for i, m in group]
         ranks = range(parallel.ep_size) if experts else [parallel.ep_rank]
         for rank in ranks:
             for i, fulls in gathered:
@@ -62,8 +63,8 @@ def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[s
                 )
 
 
-def _gather(model: MegatronModel, param: torch.Tensor, expert: bool, meta: bool) -> list[torch.Tensor]:
-    """The full (TP-, or for experts ETP-, gathered) tensor of ``param``; for experts one per EP rank."""
+def _gather(model: MegatronModel, name: str, param: torch.Tensor, expert: bool, meta: bool) -> list[torch.Tensor]:
+    """The full (TP-, or for experts ETP-, gathered) tensor of parameter ``name``; for experts one per EP rank."""
     from megatron.core import parallel_state as mpu
 
     parallel = model.parallel
@@ -74,11 +75,13 @@ def _gather(model: MegatronModel, param: torch.Tensor, expert: bool, meta: bool)
         if partition.dim is not None:
             shape[partition.dim] *= size
         return [torch.empty(shape, dtype=param.dtype, device="meta")] * (parallel.ep_size if expert else 1)
-    full = param.detach().clone()
+    # The shard as the engine must get it: with LoRA, its adapters merged in (a fresh tensor).
+    local = model.lora.merged(name, param) if model.lora is not None else param
+    full = param.detach().clone() if local is param else local
     if partition.dim is not None and size > 1:
         group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
         shards = [torch.empty_like(param) for _ in range(size)]
-        dist.all_gather(shards, param.detach().contiguous(), group=group)
+        dist.all_gather(shards, local.detach().contiguous(), group=group)
         full = partition.unshard(shards)
     if not expert or parallel.ep_size == 1:
         return [full]

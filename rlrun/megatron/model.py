@@ -15,6 +15,7 @@ import torch
 
 from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_config
 from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
+from rlrun.megatron.lora import is_lora_param
 from rlrun.megatron.mla import patch_mla_without_te
 from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
 from rlrun.megatron.tp_layout import Partition
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
+    from rlrun.config.schema import LoraConfig
+    from rlrun.megatron.lora import LoraAdapters
+
 log = logging.getLogger(__name__)
 
 
@@ -33,13 +37,15 @@ class MegatronModel:
     """This rank's model: the DDP wrapper (call it for forward/backward), its architecture and layout.
 
     ``ddp.module`` is the bare ``GPTModel`` whose ``named_parameters`` are the Megatron names of
-    ``hf_weights.weight_mappings``.
+    ``hf_weights.weight_mappings`` (plus the LoRA branches' ``*.lora.*``, which no HF tensor maps).
     """
 
     ddp: DistributedDataParallel
     arch: ModelArch
     parallel: Parallel
     dtype: str
+    lora: LoraAdapters | None = None
+    """The LoRA adapters (``model.lora``; rlrun/megatron/lora.py); None: every parameter trains."""
 
     @property
     def module(self) -> GPTModel:
@@ -53,18 +59,29 @@ def build_model(
     distributed_optimizer: bool = False,
     moe_options: MoEOptions | None = None,
     packed_attention: str = "auto",
+    lora: LoraConfig | None = None,
+    seed: int = 0,
 ) -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
     layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
 
     ``moe_options``: routing and load-balancing options of MoE models (ignored for dense ones);
-    ``packed_attention``: ``model.packed_attention`` (rlrun/megatron/attention.py)."""
+    ``packed_attention``: ``model.packed_attention`` (rlrun/megatron/attention.py); ``lora``: freeze the
+    base and add LoRA branches initialised from ``seed`` (rlrun/megatron/lora.py) before the DDP wrap, so
+    only they get gradient buffers and optimizer state."""
     gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options, packed_attention)
     if parallel.is_rank0 and (padding_note := head_padding_note(arch, parallel.tp_size)):
         # A warning, not info: it costs compute the user may avoid, and the trainer sets up no logging
         # handlers, so only warnings reach the console.
         log.warning("%s: %s", hf_dir, padding_note)
-    return wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
+    adapters = None
+    if lora is not None:
+        from rlrun.megatron.lora import attach_lora
+
+        adapters = attach_lora(gpt, arch, lora, parallel, seed)
+    model = wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
+    model.lora = adapters
+    return model
 
 
 def build_gpt(
@@ -131,7 +148,7 @@ def load_hf_weights(gpt: GPTModel, arch: ModelArch, checkpoint: HFCheckpoint, pa
     matching Megatron parameter; routed experts are sharded over the expert-TP ranks, the rest over TP."""
     params = dict(gpt.named_parameters())
     mappings = weight_mappings(arch, parallel.pp_rank, parallel.pp_size, parallel.ep_rank, parallel.ep_size)
-    unmapped = set(params) - {m.megatron_name for m in mappings}
+    unmapped = {name for name in params if not is_lora_param(name)} - {m.megatron_name for m in mappings}
     if unmapped:
         raise RuntimeError(
             f"Megatron parameters without an HF source: {sorted(unmapped)}; rlrun/megatron/hf_weights.py must map them"

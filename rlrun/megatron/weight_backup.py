@@ -19,10 +19,13 @@ import torch
 
 
 class WeightBackup:
-    """Tagged host copies of ``module``'s parameters and buffers (same names, shapes and dtypes)."""
+    """Tagged host copies of ``module``'s parameters and buffers (same names, shapes and dtypes); with
+    ``trainable_only``, of the parameters that train alone (LoRA: the base is frozen, so copies of the adapters
+    are whole copies of the weights as long as no role loads other base weights)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, trainable_only: bool = False) -> None:
         self._module = module
+        self._trainable_only = trainable_only
         self._copies: dict[str, dict[str, torch.Tensor]] = {}
         self._on_cuda = any(t.is_cuda for _, t in self._named_tensors())
 
@@ -68,6 +71,9 @@ class WeightBackup:
         return self._copies[tag]
 
     def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._trainable_only:
+            yield from ((name, p) for name, p in self._module.named_parameters() if p.requires_grad)
+            return
         yield from self._module.named_parameters()
         yield from self._module.named_buffers()
 

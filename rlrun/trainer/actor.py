@@ -98,6 +98,8 @@ class Actor:
                 distributed_optimizer=opt.use_distributed_optimizer,
                 moe_options=MoEOptions(**cfg.model.moe.model_dump()),
                 packed_attention=cfg.model.packed_attention,
+                lora=cfg.model.lora,
+                seed=cfg.train.seed,
             )
             optimizer, scheduler = make_optimizer_and_scheduler(
                 model, opt, cfg.train.num_steps * cfg.train.updates_per_step

@@ -7,6 +7,7 @@ Layout (``checkpoint.dir``, default ``RUN_DIR/checkpoints``; every rank must see
                                every rank's RNG states (rlrun/megatron/checkpoint.py)
         critic/                the critic's model, optimizer and scheduler, when the run trains one (PPO)
         hf/                    model.path's config and tokenizer files, for ``rlrun convert mcore-to-hf``
+        adapter/               with ``model.lora``: the adapters in PEFT's format (rlrun/megatron/peft_export.py)
         run_state.json         the run's RunState and rank 0's prompt-sampler cursor (the data position)
         COMPLETE               written last: step, parallel layout, whether it holds weights only
     .tmp-step_000044/          being written, or left by a crash (ignored; removed by the next save)
@@ -56,6 +57,7 @@ TMP_PREFIX = ".tmp-"
 ACTOR = "actor"
 CRITIC = "critic"
 HF_FILES = "hf"
+ADAPTER = "adapter"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -248,6 +250,10 @@ class Checkpointer:
             if critic is not None:
                 (tmp / CRITIC).mkdir()
         dist.barrier(group=self.parallel.cpu_group)
+        if model.lora is not None:  # small: gathered and written now, also when the rest is written async
+            from rlrun.megatron.peft_export import write_peft_adapter
+
+            write_peft_adapter(model, tmp / ADAPTER, self.model_path)
         state = {**dataclasses.asdict(run_state), "sampler": sampler.state_dict() if sampler is not None else None}
         saves = [
             mcore_ckpt.start_save(mcore_ckpt.training_state(model, optimizer, scheduler, with_rng=True), tmp / ACTOR)

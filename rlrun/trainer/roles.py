@@ -8,6 +8,10 @@ in for a no-grad forward pass, then the actor is swapped back before training:
            -> after_train_step: ref <- actor every ``ref.update_interval`` steps
            -> on_weights_synced: old_actor <- actor (the weights the engine holds from now on)
 
+With LoRA (``model.lora``) the reference is no copy: it is the same model with its adapters off (the
+frozen base weights), and the teacher is scored with the adapters off too. Without a teacher the backups
+(the old actor) hold the adapters alone, since every role shares the frozen base.
+
 Where the role weights come from: ``ref.path`` / ``opd.teacher_path`` (HF directories of the same
 architecture) or, for the reference without a path, the actor's initial weights. ``ref.path`` may also
 be an rlrun checkpoint directory (``ref.step`` picks ``step_N``, else the newest complete one): each
@@ -86,11 +90,12 @@ class ModelRoles:
     def create(cls, cfg: AlgorithmConfig, model: MegatronModel, num_optimizer_steps: int = 1) -> ModelRoles:
         """Back up the actor and load every configured role; the model holds the actor on return.
         ``num_optimizer_steps``: the updates per rollout step (reuse of the training forward needs one)."""
-        if not (cfg.uses_ref or cfg.uses_teacher or cfg.keep_old_actor):
+        if not (_ref_is_a_copy(cfg, model) or cfg.uses_teacher or cfg.keep_old_actor):
             return cls(cfg, model, None, num_optimizer_steps)
-        backup = WeightBackup(model.module)
+        # With LoRA and no teacher every role shares the frozen base: back up the adapters alone.
+        backup = WeightBackup(model.module, trainable_only=model.lora is not None and not cfg.uses_teacher)
         backup.backup("actor")
-        if cfg.uses_ref:
+        if _ref_is_a_copy(cfg, model):
             _load_ref(backup, model, cfg.ref.path, cfg.ref.step)
         if cfg.uses_teacher:
             _load_role(backup, model, "teacher", cfg.opd.teacher_path)
@@ -108,11 +113,15 @@ class ModelRoles:
         config uses); the model holds the actor's weights again on return."""
         if self.needs_old_forward and not self.cfg.keep_old_actor:
             self._fill(micro_batches, "old_logprobs", temperature)  # the live weights: no swap
+        lora = self.model.lora
+        if self.cfg.uses_ref and lora is not None:
+            with lora.disabled():  # the frozen base: the live weights without the adapters
+                self._fill(micro_batches, "ref_logprobs", temperature)
         swaps = [
             (tag, field)
             for tag, field, on in (
                 ("old_actor", "old_logprobs", self.needs_old_forward and self.cfg.keep_old_actor),
-                ("ref", "ref_logprobs", self.cfg.uses_ref),
+                ("ref", "ref_logprobs", _ref_is_a_copy(self.cfg, self.model)),
                 ("teacher", "teacher_logprobs", self.cfg.uses_teacher),
             )
             if on
@@ -123,7 +132,8 @@ class ModelRoles:
         self.backup.backup("actor")
         for tag, field in swaps:
             self.backup.restore(tag)
-            self._fill(micro_batches, field, temperature)
+            with lora.disabled() if lora is not None and tag == "teacher" else contextlib.nullcontext():
+                self._fill(micro_batches, field, temperature)
         self.backup.restore("actor")
 
     def training_forward(self, micro_batches: list[MicroBatch]) -> contextlib.AbstractContextManager:
@@ -143,7 +153,7 @@ class ModelRoles:
         if self.backup is None:
             return
         interval = self.cfg.ref.update_interval
-        if self.cfg.uses_ref and interval is not None and (step + 1) % interval == 0:
+        if _ref_is_a_copy(self.cfg, self.model) and interval is not None and (step + 1) % interval == 0:
             self.backup.backup("ref")
 
     def _fill(self, micro_batches: list[MicroBatch], field: str, temperature: float) -> None:
@@ -157,6 +167,11 @@ class ModelRoles:
                 kept_ids = mb.kept_ids if field == "old_logprobs" else None
                 logprobs = compute_logprobs(self.model, mb.tokens, mb.position_ids, temperature, kept_ids)
                 setattr(mb, field, logprobs.float().cpu())
+
+
+def _ref_is_a_copy(cfg: AlgorithmConfig, model: MegatronModel) -> bool:
+    """Whether the reference is a weight backup (full fine-tuning); with LoRA it is the adapters-off model."""
+    return cfg.uses_ref and model.lora is None
 
 
 def _load_role(backup: WeightBackup, model: MegatronModel, tag: str, hf_dir: str | None) -> None:

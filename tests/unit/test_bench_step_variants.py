@@ -29,6 +29,7 @@ from peer_step import parse_variant, variant_flags  # noqa: E402
         Variant(teardown_nccl=False),
         Variant(packed_attention="flash_varlen"),
         Variant(packed_attention="per_sample"),
+        Variant(lora_rank=8),
     ],
 )
 def test_run_config_applies_the_variant(tmp_path, backend, variant):
@@ -41,6 +42,12 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     assert (cfg.offload.train, cfg.offload.rollout) == (variant.offload, variant.offload)
     assert cfg.offload.teardown_nccl is variant.teardown_nccl
     assert cfg.model.packed_attention == variant.packed_attention
+    lora = cfg.model.lora
+    if variant.lora_rank is None:
+        assert lora is None
+    else:
+        assert (lora.rank, lora.alpha) == (8, 16.0)
+    assert variant.label(backend).endswith("_lora8") == (variant.lora_rank == 8)
     assert cfg.offload.reloadable_backends == (("nccl",) if variant.offload and variant.teardown_nccl else ())
     assert tuple(cfg.logging.profile_steps) == (3,)
     if backend == "sglang":

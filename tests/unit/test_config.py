@@ -187,3 +187,20 @@ def test_sync_interval_needs_checkpoints_at_sync_steps(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.save_interval \(5\) must be a multiple of engine.sync_interval"):
         load_config(path, ["engine.sync_interval=2", "checkpoint.save_interval=5"])
     assert load_config(path, ["engine.sync_interval=2", "checkpoint.save_interval=4"]).checkpoint.save_interval == 4
+
+
+def test_lora_config_and_its_refusals(tmp_path):
+    cfg = load_config(REPO / "configs" / "quickstart_lora.yaml")
+    lora = cfg.model.lora
+    assert lora is not None and (lora.rank, lora.scale, len(lora.target_modules)) == (16, 2.0, 7)
+    assert cfg.algorithm.uses_ref and cfg.algorithm.ref.path is None  # the reference: adapters off
+    assert load_config(write(tmp_path, "{}\n")).model.lora is None
+    assert load_config(write(tmp_path, "{}\n"), ["model.lora.rank=8"]).model.lora.rank == 8  # --set turns it on
+    path = write(tmp_path, "model:\n  lora:\n    rank: 4\n")
+    for override, key in (("algorithm.ref.path=/x", "path"), ("algorithm.ref.update_interval=5", "update_interval")):
+        with pytest.raises(ConfigError, match=rf"algorithm.ref.{key} \(.*\) must be unset with model.lora"):
+            load_config(path, [override, "algorithm.kl.loss_coef=0.1"])
+    with pytest.raises(ConfigError, match="must list distinct projections"):
+        load_config(path, ["model.lora.target_modules=[q_proj, q_proj]"])
+    with pytest.raises(ConfigError, match="target_modules"):
+        load_config(path, ["model.lora.target_modules=[qkv]"])

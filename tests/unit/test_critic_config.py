@@ -88,3 +88,12 @@ def test_ppo_needs_a_critic_and_a_critic_needs_ppo(tmp_path):
         load_config(run)
     with pytest.raises(ConfigError, match=r"critic.config \('/no/such.yaml'\) must be an existing YAML file"):
         load_config(run, ["algorithm.advantage_estimator=ppo", "critic.config=/no/such.yaml"])
+
+
+def test_the_actors_lora_is_not_the_critics(tmp_path):
+    run, critic_path = write(tmp_path, "models:\n  - role: critic\n", PPO + "model:\n  lora:\n    rank: 4\n")
+    cfg = load_config(run)
+    assert cfg.model.lora is not None and load_critic_config(cfg).model.lora is None  # the critic trains it all
+    critic_path.write_text("models:\n  - role: critic\n    overrides:\n      model.lora.rank: 8\n")
+    with pytest.raises(ConfigError, match=r"critic overrides \(\['model.lora.rank'\]\) must not set model.lora"):
+        load_config(run)
