@@ -345,6 +345,13 @@ class EngineConfig(Section):
     heartbeat_timeout_s: float = Field(8.0, gt=0)
     """How long a worker may leave heartbeats unanswered (stopped, frozen, its event loop blocked)
     before the waiting call fails; a dead worker is reported at once regardless. Keep it under 10 s."""
+    max_restarts: int = Field(0, ge=0)
+    """How many times in one job a lost engine (its worker exited, stopped answering heartbeats or timed
+    out) is restarted in place instead of ending the job (rlrun/trainer/recovery.py): the rank (an engine
+    group: its leader, with its members) starts a fresh worker, re-syncs the current weights and redoes the
+    step's rollout with the same prompts (lost mid-sync: re-syncs and goes on); the other ranks wait at a
+    barrier bounded by ``startup_timeout_s``. Counted over all engines (``engine/restarts``); the loss past
+    the limit ends the job with its cause. 0: any lost engine ends the job within seconds."""
     bucket_bytes: int = Field(512 * 1024**2, ge=1024)
     """Size of one flattened weight-sync bucket."""
     verify_weights: bool = False
@@ -693,6 +700,13 @@ class RunConfig(Section):
                 f"train.updates_per_rollout ({self.train.updates_per_rollout}) must be <= rollout.prompts_per_step "
                 f"({self.rollout.prompts_per_step}) because each update trains whole groups; lower it or draw "
                 "more prompts per step"
+            )
+        if self.engine.max_restarts and self.rollout.streams:
+            raise ValueError(
+                f"engine.max_restarts ({self.engine.max_restarts}) must be 0 with rollout.abort_surplus / "
+                "rollout.partial_rollout because streaming rounds call the engine from their own threads, "
+                "where a lost engine cannot be told from a failed round; set engine.max_restarts: 0 or "
+                "turn streaming off"
             )
         return self
 
