@@ -170,6 +170,12 @@ class RolloutConfig(Section):
     rank a prompt's responses against each other) instead of once per sample."""
     reward_concurrency: int = Field(64, ge=1)
     """How many async reward calls (samples or groups) a rank awaits at once."""
+    reward_timeout_s: float | None = Field(None, gt=0)
+    """Longest a rank's reward scoring of one batch may take; past it the rank prints the line the reward
+    function is stuck on and exits, and the job ends as for a dead rank (rlrun/runtime/deadline.py). A
+    plain Python function cannot be interrupted, so this ends the job instead of hanging it: set it for
+    hooks that call out (sandboxes, verifiers). None: no limit. ``http(s)://`` rewards have their own
+    per-request ``remote_reward.timeout_s``."""
     remote_reward: RemoteRewardConfig = RemoteRewardConfig()
     """Timeouts, retries and concurrency for an ``http(s)://`` reward."""
     generate_fn: str | None = None

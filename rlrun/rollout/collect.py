@@ -200,6 +200,7 @@ class RolloutRuntime:
             self.hooks.reward_fn,
             group_size=r.samples_per_prompt if r.reward_per_group else None,
             concurrency=r.reward_concurrency,
+            timeout_s=r.reward_timeout_s,
         )
         return samples
 
@@ -272,7 +273,8 @@ class RolloutRuntime:
         r, group = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
 
         def score(samples: list[Sample]) -> None:
-            score_samples(samples, self.hooks.reward_fn, group if r.reward_per_group else None, r.reward_concurrency)
+            per_group = group if r.reward_per_group else None
+            score_samples(samples, self.hooks.reward_fn, per_group, r.reward_concurrency, r.reward_timeout_s)
 
         stream = GroupStream(self.engine, r, seed, self.tokenizer, score)
         stream.add(jobs)
