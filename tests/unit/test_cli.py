@@ -107,7 +107,8 @@ def test_validate_ok_and_show_without_heavy_imports(good_config):
         result.stdout.startswith(f"ok: {good_config}: model ") and "3 steps of 4 prompts x 8 samples" in result.stdout
     )
     modules = imported_modules(result.stderr)
-    assert {"rlrun.config.load", "rlrun.inputs", "rlrun.data.prompt_files", "typer"} <= modules  # the probe sees imports
+    probe = {"rlrun.config.load", "rlrun.inputs", "rlrun.data.prompt_files", "typer"}
+    assert probe <= modules  # the probe sees imports
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
 
     shown = rlrun("config", "show", str(good_config), "--set", "optimizer.lr=3e-6")
