@@ -34,11 +34,12 @@ shutdown are leader-only calls that the other ranks skip. What each role does:
 
 A dead engine is noticed by the leader's watchdog (rlrun/runtime/watchdog.py), which ends every rank;
 with ``engine.max_restarts`` > 0 the group tolerates it instead (``tolerate_loss``): an engine that dies or
-stops answering during a rollout, or during an unsharded weight sync, is recorded in ``lost`` on every rank
-of the group (the members learn it from the leader), the rollout returns :class:`EngineLost` for the
+stops answering during a rollout, a memory release/resume or an unsharded weight sync is recorded in
+``lost`` (on the leader; a rollout tells the members too), a rollout returns :class:`EngineLost` for the
 group's prompts, a sync drains the rest of the export (its collectives still run with the peers), and
-every later engine call of the group is skipped until the loop has the group :meth:`~EngineGroup.restart`
-(rlrun/trainer/recovery.py). A sharded group (SGLang, tp > 1) whose leader dies mid-sync still fails: its
+every later engine call of the group is skipped (a rollout answers ``EngineLost`` at once) until the loop
+has the group :meth:`~EngineGroup.restart` (rlrun/trainer/recovery.py, which asks every rank). A sharded
+group (SGLang, tp > 1) whose leader dies mid-sync still fails: its
 members wait for the leader's next payload gather, which would never come.
 """
 
@@ -268,20 +269,23 @@ class EngineGroup:
         order), which must return ``outputs_per_item`` outputs per item, item-major; every rank gets the
         outputs of its own items back, or :class:`EngineLost` on every rank when a tolerated loss happened
         in ``fn`` or before (``lost``)."""
-        if self.lost is not None:
-            return EngineLost(self.lost)
         if self.process_group is None:
+            if self.lost is not None:
+                return EngineLost(self.lost)
             try:
                 return fn(items)
             except Exception as exc:
                 if not self._tolerated(exc, "rollout"):
                     raise
                 return EngineLost(self.lost or "")
+        # The members always take part: only the leader may know of a loss (one in a leader-only call).
         gathered: list[Any] | None = [None] * self.layout.tp if self.layout.is_leader else None
         dist.gather_object(items, gathered, group=self.process_group, group_dst=0)
         failure: BaseException | None = None
         per_rank: list[Any] | None = None
-        if gathered is not None:  # the leader
+        if gathered is not None and self.lost is not None:
+            per_rank = [LeaderFailure(self.lost, lost=True)] * self.layout.tp
+        elif gathered is not None:  # the leader
             try:
                 per_rank = _split(
                     fn([x for part in gathered for x in part]), [len(p) for p in gathered], outputs_per_item
