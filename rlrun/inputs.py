@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlrun.config import ConfigError, RunConfig
+from rlrun.config.critic import load_critic_config
 from rlrun.data.prompt_files import DataSource, PromptDataError, read_rows
 
 SMOLLM2_HINT = "run `rlrun prepare smollm2 --out {path}`"
@@ -28,6 +29,7 @@ def check_inputs(cfg: RunConfig) -> None:
             _model_dir("algorithm.ref.path", cfg.algorithm.ref.path, checkpoints_ok=True),
             _model_dir("algorithm.opd.teacher_path", cfg.algorithm.opd.teacher_path),
             _file("critic.config", cfg.critic.config, "set critic.config: configs/critic/smollm2.yaml"),
+            _critic_model(cfg),
             _prompts("data.path", cfg.data.path, cfg),
             *(_prompts(f"eval.datasets[{i}].path", d.path, cfg, d) for i, d in enumerate(cfg.eval.datasets)),
         )
@@ -66,6 +68,19 @@ def _file(key: str, value: str | None, fix: str) -> str | None:
     if value is None or Path(value).is_file():
         return None
     return _missing(key, value, "an existing file", fix)
+
+
+def _critic_model(cfg: RunConfig) -> str | None:
+    """The critic's ``model.path`` (its config file's override, else the actor's)."""
+    if cfg.critic.config is None or not Path(cfg.critic.config).is_file():
+        return None
+    try:
+        critic = load_critic_config(cfg)
+    except ValueError as err:
+        return str(err)
+    if critic.model.path == cfg.model.path:
+        return None
+    return _model_dir(f"model.path in critic.config {cfg.critic.config}", critic.model.path)
 
 
 def _prompts(key: str, spec: str, cfg: RunConfig, eval_set=None) -> str | None:
