@@ -1,12 +1,14 @@
 """Inject faults into a running ``torchrun ... rlrun train`` job from outside, as the OS or a user would.
 
     python scripts/faults.py quickstart      # issue 27's demonstration, ~5-10 min on 2 CPU cores
+    python scripts/faults.py check benchmarks/results/fault_quickstart_cpu_metrics.jsonl   # its checks again
 
 ``quickstart`` runs the CPU quickstart with ``engine.max_restarts=2``, SIGKILLs rank 1's engine worker as
 step 10 and step 30 begin, and checks what must hold: all 50 steps logged once, ``engine/restarts`` 2,
-the reward rising, every step's trainer-vs-engine log-prob gap below 1e-4. Its metrics and a summary go
-to ``benchmarks/results/``. The helpers (find a rank's engine worker through /proc, wait for a step,
-catch a weight sync in the act) are shared with tests/integration/test_faults.py. Processes are found
+the reward rising, the trainer-vs-engine log-prob gap below 1e-4 in every step that trained (a step whose
+groups all tied trains nothing and logs no gap). Its metrics and a summary go to ``benchmarks/results/``.
+The helpers (find a rank's engine worker through /proc, wait for a step, catch a rollout or a weight sync
+in the act) are shared with tests/integration/test_faults.py. Processes are found
 as children of the torchrun process started here and signalled by pid only.
 """
 
@@ -152,6 +154,34 @@ class Job:
             self.proc.wait()
 
 
+def summarize(metrics: list[dict]) -> dict:
+    """Must show 1's figures and checks from the run's metrics. A step whose groups all tied trains nothing
+    (``algorithm.skip_tied_groups``), so it compares no log-probs and logs no gap."""
+    trained = [m for m in metrics if "train/logprob_gap" in m]
+    rewards = [m["rollout/raw_reward_mean"] for m in metrics]
+    first, last = sum(rewards[:10]) / max(len(rewards[:10]), 1), sum(rewards[-10:]) / max(len(rewards[-10:]), 1)
+    out = {
+        "steps_logged": [m["step"] for m in metrics],
+        "engine_restarts_final": metrics[-1].get("engine/restarts") if metrics else None,
+        "restart_s": {m["step"]: m["engine/restart_s"] for m in metrics if m.get("engine/restart_s")},
+        "steps_trained": len(trained),
+        "steps_all_groups_tied": [m["step"] for m in metrics if "train/logprob_gap" not in m],
+        "max_logprob_gap": max((m["train/logprob_gap"] for m in trained), default=None),
+        "reward_first10_mean": first,
+        "reward_last10_mean": last,
+    }
+    out["checks"] = {
+        "all 50 steps once": out["steps_logged"] == list(range(50)),
+        "engine/restarts == 2": out["engine_restarts_final"] == 2,
+        "reward rises": last > first,
+        "gap < 1e-4 every step that trained": bool(trained) and out["max_logprob_gap"] < MAX_GAP,
+        "steps without a gap had every group tied": all(
+            m["rollout/tied_group_frac"] == 1.0 for m in metrics if "train/logprob_gap" not in m
+        ),
+    }
+    return out
+
+
 def quickstart(out_dir: Path, run_dir: Path) -> dict:
     """Issue 27's Must show 1; returns the summary (also written to ``out_dir``)."""
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -176,26 +206,7 @@ def quickstart(out_dir: Path, run_dir: Path) -> dict:
         seen = job.first_line_after(killed_at, "lost in")
         kill["detected_after_s"] = round(seen[0] - killed_at, 2) if seen else None
         kill["message"] = seen[1][:400] if seen else None
-    gaps = [m["train/logprob_gap"] for m in metrics if "train/logprob_gap" in m]
-    rewards = [m["rollout/raw_reward_mean"] for m in metrics]
-    summary = {
-        "command": " ".join(command[1:]),
-        "exit_code": code,
-        "steps_logged": [m["step"] for m in metrics],
-        "engine_restarts_final": metrics[-1].get("engine/restarts") if metrics else None,
-        "restart_s": {m["step"]: m["engine/restart_s"] for m in metrics if m.get("engine/restart_s")},
-        "max_logprob_gap": max(gaps) if gaps else None,
-        "reward_first10_mean": sum(rewards[:10]) / 10 if len(rewards) >= 10 else None,
-        "reward_last10_mean": sum(rewards[-10:]) / 10 if len(rewards) >= 10 else None,
-        "kills": kills,
-    }
-    checks = {
-        "all 50 steps once": summary["steps_logged"] == list(range(50)),
-        "engine/restarts == 2": summary["engine_restarts_final"] == 2,
-        "reward rises": bool(rewards) and summary["reward_last10_mean"] > summary["reward_first10_mean"],
-        "gap < 1e-4 every step": len(gaps) == len(metrics) and max(gaps) < MAX_GAP,
-    }
-    summary["checks"] = checks
+    summary = {"command": " ".join(command[1:]), "exit_code": code, **summarize(metrics), "kills": kills}
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy(run_dir / "metrics.jsonl", out_dir / "fault_quickstart_cpu_metrics.jsonl")
     (out_dir / "fault_quickstart_cpu_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -203,10 +214,14 @@ def quickstart(out_dir: Path, run_dir: Path) -> dict:
 
 
 def main() -> int:
-    if sys.argv[1:] != ["quickstart"]:
+    if sys.argv[1:] == ["quickstart"]:
+        summary = quickstart(REPO / "benchmarks/results", REPO / "runs/fault_quickstart")
+    elif sys.argv[1:2] == ["check"] and len(sys.argv) == 3:  # the checks again, from a metrics.jsonl
+        lines = Path(sys.argv[2]).read_text().splitlines()
+        summary = summarize([json.loads(line) for line in lines if line.strip()])
+    else:
         print(__doc__, file=sys.stderr)
         return 2
-    summary = quickstart(REPO / "benchmarks/results", REPO / "runs/fault_quickstart")
     print(json.dumps(summary, indent=1))
     return 0 if all(summary["checks"].values()) else 1
 
