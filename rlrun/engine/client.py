@@ -371,15 +371,16 @@ class EngineClient:
                 f"success=False: {result['message']}"
             )
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         """Ask the worker to exit (it aborts what is in flight), kill its process group if it has not
-        within a few seconds or does not answer; idempotent, and registered with ``atexit``."""
+        within a few seconds or does not answer (at once with ``graceful`` False: a worker known to be
+        lost); idempotent, and registered with ``atexit``."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
         try:
-            if self.process.poll() is None:
+            if graceful and self.process.poll() is None:
                 try:
                     self.rpc.call("shutdown", timeout_s=SHUTDOWN_REPLY_S)
                     self.process.wait(timeout=SHUTDOWN_GRACE_S)

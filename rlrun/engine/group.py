@@ -209,7 +209,7 @@ class EngineGroup:
         ``engine-<rank>.restart<N>.log``."""
         assert self._spawn_engine is not None, "restart() of a group built without spawn()"
         if self.client is not None:
-            self.client.shutdown()
+            self.client.shutdown(graceful=False)  # lost: a stopped worker would not answer anyway
             old_log = self.client.log_path
             num_old = len(list(old_log.parent.glob(f"{old_log.stem}.restart*.log")))
             old_log.rename(old_log.with_name(f"{old_log.stem}.restart{num_old + 1}.log"))
@@ -306,7 +306,7 @@ class EngineGroup:
 
     def shutdown(self) -> None:
         if self.client is not None:
-            self.client.shutdown()
+            self.client.shutdown(graceful=self.lost is None)
 
     # ---- internals --------------------------------------------------------------------------------
 

@@ -41,9 +41,9 @@ def test_engine_faults_restart_in_place_until_max_restarts(tiny_model_dirs, tmp_
     from rlrun.config.schema import CheckpointConfig
 
     run_dir = tmp_path / "run"
-    settings = ["train.num_steps=8", "engine.max_restarts=2", f"engine.heartbeat_timeout_s={HEARTBEAT_S}"]
+    settings = ["engine.max_restarts=2", f"engine.heartbeat_timeout_s={HEARTBEAT_S}"]
     settings += ["engine.bucket_bytes=4096", "checkpoint.save_interval=2"]  # many buckets: a sync to catch
-    settings += ["rollout.max_new_tokens=48"]  # a rollout long enough to be caught in
+    settings += ["rollout.max_new_tokens=32", "train.num_steps=7"]  # a rollout long enough to be caught in
     job = Job(train_command(tiny_model_dirs["qwen3"], run_dir, *settings), train_env())
     faults: dict[str, float] = {}
     try:
