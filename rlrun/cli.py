@@ -45,19 +45,15 @@ DEFAULT_SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct")
 
 
 def _load(config: Path, overrides: list[str], check_inputs: bool = False) -> RunConfig:
-    """Load the config (and, for validate, the files it points at), or print the problems and exit 1."""
-    from rlrun.data.prompts import PromptDataError, read_rows  # light: json only
+    """Load the config (and, for validate and train, the files it points at: rlrun/inputs.py), or print
+    the problems and exit 1."""
+    from rlrun.inputs import check_inputs as check_files  # light: json only
 
     try:
         cfg = load_config(config, overrides)
         if check_inputs:
-            if not (Path(cfg.model.path) / "config.json").is_file():
-                raise ConfigError(
-                    f"model.path ('{cfg.model.path}') must be a Hugging Face model directory with "
-                    "config.json; run `rlrun prepare smollm2` or set model.path"
-                )
-            read_rows(cfg.data.path, cfg.data.prompt_key, cfg.data.label_key)
-    except (ConfigError, PromptDataError) as err:
+            check_files(cfg)
+    except ConfigError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(1) from None
     return cfg
@@ -66,7 +62,7 @@ def _load(config: Path, overrides: list[str], check_inputs: bool = False) -> Run
 @app.command()
 def train(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006 - typer reads the default
     """Run RL training (one process per rank; launch with torchrun)."""
-    cfg = _load(config, overrides)
+    cfg = _load(config, overrides, check_inputs=True)  # before any rank starts an engine worker
     from rlrun.megatron.attention import core_attention
     from rlrun.trainer.loop import run
 
@@ -90,7 +86,7 @@ def config_show(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa:
 
 @config_app.command("validate")
 def config_validate(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006
-    """Check the config, the reward hook, the model directory and every prompt row; print ok or the problems."""
+    """Check the config, its hooks, the model directories and every prompt row; print ok or the problems."""
     cfg = _load(config, overrides, check_inputs=True)
     r = cfg.rollout
     typer.echo(

@@ -215,6 +215,12 @@ class RolloutConfig(Section):
     rank a prompt's responses against each other) instead of once per sample."""
     reward_concurrency: int = Field(64, ge=1)
     """How many async reward calls (samples or groups) a rank awaits at once."""
+    reward_timeout_s: float | None = Field(None, gt=0)
+    """Longest a rank's reward scoring of one batch may take; past it the rank prints the line the reward
+    function is stuck on and exits, and the job ends as for a dead rank (rlrun/runtime/deadline.py). A
+    plain Python function cannot be interrupted, so this ends the job instead of hanging it: set it for
+    hooks that call out (sandboxes, verifiers). None: no limit. ``http(s)://`` rewards have their own
+    per-request ``remote_reward.timeout_s``."""
     remote_reward: RemoteRewardConfig = RemoteRewardConfig()
     """Timeouts, retries and concurrency for an ``http(s)://`` reward."""
     generate_fn: str | None = None
@@ -390,6 +396,13 @@ class EngineConfig(Section):
     heartbeat_timeout_s: float = Field(8.0, gt=0)
     """How long a worker may leave heartbeats unanswered (stopped, frozen, its event loop blocked)
     before the waiting call fails; a dead worker is reported at once regardless. Keep it under 10 s."""
+    max_restarts: int = Field(0, ge=0)
+    """How many times in one job a lost engine (its worker exited, stopped answering heartbeats or timed
+    out) is restarted in place instead of ending the job (rlrun/trainer/recovery.py): the rank (an engine
+    group: its leader, with its members) starts a fresh worker, re-syncs the current weights and redoes the
+    step's rollout with the same prompts (lost mid-sync: re-syncs and goes on); the other ranks wait at a
+    barrier bounded by ``startup_timeout_s``. Counted over all engines (``engine/restarts``); the loss past
+    the limit ends the job with its cause. 0: any lost engine ends the job within seconds."""
     bucket_bytes: int = Field(512 * 1024**2, ge=1024)
     """Size of one flattened weight-sync bucket."""
     sync_interval: int = Field(1, ge=1)
@@ -747,6 +760,12 @@ class RunConfig(Section):
                 "then holds the live weights at every step's start, so the old actor would be a second copy of "
                 "them and its forward a redundant one; set engine.sync_interval > 1 or keep_old_actor: false"
             )
+        if interval > 1 and self.engine.max_restarts:
+            raise ValueError(
+                f"engine.max_restarts ({self.engine.max_restarts}) must be 0 with engine.sync_interval {interval} "
+                "because a restarted engine is given the live weights, which the other ranks' engines hold only "
+                "after the next sync; set engine.max_restarts: 0 or engine.sync_interval: 1"
+            )
         save = self.checkpoint.save_interval
         if interval > 1 and save % interval:
             raise ValueError(
@@ -769,6 +788,13 @@ class RunConfig(Section):
                 f"train.updates_per_rollout ({self.train.updates_per_rollout}) must be <= rollout.prompts_per_step "
                 f"({self.rollout.prompts_per_step}) because each update trains whole groups; lower it or draw "
                 "more prompts per step"
+            )
+        if self.engine.max_restarts and self.rollout.streams:
+            raise ValueError(
+                f"engine.max_restarts ({self.engine.max_restarts}) must be 0 with rollout.abort_surplus / "
+                "rollout.partial_rollout because streaming rounds call the engine from their own threads, "
+                "where a lost engine cannot be told from a failed round; set engine.max_restarts: 0 or "
+                "turn streaming off"
             )
         return self
 

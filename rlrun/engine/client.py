@@ -20,6 +20,7 @@ when it answers heartbeats but never the call. Calls may come from several threa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -42,6 +43,7 @@ from rlrun.engine.payload import iter_buckets, serialize_for_tp_ranks, tensor_ch
 from rlrun.engine.rpc import Endpoint, RpcClient, RpcError, choose_endpoint
 from rlrun.engine.types import EngineStatus, GenResult, OpResult
 from rlrun.engine.worker import AUTHKEY_ENV, TOKEN_ENV
+from rlrun.runtime.deaths import describe_exit, oom_kill_counts
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,8 @@ class EngineClient:
         self.endpoint = endpoint
         self.process = process
         self.log_path = log_path
+        self._oom_kills_at_start = oom_kill_counts()
+        """The cgroup's OOM-kill counters when the worker started: a SIGKILL with a higher count is the OOM killer."""
         self.rpc = RpcClient(
             endpoint.address,
             timeout_s=request_timeout_s,
@@ -210,9 +214,9 @@ class EngineClient:
         code = self.process.poll()
         if code is None:
             return None
-        how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+        how = describe_exit(self.process.pid, code, self.log_path, self._oom_kills_at_start)
         return (
-            f"engine worker for rank {self.rank} (pid {self.process.pid}) exited with code {code}{how}; "
+            f"engine worker for rank {self.rank} (pid {self.process.pid}) {how}; "
             f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}"
         )
 
@@ -336,9 +340,11 @@ class EngineClient:
                         sent.update((name, tensor_checksum(t.to(getattr(torch, self.dtype)))) for name, t in bucket)
                 if in_flight is not None:
                     self._expect_success("update_weights_from_tensor", in_flight.result())
-        finally:  # leaving the executor waited for the bucket in flight, so the session ends after it
-            ended = self.end_weight_update()
-        self._expect_success("end_weight_update", ended)
+        except BaseException:  # leaving the executor waited for the bucket in flight: end the session after it
+            with contextlib.suppress(RpcError):  # a dead worker: the bucket's error is the one to report
+                self.end_weight_update()
+            raise
+        self._expect_success("end_weight_update", self.end_weight_update())
         if num_buckets == 0:
             raise ValueError(
                 "named_tensors (empty) must hold at least one tensor because a weight sync with nothing "
@@ -365,15 +371,16 @@ class EngineClient:
                 f"success=False: {result['message']}"
             )
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         """Ask the worker to exit (it aborts what is in flight), kill its process group if it has not
-        within a few seconds or does not answer; idempotent, and registered with ``atexit``."""
+        within a few seconds or does not answer (at once with ``graceful`` False: a worker known to be
+        lost); idempotent, and registered with ``atexit``."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
         try:
-            if self.process.poll() is None:
+            if graceful and self.process.poll() is None:
                 try:
                     self.rpc.call("shutdown", timeout_s=SHUTDOWN_REPLY_S)
                     self.process.wait(timeout=SHUTDOWN_GRACE_S)

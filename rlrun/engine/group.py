@@ -32,12 +32,21 @@ shutdown are leader-only calls that the other ranks skip. What each role does:
   ``embedded`` engine is not sharded: one engine
   on the leader's device serves the whole group (tp_size 1, one payload per bucket from the leader).
 
-A dead engine is noticed by the leader's watchdog (rlrun/runtime/watchdog.py), which ends every rank.
+A dead engine is noticed by the leader's watchdog (rlrun/runtime/watchdog.py), which ends every rank;
+with ``engine.max_restarts`` > 0 the group tolerates it instead (``tolerate_loss``): an engine that dies or
+stops answering during a rollout, a memory release/resume or an unsharded weight sync is recorded in
+``lost`` (on the leader; a rollout tells the members too), a rollout returns :class:`EngineLost` for the
+group's prompts, a sync drains the rest of the export (its collectives still run with the peers), and
+every later engine call of the group is skipped (a rollout answers ``EngineLost`` at once) until the loop
+has the group :meth:`~EngineGroup.restart` (rlrun/trainer/recovery.py, which asks every rank). A sharded
+group (SGLang, tp > 1) whose leader dies mid-sync still fails: its
+members wait for the leader's next payload gather, which would never come.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import subprocess
 from collections.abc import Callable, Iterable
@@ -51,6 +60,9 @@ import torch.distributed as dist
 from rlrun.engine.backends import BackendSpec
 from rlrun.engine.client import EngineClient
 from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket
+from rlrun.engine.rpc import RpcPeerDiedError, RpcTimeoutError
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -109,6 +121,21 @@ class LeaderFailure:
     """What the leader sends its members instead of results when it failed."""
 
     message: str
+    lost: bool = False
+    """The leader's engine was lost (died or stopped answering) and the group tolerates it."""
+
+
+@dataclass(frozen=True)
+class EngineLost:
+    """What a rollout call returns instead of samples when the group's engine is lost (``EngineGroup.lost``)."""
+
+    message: str
+
+
+def is_engine_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` means the engine is gone (exited, stopped, or silent past a timeout), as opposed to
+    an engine that answered with an error (a bad request, a refused operation), which restarting would not fix."""
+    return isinstance(exc, (RpcPeerDiedError, RpcTimeoutError))
 
 
 class EngineGroup:
@@ -123,6 +150,12 @@ class EngineGroup:
     sharded: bool
     """The engine's TP ranks sit on the group's GPUs (a backend that shards over TP, tp > 1): every rank
     builds its TP rank's payload."""
+    tolerate_loss: bool
+    """Record a lost engine in ``lost`` instead of raising (``engine.max_restarts`` > 0)."""
+
+    lost: str | None
+    """Why the group's engine was lost (one line, with the phase), the same on every rank of the group;
+    None while it works. Cleared by :meth:`restart`."""
 
     def __init__(
         self,
@@ -130,14 +163,21 @@ class EngineGroup:
         client: EngineClient | None,
         process_group: dist.ProcessGroup | None,
         sharded: bool = False,
+        tolerate_loss: bool = False,
+        spawn_engine: Callable[[], EngineClient] | None = None,
     ):
         self.layout = layout
         self.client = client
         self.process_group = process_group
         self.sharded = sharded
+        self.tolerate_loss = tolerate_loss
+        self.lost = None
+        self._spawn_engine = spawn_engine
 
     @classmethod
-    def spawn(cls, layout: GroupLayout, spec: BackendSpec, **spawn_kwargs: Any) -> EngineGroup:
+    def spawn(
+        cls, layout: GroupLayout, spec: BackendSpec, tolerate_loss: bool = False, **spawn_kwargs: Any
+    ) -> EngineGroup:
         """Form every group's process group (collective: all ranks call this), then start the engine
         on each leader with ``EngineClient.spawn(spec, **spawn_kwargs)``, on the group's GPUs (``spec``'s
         ``tp_size`` and ``base_gpu_id`` are the layout's). A leader that fails to start its engine
@@ -153,9 +193,28 @@ class EngineGroup:
             multiprocessing.current_process().authkey = authkey[0]
         sharded = spec.traits.shards_over_tp and layout.tp > 1
         spec = dataclasses.replace(spec, tp_size=layout.tp if sharded else 1, base_gpu_id=layout.local_leader)
-        group = cls(layout, None, process_group, sharded=sharded)
-        group.client = group._on_leader(lambda: EngineClient.spawn(spec, **spawn_kwargs))
+
+        def spawn_engine() -> EngineClient:
+            return EngineClient.spawn(spec, **spawn_kwargs)
+
+        group = cls(
+            layout, None, process_group, sharded=sharded, tolerate_loss=tolerate_loss, spawn_engine=spawn_engine
+        )
+        group.client = group._on_leader(spawn_engine)
         return group
+
+    def restart(self) -> None:
+        """Collective over the group: the leader replaces its lost engine with a fresh one (with the model's
+        initial weights: the caller re-syncs). The old worker's process group is killed and its log kept as
+        ``engine-<rank>.restart<N>.log``."""
+        assert self._spawn_engine is not None, "restart() of a group built without spawn()"
+        if self.client is not None:
+            self.client.shutdown(graceful=False)  # lost: a stopped worker would not answer anyway
+            old_log = self.client.log_path
+            num_old = len(list(old_log.parent.glob(f"{old_log.stem}.restart*.log")))
+            old_log.rename(old_log.with_name(f"{old_log.stem}.restart{num_old + 1}.log"))
+        self.client = self._on_leader(self._spawn_engine)
+        self.lost = None
 
     # ---- what the loop calls on every rank --------------------------------------------------------
 
@@ -169,12 +228,10 @@ class EngineGroup:
         return self.client.log_path if self.client is not None else None
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        if self.client is not None:
-            self.client.release_memory_occupation(tags)
+        self._on_engine("offload", lambda engine: engine.release_memory_occupation(tags))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        if self.client is not None:
-            self.client.resume_memory_occupation(tags)
+        self._on_engine("offload", lambda engine: engine.resume_memory_occupation(tags))
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, **kwargs: Any
@@ -184,9 +241,14 @@ class EngineGroup:
         broadcasts) their peers wait on; in a sharded group they also bucket it alike and hand the
         leader their TP rank's payload of each bucket, and wait until the leader's session is over."""
         if not self.sharded:
-            if self.client is not None:
-                return self.client.update_weights(named_tensors, bucket_bytes=bucket_bytes, **kwargs)
-            for _ in named_tensors:
+            named_tensors = iter(named_tensors)
+            if self.client is not None and self.lost is None:
+                try:
+                    return self.client.update_weights(named_tensors, bucket_bytes=bucket_bytes, **kwargs)
+                except Exception as exc:
+                    if not self._tolerated(exc, "sync"):
+                        raise
+            for _ in named_tensors:  # the export's collectives run on the peers too
                 pass
             return None
         result = None
@@ -200,35 +262,72 @@ class EngineGroup:
         dist.barrier(group=self.process_group)  # the members' buffers stay until the engine has loaded them
         return result
 
-    def run_on_leader(self, items: list[T], fn: Callable[[list[T]], list[R]], outputs_per_item: int) -> list[R]:
+    def run_on_leader(
+        self, items: list[T], fn: Callable[[list[T]], list[R]], outputs_per_item: int
+    ) -> list[R] | EngineLost:
         """Every rank passes its ``items``; the leader calls ``fn`` once on the group's items (in rank
         order), which must return ``outputs_per_item`` outputs per item, item-major; every rank gets the
-        outputs of its own items back."""
+        outputs of its own items back, or :class:`EngineLost` on every rank when a tolerated loss happened
+        in ``fn`` or before (``lost``)."""
         if self.process_group is None:
-            return fn(items)
+            if self.lost is not None:
+                return EngineLost(self.lost)
+            try:
+                return fn(items)
+            except Exception as exc:
+                if not self._tolerated(exc, "rollout"):
+                    raise
+                return EngineLost(self.lost or "")
+        # The members always take part: only the leader may know of a loss (one in a leader-only call).
         gathered: list[Any] | None = [None] * self.layout.tp if self.layout.is_leader else None
         dist.gather_object(items, gathered, group=self.process_group, group_dst=0)
         failure: BaseException | None = None
         per_rank: list[Any] | None = None
-        if gathered is not None:  # the leader
+        if gathered is not None and self.lost is not None:
+            per_rank = [LeaderFailure(self.lost, lost=True)] * self.layout.tp
+        elif gathered is not None:  # the leader
             try:
                 per_rank = _split(
                     fn([x for part in gathered for x in part]), [len(p) for p in gathered], outputs_per_item
                 )
             except Exception as exc:  # noqa: BLE001 - sent to the members below, then re-raised here
-                failure = exc
-                per_rank = [LeaderFailure(f"{type(exc).__name__}: {exc}")] * self.layout.tp
+                lost = self._tolerated(exc, "rollout")
+                failure = None if lost else exc
+                message = self.lost if lost else f"{type(exc).__name__}: {exc}"
+                per_rank = [LeaderFailure(message or "", lost=lost)] * self.layout.tp
         received: list[Any] = [None]
         dist.scatter_object_list(received, per_rank, group=self.process_group, group_src=0)
         if failure is not None:
             raise failure
+        if isinstance(received[0], LeaderFailure) and received[0].lost:
+            self.lost = received[0].message
+            return EngineLost(self.lost)
         return self._unless_failed(received[0])
 
     def shutdown(self) -> None:
         if self.client is not None:
-            self.client.shutdown()
+            self.client.shutdown(graceful=self.lost is None)
 
     # ---- internals --------------------------------------------------------------------------------
+
+    def _on_engine(self, phase: str, call: Callable[[EngineClient], None]) -> None:
+        """A leader-only call (the members skip it), skipped while the engine is lost."""
+        if self.client is None or self.lost is not None:
+            return
+        try:
+            call(self.client)
+        except Exception as exc:
+            if not self._tolerated(exc, phase):
+                raise
+
+    def _tolerated(self, exc: BaseException, phase: str) -> bool:
+        """Record ``exc`` as the loss of this group's engine in ``phase`` if the group tolerates it."""
+        if not (self.tolerate_loss and is_engine_loss(exc)):
+            return False
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        self.lost = f"engine of rank {self.layout.leader} lost in {phase}: {type(exc).__name__}: {first_line}"
+        log.warning("%s\n%s", self.lost, exc)
+        return True
 
     def _gather_payloads(self, bucket: list[tuple[str, torch.Tensor]]) -> list[bytes]:
         """This rank's payload of ``bucket`` (its own device's buffer); the leader gets all, in rank order

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from rlrun.config.schema import RolloutConfig, RunConfig
 from rlrun.data.sample import Prompt, Sample
 from rlrun.data.transfer import gather_to_rank0, scatter_from_rank0
+from rlrun.engine.group import EngineLost
 from rlrun.rollout.debug_data import load_rollout, save_rollout
 from rlrun.rollout.driver import generate_samples, group_samples, split_groups
 from rlrun.rollout.evaluate import Evaluator
@@ -61,6 +62,9 @@ class RoundTally:
     prompts_drawn: int = 0
     groups_generated: int = 0
 
+    engine_lost: bool = False
+    """A rank's engine was lost this round (``EngineLost``): no more rounds, the loop restarts it and redoes
+    the step."""
     aborted: list[list[Sample]] = field(default_factory=list)
     """Streaming rounds: groups still generating when the batch filled, as the abort returned them."""
     abort_wait_s: float = 0.0
@@ -175,10 +179,11 @@ class RolloutRuntime:
 
     def generate_and_score(
         self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None
-    ) -> list[Sample]:
+    ) -> list[Sample] | EngineLost:
         """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them. In an
         engine group every rank passes its share and gets its own samples back, but the leader generates
-        and scores the whole group's prompts in one call (with its ``seed``)."""
+        and scores the whole group's prompts in one call (with its ``seed``). ``EngineLost`` when the
+        group's engine is lost and the group tolerates it (``engine.max_restarts``)."""
         r = rollout_cfg or self.cfg.rollout
         if self.group is None:
             return self._generate_and_score_here(prompts, seed, r)
@@ -195,6 +200,7 @@ class RolloutRuntime:
             self.hooks.reward_fn,
             group_size=r.samples_per_prompt if r.reward_per_group else None,
             concurrency=r.reward_concurrency,
+            timeout_s=r.reward_timeout_s,
         )
         return samples
 
@@ -228,8 +234,9 @@ class RolloutRuntime:
             seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
             gathered = gather_to_rank0(self.generate_and_score(prompts, seed), parallel.cpu_group)
             if tally is not None:
-                groups = group_samples([s for rank_samples in gathered for s in rank_samples], r.samples_per_prompt)
-                tally.add_round(groups, self.hooks.group_filter)
+                tally.engine_lost = any(isinstance(rank_samples, EngineLost) for rank_samples in gathered)
+                kept = [s for part in gathered if not isinstance(part, EngineLost) for s in part]
+                tally.add_round(group_samples(kept, r.samples_per_prompt), self.hooks.group_filter)
         return tally.batch() if tally is not None else None
 
     def _stream_rounds(self, step: int) -> RolloutBatch | None:
@@ -266,7 +273,8 @@ class RolloutRuntime:
         r, group = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
 
         def score(samples: list[Sample]) -> None:
-            score_samples(samples, self.hooks.reward_fn, group if r.reward_per_group else None, r.reward_concurrency)
+            per_group = group if r.reward_per_group else None
+            score_samples(samples, self.hooks.reward_fn, per_group, r.reward_concurrency, r.reward_timeout_s)
 
         stream = GroupStream(self.engine, r, seed, self.tokenizer, score)
         stream.add(jobs)
@@ -325,7 +333,7 @@ class RolloutRuntime:
     def _plan_round(self, tally: RoundTally) -> list[list[Prompt] | None]:
         """Rank 0: the next round's prompts per rank, or ``None`` for every rank to stop."""
         r, world_size = self.cfg.rollout, self.parallel.world_size
-        if len(tally.kept) >= tally.target or tally.rounds >= r.max_sampling_rounds:
+        if len(tally.kept) >= tally.target or tally.rounds >= r.max_sampling_rounds or tally.engine_lost:
             return [None] * world_size
         prompts = self.sampler.next_batch(r.prompts_per_round)
         tally.prompts_drawn += len(prompts)

@@ -17,6 +17,7 @@ from math import comb
 from rlrun.data.prompts import PromptDataset
 from rlrun.data.sample import Prompt
 from rlrun.data.transfer import gather_to_rank0, scatter_from_rank0
+from rlrun.engine.group import EngineLost
 from rlrun.rollout.driver import group_samples, split_groups
 
 
@@ -54,8 +55,10 @@ class Evaluator:
             seed = self.runtime.cfg.train.seed * 7_919 + step * 31 + index * 131_071 + parallel.rank
             samples = self.runtime.generate_and_score(prompts, seed, self.rollout_cfg)
             gathered = gather_to_rank0(samples, parallel.cpu_group)
-            if gathered is not None:
-                metrics.update(self._metrics(ds.name, [s for rank_samples in gathered for s in rank_samples]))
+            if gathered is not None:  # a lost engine's share is missing: the loop redoes the step (and this eval)
+                scored = [s for part in gathered if not isinstance(part, EngineLost) for s in part]
+                if scored:
+                    metrics.update(self._metrics(ds.name, scored))
         return metrics
 
     def _metrics(self, name: str, samples: list) -> dict[str, float]:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from rlrun.runtime.deaths import describe_exit, oom_kill_counts
 from rlrun.runtime.dist import Parallel
 from rlrun.runtime.processes import process_alive
 
@@ -81,6 +82,7 @@ class Watchdog:
         self._store_ok_s = time.monotonic()
         self._engine: subprocess.Popen | None = None
         self._engine_log: Path | None = None
+        self._engine_oom_kills: dict[str, int] | None = None
         self._neighbour = (me.rank + 1) % world_size
         self._neighbour_info: PeerInfo | None = None
         self._neighbour_beats = -1
@@ -114,6 +116,7 @@ class Watchdog:
         """Also treat the exit of this rank's engine worker as a failure of this rank (None: this rank has
         none, a member of an engine group)."""
         self._engine, self._engine_log = process, log_path
+        self._engine_oom_kills = oom_kill_counts()
 
     def close(self, group: dist.ProcessGroup) -> None:
         """Normal end: stop watching, then wait for every rank to stop (so no rank exits while watched)."""
@@ -164,10 +167,10 @@ class Watchdog:
         code = None if self._engine is None else self._engine.poll()
         if code is None:
             return None
-        how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+        how = describe_exit(self._engine.pid, code, self._engine_log, self._engine_oom_kills)
         return (
-            f"the engine worker of {self.me.describe()} (pid {self._engine.pid}) exited with code "
-            f"{code}{how} at step {self.step}; see {self._engine_log}"
+            f"the engine worker of {self.me.describe()} (pid {self._engine.pid}) {how} at step {self.step}; "
+            f"see {self._engine_log}"
         )
 
     def _neighbour_death(self) -> str | None:

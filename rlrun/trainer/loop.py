@@ -18,6 +18,8 @@ One step (``train_one_step``; each phase runs in the memory placement it needs, 
   6. sync       the engine's weights come back (every ``engine.sync_interval``-th step); Megatron -> HF names ->
                 flattened buckets -> ZMQ; the old actor (``algorithm.keep_old_actor``) becomes those weights
   7. log        metrics.jsonl + console line on rank 0; between steps: stop request, checkpoint when due
+With ``engine.max_restarts`` an engine lost in step 2 is restarted and the step redone from 1; one lost in
+step 6 is restarted and re-synced, and the step goes on (rlrun/trainer/recovery.py).
 
     torchrun ─┬─ rank 0: Megatron shard + loop ──ZMQ──> engine worker 0
               └─ rank 1: Megatron shard + loop ──ZMQ──> engine worker 1
@@ -49,6 +51,7 @@ from rlrun.trainer.actor import Actor
 from rlrun.trainer.batch import BatchPlanner, TrainBatch
 from rlrun.trainer.checkpoint import RunState
 from rlrun.trainer.offload import Offloader
+from rlrun.trainer.recovery import EngineRecovery
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Components:
     parallel: Parallel
     engine: EngineGroup
     offloader: Offloader
+    recovery: EngineRecovery  # restarts lost engines (engine.max_restarts)
     actor: Actor
     rollout: RolloutRuntime  # engine calls, rewards, rollout hooks, the dynamic filter, evaluation
     planner: BatchPlanner  # rank 0 plans every rank's TrainBatch
@@ -90,7 +94,8 @@ def run(cfg: RunConfig) -> bool:
     try:
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
             parts = setup(cfg, parallel)
-        watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
+        if cfg.engine.max_restarts == 0:  # else a dead engine is restarted, not the end of the job
+            watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
         resumed = parts.actor.restore(checkpointer, parts.sampler)
         state = RunState(**resumed) if resumed is not None else RunState()
@@ -150,8 +155,10 @@ def setup(cfg: RunConfig, parallel: Parallel) -> Components:
         startup_timeout_s=cfg.engine.startup_timeout_s,
         request_timeout_s=cfg.engine.request_timeout_s,
         heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s,
+        tolerate_loss=cfg.engine.max_restarts > 0,
     )
     offloader = Offloader(cfg.offload, engine, parallel.device)
+    recovery = EngineRecovery(cfg.engine.max_restarts, cfg.engine.startup_timeout_s, engine, offloader, parallel)
     actor = Actor.build(cfg, parallel, offloader)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     sampler = None
@@ -166,6 +173,7 @@ def setup(cfg: RunConfig, parallel: Parallel) -> Components:
         parallel=parallel,
         engine=engine,
         offloader=offloader,
+        recovery=recovery,
         actor=actor,
         rollout=rollout,
         planner=BatchPlanner(cfg, dp_rank_of, parallel.dp_size, pad_token_id=tokenizer.pad_token_id or 0),
@@ -176,12 +184,17 @@ def setup(cfg: RunConfig, parallel: Parallel) -> Components:
 
 def train_one_step(parts: Components, state: RunState) -> None:
     """One step, the module docstring's list; every phase runs on every rank."""
+    cursor = parts.sampler.state_dict() if parts.sampler is not None else None
     phases, metrics = parts.offloader.phases(PhaseTimer(parts.logger)), {}
     if parts.rollout.eval_due(state.step):
         with phases("eval"):
             metrics.update(parts.rollout.evaluate(state.step))
     with phases("rollout"):
         samples = collect_rollout(parts, state.step, metrics)
+    if recover_engines(parts, state, "rollout"):  # the same prompts again, on every rank
+        if parts.sampler is not None and cursor is not None:
+            parts.sampler.load_state_dict(cursor)
+        return train_one_step(parts, state)  # recursion bounded by engine.max_restarts
     with phases("scatter"):
         batch = scatter_train_batch(parts, samples, metrics)
     if batch.updates:
@@ -195,6 +208,8 @@ def train_one_step(parts: Components, state: RunState) -> None:
             state.weight_version += 1
             sync_weights(parts, state.weight_version)
     metrics.update(phases.finish())  # the engine gets its weights back also when nothing trained
+    recover_engines(parts, state, "sync")  # the restarted engine gets this step's weights; the step stands
+    metrics.update(parts.recovery.step_metrics())
     if parts.logger is not None:
         parts.logger.log(state.step, metrics)
 
@@ -235,3 +250,19 @@ def sync_weights(parts: Components, version: int) -> None:
         verify=parts.cfg.engine.verify_weights,
     )
     parts.actor.on_weights_synced()
+
+
+def recover_engines(parts: Components, state: RunState, phase: str) -> bool:
+    """Collective: restart and re-sync the engines lost in ``phase`` (rlrun/trainer/recovery.py); whether any was."""
+
+    def resync(send: bool) -> None:
+        if send:
+            sync_weights(parts, state.weight_version)
+        else:  # the export's collectives, with the restarted ranks
+            for _ in parts.actor.export_weights():
+                pass
+
+    if not parts.recovery.recover(state.step, phase, resync):
+        return False
+    parts.rollout.engine = parts.engine.client  # the new worker's client (None on an engine group's members)
+    return True

@@ -220,6 +220,17 @@ class Offloader:
                 self.engine.resume_memory_occupation(ENGINE_TAGS_AFTER_SYNC)
             self._engine_kv_released = False
 
+    def engine_restarted(self, restarted_here: bool) -> None:
+        """Before the re-sync after engine restarts (rlrun/trainer/recovery.py), whichever placement the step
+        was in: as in ``sync``, the engine holds its weights but not its KV cache (a restarted engine holds
+        everything, a healthy one may be in ``rollout``) and the trainer is awake for the export."""
+        if restarted_here:
+            self._engine_kv_released = False
+        if self.cfg.rollout and not self._engine_kv_released:
+            self.engine.release_memory_occupation(ENGINE_TAGS_AFTER_SYNC)
+            self._engine_kv_released = True
+        self.trainer_wake()
+
     def trainer_sleep(self) -> None:
         """Pause the trainer's region (after the weight sync has read the weights) and return the
         transient blocks outside it (activations, sync buckets the engine has let go of) to the driver.

@@ -57,7 +57,8 @@ def test_worker_killed_mid_generate_fails_the_call_with_exit_code_and_log(backen
         assert out["raised_at"] - killed_at < DETECT_WITHIN_S
         message = str(error)
         assert "generate on ipc://" in message and f"engine worker for rank 1 (pid {engine.process.pid})" in message
-        assert "exited with code -9 (killed by SIGKILL); last lines of" in message and "serving" in message
+        assert "exited with code -9 (killed by SIGKILL: " in message and "OOM killer" in message
+        assert "); last lines of" in message and "serving" in message
     finally:
         engine.shutdown()
     engine.shutdown()  # idempotent

@@ -7,7 +7,7 @@ bucket whose tensors are the trainer's (= the HF checkpoint's before any trainin
 independently here), payload r built by rank r (fetched from its process); after a sync the engine's
 log-probs of every rank's
 samples equal the Megatron forward's (and again after a training step); a leader engine that does not start, or dies,
-fails the member too.
+fails the member too; a group that tolerates the loss (engine.max_restarts) restarts it as a group.
 """
 
 from __future__ import annotations
@@ -150,6 +150,15 @@ def _group_run(model_dir: str, run_dir: str) -> dict:
                 out["failure"] = ("member", str(exc), time.monotonic() - start)
             except Exception as exc:  # noqa: BLE001 - the leader sees the client's own error
                 out["failure"] = ("leader", f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+
+            group.tolerate_loss = True  # engine.max_restarts > 0: the group restarts as a group
+            lost = _generate(group, prompts)
+            out["lost"] = (type(lost).__name__, getattr(lost, "message", ""), group.lost)
+            group.restart()
+            group.update_weights(export_hf_weights(model), weight_version="3", bucket_bytes=1 << 14)
+            results = _generate(group, prompts)
+            out["restarted"] = (group.lost, sorted({r["weight_version"] for r in results}))
+            out["gap_restarted"], _ = _logprob_gap(model, prompts, results)
         finally:
             group.shutdown()
         return out
@@ -176,7 +185,7 @@ def test_two_ranks_share_one_engine_with_engine_tp_2(tiny_model_dirs, tmp_path):
 
     # One engine per group, started by the leader with SGLang's TP size and the leader's GPU.
     for backend in ("sglang", "embedded"):
-        assert sorted(p.name for p in (tmp_path / backend).glob("engine-*.log")) == ["engine-0.log"]
+        assert sorted(p.name for p in (tmp_path / backend).glob("engine-[0-9].log")) == ["engine-0.log"]
     assert (leader["has_client"], member["has_client"]) == (True, False)
     start_line = next(
         line
@@ -214,6 +223,15 @@ def test_two_ranks_share_one_engine_with_engine_tp_2(tiny_model_dirs, tmp_path):
     # A dead leader engine fails the whole group within 10 s.
     assert leader["failure"][0] == "leader" and member["failure"][0] == "member", (leader["failure"], member["failure"])
     assert "engine group leader rank 0 failed" in member["failure"][1] and member["failure"][2] < 10.0
+
+    # Tolerated (engine.max_restarts): both ranks get EngineLost, restart together, and the new engine serves
+    # the re-synced policy; the dead worker's log is kept.
+    for out in (leader, member):
+        kind, message, lost = out["lost"]
+        assert kind == "EngineLost" and message == lost and message.startswith("engine of rank 0 lost in rollout: ")
+        assert "RpcPeerDiedError" in message and "killed by SIGKILL" in message, message
+        assert out["restarted"] == (None, ["3"]) and out["gap_restarted"] < TOL, out
+    assert (tmp_path / "embedded/engine-0.restart1.log").exists()
 
 
 @pytest.mark.parametrize("kind,trainer_tp", [("qwen3", 1), ("qwen2", 2)])

@@ -3,6 +3,7 @@ errors without tracebacks, resolved config output, and no torch/Megatron imports
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,11 +66,38 @@ def test_train_refuses_flash_varlen_without_cuda_in_one_line(good_config):
 def test_validate_checks_model_dir_and_prompt_rows(tmp_path, good_config):
     missing_model = rlrun("config", "validate", str(good_config), "--set", f"model.path={tmp_path}/none")
     assert missing_model.returncode == 1
-    assert missing_model.stderr.startswith(f"model.path ('{tmp_path}/none') must be a Hugging Face model directory")
+    assert missing_model.stderr.startswith(f"model.path ({tmp_path}/none) must name a Hugging Face model directory")
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "a", "label": 1}\n{"prompt": "b"}\n')
     bad_rows = rlrun("config", "validate", str(good_config), "--set", f"data.path={rows}")
-    assert bad_rows.returncode == 1 and bad_rows.stderr.startswith(f"{rows}:2: missing key 'label'")
+    assert bad_rows.returncode == 1 and bad_rows.stderr.startswith(f"data.path: {rows}:2: missing key 'label'")
+    rows.write_text('{"prompt": "a", "label": 1}\n{"prompt": "b", "lab')  # truncated mid-write
+    cut = rlrun("config", "validate", str(good_config), "--set", f"data.path={rows}")
+    assert cut.returncode == 1 and cut.stderr.startswith(f"data.path: {rows}:2: invalid JSON (Unterminated string")
+
+
+def test_train_from_another_directory_names_each_missing_input_before_any_process_starts(tmp_path):
+    """The quickstart config's relative paths, run from elsewhere: one line per input, with the directory
+    they were read against and how to make them; no run directory, no engine worker."""
+    result = subprocess.run(
+        [sys.executable, "-m", "rlrun", "train", str(REPO / "configs/quickstart.yaml")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    where = f"does not exist relative to {tmp_path} (the directory rlrun runs in)"
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines() == [
+        f"model.path (.cache/models/SmolLM2-135M-Instruct) must name a Hugging Face model directory (config.json, "
+        f"weights, tokenizer) because the run reads it, but it {where}; run `rlrun prepare smollm2 --out "
+        ".cache/models/SmolLM2-135M-Instruct`, or set model.path to an absolute path",
+        f"data.path (configs/data/addition_train.jsonl) must name a prompt file (.jsonl or .parquet) because the run "
+        f"reads it, but it {where}; run `python configs/data/make_addition.py` in the repository, or set data.path "
+        "to an absolute path",
+    ]
+    assert list(tmp_path.iterdir()) == []  # no runs/quickstart, no engine log
 
 
 def test_validate_ok_and_show_without_heavy_imports(good_config):
@@ -79,7 +107,8 @@ def test_validate_ok_and_show_without_heavy_imports(good_config):
         result.stdout.startswith(f"ok: {good_config}: model ") and "3 steps of 4 prompts x 8 samples" in result.stdout
     )
     modules = imported_modules(result.stderr)
-    assert {"rlrun.config.load", "rlrun.data.prompts", "typer"} <= modules  # the probe sees imports
+    probe = {"rlrun.config.load", "rlrun.inputs", "rlrun.data.prompt_files", "typer"}
+    assert probe <= modules  # the probe sees imports
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
 
     shown = rlrun("config", "show", str(good_config), "--set", "optimizer.lr=3e-6")

@@ -172,6 +172,8 @@ def test_sync_interval_refuses_an_old_actor_that_changes_nothing_and_a_gate_that
         path, ["engine.sync_interval=2", "algorithm.max_logprob_gap=1e-6", "algorithm.keep_old_actor=true"]
     )
     assert cfg.engine.sync_interval == 2
+    with pytest.raises(ConfigError, match=r"engine.max_restarts \(1\) must be 0 with engine.sync_interval 2"):
+        load_config(path, ["engine.sync_interval=2", "engine.max_restarts=1"])
 
 
 def test_sync_is_due_every_interval_steps():

@@ -17,6 +17,9 @@ def test_streaming_config_refusals():
         RolloutConfig(partial_rollout_mask_offpolicy=True)
     with pytest.raises(ValueError, match=r"engine.tp \(2\) must be 1"):
         RunConfig.model_validate({"rollout": {"partial_rollout": True}, "engine": {"tp": 2}})
+    with pytest.raises(ValueError, match=r"engine.max_restarts \(1\) must be 0 with rollout.abort_surplus"):
+        RunConfig.model_validate({"rollout": {"abort_surplus": True}, "engine": {"max_restarts": 1}})
+    assert RunConfig.model_validate({"engine": {"max_restarts": 1}}).engine.max_restarts == 1
 
 
 def test_mask_older_weights_zeroes_exactly_the_older_spans():

@@ -17,11 +17,18 @@ from typing import Any
 
 from rlrun.data.sample import Sample
 from rlrun.rollout.rewards.load import RewardFn
+from rlrun.runtime.deadline import hard_deadline
 
 logger = logging.getLogger(__name__)
 
 
-def score_samples(samples: list[Sample], fn: RewardFn, group_size: int | None = None, concurrency: int = 64) -> int:
+def score_samples(
+    samples: list[Sample],
+    fn: RewardFn,
+    group_size: int | None = None,
+    concurrency: int = 64,
+    timeout_s: float | None = None,
+) -> int:
     """Set ``sample.reward`` for every sample; returns how many samples' rewards failed.
 
     ``group_size`` None calls ``fn(sample) -> float`` per sample; an int calls
@@ -29,7 +36,9 @@ def score_samples(samples: list[Sample], fn: RewardFn, group_size: int | None = 
     group). A reward function that raises, or returns something other than finite numbers (of the
     group's length), gives the sample (or the whole group) reward 0.0 and records
     ``sample.reward_error`` ("ExceptionType: message"); every distinct message is logged once per
-    batch with its count, and the caller logs the returned count as a metric.
+    batch with its count, and the caller logs the returned count as a metric. A batch still scoring after
+    ``timeout_s`` ends the process with the line the reward is stuck on (``rollout.reward_timeout_s``,
+    rlrun/runtime/deadline.py).
     """
     if group_size is not None and len(samples) % group_size:
         raise ValueError(
@@ -41,7 +50,10 @@ def score_samples(samples: list[Sample], fn: RewardFn, group_size: int | None = 
         else [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
     )
     if units:
-        asyncio.run(_score_units(units, fn, per_group=group_size is not None, concurrency=concurrency))
+        what = f"the reward function {getattr(fn, '__qualname__', fn)} ({len(units)} calls)"
+        fix = "fix the hook, or raise rollout.reward_timeout_s if it needs longer"
+        with hard_deadline(timeout_s, what, fix):
+            asyncio.run(_score_units(units, fn, per_group=group_size is not None, concurrency=concurrency))
     errors = Counter(s.reward_error for s in samples if s.reward_error is not None)
     for message, count in errors.items():
         logger.warning("reward failed for %d sample(s): %s", count, message)

@@ -1,0 +1,96 @@
+"""The files a run config names, checked before any process starts (``config validate`` and ``train``).
+
+Without this a relative ``model.path`` run from another directory fails only after every engine worker
+has started, with transformers' ``Repo id must be in the form 'repo_name'`` in a worker log. Each problem
+is one line: the key, its value, the directory a relative path was read against (the one rlrun runs
+in) and how to make the file. Hook paths are resolved when the config loads (rlrun/config/load.py).
+Stdlib and the prompt-file reader only: ``config validate`` must not import torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlrun.config import ConfigError, RunConfig
+from rlrun.config.critic import load_critic_config
+from rlrun.data.prompt_files import DataSource, PromptDataError, read_rows
+
+SMOLLM2_HINT = "run `rlrun prepare smollm2 --out {path}`"
+ADDITION_HINT = "run `python configs/data/make_addition.py` in the repository"
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Raise ``ConfigError`` (one line per problem) unless every model directory, prompt file and the
+    critic's config the run reads exist (prompt rows parsed and checked)."""
+    problems = [
+        p
+        for p in (
+            _model_dir("model.path", cfg.model.path),
+            _model_dir("algorithm.ref.path", cfg.algorithm.ref.path, checkpoints_ok=True),
+            _model_dir("algorithm.opd.teacher_path", cfg.algorithm.opd.teacher_path),
+            _file("critic.config", cfg.critic.config, "set critic.config: configs/critic/smollm2.yaml"),
+            _critic_model(cfg),
+            _prompts("data.path", cfg.data.path, cfg),
+            *(_prompts(f"eval.datasets[{i}].path", d.path, cfg, d) for i, d in enumerate(cfg.eval.datasets)),
+        )
+        if p
+    ]
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _where(value: str) -> str:
+    """Where a path was looked for: relative paths are read against the working directory."""
+    return "" if Path(value).is_absolute() else f" relative to {Path.cwd()} (the directory rlrun runs in)"
+
+
+def _missing(key: str, value: str, what: str, fix: str) -> str:
+    return (
+        f"{key} ({value}) must name {what} because the run reads it, but it does not exist{_where(value)}; "
+        f"{fix}, or set {key} to an absolute path"
+    )
+
+
+def _model_dir(key: str, value: str | None, checkpoints_ok: bool = False) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if (path / "config.json").is_file() or (checkpoints_ok and path.is_dir()):
+        return None
+    what = "a Hugging Face model directory (config.json, weights, tokenizer)"
+    fix = SMOLLM2_HINT.format(path=value) if "smollm2" in path.name.lower() else "download or convert the model"
+    if path.is_dir():
+        return f"{key} ({value}) must be {what} because the run loads it, but it has no config.json{_where(value)}"
+    return _missing(key, value, what, fix)
+
+
+def _file(key: str, value: str | None, fix: str) -> str | None:
+    if value is None or Path(value).is_file():
+        return None
+    return _missing(key, value, "an existing file", fix)
+
+
+def _critic_model(cfg: RunConfig) -> str | None:
+    """The critic's ``model.path`` (its config file's override, else the actor's)."""
+    if cfg.critic.config is None or not Path(cfg.critic.config).is_file():
+        return None
+    try:
+        critic = load_critic_config(cfg)
+    except ValueError as err:
+        return str(err)
+    if critic.model.path == cfg.model.path:
+        return None
+    return _model_dir(f"model.path in critic.config {cfg.critic.config}", critic.model.path)
+
+
+def _prompts(key: str, spec: str, cfg: RunConfig, eval_set=None) -> str | None:
+    path = DataSource.parse(spec).path
+    if not path.is_file():
+        fix = ADDITION_HINT if path.name.startswith("addition") else "write the prompt file"
+        return _missing(key, spec, "a prompt file (.jsonl or .parquet)", fix)
+    data = eval_set.data_config(cfg.data) if eval_set is not None else cfg.data
+    try:
+        read_rows(spec, data.prompt_key, data.label_key, data.metadata_key, data.tools_key)
+    except PromptDataError as err:
+        return f"{key}: {err}"
+    return None
