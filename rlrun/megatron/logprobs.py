@@ -51,9 +51,43 @@ def vocab_parallel_token_stats(
     return logprobs, entropy if with_entropy else None
 
 
+def head_token_stats(
+    model: MegatronModel,
+    output: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    kept_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`vocab_parallel_token_stats` of the model's last-stage ``output`` (``forward_logits`` of the
+    positions that predict ``targets``): logits, or with a deferred LM head (``model.lm_head: chunked``)
+    hidden states, projected chunk by chunk so that no ``[T, V]`` tensor exists. Top-p mask replay
+    (``kept_ids``) gathers arbitrary logits, so there the projection is materialised as Megatron's output
+    layer would (same numbers, not the memory saving)."""
+    if not model.deferred_head:
+        return vocab_parallel_token_stats(output, targets, temperature, model.arch.vocab_size, with_entropy, kept_ids)
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    from rlrun.megatron.lm_head import output_weight
+    from rlrun.megatron.token_stats import chunked_head_token_stats
+
+    weight = output_weight(model.module)
+    if kept_ids is not None:
+        logits = copy_to_tensor_model_parallel_region(output) @ weight.t()  # the output layer's TP contract
+        return vocab_parallel_token_stats(logits, targets, temperature, model.arch.vocab_size, with_entropy, kept_ids)
+    start = mpu.get_tensor_model_parallel_rank() * weight.shape[0]
+    group = mpu.get_tensor_model_parallel_group()
+    logprobs, entropy = chunked_head_token_stats(
+        output, weight, targets, temperature, start, model.arch.vocab_size, group
+    )
+    return logprobs, entropy if with_entropy else None
+
+
 def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """The model's local vocab-parallel logits ``[B, S, V_local]`` (on a stage before the last with PP > 1:
-    its output hidden states); inputs may live on the CPU.
+    """The model's local vocab-parallel logits ``[B, S, V_local]``, or its final hidden states ``[B, S, H]``
+    with a deferred LM head (``MegatronModel.deferred_head``; :func:`head_token_stats` takes either), on a
+    stage before the last with PP > 1 its output hidden states; inputs may live on the CPU.
 
     Rows whose ``position_ids`` are ``0..S-1`` are single causal sequences. Rows whose positions
     restart at 0 hold several packed samples (``rlrun.data.batch.collate``): the rows are flattened
@@ -113,14 +147,9 @@ def _token_stats(
 ) -> list[torch.Tensor]:
     """[log-probs] or [log-probs, entropy] of ``tokens`` on every rank of the pipeline."""
 
-    def head(logits: torch.Tensor) -> list[torch.Tensor]:
-        stats = vocab_parallel_token_stats(
-            logits[:, :-1],
-            tokens[:, 1:].to(logits.device),
-            temperature,
-            model.arch.vocab_size,
-            with_entropy=with_entropy,
-            kept_ids=kept_ids,
+    def head(output: torch.Tensor) -> list[torch.Tensor]:
+        stats = head_token_stats(
+            model, output[:, :-1], tokens[:, 1:].to(output.device), temperature, with_entropy, kept_ids
         )
         return [t for t in stats if t is not None]
 

@@ -17,6 +17,7 @@ from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_c
 from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
 from rlrun.megatron.mla import patch_mla_without_te
 from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
+from rlrun.megatron.recompute import Recompute
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
 
@@ -40,6 +41,8 @@ class MegatronModel:
     arch: ModelArch
     parallel: Parallel
     dtype: str
+    deferred_head: bool = False
+    """True when the last stage's forward returns hidden states, not logits (rlrun/megatron/lm_head.py)."""
 
     @property
     def module(self) -> GPTModel:
@@ -53,22 +56,38 @@ def build_model(
     distributed_optimizer: bool = False,
     moe_options: MoEOptions | None = None,
     packed_attention: str = "auto",
+    recompute: Recompute | None = None,
+    lm_head: str = "chunked",
 ) -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
     layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
 
     ``moe_options``: routing and load-balancing options of MoE models (ignored for dense ones);
-    ``packed_attention``: ``model.packed_attention`` (rlrun/megatron/attention.py)."""
-    gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options, packed_attention)
+    ``packed_attention``: ``model.packed_attention`` (rlrun/megatron/attention.py); ``recompute``:
+    ``train.recompute`` (rlrun/megatron/recompute.py); ``lm_head``: ``model.lm_head`` (``chunked``: the model
+    returns hidden states and the log-prob code projects them chunk by chunk, rlrun/megatron/lm_head.py)."""
+    gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options, packed_attention, recompute)
+    deferred = lm_head == "chunked" and parallel.is_last_stage
+    if deferred:
+        from rlrun.megatron.lm_head import defer_output_layer
+
+        defer_output_layer(gpt)
     if parallel.is_rank0 and (padding_note := head_padding_note(arch, parallel.tp_size)):
         # A warning, not info: it costs compute the user may avoid, and the trainer sets up no logging
         # handlers, so only warnings reach the console.
         log.warning("%s: %s", hf_dir, padding_note)
-    return wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
+    model = wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
+    model.deferred_head = deferred
+    return model
 
 
 def build_gpt(
-    hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptions | None = None, packed_attention: str = "auto"
+    hf_dir: str,
+    parallel: Parallel,
+    dtype: str,
+    moe_options: MoEOptions | None = None,
+    packed_attention: str = "auto",
+    recompute: Recompute | None = None,
 ) -> tuple[GPTModel, ModelArch, TransformerConfig]:
     """The bare GPTModel of ``hf_dir`` for this rank (its pipeline stage, TP/EP shards), HF weights loaded;
     shared by the actor (:func:`build_model`) and the critic (rlrun/megatron/value_head.py)."""
@@ -82,7 +101,7 @@ def build_gpt(
     if arch.mla is not None:
         patch_mla_without_te()
     config = transformer_config(
-        arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size, parallel.etp_size, moe_options
+        arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size, parallel.etp_size, moe_options, recompute
     )
     gpt = GPTModel(
         config=config,

@@ -1,0 +1,117 @@
+"""Long-response memory options change no number: activation recompute (none / selective / full, all layers or
+the first N) and the chunked LM head (``model.lm_head``) against Megatron's output layer, fp32, on real
+Megatron ranks (gloo): the same loss, entropy, grad norm and every parameter's gradient, at TP=1 (tied and
+untied heads) and TP=2. The chunk size is shrunk so that every row spans several chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+TEMPERATURE = 0.8
+VARIANTS = (
+    ("logits", "none", None),  # the reference: Megatron's output layer, every activation kept
+    ("chunked", "none", None),
+    ("chunked", "selective", None),
+    ("chunked", "full", None),
+    ("logits", "full", 1),
+)
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+
+
+def _batches(vocab_size: int) -> list[MicroBatch]:
+    """Two rows of 12 tokens, then one packed row of samples of 7 and 9 tokens (the ``thd`` path)."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, vocab_size, (2, 12), generator=gen)
+    packed = torch.randint(0, vocab_size, (1, 16), generator=gen)
+    packed_pos = torch.cat([torch.arange(7), torch.arange(9)]).unsqueeze(0)
+    out = []
+    for tokens, pos in ((rows, torch.arange(12).expand(2, 12)), (packed, packed_pos)):
+        mask = (torch.rand(tokens.shape[0], tokens.shape[1] - 1, generator=gen) < 0.8).float()
+        out.append(MicroBatch(tokens, pos, mask, torch.randn(mask.shape, generator=gen)))
+    return out
+
+
+def _loss(batch: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor):
+    mask, adv = (t.to(logprobs.device) for t in (batch.loss_mask, batch.advantages))
+    loss_sum = -((logprobs * adv - 0.1 * entropy) * mask).sum()
+    return loss_sum, {"entropy_sum": (entropy * mask).sum().detach()}
+
+
+def _worker(hf_dirs: list[str], tp: int, variants) -> dict:
+    """Per model dir and variant: a fresh model, no-grad log-probs and entropy, one train step (no clipping, so
+    the gradient buffers hold the raw gradients); its stats and every parameter's gradient."""
+    from rlrun.megatron import build_model, compute_logprobs_and_entropy, make_optimizer, token_stats, train_step
+    from rlrun.megatron.hf_config import ModelArch
+    from rlrun.megatron.recompute import Recompute
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    token_stats.CHUNK_BYTES = 4 * 200 * 5  # ~5 tokens per chunk of a 200-id vocabulary slice: several per row
+    parallel = init_distributed(tp=tp, pp=1, seed=0)
+    results = {}
+    for hf_dir in hf_dirs:
+        batches = _batches(ModelArch.from_hf_dir(hf_dir).vocab_size)
+        tokens = int(sum(b.loss_mask.sum() for b in batches))
+        for lm_head, mode, layers in variants:
+            model = build_model(hf_dir, parallel, "float32", recompute=Recompute(mode, layers), lm_head=lm_head)
+            assert model.deferred_head == (lm_head == "chunked")
+            with torch.no_grad():
+                scored = compute_logprobs_and_entropy(model, batches[1].tokens, batches[1].position_ids, TEMPERATURE)
+            optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.0)
+            calls = []  # core-attention forwards of the train step: recompute runs them again in the backward
+            for layer in model.module.decoder.layers:
+                layer.self_attention.core_attention.register_forward_hook(lambda *_: calls.append(1))
+            stats = train_step(model, optimizer, batches, _loss, tokens, TEMPERATURE, with_entropy=True)
+            grads = {name: p.main_grad.detach().clone() for name, p in model.module.named_parameters()}
+            results[(hf_dir, lm_head, mode, layers)] = {
+                "stats": stats,
+                "grads": grads,
+                "scored": scored,
+                "attention_calls_per_layer_and_batch": len(calls) / len(model.module.decoder.layers) / len(batches),
+            }
+    destroy_distributed()
+    return results
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for key, value in want["stats"].items():
+        assert got["stats"][key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    for got_t, want_t in zip(got["scored"], want["scored"], strict=True):
+        torch.testing.assert_close(got_t, want_t, rtol=0, atol=1e-6)
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_recompute_and_chunked_head_match_the_plain_step(tiny_model_dirs):
+    dirs = [str(tiny_model_dirs["qwen3"]), str(tiny_model_dirs["llama"])]  # untied head; tied embeddings
+    results = run_distributed(_worker, 1, dirs, 1, VARIANTS)
+    for hf_dir in dirs:
+        want = results[(hf_dir, *VARIANTS[0])]
+        assert max(g.abs().max() for g in want["grads"].values()) > 1e-3  # gradients that can differ
+        for variant in VARIANTS[1:]:
+            _assert_same(results[(hf_dir, *variant)], want)
+        calls = {variant: results[(hf_dir, *variant)]["attention_calls_per_layer_and_batch"] for variant in VARIANTS}
+        # once per layer without recompute; twice with selective and full (every layer, or the first N = 1 of 2)
+        assert list(calls.values()) == [1, 1, 2, 2, 1.5]
+
+
+def test_chunked_head_matches_at_tp2(tiny_model_dirs):
+    """Vocab-parallel: each TP rank projects its vocabulary slice; the hidden-state gradient is all-reduced."""
+    variants = (VARIANTS[0], VARIANTS[2])
+    for rank in run_distributed(_worker, 2, [str(tiny_model_dirs["llama"])], 2, variants, all_ranks=True):
+        (plain, chunked) = rank.values()
+        _assert_same(chunked, plain)
