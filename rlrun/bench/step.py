@@ -47,7 +47,7 @@ from rlrun.bench.engines import BENCH_SERVER_ARGS, SGLANG_SERVER_ARGS
 from rlrun.bench.logged import run_logged
 from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
-from rlrun.config.schema import PackedAttention
+from rlrun.config.schema import PackedAttention, RecomputeMode
 from rlrun.engine.backends import backend_traits
 
 TORCHRUN_ENV = {
@@ -112,6 +112,10 @@ class Variant:
     packed_attention: PackedAttention = "auto"
     """``model.packed_attention``: ``auto`` (the config's default: one varlen attention call per layer on
     CUDA in bf16, else one SDPA call per sample) or either of them by name."""
+    recompute: RecomputeMode = "none"
+    """``train.recompute``: activation recompute of the trainer's layers (rlrun/megatron/recompute.py)."""
+    optimizer_offload: bool = False
+    """``optimizer.cpu_offload`` (with the distributed optimizer): Adam's state in host memory; CUDA only."""
 
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
@@ -120,6 +124,8 @@ class Variant:
             + ("" if self.offload else "_resident")
             + ("" if self.teardown_nccl else "_keepnccl")
             + ATTENTION_SUFFIX[self.packed_attention]
+            + ("" if self.recompute == "none" else f"_recompute-{self.recompute}")
+            + ("_optoffload" if self.optimizer_offload else "")
         )
 
     def engine_memory(self, backend: str) -> str:
@@ -295,8 +301,14 @@ def run_config(
         "engine": engine,
         "offload": {"train": variant.offload, "rollout": variant.offload, "teardown_nccl": variant.teardown_nccl},
         "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2, "skip_tied_groups": False},
-        "optimizer": {"lr": settings.lr, "clip_grad": 1.0},
+        "optimizer": {
+            "lr": settings.lr,
+            "clip_grad": 1.0,
+            "cpu_offload": variant.optimizer_offload,
+            "use_distributed_optimizer": variant.optimizer_offload,
+        },
         "train": {
+            "recompute": variant.recompute,
             "num_steps": settings.steps,
             "seed": settings.seed,
             "max_tokens_per_micro_batch": settings.micro_batch_samples * sample_len,

@@ -29,6 +29,7 @@ from peer_step import parse_variant, variant_flags  # noqa: E402
         Variant(teardown_nccl=False),
         Variant(packed_attention="flash_varlen"),
         Variant(packed_attention="per_sample"),
+        Variant(recompute="selective", optimizer_offload=True),
     ],
 )
 def test_run_config_applies_the_variant(tmp_path, backend, variant):
@@ -41,6 +42,8 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     assert (cfg.offload.train, cfg.offload.rollout) == (variant.offload, variant.offload)
     assert cfg.offload.teardown_nccl is variant.teardown_nccl
     assert cfg.model.packed_attention == variant.packed_attention
+    assert cfg.train.recompute == variant.recompute
+    assert cfg.optimizer.cpu_offload is cfg.optimizer.use_distributed_optimizer is variant.optimizer_offload
     assert cfg.offload.reloadable_backends == (("nccl",) if variant.offload and variant.teardown_nccl else ())
     assert tuple(cfg.logging.profile_steps) == (3,)
     if backend == "sglang":
@@ -53,14 +56,17 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("teardown", [True, False])
 @pytest.mark.parametrize("attention", ["auto", "per_sample", "flash_varlen"])
-def test_variant_names_round_trip(offload, teardown, attention):
-    variant = Variant(offload=offload, teardown_nccl=teardown, packed_attention=attention)
+@pytest.mark.parametrize("recompute, optimizer_offload", [("none", False), ("full", True)])
+def test_variant_names_round_trip(offload, teardown, attention, recompute, optimizer_offload):
+    variant = Variant(offload, teardown, attention, recompute, optimizer_offload)
     label = variant.label("sglang")
     assert parse_variant(label) == ("sglang", variant)
     flags = variant_flags("sglang", variant)
     assert flags[flags.index("--offload") + 1] == ("on" if offload else "off")
     assert flags[flags.index("--teardown-nccl") + 1] == ("on" if teardown else "off")
     assert flags[flags.index("--packed-attention") + 1] == attention
+    assert flags[flags.index("--recompute") + 1] == recompute
+    assert flags[flags.index("--optimizer-offload") + 1] == ("on" if optimizer_offload else "off")
 
 
 @pytest.mark.parametrize(
