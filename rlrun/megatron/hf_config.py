@@ -350,6 +350,7 @@ def transformer_config(
     etp: int = 1,
     moe_options: MoEOptions | None = None,
     recompute: Recompute | None = None,
+    cp: int = 1,
 ):
     """The Megatron ``TransformerConfig`` of ``arch`` at this TP/PP (and, for MoE, EP/ETP) layout, with
     dropout off and ``recompute``'s activation recompute (rlrun/megatron/recompute.py; default none).
@@ -387,6 +388,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,

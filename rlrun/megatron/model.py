@@ -101,7 +101,15 @@ def build_gpt(
     if arch.mla is not None:
         patch_mla_without_te()
     config = transformer_config(
-        arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size, parallel.etp_size, moe_options, recompute
+        arch,
+        parallel.tp_size,
+        parallel.pp_size,
+        dtype,
+        parallel.ep_size,
+        parallel.etp_size,
+        moe_options,
+        recompute,
+        parallel.cp_size,
     )
     gpt = GPTModel(
         config=config,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from rlrun.megatron.logprobs import forward_logits, head_token_stats
+from rlrun.megatron.logprobs import forward_logits, model_token_stats
 from rlrun.megatron.model import MegatronModel
 from rlrun.megatron.moe import aux_loss_metrics
 from rlrun.megatron.pipeline import from_last_stage, run_schedule
@@ -242,11 +242,10 @@ def train_step(
     """
 
     def output_loss(micro_batch, output):
-        targets = micro_batch.tokens[:, 1:].to(output.device)
-        logprobs, entropy = head_token_stats(
+        logprobs, entropy = model_token_stats(
             model,
-            output[:, :-1],
-            targets,
+            output,
+            micro_batch.tokens,
             temperature,
             with_entropy,
             kept_ids=getattr(micro_batch, "kept_ids", None),  # top-p mask replay; None without it
