@@ -191,7 +191,7 @@ def _memory_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
         arch = ModelArch.from_hf_dir(cfg.model.path)
     except ValueError:
         return []  # the architecture checks name the refusal
-    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     dp = max(int(os.environ.get("WORLD_SIZE", num_gpus or model_parallel)) // model_parallel, 1)
     e = estimate(cfg, arch, dp)
     detail = (
@@ -247,13 +247,14 @@ def _data_check(cfg: RunConfig) -> Check:
 
 def _world_size_check(cfg: RunConfig, num_gpus: int) -> Check:
     world_size = int(os.environ.get("WORLD_SIZE", num_gpus or 0))
-    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    layout = "tp x pp" if cfg.parallel.cp == 1 else "tp x pp x cp"
     if world_size == 0:
         return Check(
             "config",
             "parallel",
             "info",
-            f"tp x pp = {model_parallel}: launch a multiple of {model_parallel} "
+            f"{layout} = {model_parallel}: launch a multiple of {model_parallel} "
             "processes (torchrun --nproc-per-node N)",
         )
     if world_size % model_parallel:
@@ -261,14 +262,14 @@ def _world_size_check(cfg: RunConfig, num_gpus: int) -> Check:
             "config",
             "parallel",
             "missing",
-            f"{world_size} ranks (GPUs visible) is not a multiple of tp x pp = "
+            f"{world_size} ranks (GPUs visible) is not a multiple of {layout} = "
             f"{model_parallel}; set parallel.tp or launch a multiple of {model_parallel} ranks per job",
         )
     return Check(
         "config",
         "parallel",
         "ok",
-        f"{world_size} ranks = {world_size // model_parallel} data-parallel replica(s) of tp x pp = {model_parallel}",
+        f"{world_size} ranks = {world_size // model_parallel} data-parallel replica(s) of {layout} = {model_parallel}",
     )
 
 

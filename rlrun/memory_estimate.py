@@ -1,7 +1,8 @@
 """The trainer's device memory for one config, estimated before it starts (``rlrun doctor CONFIG``).
 
 Per rank, with ``P`` the parameters it holds (``/ tp / pp``, routed experts ``/ ep``), ``dp`` data-parallel
-ranks and ``T = train.max_tokens_per_micro_batch`` (one micro-batch is alive at a time at PP=1):
+ranks and ``T = train.max_tokens_per_micro_batch / parallel.cp`` (one micro-batch is alive at a time at PP=1;
+context parallelism's gathered keys and values, ``cp`` times one layer's, are not counted):
 
     static       = P * (w + g + (m + a) / dp_opt)     bf16: w 2, g 4 (fp32 grad buffer), m 4 (fp32 main), a 8
                                                       (Adam moments); fp32: w 4, g 4, m 0, a 8; dp_opt = dp
@@ -96,7 +97,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, dp: int) -> MemoryEstimate:
     main = (4 if bf16 else 0) / shard
     adam = 8 / shard
     offloaded = opt.offload_fraction if opt.cpu_offload else 0.0
-    tokens = train.max_tokens_per_micro_batch
+    tokens = train.max_tokens_per_micro_batch / par.cp  # context parallelism: each rank holds 1/cp of a row
     layers = arch.num_layers // par.pp
     per_layer = layer_elements_per_token(arch, par.tp, train.recompute)
     if train.recompute == "full":

@@ -95,6 +95,22 @@ class ParallelConfig(Section):
     for the dense layers). MoE models need ``tp == 1`` (see rlrun/megatron/moe.py)."""
     etp: int = Field(1, ge=1)
     """Expert tensor-parallel size: each expert's weights split over ``etp`` ranks."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel size of the trainer (rlrun/megatron/context_parallel.py): ``cp`` ranks share every
+    sequence, each holding two of its ``2 cp`` chunks and all-gathering the keys and values, so activation
+    memory per rank falls by ``cp``; ``tp * pp * cp`` must divide the processes (the CP ranks of a group train
+    the same samples). Each micro-batch then holds one sample (no packing). Dense models without a critic at
+    PP 1 only; tested on CPU (CP 2 equals CP 1), not yet on GPUs."""
+
+    @model_validator(mode="after")
+    def _context_parallel_scope(self) -> ParallelConfig:
+        if self.cp > 1 and (self.pp > 1 or self.ep > 1 or self.etp > 1):
+            raise ValueError(
+                f"parallel.cp ({self.cp}) must go with pp, ep and etp 1 (not {self.pp}, {self.ep}, {self.etp}) "
+                "because context parallelism is implemented and tested for dense models without pipelining; set "
+                "parallel.cp: 1 or the others to 1"
+            )
+        return self
 
     def __str__(self) -> str:
         """``tp=2 pp=1``, plus ``ep`` / ``etp`` when they split experts: dense layouts read as they always did."""
@@ -730,6 +746,15 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     offload: OffloadConfig = OffloadConfig()
     critic: CriticConfig = CriticConfig()
+
+    @model_validator(mode="after")
+    def _context_parallel_without_critic(self) -> RunConfig:
+        if self.parallel.cp > 1 and self.critic.config is not None:
+            raise ValueError(
+                f"parallel.cp ({self.parallel.cp}) must be 1 with critic.config because the critic's values are not "
+                "gathered over the context-parallel ranks; set parallel.cp: 1 or remove critic.config"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rollout_fits_the_step(self) -> RunConfig:

@@ -96,6 +96,11 @@ def build_gpt(
     from rlrun.megatron.attention import layer_spec
 
     arch = ModelArch.from_hf_dir(hf_dir)
+    if parallel.cp_size > 1 and (arch.moe is not None or arch.mla is not None):
+        raise ValueError(
+            f"parallel.cp ({parallel.cp_size}) must be 1 for {hf_dir} because context parallelism is implemented for "
+            "dense models with standard attention only (not MoE routing or multi-latent attention); set parallel.cp: 1"
+        )
     if arch.moe is not None:
         patch_router_without_te()
     if arch.mla is not None:

@@ -89,3 +89,16 @@ def test_offload_config_is_what_megatron_accepts_and_refused_where_it_cannot_wor
             optimizer_config(dtype, distributed, device, cpu_offload=True, **adam)
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
         RunConfig.model_validate({"optimizer": {"cpu_offload": True}})
+
+
+def test_context_parallel_scope_and_share():
+    with pytest.raises(ValueError, match="parallel.cp"):
+        RunConfig.model_validate({"parallel": {"cp": 2, "pp": 2}})
+    with pytest.raises(ValueError, match="critic's values are not gathered"):
+        RunConfig.model_validate(
+            {"parallel": {"cp": 2}, "algorithm": {"advantage_estimator": "ppo"}, "critic": {"config": "x.yaml"}}
+        )
+    arch = arch_of("qwen3-4b")
+    one = estimate(config(32768, train={"recompute": "full"}), arch, 1)
+    two = estimate(config(32768, train={"recompute": "full"}, parallel={"cp": 2}), arch, 1)
+    assert two.activations_gib == pytest.approx(one.activations_gib / 2)
