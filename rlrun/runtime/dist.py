@@ -128,6 +128,8 @@ def init_distributed(
     # Megatron warns on import, once per module, that TE/Apex are missing; the local spec is our choice.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
+    # train.recompute: selective checkpoints rlrun's own core attention on purpose (Megatron warns for TE's fused one)
+    warnings.filterwarnings("ignore", message=r"If you are using transformer_engine as the transformer implementation")
     if env.world_size % (tp * pp * cp) != 0:
         raise ValueError(
             f"world_size ({env.world_size}) must be divisible by tp*pp*cp ({tp}*{pp}*{cp}) because every "

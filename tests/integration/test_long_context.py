@@ -56,7 +56,14 @@ def _worker(jobs: list[tuple], tp: int, cp: int = 1) -> dict:
     """Per job ``(hf_dir, lm_head, recompute, recompute_num_layers, packed_row)``: a fresh model, no-grad log-probs
     and entropy, one train step (no clipping, so the gradient buffers hold the raw gradients); its stats, every
     parameter's gradient and the updated weights. ``cp``: context-parallel size (unpacked rows only)."""
-    from rlrun.megatron import build_model, compute_logprobs_and_entropy, make_optimizer, token_stats, train_step
+    from rlrun.megatron import (
+        build_model,
+        compute_logprobs,
+        compute_logprobs_and_entropy,
+        make_optimizer,
+        token_stats,
+        train_step,
+    )
     from rlrun.megatron.hf_config import ModelArch
     from rlrun.megatron.recompute import Recompute
     from rlrun.runtime.dist import destroy_distributed, init_distributed
@@ -70,8 +77,13 @@ def _worker(jobs: list[tuple], tp: int, cp: int = 1) -> dict:
         tokens = int(sum(b.loss_mask.sum() for b in batches))
         model = build_model(hf_dir, parallel, "float32", recompute=Recompute(mode, layers), lm_head=lm_head)
         assert model.deferred_head == (lm_head == "chunked")
+        last = batches[-1]
         with torch.no_grad():
-            scored = compute_logprobs_and_entropy(model, batches[-1].tokens, batches[-1].position_ids, TEMPERATURE)
+            scored = compute_logprobs_and_entropy(model, last.tokens, last.position_ids, TEMPERATURE)
+            # top-p mask replay: log-probs renormalised over kept sets (the targets among them), -1 padded
+            kept = torch.randint(0, 40, (*last.loss_mask.shape, 4), generator=torch.Generator().manual_seed(5))
+            kept[..., 0], kept[..., 3] = last.tokens[:, 1:], -1
+            scored = (*scored, compute_logprobs(model, last.tokens, last.position_ids, TEMPERATURE, kept))
         # eps 1e-4: Adam's first step is ~lr * sign(g) for |g| << eps no longer, so rounding-level gradient
         # differences (1e-9) cannot flip a weight's update; the gradients themselves are compared at 1e-6.
         optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-4, clip_grad=0.0)
