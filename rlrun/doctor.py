@@ -8,7 +8,8 @@ Three groups of checks, each a :class:`Check` with a status:
 * config: for each thing the config turns on, whether its requirement is met (model directory, the
   model's family and each architectural feature it needs, supported or refused, prompt file, engine
   backend, offload, TensorBoard/W&B packages, world size vs ``parallel.tp``, the checkpoint it would
-  resume from).
+  resume from) and the trainer's estimated memory per rank against the GPU and the host
+  (rlrun/memory_estimate.py).
 
 ``missing`` means the run would fail; ``warn`` means it would run, but probably not as meant.
 """

@@ -11,7 +11,8 @@ context parallelism's gathered keys and values, ``cp`` times one layer's, are no
                                                       moments, an fp32 weight copy, pinned gradients)
     activations  = T * L_stage * per_token_layer      (below, bytes of the model's dtype)
     lm head      = T * V_local * 2 * e  (logits: the output layer's logits and GPTModel's transposed copy)
-                   or 2 * CHUNK_BYTES   (chunked: two fp32 chunk buffers; no [T, V] tensor)
+                   or 2 * CHUNK_BYTES + 6 * V_local * H   (chunked: two fp32 chunk buffers and the backward's fp32
+                   weight-gradient sum with its bf16 result; no [T, V] tensor)
 
 Kept per token and layer, in elements (H hidden, q = n_q * d, kv = 2 * n_kv * d, f the MLP width, TP
 dividing the head and MLP terms; no sequence parallelism, so the H terms are whole on every TP rank):
@@ -108,7 +109,10 @@ def estimate(cfg: RunConfig, arch: ModelArch, dp: int) -> MemoryEstimate:
         kept, working = layers * per_layer, 0.0
     per_token = kept * elem
     v_local = arch.vocab_size / par.tp
-    head = 2 * CHUNK_BYTES if cfg.model.lm_head == "chunked" else tokens * v_local * 2 * elem + 2 * CHUNK_BYTES
+    if cfg.model.lm_head == "chunked":
+        head = 2 * CHUNK_BYTES + v_local * arch.hidden_size * (4 + elem)
+    else:
+        head = tokens * v_local * 2 * elem + 2 * CHUNK_BYTES
     return MemoryEstimate(
         weights_gib=params * elem / GIB,
         grads_gib=params * 4 / GIB,
