@@ -28,12 +28,14 @@ import datetime
 import json
 import sys
 from pathlib import Path
+from typing import get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import add_settings_args, settings_from  # noqa: E402
 
 from rlrun.bench.logged import run_logged  # noqa: E402
 from rlrun.bench.step import ATTENTION_SUFFIX, WARMUP_STEPS, StepSettings, Variant  # noqa: E402
+from rlrun.config.schema import RecomputeMode  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"sglang": 4.0, "embedded": 2.5}
@@ -54,17 +56,20 @@ def parse_variant(spec: str) -> tuple[str, Variant]:
     """``sglang_resident_keepnccl`` -> ("sglang", Variant(offload=False, teardown_nccl=False))."""
     backend, *suffixes = spec.split("_")
     attention = {suffix[1:]: name for name, suffix in ATTENTION_SUFFIX.items() if suffix}
-    unknown = set(suffixes) - {"resident", "keepnccl", *attention}
+    recompute = {f"recompute-{mode}": mode for mode in get_args(RecomputeMode) if mode != "none"}
+    unknown = set(suffixes) - {"resident", "keepnccl", "optoffload", *attention, *recompute}
     if unknown:
         raise SystemExit(
-            f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl and/or one of "
-            f"{sorted('_' + s for s in attention)} because those are the variants bench step runs; "
-            f"drop {sorted(unknown)}"
+            f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl, one of "
+            f"{sorted('_' + s for s in attention)}, one of {sorted('_' + s for s in recompute)} and/or "
+            f"_optoffload because those are the variants bench step runs; drop {sorted(unknown)}"
         )
     variant = Variant(
         offload="resident" not in suffixes,
         teardown_nccl="keepnccl" not in suffixes,
         packed_attention=next((attention[s] for s in suffixes if s in attention), "auto"),
+        recompute=next((recompute[s] for s in suffixes if s in recompute), "none"),
+        optimizer_offload="optoffload" in suffixes,
     )
     if variant.label(backend) != spec:
         raise SystemExit(
@@ -84,6 +89,10 @@ def variant_flags(backend: str, variant: Variant) -> list[str]:
         "on" if variant.teardown_nccl else "off",
         "--packed-attention",
         variant.packed_attention,
+        "--recompute",
+        variant.recompute,
+        "--optimizer-offload",
+        "on" if variant.optimizer_offload else "off",
     ]
 
 

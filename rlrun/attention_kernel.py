@@ -28,6 +28,9 @@ import torch.nn.functional as F
 
 CAUSAL_FROM_TOP_LEFT = 1
 """``custom_mask_type`` of ``aten._efficient_attention_forward``: query i sees keys 0..i of its sample."""
+CAUSAL_FROM_BOTTOM_RIGHT = 2
+"""The same with the diagonal at the bottom right: ``q_len`` queries that are the last of ``k_len`` positions
+(context parallelism, rlrun/megatron/context_parallel.py)."""
 BIAS_ALIGN = 16
 """The kernel reads the bias in rows aligned to this many elements (what SDPA's own ``pad_bias`` does)."""
 
@@ -81,9 +84,15 @@ def causal_varlen(
 
 
 def causal(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None, dropout_p: float = 0.0
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    bottom_right: bool = False,
 ) -> torch.Tensor:
-    """Causal attention over ``[B, heads, S, dim]`` (key/value may have fewer, grouped heads)."""
+    """Causal attention over ``[B, heads, S, dim]`` (key/value may have fewer, grouped heads); ``bottom_right``
+    (CUDA only): fewer queries than keys, the queries being the last positions."""
     if not uses_shared_kernel(query):
         return F.scaled_dot_product_attention(
             query,
@@ -106,7 +115,7 @@ def causal(
         None,
         None,
         dropout_p,
-        CAUSAL_FROM_TOP_LEFT,
+        CAUSAL_FROM_BOTTOM_RIGHT if bottom_right else CAUSAL_FROM_TOP_LEFT,
         torch.is_grad_enabled() and query.requires_grad,
         scale=_scale(query, scale),
     )[0]

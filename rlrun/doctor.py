@@ -8,7 +8,8 @@ Three groups of checks, each a :class:`Check` with a status:
 * config: for each thing the config turns on, whether its requirement is met (model directory, the
   model's family and each architectural feature it needs, supported or refused, prompt file, engine
   backend, offload, TensorBoard/W&B packages, world size vs ``parallel.tp``, the checkpoint it would
-  resume from).
+  resume from) and the trainer's estimated memory per rank against the GPU and the host
+  (rlrun/memory_estimate.py).
 
 ``missing`` means the run would fail; ``warn`` means it would run, but probably not as meant.
 """
@@ -84,7 +85,7 @@ def config_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
     """What ``cfg`` turns on, and whether this machine provides it (``num_gpus`` visible)."""
     from rlrun.trainer.checkpoint import resolve_resume
 
-    checks = [_model_check(cfg), *_architecture_checks(cfg), _data_check(cfg)]
+    checks = [_model_check(cfg), *_architecture_checks(cfg), *_memory_checks(cfg, num_gpus), _data_check(cfg)]
     traits = backend_traits(cfg.engine.backend)
     needs = [f"the {traits.package} package"] if traits.package else []
     needs += ["a GPU"] if traits.needs_gpu else []
@@ -178,6 +179,63 @@ def _architecture_checks(cfg: RunConfig) -> list[Check]:
     return checks
 
 
+def _memory_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
+    """The trainer's estimated memory per rank (rlrun/memory_estimate.py) against the first GPU and the host;
+    ``warn`` where it would not fit (the estimate is within a few GiB of the H200's measured peaks)."""
+    from rlrun.megatron.hf_config import ModelArch
+    from rlrun.memory_estimate import estimate
+
+    path = Path(cfg.model.path) / "config.json"
+    if not path.is_file():
+        return []
+    try:
+        arch = ModelArch.from_hf_dir(cfg.model.path)
+    except ValueError:
+        return []  # the architecture checks name the refusal
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    dp = max(int(os.environ.get("WORLD_SIZE", num_gpus or model_parallel)) // model_parallel, 1)
+    e = estimate(cfg, arch, dp)
+    detail = (
+        f"~{e.total_gib:.1f} GiB per rank at dp={dp}: weights {e.weights_gib:.1f}, grads {e.grads_gib:.1f}, "
+        f"optimizer {e.optimizer_gib:.1f}, activations {e.activations_gib:.1f} "
+        f"({e.activation_bytes_per_token / 2**20:.2f} MiB/token x train.max_tokens_per_micro_batch "
+        f"{cfg.train.max_tokens_per_micro_batch}, train.recompute {cfg.train.recompute}), "
+        f"LM head {e.lm_head_gib:.1f} (model.lm_head {cfg.model.lm_head})"
+    )
+    checks = []
+    if num_gpus == 0:
+        checks.append(Check("config", "memory: trainer", "info", detail))
+    else:
+        import torch
+
+        device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        fits = e.total_gib <= device_gib
+        fix = (
+            ""
+            if fits
+            else "; set train.recompute: full, lower train.max_tokens_per_micro_batch, "
+            "or set optimizer.use_distributed_optimizer / optimizer.cpu_offload"
+        )
+        checks.append(
+            Check("config", "memory: trainer", "ok" if fits else "warn", f"{detail} of {device_gib:.0f} GiB{fix}")
+        )
+    if e.host_optimizer_gib > 0:
+        host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        per_host = e.host_optimizer_gib * max(num_gpus, 1)
+        fits = per_host <= 0.9 * host_gib
+        checks.append(
+            Check(
+                "config",
+                "memory: host optimizer",
+                "ok" if fits else "warn",
+                f"~{e.host_optimizer_gib:.1f} GiB pinned host memory per rank ({per_host:.1f} for this host's ranks) "
+                f"of {host_gib:.0f} GiB"
+                + ("" if fits else "; lower optimizer.offload_fraction or shard over more data-parallel ranks"),
+            )
+        )
+    return checks
+
+
 def _data_check(cfg: RunConfig) -> Check:
     from rlrun.data.prompt_files import PromptDataError, read_rows
 
@@ -190,13 +248,14 @@ def _data_check(cfg: RunConfig) -> Check:
 
 def _world_size_check(cfg: RunConfig, num_gpus: int) -> Check:
     world_size = int(os.environ.get("WORLD_SIZE", num_gpus or 0))
-    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    layout = "tp x pp" if cfg.parallel.cp == 1 else "tp x pp x cp"
     if world_size == 0:
         return Check(
             "config",
             "parallel",
             "info",
-            f"tp x pp = {model_parallel}: launch a multiple of {model_parallel} "
+            f"{layout} = {model_parallel}: launch a multiple of {model_parallel} "
             "processes (torchrun --nproc-per-node N)",
         )
     if world_size % model_parallel:
@@ -204,14 +263,14 @@ def _world_size_check(cfg: RunConfig, num_gpus: int) -> Check:
             "config",
             "parallel",
             "missing",
-            f"{world_size} ranks (GPUs visible) is not a multiple of tp x pp = "
+            f"{world_size} ranks (GPUs visible) is not a multiple of {layout} = "
             f"{model_parallel}; set parallel.tp or launch a multiple of {model_parallel} ranks per job",
         )
     return Check(
         "config",
         "parallel",
         "ok",
-        f"{world_size} ranks = {world_size // model_parallel} data-parallel replica(s) of tp x pp = {model_parallel}",
+        f"{world_size} ranks = {world_size // model_parallel} data-parallel replica(s) of {layout} = {model_parallel}",
     )
 
 

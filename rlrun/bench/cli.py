@@ -117,16 +117,49 @@ def train(
     steps: int = 3,
     peak_tflops: Annotated[float, typer.Option(help="Peak bf16 TFLOP/s for MFU (H200: 790).")] = 790.0,
     profile: Annotated[Path | None, typer.Option(help="Write one step's kernel-time table here.")] = None,
+    recompute: Annotated[str, typer.Option(help="train.recompute: none, selective or full.")] = "none",
+    recompute_num_layers: Annotated[
+        int | None, typer.Option(help="train.recompute_num_layers (full only; default every layer).")
+    ] = None,
+    lm_head: Annotated[str, typer.Option(help="model.lm_head: chunked or logits.")] = "chunked",
+    optimizer_offload: Annotated[
+        str, typer.Option(help="on|off: optimizer.cpu_offload (Adam state on the host; CUDA only).")
+    ] = "off",
+    offload_fraction: Annotated[
+        float, typer.Option(help="optimizer.offload_fraction: share of the parameters whose state goes to the host.")
+    ] = 1.0,
     out: OutFile = None,
 ) -> None:
     """Megatron training tokens/s, TFLOP/s, MFU and peak memory (formula in rlrun/bench/train.py)."""
     from rlrun.bench.train import bench_train
 
     layouts = [name.strip() for name in layout.split(",") if name.strip()]
-    _emit(
-        "train",
-        bench_train(shape, layouts, sample_len, samples_per_micro_batch, micro_batches, steps, peak_tflops, profile),
-        out,
+    offload = _on_off("--optimizer-offload", optimizer_offload)
+    memory = _memory_options(recompute, recompute_num_layers, lm_head, offload, offload_fraction)
+    try:
+        results = bench_train(
+            shape, layouts, sample_len, samples_per_micro_batch, micro_batches, steps, peak_tflops, profile, memory
+        )
+    except ValueError as exc:  # options that cannot run here (offload on CPU, too many recompute layers)
+        raise typer.BadParameter(str(exc)) from None
+    _emit("train", results, out)
+
+
+def _memory_options(recompute: str, num_layers: int | None, lm_head: str, offload: bool = False, fraction: float = 1.0):
+    """``bench train``'s memory flags checked by the run config's own schema (same values, same errors)."""
+    from pydantic import ValidationError
+
+    from rlrun.bench.train import MemoryOptions
+    from rlrun.config.schema import ModelConfig, OptimizerConfig, TrainConfig
+
+    try:
+        train = TrainConfig(recompute=recompute, recompute_num_layers=num_layers)
+        model = ModelConfig(lm_head=lm_head)
+        opt = OptimizerConfig(cpu_offload=offload, use_distributed_optimizer=offload, offload_fraction=fraction)
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return MemoryOptions(
+        train.recompute, train.recompute_num_layers, model.lm_head, opt.cpu_offload, opt.offload_fraction
     )
 
 
@@ -168,6 +201,10 @@ def step(
     lora_rank: Annotated[
         int | None, typer.Option(help="Train LoRA adapters of this rank (model.lora, alpha 2 x rank); unset: full.")
     ] = None,
+    recompute: Annotated[str, typer.Option(help="train.recompute: none, selective or full.")] = "none",
+    optimizer_offload: Annotated[
+        str, typer.Option(help="on|off: optimizer.cpu_offload (Adam state on the host; CUDA only).")
+    ] = "off",
     out: OutFile = None,
 ) -> None:
     """Seconds per GRPO step of ``rlrun train`` (colocated, offload on by default), split by phase, tokens/s, memory."""
@@ -197,6 +234,8 @@ def step(
         teardown_nccl=_on_off("--teardown-nccl", teardown_nccl),
         packed_attention=packed_attention,
         lora_rank=lora_rank,
+        recompute=_memory_options(recompute, None, "chunked", False).recompute,
+        optimizer_offload=_on_off("--optimizer-offload", optimizer_offload),
     )
     try:
         result = bench_step(settings, work, timeout_s, variant, profile_step, ranks)

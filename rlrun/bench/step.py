@@ -47,7 +47,7 @@ from rlrun.bench.engines import BENCH_SERVER_ARGS, SGLANG_SERVER_ARGS
 from rlrun.bench.logged import run_logged
 from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
-from rlrun.config.schema import PackedAttention
+from rlrun.config.schema import PackedAttention, RecomputeMode
 from rlrun.engine.backends import backend_traits
 
 TORCHRUN_ENV = {
@@ -115,6 +115,10 @@ class Variant:
     packed_attention: PackedAttention = "auto"
     """``model.packed_attention``: ``auto`` (the config's default: one varlen attention call per layer on
     CUDA in bf16, else one SDPA call per sample) or either of them by name."""
+    recompute: RecomputeMode = "none"
+    """``train.recompute``: activation recompute of the trainer's layers (rlrun/megatron/recompute.py)."""
+    optimizer_offload: bool = False
+    """``optimizer.cpu_offload`` (with the distributed optimizer): Adam's state in host memory; CUDA only."""
 
     lora_rank: int | None = None
     """``model.lora`` with this rank (alpha = 2 x rank, every projection; rlrun/megatron/lora.py): the base
@@ -128,6 +132,8 @@ class Variant:
             + ("" if self.teardown_nccl else "_keepnccl")
             + ATTENTION_SUFFIX[self.packed_attention]
             + ("" if self.lora_rank is None else f"_lora{self.lora_rank}")
+            + ("" if self.recompute == "none" else f"_recompute-{self.recompute}")
+            + ("_optoffload" if self.optimizer_offload else "")
         )
 
     def model_section(self, model_path: Path, dtype: str) -> dict:
@@ -310,8 +316,14 @@ def run_config(
         "engine": engine,
         "offload": {"train": variant.offload, "rollout": variant.offload, "teardown_nccl": variant.teardown_nccl},
         "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2, "skip_tied_groups": False},
-        "optimizer": {"lr": settings.lr, "clip_grad": 1.0},
+        "optimizer": {
+            "lr": settings.lr,
+            "clip_grad": 1.0,
+            "cpu_offload": variant.optimizer_offload,
+            "use_distributed_optimizer": variant.optimizer_offload,
+        },
         "train": {
+            "recompute": variant.recompute,
             "num_steps": settings.steps,
             "seed": settings.seed,
             "updates_per_rollout": settings.updates_per_rollout,

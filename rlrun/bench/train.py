@@ -30,6 +30,7 @@ import torch
 
 from rlrun.bench.shapes import Shape, get_shape, write_random_model
 from rlrun.bench.timing import hardware, timer
+from rlrun.config.schema import LMHead, RecomputeMode
 
 FLOPS_FORMULA = (
     "3 * (2 * N_matmul * sum_i s_i + L * 2 * n_q * d * sum_i s_i^2); "
@@ -78,6 +79,26 @@ class TrainResult:
     peak_tflops: float
     peak_memory_gib: float
     """torch.cuda.max_memory_allocated over this layout's warm-up and timed steps (0 on CPU)."""
+    memory: MemoryOptions
+    """The long-response memory options the model and optimizer were built with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    """``bench train``'s memory options, as the run config names them."""
+
+    recompute: RecomputeMode = "none"
+    """``train.recompute`` (rlrun/megatron/recompute.py)."""
+    recompute_num_layers: int | None = None
+    """``train.recompute_num_layers`` (full recompute only)."""
+    lm_head: LMHead = "chunked"
+    """``model.lm_head`` (rlrun/megatron/lm_head.py)."""
+    optimizer_cpu_offload: bool = False
+    """``optimizer.cpu_offload``: Adam's state in host memory (with the distributed optimizer)."""
+    offload_fraction: float = 1.0
+    """``optimizer.offload_fraction``: the share of the parameters whose state goes to the host."""
+    cp_size: int = 1
+    """Context-parallel size; rlrun's trainer has none yet, so always 1."""
 
 
 def synthetic_samples(count: int, length: int, vocab: int, seed: int):
@@ -143,11 +164,14 @@ def bench_train(
     steps: int,
     peak_tflops: float,
     profile: Path | None = None,
+    memory: MemoryOptions = MemoryOptions(),
 ) -> list[TrainResult]:
     """Measure each layout on one model (random weights; the optimizer keeps stepping between layouts,
-    which changes no shape or FLOP). ``profile``: also write the kernel-time table of one step there."""
+    which changes no shape or FLOP). ``profile``: also write the kernel-time table of one step there;
+    ``memory``: recompute, LM head and optimizer offload (FLOPs and MFU count model FLOPs only)."""
     from rlrun.megatron import build_model, make_optimizer
     from rlrun.megatron.attention import core_attention
+    from rlrun.megatron.recompute import Recompute
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
     shape = get_shape(shape_name)
@@ -161,8 +185,24 @@ def bench_train(
     try:
         with tempfile.TemporaryDirectory(prefix="rlrun-bench-train-") as tmp:
             hf_dir = write_random_model(shape, Path(tmp), getattr(torch, dtype), str(parallel.device))
-            model = build_model(str(hf_dir), parallel, dtype=dtype)
-        optimizer = make_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
+            model = build_model(
+                str(hf_dir),
+                parallel,
+                dtype=dtype,
+                distributed_optimizer=memory.optimizer_cpu_offload,
+                recompute=Recompute(memory.recompute, memory.recompute_num_layers),
+                lm_head=memory.lm_head,
+            )
+        optimizer = make_optimizer(
+            model,
+            lr=1e-6,
+            weight_decay=0.0,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            clip_grad=1.0,
+            cpu_offload=memory.optimizer_cpu_offload,
+            offload_fraction=memory.offload_fraction,
+        )
         samples = synthetic_samples(samples_per_micro_batch * num_micro_batches, sample_len, shape.vocab, seed=0)
         attention = core_attention(dtype=dtype).__name__
         results = []
@@ -194,6 +234,7 @@ def bench_train(
                     mfu=flops / median / (peak_tflops * 1e12),
                     peak_tflops=peak_tflops,
                     peak_memory_gib=peak,
+                    memory=memory,
                 )
             )
         return results

@@ -54,6 +54,10 @@ class MoEConfig(Section):
 
 PackedAttention = Literal["auto", "per_sample", "efficient_varlen", "flash_varlen"]
 """``model.packed_attention``'s values (rlrun/megatron/attention.py)."""
+LMHead = Literal["chunked", "logits"]
+"""``model.lm_head``'s values (rlrun/megatron/lm_head.py)."""
+RecomputeMode = Literal["none", "selective", "full"]
+"""``train.recompute``'s values (rlrun/megatron/recompute.py)."""
 
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -115,6 +119,12 @@ class ModelConfig(Section):
     because no engine runs that kernel); ``auto``, efficient_varlen on CUDA, else per_sample."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of the whole actor (``LoraConfig``); None: full fine-tuning."""
+    lm_head: LMHead = "chunked"
+    """How the trainer applies the LM head (rlrun/megatron/lm_head.py): ``chunked`` projects the final hidden
+    states to logits one token chunk at a time, in the forward and again in the backward, so no
+    ``[tokens, vocab]`` logits tensor exists (9.3 GB of bf16 at 32K tokens of Qwen3's vocabulary; the same
+    numbers, ~1/3 more LM-head FLOPs); ``logits`` keeps Megatron's output layer and its logits (for
+    comparison). Top-p mask replay (``rollout.top_p`` < 1, embedded engine) materialises them either way."""
 
 
 class ParallelConfig(Section):
@@ -130,6 +140,22 @@ class ParallelConfig(Section):
     for the dense layers). MoE models need ``tp == 1`` (see rlrun/megatron/moe.py)."""
     etp: int = Field(1, ge=1)
     """Expert tensor-parallel size: each expert's weights split over ``etp`` ranks."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel size of the trainer (rlrun/megatron/context_parallel.py): ``cp`` ranks share every
+    sequence, each holding two of its ``2 cp`` chunks and all-gathering the keys and values, so activation
+    memory per rank falls by ``cp``; ``tp * pp * cp`` must divide the processes (the CP ranks of a group train
+    the same samples). Each micro-batch then holds one sample (no packing). Dense models without a critic at
+    PP 1 only; tested on CPU (CP 2 equals CP 1), not yet on GPUs."""
+
+    @model_validator(mode="after")
+    def _context_parallel_scope(self) -> ParallelConfig:
+        if self.cp > 1 and (self.pp > 1 or self.ep > 1 or self.etp > 1):
+            raise ValueError(
+                f"parallel.cp ({self.cp}) must go with pp, ep and etp 1 (not {self.pp}, {self.ep}, {self.etp}) "
+                "because context parallelism is implemented and tested for dense models without pipelining; set "
+                "parallel.cp: 1 or the others to 1"
+            )
+        return self
 
     def __str__(self) -> str:
         """``tp=2 pp=1``, plus ``ep`` / ``etp`` when they split experts: dense layouts read as they always did."""
@@ -614,6 +640,30 @@ class OptimizerConfig(Section):
     adam_eps: float = Field(1e-8, gt=0)
     clip_grad: float = Field(1.0, ge=0)
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
+    cpu_offload: bool = False
+    """Keep Adam's state and the fp32 main weights in host memory and step them there (Megatron's
+    ``optimizer_cpu_offload``: its HybridDeviceOptimizer with torch's AdamW on the CPU, gradients copied
+    device-to-host and updated weights back on side streams, overlapped per parameter). The device then holds
+    only the bf16 weights and the fp32 gradient buffers (6 bytes per parameter instead of 18: what lets an
+    8B model train on one H200); the step costs host bandwidth and CPU Adam time. Needs CUDA (on CPU the state
+    is in host memory already), ``use_distributed_optimizer`` and ``model.dtype`` bfloat16."""
+    offload_fraction: float = Field(1.0, gt=0, le=1)
+    """With ``cpu_offload``: the fraction of the parameters (by count, in order) whose optimizer state goes to
+    host memory; the rest stays on the device and is stepped there."""
+
+    @model_validator(mode="after")
+    def _offload_has_its_requirements(self) -> OptimizerConfig:
+        if self.cpu_offload and not self.use_distributed_optimizer:
+            raise ValueError(
+                "optimizer.cpu_offload (true) must go with optimizer.use_distributed_optimizer because Megatron "
+                "offloads the distributed optimizer's state shards only; set optimizer.use_distributed_optimizer: true"
+            )
+        if self.offload_fraction != 1.0 and not self.cpu_offload:
+            raise ValueError(
+                f"optimizer.offload_fraction ({self.offload_fraction}) must be left at 1.0 without "
+                "optimizer.cpu_offload because nothing is offloaded then; set optimizer.cpu_offload: true or remove it"
+            )
+        return self
 
 
 class TrainConfig(Section):
@@ -632,6 +682,23 @@ class TrainConfig(Section):
     update per kept group. The LR schedule counts updates."""
     epochs_per_rollout: int = Field(1, ge=1)
     """Passes over the rollout's updates (verl's ``ppo_epochs``): each pass runs every update again, in order."""
+    recompute: RecomputeMode = "none"
+    """Activation recompute of the trainer's layers (rlrun/megatron/recompute.py), for long responses:
+    ``selective`` recomputes the core attention and the dense MLP in the backward (keeps their inputs only;
+    ~25-30% more FLOPs), ``full`` whole layers (keeps each layer's input only; ~33% more); ``none`` keeps
+    every activation (fastest). Same numbers either way. ``rlrun doctor CONFIG`` estimates what each keeps."""
+    recompute_num_layers: int | None = Field(None, ge=1)
+    """With ``recompute: full``: recompute only the first N layers of each pipeline stage (the rest keep
+    their activations); None recomputes every layer."""
+
+    @model_validator(mode="after")
+    def _num_layers_needs_full(self) -> TrainConfig:
+        if self.recompute_num_layers is not None and self.recompute != "full":
+            raise ValueError(
+                f"train.recompute_num_layers ({self.recompute_num_layers}) must be unset with train.recompute "
+                f"{self.recompute} because only full recompute counts layers; set train.recompute: full or remove it"
+            )
+        return self
 
     @property
     def updates_per_step(self) -> int:
@@ -744,6 +811,15 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     offload: OffloadConfig = OffloadConfig()
     critic: CriticConfig = CriticConfig()
+
+    @model_validator(mode="after")
+    def _context_parallel_without_critic(self) -> RunConfig:
+        if self.parallel.cp > 1 and self.critic.config is not None:
+            raise ValueError(
+                f"parallel.cp ({self.parallel.cp}) must be 1 with critic.config because the critic's values are not "
+                "gathered over the context-parallel ranks; set parallel.cp: 1 or remove critic.config"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rollout_fits_the_step(self) -> RunConfig:

@@ -210,15 +210,20 @@ def schedule_micro_batches(
     dp_size: int,
     max_tokens: int,
     pad_token_id: int,
+    one_sample_per_micro_batch: bool = False,
 ) -> list[list[MicroBatch]]:
     """Per DP rank, the micro-batches it trains on. Every rank gets at least one micro-batch
-    (a loss-free copy when there are fewer samples than ranks) so all ranks join the gradient reduce."""
+    (a loss-free copy when there are fewer samples than ranks) so all ranks join the gradient reduce.
+    ``one_sample_per_micro_batch``: no packing (context parallelism splits one sequence per row)."""
     if not samples:
         raise ValueError("cannot schedule an empty batch: every group was filtered out")
     lengths = [s.total_length for s in samples]
     per_rank: list[list[MicroBatch]] = []
     for indices in balance_across_ranks(lengths, dp_size):
-        packed = pack_micro_batches([lengths[i] for i in indices], max_tokens)
+        if one_sample_per_micro_batch:
+            packed = [[j] for j in range(len(indices))]
+        else:
+            packed = pack_micro_batches([lengths[i] for i in indices], max_tokens)
         per_rank.append(
             [
                 collate([samples[indices[j]] for j in mb], [advantages[indices[j]] for j in mb], pad_token_id)

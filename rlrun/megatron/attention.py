@@ -207,11 +207,7 @@ class SDPACoreAttention(MegatronModule):
         # k_channels / v_channels: multi-latent attention's q/k and v head sizes differ; SDPA reads them from
         # the tensors.
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"parallel context size ({config.context_parallel_size}) must be 1 because "
-                "SDPACoreAttention has no context parallelism; install TransformerEngine for it"
-            )
+        self.context_parallel = config.context_parallel_size > 1  # rlrun/megatron/context_parallel.py
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(
                 f"attn_mask_type ({attn_mask_type}) must be causal because SDPACoreAttention only "
@@ -228,6 +224,16 @@ class SDPACoreAttention(MegatronModule):
                 "attention_mask must be None because SDPACoreAttention builds the causal (and, "
                 "for packed rows, per-sample) mask itself; pass packing through position_ids"
             )
+        if self.context_parallel:
+            from rlrun.megatron import context_parallel
+
+            if packed_seq_params is not None:
+                raise ValueError(
+                    "packed rows must not reach context-parallel attention because each CP rank holds chunks of "
+                    "one sequence per row; with parallel.cp > 1 give each micro-batch rows of one sample"
+                )
+            dropout = self.dropout_p if self.training else 0.0
+            return context_parallel.attention(query, key, value, self.softmax_scale, dropout)
         if packed_seq_params is None:
             seq, batch = query.shape[:2]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, dim]

@@ -53,6 +53,7 @@ import torch
 
 from rlrun.megatron.mla import MLA_MODEL_TYPES, MLAArch
 from rlrun.megatron.moe import MOE_MODEL_TYPES, MoEArch, MoEOptions, moe_config_kwargs
+from rlrun.megatron.recompute import Recompute
 from rlrun.megatron.rope import Rope, rope_from_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
@@ -341,10 +342,18 @@ def _sliding_window_feature(cfg: dict, path: Path) -> Feature:
 
 
 def transformer_config(
-    arch: ModelArch, tp: int, pp: int, dtype: str, ep: int = 1, etp: int = 1, moe_options: MoEOptions | None = None
+    arch: ModelArch,
+    tp: int,
+    pp: int,
+    dtype: str,
+    ep: int = 1,
+    etp: int = 1,
+    moe_options: MoEOptions | None = None,
+    recompute: Recompute | None = None,
+    cp: int = 1,
 ):
     """The Megatron ``TransformerConfig`` of ``arch`` at this TP/PP (and, for MoE, EP/ETP) layout, with
-    dropout off.
+    dropout off and ``recompute``'s activation recompute (rlrun/megatron/recompute.py; default none).
 
     ``calculate_per_token_loss=True`` makes Megatron DDP *sum* gradients over data-parallel ranks
     instead of averaging them; ``train_step`` divides each loss by the global token count itself.
@@ -379,6 +388,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -390,6 +400,7 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         **moe,
+        **(recompute or Recompute()).config_kwargs(arch.num_layers // pp),
     )
     if arch.mla is None:
         return TransformerConfig(**kwargs)

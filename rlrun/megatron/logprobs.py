@@ -51,9 +51,72 @@ def vocab_parallel_token_stats(
     return logprobs, entropy if with_entropy else None
 
 
+def head_token_stats(
+    model: MegatronModel,
+    output: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    kept_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`vocab_parallel_token_stats` of the model's last-stage ``output`` (``forward_logits`` of the
+    positions that predict ``targets``): logits, or with a deferred LM head (``model.lm_head: chunked``)
+    hidden states, projected chunk by chunk so that no ``[T, V]`` tensor exists. Top-p mask replay
+    (``kept_ids``) gathers arbitrary logits, so there the projection is materialised as Megatron's output
+    layer would (same numbers, not the memory saving)."""
+    if not model.deferred_head:
+        return vocab_parallel_token_stats(output, targets, temperature, model.arch.vocab_size, with_entropy, kept_ids)
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    from rlrun.megatron.lm_head import output_weight
+    from rlrun.megatron.token_stats import chunked_head_token_stats
+
+    weight = output_weight(model.module)
+    if kept_ids is not None:
+        logits = copy_to_tensor_model_parallel_region(output) @ weight.t()  # the output layer's TP contract
+        return vocab_parallel_token_stats(logits, targets, temperature, model.arch.vocab_size, with_entropy, kept_ids)
+    start = mpu.get_tensor_model_parallel_rank() * weight.shape[0]
+    group = mpu.get_tensor_model_parallel_group()
+    logprobs, entropy = chunked_head_token_stats(
+        output, weight, targets, temperature, start, model.arch.vocab_size, group
+    )
+    return logprobs, entropy if with_entropy else None
+
+
+def model_token_stats(
+    model: MegatronModel,
+    output: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    kept_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(tokens[:, 1:]), entropy or None), each ``[B, S-1]``, from :func:`forward_logits`' ``output`` of
+    ``tokens``. With context parallelism the output covers this CP rank's positions only: the targets are cut
+    the same way and the stats gathered back to the whole row (rlrun/megatron/context_parallel.py)."""
+    targets = tokens[:, 1:].to(output.device)
+    if model.parallel.cp_size == 1:
+        return head_token_stats(model, output[:, :-1], targets, temperature, with_entropy, kept_ids)
+    from rlrun.megatron import context_parallel
+
+    # position p predicts token p + 1; the row's last position predicts nothing (a dummy target, dropped)
+    aligned = torch.nn.functional.pad(targets, (0, 1))
+    kept = (
+        None if kept_ids is None else context_parallel.shard(torch.nn.functional.pad(kept_ids, (0, 0, 0, 1), value=-1))
+    )
+    logprobs, entropy = head_token_stats(
+        model, output, context_parallel.shard(aligned), temperature, with_entropy, kept
+    )
+    length = targets.shape[1]
+    whole = context_parallel.gather_positions(logprobs, length)
+    return whole, None if entropy is None else context_parallel.gather_positions(entropy, length)
+
+
 def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """The model's local vocab-parallel logits ``[B, S, V_local]`` (on a stage before the last with PP > 1:
-    its output hidden states); inputs may live on the CPU.
+    """The model's local vocab-parallel logits ``[B, S, V_local]``, or its final hidden states ``[B, S, H]``
+    with a deferred LM head (``MegatronModel.deferred_head``; :func:`head_token_stats` takes either), on a
+    stage before the last with PP > 1 its output hidden states; inputs may live on the CPU.
 
     Rows whose ``position_ids`` are ``0..S-1`` are single causal sequences. Rows whose positions
     restart at 0 hold several packed samples (``rlrun.data.batch.collate``): the rows are flattened
@@ -65,6 +128,15 @@ def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
     device = model.parallel.device
     packing = packed_seq_params(position_ids, device)
     tokens, position_ids = tokens.to(device), position_ids.to(device)
+    if model.parallel.cp_size > 1:
+        from rlrun.megatron import context_parallel
+
+        if packing is not None:
+            raise ValueError(
+                f"parallel.cp ({model.parallel.cp_size}) needs micro-batches of one sample per row because each CP "
+                "rank holds chunks of one sequence; these rows are packed (position_ids restart)"
+            )
+        tokens, position_ids = context_parallel.shard(tokens), context_parallel.shard(position_ids)
     if packing is None:
         return model.ddp(input_ids=tokens, position_ids=position_ids, attention_mask=None)
     output = model.ddp(
@@ -113,15 +185,8 @@ def _token_stats(
 ) -> list[torch.Tensor]:
     """[log-probs] or [log-probs, entropy] of ``tokens`` on every rank of the pipeline."""
 
-    def head(logits: torch.Tensor) -> list[torch.Tensor]:
-        stats = vocab_parallel_token_stats(
-            logits[:, :-1],
-            tokens[:, 1:].to(logits.device),
-            temperature,
-            model.arch.vocab_size,
-            with_entropy=with_entropy,
-            kept_ids=kept_ids,
-        )
+    def head(output: torch.Tensor) -> list[torch.Tensor]:
+        stats = model_token_stats(model, output, tokens, temperature, with_entropy, kept_ids)
         return [t for t in stats if t is not None]
 
     return last_stage_outputs(

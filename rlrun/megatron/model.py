@@ -18,6 +18,7 @@ from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
 from rlrun.megatron.lora import is_lora_param
 from rlrun.megatron.mla import patch_mla_without_te
 from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
+from rlrun.megatron.recompute import Recompute
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
 
@@ -46,6 +47,8 @@ class MegatronModel:
     dtype: str
     lora: LoraAdapters | None = None
     """The LoRA adapters (``model.lora``; rlrun/megatron/lora.py); None: every parameter trains."""
+    deferred_head: bool = False
+    """True when the last stage's forward returns hidden states, not logits (rlrun/megatron/lm_head.py)."""
 
     @property
     def module(self) -> GPTModel:
@@ -61,15 +64,24 @@ def build_model(
     packed_attention: str = "auto",
     lora: LoraConfig | None = None,
     seed: int = 0,
+    recompute: Recompute | None = None,
+    lm_head: str = "chunked",
 ) -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
     layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
 
     ``moe_options``: routing and load-balancing options of MoE models (ignored for dense ones);
-    ``packed_attention``: ``model.packed_attention`` (rlrun/megatron/attention.py); ``lora``: freeze the
-    base and add LoRA branches initialised from ``seed`` (rlrun/megatron/lora.py) before the DDP wrap, so
-    only they get gradient buffers and optimizer state."""
-    gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options, packed_attention)
+    ``packed_attention``: ``model.packed_attention`` (rlrun/megatron/attention.py); ``recompute``:
+    ``train.recompute`` (rlrun/megatron/recompute.py); ``lm_head``: ``model.lm_head`` (``chunked``: the model
+    returns hidden states and the log-prob code projects them chunk by chunk, rlrun/megatron/lm_head.py);
+    ``lora``: freeze the base and add LoRA branches initialised from ``seed`` (rlrun/megatron/lora.py) before
+    the DDP wrap, so only they get gradient buffers and optimizer state."""
+    gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options, packed_attention, recompute)
+    deferred = lm_head == "chunked" and parallel.is_last_stage
+    if deferred:
+        from rlrun.megatron.lm_head import defer_output_layer
+
+        defer_output_layer(gpt)
     if parallel.is_rank0 and (padding_note := head_padding_note(arch, parallel.tp_size)):
         # A warning, not info: it costs compute the user may avoid, and the trainer sets up no logging
         # handlers, so only warnings reach the console.
@@ -81,11 +93,17 @@ def build_model(
         adapters = attach_lora(gpt, arch, lora, parallel, seed)
     model = wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
     model.lora = adapters
+    model.deferred_head = deferred
     return model
 
 
 def build_gpt(
-    hf_dir: str, parallel: Parallel, dtype: str, moe_options: MoEOptions | None = None, packed_attention: str = "auto"
+    hf_dir: str,
+    parallel: Parallel,
+    dtype: str,
+    moe_options: MoEOptions | None = None,
+    packed_attention: str = "auto",
+    recompute: Recompute | None = None,
 ) -> tuple[GPTModel, ModelArch, TransformerConfig]:
     """The bare GPTModel of ``hf_dir`` for this rank (its pipeline stage, TP/EP shards), HF weights loaded;
     shared by the actor (:func:`build_model`) and the critic (rlrun/megatron/value_head.py)."""
@@ -94,12 +112,25 @@ def build_gpt(
     from rlrun.megatron.attention import layer_spec
 
     arch = ModelArch.from_hf_dir(hf_dir)
+    if parallel.cp_size > 1 and (arch.moe is not None or arch.mla is not None):
+        raise ValueError(
+            f"parallel.cp ({parallel.cp_size}) must be 1 for {hf_dir} because context parallelism is implemented for "
+            "dense models with standard attention only (not MoE routing or multi-latent attention); set parallel.cp: 1"
+        )
     if arch.moe is not None:
         patch_router_without_te()
     if arch.mla is not None:
         patch_mla_without_te()
     config = transformer_config(
-        arch, parallel.tp_size, parallel.pp_size, dtype, parallel.ep_size, parallel.etp_size, moe_options
+        arch,
+        parallel.tp_size,
+        parallel.pp_size,
+        dtype,
+        parallel.ep_size,
+        parallel.etp_size,
+        moe_options,
+        recompute,
+        parallel.cp_size,
     )
     gpt = GPTModel(
         config=config,

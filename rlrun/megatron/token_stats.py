@@ -16,9 +16,16 @@ Every TP rank computes the same loss, so each rank's local gradient is exactly t
 its vocabulary slice (the forward all-reduces need no backward communication). Padded vocabulary
 entries (ids >= the HF vocab size) sit at the end of the last slices; they are left out of every sum
 and get zero gradient.
+
+The stored bf16 logits themselves are still ``[tokens, V_local]`` (9.3 GB at 32K tokens of Qwen3's
+vocabulary, plus Megatron's transposed copy). :func:`chunked_head_token_stats` takes the final hidden states
+and the output weight instead and projects each chunk itself, in the forward and again in the backward, so
+no ``[tokens, V]`` tensor exists at all (``model.lm_head: chunked``, rlrun/megatron/lm_head.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +45,25 @@ def chunked_token_stats(
     return _TokenStats.apply(logits, targets, temperature, vocab_start, valid, group)
 
 
+def chunked_head_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    vocab_start: int,
+    vocab_size: int,
+    group,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunked_token_stats` of the logits ``hidden @ weight.T`` without ever holding them: each token
+    chunk's logits are projected from ``hidden [..., H]`` (the final norm's output) by this rank's vocabulary
+    slice ``weight [V_local, H]``, reduced to per-token numbers and dropped; the backward projects each chunk
+    again and turns its logit gradient straight into the hidden-state and weight gradients. Like Megatron's
+    column-parallel output layer, the hidden-state gradient is all-reduced over ``group`` (every TP rank
+    holds the whole hidden state)."""
+    valid = min(max(vocab_size - vocab_start, 0), weight.shape[0])
+    return _HeadTokenStats.apply(hidden, weight, targets, temperature, vocab_start, valid, group)
+
+
 def _pieces(shape: torch.Size, vocab: int) -> list[tuple[int, int, int]]:
     """(row, start, stop) token ranges of ``[rows, tokens, V]`` logits, about ``CHUNK_BYTES`` each; one
     row at a time, so every piece is a contiguous slice even of a strided view (``logits[:, :-1]``)."""
@@ -45,66 +71,136 @@ def _pieces(shape: torch.Size, vocab: int) -> list[tuple[int, int, int]]:
     return [(row, start, min(start + step, shape[1])) for row in range(shape[0]) for start in range(0, shape[1], step)]
 
 
-class _TokenStats(torch.autograd.Function):
-    """Each pass over a chunk reads the bf16 logits straight into fp32 arithmetic (``torch.add`` with
+ChunkLogits = Callable[[int, int, int], torch.Tensor]
+"""``(row, start, stop) -> [stop - start, valid]`` logits of one piece (the model's dtype)."""
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 3 else x.unsqueeze(0)
+
+
+def _targets(targets: torch.Tensor, vocab_start: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local target ids ``[rows, tokens]`` (clamped into the slice) and whether this rank owns each one."""
+    t = (targets if targets.dim() == 2 else targets.unsqueeze(0)) - vocab_start
+    owned = (t >= 0) & (t < valid)
+    return t.clamp(0, max(valid - 1, 0)), owned
+
+
+def _forward_stats(chunk_logits: ChunkLogits, pieces, t, owned, temperature: float, group):
+    """Per-token ``(log p(t), entropy, log normaliser)`` over ``[rows, tokens]``, one piece of logits at a time.
+
+    Each pass over a chunk reads the bf16 logits straight into fp32 arithmetic (``torch.add`` with
     ``alpha = 1 / temperature`` does the cast, the scaling and the shift in one kernel) and reuses its
     buffers in place: HBM traffic, not FLOPs, is what these loops cost."""
+    stats = torch.zeros(4, *t.shape, dtype=torch.float32, device=t.device)  # m, S, z_t - m, sum e (z - m)
+    for row, start, stop in pieces:
+        u = chunk_logits(row, start, stop)
+        m = u.amax(dim=-1).float() / temperature
+        all_reduce(m, group, op=dist.ReduceOp.MAX)
+        z = torch.add(-m.unsqueeze(-1), u, alpha=1.0 / temperature)  # z - m, fp32; the logits stay as they are
+        e = z.exp()
+        piece = stats[:, row, start:stop]
+        piece[0], piece[1] = m, e.sum(dim=-1)
+        piece[2] = z.gather(-1, t[row, start:stop].unsqueeze(-1)).squeeze(-1) * owned[row, start:stop]
+        piece[3] = (e.unsqueeze(-2) @ z.unsqueeze(-1)).reshape(-1)  # sum_v e_v (z_v - m), without an e * z buffer
+    all_reduce(stats[1:], group)  # S, the owner's z_t - m and sum e (z - m) over the vocabulary
+    log_sum = stats[1].log()
+    return stats[2] - log_sum, log_sum - stats[3] / stats[1], stats[0] + log_sum
+
+
+def _backward_grads(chunk_logits: ChunkLogits, pieces, saved, grad_logprobs, grad_entropy, temperature: float):
+    """Yield ``(row, span, dlogits)`` per piece, fp32 ``[stop - start, valid]``:
+    ``(g_lp * onehot(t) - p * (g_lp + g_ent * (log p + entropy))) / temperature``, with the per-token factors
+    folded into ``A * log p + B`` so each chunk takes one fused multiply-add."""
+    t, owned, log_normalizer, entropy = saved
+    inv_t = 1.0 / temperature
+    g_lp = torch.zeros_like(log_normalizer) if grad_logprobs is None else grad_logprobs.reshape(log_normalizer.shape)
+    b = -inv_t * g_lp
+    if grad_entropy is not None:
+        g_ent = grad_entropy.reshape(log_normalizer.shape)
+        a, b = -inv_t * g_ent, b - inv_t * g_ent * entropy
+    for row, start, stop in pieces:
+        span = slice(start, stop)
+        log_p = torch.add(-log_normalizer[row, span].unsqueeze(-1), chunk_logits(row, start, stop), alpha=inv_t)
+        coef = b[row, span].unsqueeze(-1)
+        if grad_entropy is not None:
+            coef = torch.addcmul(coef, log_p, a[row, span].unsqueeze(-1))
+        dz = log_p.exp_().mul_(coef)
+        dz.scatter_add_(-1, t[row, span].unsqueeze(-1), (inv_t * g_lp[row, span] * owned[row, span]).unsqueeze(-1))
+        yield row, span, dz
+
+
+class _TokenStats(torch.autograd.Function):
+    """Log-probs and entropy of stored logits; the backward writes the logits' gradient piece by piece."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, vocab_start, valid, group):
         if logits.dim() not in (2, 3):
             raise ValueError(f"logits must be [tokens, V] or [rows, tokens, V]; got shape {tuple(logits.shape)}")
         ctx.set_materialize_grads(False)
-        x = logits if logits.dim() == 3 else logits.unsqueeze(0)
-        t = (targets if targets.dim() == 2 else targets.unsqueeze(0)) - vocab_start
-        owned = (t >= 0) & (t < valid)
-        t = t.clamp(0, max(valid - 1, 0))
-        stats = torch.zeros(4, *x.shape[:2], dtype=torch.float32, device=x.device)  # m, S, z_t - m, sum e (z - m)
-        for row, start, stop in _pieces(x.shape, x.shape[-1]):
-            u = x[row, start:stop, :valid]
-            m = u.amax(dim=-1).float() / temperature
-            all_reduce(m, group, op=dist.ReduceOp.MAX)
-            z = torch.add(-m.unsqueeze(-1), u, alpha=1.0 / temperature)  # z - m, fp32; the logits stay as they are
-            e = z.exp()
-            piece = stats[:, row, start:stop]
-            piece[0], piece[1] = m, e.sum(dim=-1)
-            piece[2] = z.gather(-1, t[row, start:stop].unsqueeze(-1)).squeeze(-1) * owned[row, start:stop]
-            piece[3] = (e.unsqueeze(-2) @ z.unsqueeze(-1)).reshape(-1)  # sum_v e_v (z_v - m), without an e * z buffer
-        all_reduce(stats[1:], group)  # S, the owner's z_t - m and sum e (z - m) over the vocabulary
-        log_sum = stats[1].log()
-        logprobs, entropy = stats[2] - log_sum, log_sum - stats[3] / stats[1]
-        log_normalizer = stats[0] + log_sum
+        x = _rows(logits)
+        t, owned = _targets(targets, vocab_start, valid)
+        pieces = _pieces(x.shape, x.shape[-1])
+        logprobs, entropy, log_normalizer = _forward_stats(
+            lambda row, start, stop: x[row, start:stop, :valid], pieces, t, owned, temperature, group
+        )
         ctx.save_for_backward(logits, t, owned, log_normalizer, entropy)
         ctx.temperature, ctx.valid = temperature, valid
-        shape = targets.shape
-        return logprobs.reshape(shape), entropy.reshape(shape)
+        return logprobs.reshape(targets.shape), entropy.reshape(targets.shape)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        """``dlogits = (g_lp * onehot(t) - p * (g_lp + g_ent * (log p + entropy))) / temperature``, with the
-        per-token factors folded into ``A * log p + B`` so each chunk takes one fused multiply-add."""
-        logits, t, owned, log_normalizer, entropy = ctx.saved_tensors
-        x = logits if logits.dim() == 3 else logits.unsqueeze(0)
-        inv_t = 1.0 / ctx.temperature
+        logits, *saved = ctx.saved_tensors
+        x, valid = _rows(logits), ctx.valid
         grad = torch.empty_like(x)
-        grad[..., ctx.valid :] = 0
-        g_lp = (
-            torch.zeros_like(log_normalizer) if grad_logprobs is None else grad_logprobs.reshape(log_normalizer.shape)
-        )
-        b = -inv_t * g_lp
-        if grad_entropy is not None:
-            g_ent = grad_entropy.reshape(log_normalizer.shape)
-            a, b = -inv_t * g_ent, b - inv_t * g_ent * entropy
-        for row, start, stop in _pieces(x.shape, x.shape[-1]):
-            span = slice(start, stop)
-            log_p = torch.add(-log_normalizer[row, span].unsqueeze(-1), x[row, span, : ctx.valid], alpha=inv_t)
-            coef = b[row, span].unsqueeze(-1)
-            if grad_entropy is not None:
-                coef = torch.addcmul(coef, log_p, a[row, span].unsqueeze(-1))
-            dz = log_p.exp_().mul_(coef)
-            dz.scatter_add_(-1, t[row, span].unsqueeze(-1), (inv_t * g_lp[row, span] * owned[row, span]).unsqueeze(-1))
-            grad[row, span, : ctx.valid] = dz
+        grad[..., valid:] = 0
+        pieces = _pieces(x.shape, x.shape[-1])
+
+        def chunk(row: int, start: int, stop: int) -> torch.Tensor:
+            return x[row, start:stop, :valid]
+
+        for row, span, dz in _backward_grads(chunk, pieces, saved, grad_logprobs, grad_entropy, ctx.temperature):
+            grad[row, span, :valid] = dz
         return grad.reshape(logits.shape), None, None, None, None, None
+
+
+class _HeadTokenStats(torch.autograd.Function):
+    """:class:`_TokenStats` with the output projection inside: logits exist one piece at a time, forward and
+    backward (each piece is projected twice: once per pass, ~1/3 more LM-head FLOPs)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, vocab_start, valid, group):
+        if hidden.dim() not in (2, 3):
+            raise ValueError(f"hidden must be [tokens, H] or [rows, tokens, H]; got shape {tuple(hidden.shape)}")
+        ctx.set_materialize_grads(False)
+        h, w = _rows(hidden), weight[:valid]
+        t, owned = _targets(targets, vocab_start, valid)
+        pieces = _pieces(h.shape, weight.shape[0])
+        logprobs, entropy, log_normalizer = _forward_stats(
+            lambda row, start, stop: h[row, start:stop] @ w.t(), pieces, t, owned, temperature, group
+        )
+        ctx.save_for_backward(hidden, weight, t, owned, log_normalizer, entropy)
+        ctx.temperature, ctx.valid, ctx.group = temperature, valid, group
+        return logprobs.reshape(targets.shape), entropy.reshape(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, *saved = ctx.saved_tensors
+        h, w = _rows(hidden), weight[: ctx.valid]
+        grad_hidden = torch.empty_like(h)
+        # fp32 sum over pieces (one bf16 GEMM per piece): rounding no worse than today's one GEMM over all tokens.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        pieces = _pieces(h.shape, weight.shape[0])
+
+        def chunk(row: int, start: int, stop: int) -> torch.Tensor:
+            return h[row, start:stop] @ w.t()
+
+        for row, span, dz in _backward_grads(chunk, pieces, saved, grad_logprobs, grad_entropy, ctx.temperature):
+            dz = dz.to(weight.dtype)  # the dtype the logits' gradient has on the unchunked path
+            grad_hidden[row, span] = dz @ w
+            grad_weight[: ctx.valid] += dz.t() @ h[row, span]
+        all_reduce(grad_hidden, ctx.group)  # each TP rank holds d/dh of its vocabulary slice only
+        return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def kept_set_logprobs(

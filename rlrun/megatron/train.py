@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from rlrun.megatron.logprobs import forward_logits, vocab_parallel_token_stats
+from rlrun.megatron.logprobs import forward_logits, model_token_stats
 from rlrun.megatron.model import MegatronModel
 from rlrun.megatron.moe import aux_loss_metrics
 from rlrun.megatron.pipeline import from_last_stage, run_schedule
@@ -51,19 +51,28 @@ none of ``RESERVED_METRICS``."""
 
 
 def make_optimizer(
-    model: MegatronModel, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, clip_grad: float
+    model: MegatronModel,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    clip_grad: float,
+    cpu_offload: bool = False,
+    offload_fraction: float = 1.0,
 ) -> MegatronOptimizer:
     """Megatron's Adam(W) over the DDP model: fp32 main weights for bf16 models, global-norm clipping;
-    the distributed optimizer when the model's DDP was built for it (``build_model``'s flag).
+    the distributed optimizer when the model's DDP was built for it (``build_model``'s flag), its state in host
+    memory with ``cpu_offload`` (:func:`optimizer_config`).
 
     Megatron keeps per-group ``lr_mult``/``wd_mult`` for its LR scheduler to apply; they are applied here
     once, so the optimizer is right without a scheduler too (:func:`make_scheduler` takes over from there).
     """
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
 
-    bf16 = model.dtype == "bfloat16"
-    config = OptimizerConfig(
-        optimizer="adam",
+    config = optimizer_config(
+        model.dtype,
+        model.ddp.ddp_config.use_distributed_optimizer,
+        model.parallel.device.type,
         lr=lr,
         min_lr=lr,
         weight_decay=weight_decay,
@@ -71,15 +80,75 @@ def make_optimizer(
         adam_beta2=betas[1],
         adam_eps=eps,
         clip_grad=clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=model.ddp.ddp_config.use_distributed_optimizer,
+        cpu_offload=cpu_offload,
+        offload_fraction=offload_fraction,
     )
     optimizer = get_megatron_optimizer(config, [model.ddp])
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_mult"]
         group["weight_decay"] = weight_decay * group["wd_mult"]
     return optimizer
+
+
+def optimizer_config(
+    dtype: str,
+    distributed: bool,
+    device_type: str,
+    cpu_offload: bool = False,
+    offload_fraction: float = 1.0,
+    **adam: float,
+):
+    """Megatron's ``OptimizerConfig`` for Adam on a ``dtype`` model (``adam``: its lr / betas / eps / clip keys).
+
+    ``cpu_offload`` (``optimizer.cpu_offload``): Megatron's ``HybridDeviceOptimizer`` steps the distributed
+    optimizer's fp32 shards with torch's AdamW on the host, the first ``offload_fraction`` of them by count, with
+    the gradient copies to the host and the weight copies back on side streams, per parameter
+    (``overlap_cpu_optimizer_d2h_h2d``). Megatron's "precision-aware" variant, which would also keep the fp32
+    main weights on the host, needs TransformerEngine (its config check calls TE's version), so here the device
+    keeps bf16 weights, fp32 gradients and fp32 main weights (10 bytes per parameter) and the host Adam's
+    moments and its own copy of the main weights (12 bytes per parameter, pinned)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    if cpu_offload:
+        why = _offload_refusal(dtype, distributed, device_type)
+        if why:
+            raise ValueError(f"optimizer.cpu_offload (true) must {why}")
+    bf16 = dtype == "bfloat16"
+    offload = (
+        dict(
+            optimizer_cpu_offload=True, optimizer_offload_fraction=offload_fraction, overlap_cpu_optimizer_d2h_h2d=True
+        )
+        if cpu_offload
+        else {}
+    )
+    return OptimizerConfig(
+        optimizer="adam",
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=distributed,
+        **adam,
+        **offload,
+    )
+
+
+def _offload_refusal(dtype: str, distributed: bool, device_type: str) -> str | None:
+    """Why optimizer state offload cannot work here (the rest of an error message), or None."""
+    if device_type != "cuda":
+        return (
+            "run on CUDA because on the CPU the optimizer state is in host memory already (and Megatron's "
+            "HybridDeviceOptimizer copies on CUDA streams); set optimizer.cpu_offload: false"
+        )
+    if not distributed:
+        return (
+            "go with optimizer.use_distributed_optimizer because Megatron offloads the distributed optimizer's "
+            "shards only; set optimizer.use_distributed_optimizer: true"
+        )
+    if dtype != "bfloat16":
+        return (
+            f"go with model.dtype bfloat16 (not {dtype}) because the offloaded state is the fp32 main copy of "
+            "bf16 weights; set model.dtype: bfloat16"
+        )
+    return None
 
 
 def make_scheduler(optimizer: MegatronOptimizer, cfg: OptimizerSettings, num_steps: int) -> OptimizerParamScheduler:
@@ -126,6 +195,8 @@ def make_optimizer_and_scheduler(
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad,
+        cpu_offload=cfg.cpu_offload,
+        offload_fraction=cfg.offload_fraction,
     )
     return optimizer, make_scheduler(optimizer, cfg, num_steps)
 
@@ -140,6 +211,8 @@ class OptimizerSettings(Protocol):
     adam_beta2: float
     adam_eps: float
     clip_grad: float
+    cpu_offload: bool
+    offload_fraction: float
     lr_warmup_steps: int
     lr_decay_style: Literal["constant", "linear", "cosine"]
     lr_decay_steps: int | None
@@ -169,13 +242,12 @@ def train_step(
     """
 
     def output_loss(micro_batch, output):
-        targets = micro_batch.tokens[:, 1:].to(output.device)
-        logprobs, entropy = vocab_parallel_token_stats(
-            output[:, :-1],
-            targets,
+        logprobs, entropy = model_token_stats(
+            model,
+            output,
+            micro_batch.tokens,
             temperature,
-            model.arch.vocab_size,
-            with_entropy=with_entropy,
+            with_entropy,
             kept_ids=getattr(micro_batch, "kept_ids", None),  # top-p mask replay; None without it
         )
         return loss_fn(micro_batch, logprobs, *((entropy,) if with_entropy else ()))

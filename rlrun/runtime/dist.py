@@ -84,6 +84,10 @@ class Parallel:
     folds EP into the data-parallel ranks: ``ep`` divides ``dp * tp / etp`` (``etp`` = expert TP)."""
     etp_rank: int = 0
     etp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    """Context parallelism: the CP ranks of one group share each sequence (rlrun/megatron/context_parallel.py);
+    they hold the same data, so ``dp_size`` counts them once."""
 
     @property
     def is_rank0(self) -> bool:
@@ -109,10 +113,12 @@ def init_distributed(
     ep: int = 1,
     etp: int = 1,
     reloadable_backends: tuple[str, ...] = (),
+    cp: int = 1,
 ) -> Parallel:
     """Start torch.distributed and Megatron's model-parallel groups for this rank; seed its RNGs.
 
-    ``ep`` / ``etp``: expert model- and tensor-parallel sizes of MoE layers (1 for dense models).
+    ``ep`` / ``etp``: expert model- and tensor-parallel sizes of MoE layers (1 for dense models); ``cp``: the
+    context-parallel size (rlrun/megatron/context_parallel.py).
 
     CPU (no CUDA): gloo and the Megatron CPU patches. GPU: NCCL with ``device = cuda:local_rank``.
     Megatron's groups on ``reloadable_backends`` can be destroyed and rebuilt around trainer sleep
@@ -122,6 +128,14 @@ def init_distributed(
     # Megatron warns on import, once per module, that TE/Apex are missing; the local spec is our choice.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
+    # train.recompute: selective checkpoints rlrun's own core attention on purpose (Megatron warns for TE's fused one)
+    warnings.filterwarnings("ignore", message=r"If you are using transformer_engine as the transformer implementation")
+    if env.world_size % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world_size ({env.world_size}) must be divisible by tp*pp*cp ({tp}*{pp}*{cp}) because every "
+            "data-parallel replica holds one full tp x pp x cp model; set the sizes so that their product divides "
+            "the number of processes"
+        )
     if env.world_size % (tp * pp) != 0:
         raise ValueError(
             f"world_size ({env.world_size}) must be divisible by tp*pp ({tp}*{pp}) because every "
@@ -165,6 +179,7 @@ def init_distributed(
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        context_parallel_size=cp,
         distributed_timeout_minutes=max(1, round(timeout_s / 60)),
     )
     torch.manual_seed(seed)
@@ -185,6 +200,8 @@ def init_distributed(
         ep_size=ep,
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
         etp_size=etp,
+        cp_rank=mpu.get_context_parallel_rank(),
+        cp_size=cp,
     )
 
 

@@ -88,6 +88,7 @@ class Actor:
         state can sleep; then the role weights (CPU backups) and the hooks."""
         from rlrun.megatron import build_model, make_optimizer_and_scheduler
         from rlrun.megatron.moe import MoEOptions
+        from rlrun.megatron.recompute import Recompute
 
         with offloader.trainer_region():
             opt = cfg.optimizer
@@ -100,6 +101,8 @@ class Actor:
                 packed_attention=cfg.model.packed_attention,
                 lora=cfg.model.lora,
                 seed=cfg.train.seed,
+                recompute=Recompute(cfg.train.recompute, cfg.train.recompute_num_layers),
+                lm_head=cfg.model.lm_head,
             )
             optimizer, scheduler = make_optimizer_and_scheduler(
                 model, opt, cfg.train.num_steps * cfg.train.updates_per_step

@@ -84,6 +84,7 @@ class BatchPlanner:
                 dp_size=self.dp_size,
                 max_tokens=cfg.train.max_tokens_per_micro_batch,
                 pad_token_id=self.pad_token_id,
+                one_sample_per_micro_batch=cfg.parallel.cp > 1,  # context parallelism cuts unpacked rows
             )
             num_samples = sum(mb.num_loss_samples for mbs in per_dp for mb in mbs)
             per_update.append((per_dp, sum(s.num_loss_tokens for s, _ in part), num_samples))

@@ -89,6 +89,7 @@ def run(cfg: RunConfig) -> bool:
         ep=cfg.parallel.ep,
         etp=cfg.parallel.etp,
         reloadable_backends=cfg.offload.reloadable_backends,
+        cp=cfg.parallel.cp,
     )
     stop, watchdog, parts = StopRequest.install(), Watchdog.start(parallel), None
     try:

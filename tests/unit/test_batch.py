@@ -58,3 +58,11 @@ def test_schedule_gives_every_rank_work():
     assert len(per_rank) == 2 and all(per_rank)
     total_loss_tokens = sum(mb.num_loss_tokens for mbs in per_rank for mb in mbs)
     assert total_loss_tokens == 2  # the filler micro-batch carries no loss
+
+
+def test_context_parallel_schedules_one_unpacked_sample_per_micro_batch():
+    samples = [make_sample(3, 2, 0), make_sample(2, 4, 1), make_sample(4, 1, 2)]
+    (mbs,) = schedule_micro_batches(samples, [1.0] * 3, 1, 64, 0, one_sample_per_micro_batch=True)
+    assert len(mbs) == 3 and all(mb.num_loss_samples == 1 for mb in mbs)
+    for mb in mbs:  # positions 0..S-1: the unpacked path that context parallelism cuts into chunks
+        assert mb.position_ids[0].tolist() == list(range(mb.tokens.shape[1]))

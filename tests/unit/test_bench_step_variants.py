@@ -30,6 +30,7 @@ from peer_step import parse_variant, variant_flags  # noqa: E402
         Variant(packed_attention="flash_varlen"),
         Variant(packed_attention="per_sample"),
         Variant(lora_rank=8),
+        Variant(recompute="selective", optimizer_offload=True),
     ],
 )
 def test_run_config_applies_the_variant(tmp_path, backend, variant):
@@ -48,6 +49,8 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     else:
         assert (lora.rank, lora.alpha) == (8, 16.0)
     assert variant.label(backend).endswith("_lora8") == (variant.lora_rank == 8)
+    assert cfg.train.recompute == variant.recompute
+    assert cfg.optimizer.cpu_offload is cfg.optimizer.use_distributed_optimizer is variant.optimizer_offload
     assert cfg.offload.reloadable_backends == (("nccl",) if variant.offload and variant.teardown_nccl else ())
     assert tuple(cfg.logging.profile_steps) == (3,)
     if backend == "sglang":
@@ -70,14 +73,17 @@ def test_run_config_splits_the_rollout_into_updates(tmp_path):
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("teardown", [True, False])
 @pytest.mark.parametrize("attention", ["auto", "per_sample", "flash_varlen"])
-def test_variant_names_round_trip(offload, teardown, attention):
-    variant = Variant(offload=offload, teardown_nccl=teardown, packed_attention=attention)
+@pytest.mark.parametrize("recompute, optimizer_offload", [("none", False), ("full", True)])
+def test_variant_names_round_trip(offload, teardown, attention, recompute, optimizer_offload):
+    variant = Variant(offload, teardown, attention, recompute, optimizer_offload)
     label = variant.label("sglang")
     assert parse_variant(label) == ("sglang", variant)
     flags = variant_flags("sglang", variant)
     assert flags[flags.index("--offload") + 1] == ("on" if offload else "off")
     assert flags[flags.index("--teardown-nccl") + 1] == ("on" if teardown else "off")
     assert flags[flags.index("--packed-attention") + 1] == attention
+    assert flags[flags.index("--recompute") + 1] == recompute
+    assert flags[flags.index("--optimizer-offload") + 1] == ("on" if optimizer_offload else "off")
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,10 @@ def test_cli_json_on_tiny_cpu(tmp_path):
             "2",
             "--steps",
             "2",
+            "--recompute",
+            "full",
+            "--recompute-num-layers",
+            "1",
             "--out",
             str(out),
         ],
@@ -93,6 +97,14 @@ def test_cli_json_on_tiny_cpu(tmp_path):
     packed, rows = record["results"]
     assert (packed["layout"], rows["layout"]) == ("packed", "rows")
     assert packed["micro_batches"] == rows["micro_batches"] == 2
+    assert packed["memory"] == {
+        "recompute": "full",
+        "recompute_num_layers": 1,
+        "lm_head": "chunked",
+        "optimizer_cpu_offload": False,
+        "offload_fraction": 1.0,
+        "cp_size": 1,
+    }
     for r in (packed, rows):
         median = statistics.median(r["step_seconds"])
         assert len(r["step_seconds"]) == 2 and r["tokens_per_step"] == 4 * 80
