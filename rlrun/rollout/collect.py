@@ -36,7 +36,14 @@ from rlrun.rollout.evaluate import Evaluator
 from rlrun.rollout.filters import GroupFilter, apply_filter, load_filter
 from rlrun.rollout.multiturn import load_generate_fn
 from rlrun.rollout.rewards import load_reward_fn, score_samples
-from rlrun.rollout.streaming import TICK_S, GroupJob, GroupStream, is_unfinished
+from rlrun.rollout.streaming import (
+    TICK_S,
+    GroupJob,
+    GroupStream,
+    carry_from_state,
+    carry_to_state,
+    is_unfinished,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +146,7 @@ class RolloutRuntime:
     """rlrun.engine.group.EngineGroup when ``engine.tp > 1``: its leader generates the whole group's prompts."""
     carry: list[list[Sample]] = field(default_factory=list)
     """Rank 0, ``rollout.partial_rollout``: groups aborted (or kept beyond the batch) at the last step's end,
-    generated first in the next step. Not checkpointed: a resumed run starts without them (their prompts
-    count as drawn)."""
+    generated first in the next step. Checkpointed (:meth:`carry_state`), so a resumed run trains them."""
 
     @property
     def streams(self) -> bool:
@@ -163,6 +169,25 @@ class RolloutRuntime:
         if cfg.eval.interval > 0:
             runtime.evaluator = Evaluator(runtime, tokenizer)
         return runtime
+
+    def carry_state(self) -> list | None:
+        """Rank 0 with partial rollout: the carry as plain data for the checkpoint; None elsewhere."""
+        if not (self.parallel.is_rank0 and self.cfg.rollout.partial_rollout):
+            return None
+        return carry_to_state(self.carry)
+
+    def restore_carry(self, state: list | None) -> None:
+        """Rank 0: take back a checkpoint's carry. Its prompts count as drawn (the sampler's cursor is past
+        them), so dropping it would lose them for good: a run without partial rollout refuses it."""
+        if not state:
+            return
+        if not self.cfg.rollout.partial_rollout:
+            raise ValueError(
+                f"rollout.partial_rollout (false) must be true to resume this checkpoint because it carries "
+                f"{len(state)} drawn, untrained groups (saved by a partial-rollout run; the data position is past "
+                "them, so they would never train); set rollout.partial_rollout: true, or checkpoint.resume: none"
+            )
+        self.carry = carry_from_state(state)
 
     def eval_due(self, step: int) -> bool:
         """Whether ``eval.interval`` says this step evaluates (before its rollout)."""
@@ -244,10 +269,10 @@ class RolloutRuntime:
             pending = [GroupJob(g[0].prompt, g) for g in carried if any(is_unfinished(s) for s in g)]
         for round_index in itertools.count():
             plan = self._plan_stream_round(tally, pending) if tally is not None else None
-            pending = []
             jobs = scatter_from_rank0(plan, parallel.cpu_group)
-            if jobs is None:
+            if jobs is None:  # carried groups of an unstarted round stay pending (carried again below)
                 break
+            pending = []
             seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
             self._stream_one_round(jobs, seed, tally)
         if tally is None:
@@ -255,7 +280,9 @@ class RolloutRuntime:
         batch = tally.batch()
         surplus = tally.kept[tally.target :]
         if r.partial_rollout:  # nothing drawn is thrown away: aborted and surplus groups train in a later step
-            self.carry = tally.aborted + surplus
+            # Oldest first: carried groups whose continuation never started (the carried finished groups
+            # alone filled the batch, or no round was left), then this step's aborted ones and the surplus.
+            self.carry = [job.carried for job in pending if job.carried is not None] + tally.aborted + surplus
         batch.metrics.update(partial_rollout_metrics(tally, batch.samples, self.carry, r.partial_rollout))
         if r.partial_rollout_mask_offpolicy:
             batch.metrics["rollout/offpolicy_masked_tokens"] = sum(mask_older_weights(s) for s in batch.samples)

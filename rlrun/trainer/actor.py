@@ -150,9 +150,15 @@ class Actor:
         return export_hf_weights(self.model)
 
     def save(
-        self, checkpointer: Checkpointer, run_state: RunState, sampler: PromptSampler | None, blocking: bool
+        self,
+        checkpointer: Checkpointer,
+        run_state: RunState,
+        sampler: PromptSampler | None,
+        blocking: bool,
+        carry: list | None = None,
     ) -> None:
-        """Collective: checkpoint the actor (and critic) with ``run_state`` and rank 0's sampler cursor."""
+        """Collective: checkpoint the actor (and critic) with ``run_state``, rank 0's sampler cursor and its
+        partial-rollout carry (``RolloutRuntime.carry_state``)."""
         checkpointer.save(
             run_state,
             self.model,
@@ -161,6 +167,7 @@ class Actor:
             blocking=blocking,
             scheduler=self.scheduler,
             critic=self.critic,
+            carry=carry,
         )
 
     def restore(self, checkpointer: Checkpointer, sampler: PromptSampler | None) -> dict[str, int] | None:

@@ -92,6 +92,7 @@ def run(cfg: RunConfig) -> bool:
         watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
         resumed = parts.actor.restore(checkpointer, parts.sampler)
+        parts.rollout.restore_carry(checkpointer.restored_carry)
         state = RunState(**resumed) if resumed is not None else RunState()
         if resumed is not None:
             sync_weights(parts, state.weight_version)  # the engine started from model.path's weights
@@ -110,7 +111,9 @@ def run(cfg: RunConfig) -> bool:
             checkpointer.poll()
             last = state.step == cfg.train.num_steps
             if checkpointer.due(state.step, last=last, stopping=stopping):
-                parts.actor.save(checkpointer, state, parts.sampler, blocking=last or stopping)
+                parts.actor.save(
+                    checkpointer, state, parts.sampler, blocking=last or stopping, carry=parts.rollout.carry_state()
+                )
         checkpointer.wait()
         watchdog.close(parallel.cpu_group)
     except BaseException as exc:
