@@ -206,7 +206,9 @@ def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
     from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
 
     r = cfg.rollout
-    checks = [("rollout.reward", lambda: load_reward_fn(r.reward, r.remote_reward))]
+    specs = [("rollout.reward", r.reward)] + [(f"rollout.rewards.{name}", spec) for name, spec in r.rewards.items()]
+    specs += [(f"eval.datasets.{i}.reward", ds.reward) for i, ds in enumerate(cfg.eval.datasets) if ds.reward]
+    checks = [(key, lambda spec=spec: load_reward_fn(spec, r.remote_reward)) for key, spec in specs]
     if r.generate_fn:
         checks.append(("rollout.generate_fn", lambda: load_generate_fn(r.generate_fn)))
     if r.dynamic_filter:

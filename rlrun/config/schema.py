@@ -115,6 +115,9 @@ class DataConfig(Section):
     (and suppresses templates that would insert a default one)."""
     shuffle: bool = True
     """Shuffle prompts each epoch with a seed derived from ``seed`` and the epoch number."""
+    source_key: str = "source"
+    """Metadata key naming a row's data source (one dataset of a mixture): the step's rewards are also logged
+    per source (``rollout/source/<source>/reward``, eval likewise); rows without the key are not broken down."""
 
 
 class RemoteRewardConfig(Section):
@@ -165,6 +168,16 @@ class RolloutConfig(Section):
     (plain or ``async def``; the sample carries the response text, finish_reason and the prompt's
     label and metadata). Resolved when the config is loaded. A reward that raises scores 0 and is
     counted in ``rollout/reward_errors`` and logged with its message."""
+    rewards: dict[str, str] = Field(default_factory=dict)
+    """Multi-task data: named reward functions (each a spec as ``reward`` takes) that a row selects by its
+    metadata's ``reward_type_key`` value (slime's per-sample ``rm_type``); rows without that key use
+    ``reward``. A row naming a type missing here fails when the data is loaded."""
+    reward_type_key: str = "reward_type"
+    """Metadata key of a row's reward type (a name in ``rewards``); only read when ``rewards`` is set."""
+    reward_key: str | None = None
+    """A reward function may return a dict of named scores (``{"correct": 1.0, "format": 0.5}``): the value
+    under this key is the reward that trains, and every key's mean is logged (``rollout/reward/<key>``).
+    None: a dict reward fails its sample (reward 0, counted in ``rollout/reward_errors``)."""
     reward_per_group: bool = False
     """Call a custom reward once per group as ``fn(samples: list[Sample]) -> list[float]`` (e.g. to
     rank a prompt's responses against each other) instead of once per sample."""
@@ -260,6 +273,19 @@ class EvalDatasetConfig(Section):
     """Key of the prompt in this file; None uses ``data.prompt_key``."""
     label_key: str | None = None
     """Key of the label in this file; None uses ``data.label_key``."""
+    samples_per_prompt: int | None = Field(None, ge=1)
+    """Responses per prompt for this set (n of its pass@k); None uses ``eval.samples_per_prompt``."""
+    temperature: float | None = Field(None, gt=0)
+    """Sampling temperature for this set; None uses ``eval.temperature``, then ``rollout.temperature``."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Response length limit for this set; None uses ``eval.max_new_tokens``, then ``rollout.max_new_tokens``."""
+    stop: list[str] | None = None
+    """Stop strings for this set; None uses ``rollout.stop``."""
+    reward: str | None = None
+    """Reward for every row of this set (a spec as ``rollout.reward`` takes); None scores as training does
+    (``rollout.reward``, or the row's ``rollout.rewards`` type)."""
+    reward_key: str | None = None
+    """Key of a dict reward that scores this set; None uses ``rollout.reward_key``."""
 
     def data_config(self, base: DataConfig) -> DataConfig:
         """``base`` (template, system prompt, other keys) with this dataset's path and keys."""
@@ -283,9 +309,17 @@ class EvalConfig(Section):
     """Sampling temperature for eval; None uses ``rollout.temperature``."""
     max_new_tokens: int | None = Field(None, ge=1)
     """Response length limit for eval; None uses ``rollout.max_new_tokens``."""
+    before_train: bool = True
+    """Evaluate before step 0 (the initial weights); false starts training at once and evaluates first
+    before step ``interval`` (slime's ``--skip-eval-before-train``)."""
 
     @model_validator(mode="after")
     def _datasets_when_enabled(self) -> EvalConfig:
+        if not self.before_train and self.interval == 0:
+            raise ValueError(
+                "eval.before_train (false) must be true when eval.interval is 0 because no eval runs at all; "
+                "set eval.interval > 0 or drop eval.before_train"
+            )
         if self.interval > 0 and not self.datasets:
             raise ValueError(
                 f"eval.interval ({self.interval}) must be 0 when eval.datasets is empty because there "
@@ -298,14 +332,18 @@ class EvalConfig(Section):
             )
         return self
 
-    def rollout_overrides(self, rollout: RolloutConfig) -> dict[str, Any]:
-        """The rollout fields eval changes: group size, and temperature / length when set."""
-        return {
-            "samples_per_prompt": self.samples_per_prompt,
-            "reward_per_group": rollout.reward_per_group,
-            "temperature": self.temperature or rollout.temperature,
-            "max_new_tokens": self.max_new_tokens or rollout.max_new_tokens,
+    def rollout_for(self, rollout: RolloutConfig, ds: EvalDatasetConfig) -> RolloutConfig:
+        """The rollout settings eval set ``ds`` generates and scores with: its own, else eval's, else the run's."""
+        update: dict[str, Any] = {
+            "samples_per_prompt": ds.samples_per_prompt or self.samples_per_prompt,
+            "temperature": ds.temperature or self.temperature or rollout.temperature,
+            "max_new_tokens": ds.max_new_tokens or self.max_new_tokens or rollout.max_new_tokens,
+            "stop": rollout.stop if ds.stop is None else ds.stop,
+            "reward_key": ds.reward_key or rollout.reward_key,
         }
+        if ds.reward is not None:
+            update.update(reward=ds.reward, rewards={})
+        return rollout.model_copy(update=update)
 
 
 class DebugConfig(Section):

@@ -46,6 +46,8 @@ class Sample:
     reward: float = 0.0
     reward_error: str | None = None
     """The reward function's exception message when it raised (the reward is then 0)."""
+    reward_components: dict[str, float] | None = None
+    """A dict reward's named scores (``reward`` is the one under ``rollout.reward_key``); None for a float reward."""
     loss_mask: list[int] | None = None
     """Per response token: 1 if the model generated it (trained on), 0 if it was inserted by a tool
     or the environment in a multi-turn rollout (context only: no loss, and its ``rollout_logprobs``

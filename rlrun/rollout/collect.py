@@ -35,7 +35,9 @@ from rlrun.rollout.driver import generate_samples, group_samples, split_groups
 from rlrun.rollout.evaluate import Evaluator
 from rlrun.rollout.filters import GroupFilter, apply_filter, load_filter
 from rlrun.rollout.multiturn import load_generate_fn
-from rlrun.rollout.rewards import load_reward_fn, score_samples
+from rlrun.rollout.rewards import score_samples
+from rlrun.rollout.rewards.breakdown import reward_breakdown
+from rlrun.rollout.rewards.select import RewardByType, load_rewards
 from rlrun.rollout.streaming import (
     TICK_S,
     GroupJob,
@@ -61,6 +63,8 @@ class RoundTally:
     """Rank 0's bookkeeping over one step's sampling rounds."""
 
     target: int
+    source_key: str = "source"
+    """``data.source_key``: the metadata key of a row's data source, for the per-source reward means."""
     kept: list[list[Sample]] = field(default_factory=list)
     last_round: list[list[Sample]] = field(default_factory=list)
     generated: list[Sample] = field(default_factory=list)
@@ -107,6 +111,7 @@ class RoundTally:
             "rollout/filter_exhausted": float(exhausted),
             "rollout/raw_reward_mean": sum(s.reward for s in self.generated) / max(len(self.generated), 1),
             "rollout/reward_errors": sum(s.reward_error is not None for s in self.generated),
+            **reward_breakdown(self.generated, self.source_key, "rollout"),
         }
         return RolloutBatch([s for g in groups for s in g], metrics)
 
@@ -124,7 +129,7 @@ class RolloutHooks:
         """Import every hook the config names; raises ``RewardSpecError`` / ``HookSpecError`` naming the key
         (cheap: call it when the config is loaded, so a bad path fails before any model loads)."""
         return cls(
-            reward_fn=load_reward_fn(r.reward, r.remote_reward),
+            reward_fn=load_rewards(r),
             generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
             group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None,
         )
@@ -164,6 +169,8 @@ class RolloutRuntime:
             hooks=RolloutHooks.load(cfg.rollout),
             group=group,
         )
+        if sampler is not None and isinstance(runtime.hooks.reward_fn, RewardByType):
+            runtime.hooks.reward_fn.check(sampler.dataset.prompts, cfg.data.path)
         if runtime.hooks.generate_fn is not None:
             runtime.max_context_tokens = cfg.rollout.max_context_tokens or model_context_tokens(cfg.model.path)
         if cfg.eval.interval > 0:
@@ -199,27 +206,30 @@ class RolloutRuntime:
         return self.evaluator.run(step)
 
     def generate_and_score(
-        self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None
+        self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None, reward_fn=None
     ) -> list[Sample]:
-        """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them. In an
-        engine group every rank passes its share and gets its own samples back, but the leader generates
-        and scores the whole group's prompts in one call (with its ``seed``)."""
-        r = rollout_cfg or self.cfg.rollout
+        """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them (with
+        ``reward_fn``, by default the run's). In an engine group every rank passes its share and gets its
+        own samples back, but the leader generates and scores the whole group's prompts in one call."""
+        r, fn = rollout_cfg or self.cfg.rollout, reward_fn or self.hooks.reward_fn
         if self.group is None:
-            return self._generate_and_score_here(prompts, seed, r)
+            return self._generate_and_score_here(prompts, seed, r, fn)
         return self.group.run_on_leader(
-            prompts, lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r), r.samples_per_prompt
+            prompts,
+            lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r, fn),
+            r.samples_per_prompt,
         )
 
-    def _generate_and_score_here(self, prompts: list[Prompt], seed: int, r: RolloutConfig) -> list[Sample]:
+    def _generate_and_score_here(self, prompts: list[Prompt], seed: int, r: RolloutConfig, fn) -> list[Sample]:
         samples = generate_samples(
             self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn, self.max_context_tokens
         )
         score_samples(
             samples,
-            self.hooks.reward_fn,
+            fn,
             group_size=r.samples_per_prompt if r.reward_per_group else None,
             concurrency=r.reward_concurrency,
+            reward_key=r.reward_key,
         )
         return samples
 
@@ -244,7 +254,9 @@ class RolloutRuntime:
 
     def _sample_rounds(self, step: int) -> RolloutBatch | None:
         r, parallel = self.cfg.rollout, self.parallel
-        tally = RoundTally(target=r.prompts_per_step) if parallel.is_rank0 else None
+        tally = (
+            RoundTally(target=r.prompts_per_step, source_key=self.cfg.data.source_key) if parallel.is_rank0 else None
+        )
         for round_index in itertools.count():
             plan = self._plan_round(tally) if tally is not None else None
             prompts = scatter_from_rank0(plan, parallel.cpu_group)
@@ -261,7 +273,9 @@ class RolloutRuntime:
         """Sampling rounds of one engine call per group, aborting what still generates once the batch is
         full (rlrun/rollout/streaming.py); rank 0 returns the batch, with the carry for the next step."""
         r, parallel = self.cfg.rollout, self.parallel
-        tally = RoundTally(target=r.prompts_per_step) if parallel.is_rank0 else None
+        tally = (
+            RoundTally(target=r.prompts_per_step, source_key=self.cfg.data.source_key) if parallel.is_rank0 else None
+        )
         pending: list[GroupJob] = []
         if tally is not None:
             carried, self.carry = self.carry, []
@@ -293,7 +307,9 @@ class RolloutRuntime:
         r, group = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
 
         def score(samples: list[Sample]) -> None:
-            score_samples(samples, self.hooks.reward_fn, group if r.reward_per_group else None, r.reward_concurrency)
+            score_samples(
+                samples, self.hooks.reward_fn, group if r.reward_per_group else None, r.reward_concurrency, r.reward_key
+            )
 
         stream = GroupStream(self.engine, r, seed, self.tokenizer, score)
         stream.add(jobs)

@@ -46,22 +46,40 @@ def test_every_metric_name_in_the_source_is_documented():
 
 @pytest.mark.slow
 def test_every_key_a_run_writes_is_documented(tiny_model_dirs, tmp_path):
+    """Also the multi-task example's settings (configs/multi_task.yaml) through the CLI: two reward types
+    picked by the rows' metadata, a dict reward, per-source metrics, per-eval-set settings, no eval before
+    step 0."""
+    rewards = "examples/multi_task/rewards.py"
     records = run_train(
         tiny_model_dirs["qwen3"],
         tmp_path / "run",
         "train.num_steps=2",
+        "data.path=examples/multi_task/data/train.jsonl",
+        "data.metadata_key=null",
+        "rollout.generate_fn=examples/calculator_tool/agent.py:generate",
+        f"rollout.rewards={{add: '{rewards}:addition', calc: '{rewards}:calculator'}}",
+        "rollout.reward_key=correct",
         "rollout.dynamic_filter=nonzero_std",
         "rollout.over_sampling_prompts=6",
         "eval.interval=1",
-        "eval.datasets=[{name: add, path: 'configs/data/addition_train.jsonl@[:4]'}]",
+        "eval.before_train=false",
+        "eval.datasets=[{name: add, path: 'configs/data/addition_train.jsonl@[:4]', samples_per_prompt: 2}, "
+        f"{{name: calc, path: 'examples/calculator_tool/data/eval.jsonl@[:2]', reward: '{rewards}:calculator'}}]",
         "eval.pass_k=[1,2]",
-        "eval.samples_per_prompt=2",
         "algorithm.kl.loss_coef=0.01",
         "algorithm.tis.mode=clip",
     )
     keys = {key for record in records for key in record}
     assert {"train/kl_loss", "train/tis_mean", "eval/add/pass@2", "rollout/filter_drop_frac"} <= keys
     assert undocumented(keys) == []
+    assert not any(k.startswith("eval/") for k in records[0]) and "eval/calc/reward/correct" in records[1]
+    assert "eval/calc/pass@2" not in keys  # its group is eval.samples_per_prompt's 1
+    per_source = {
+        "rollout/source/addition/reward",
+        "rollout/source/calculator/reward/tool_call",
+        "rollout/reward/correct",
+    }
+    assert per_source <= keys
 
 
 @pytest.mark.slow
