@@ -200,10 +200,12 @@ def _source_order(problem: str) -> tuple[int, str]:
 
 
 def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
+    from rlrun.data.source import load_source_factory
     from rlrun.hooks import HookSpecError
     from rlrun.rollout.filters import load_filter
     from rlrun.rollout.multiturn import load_generate_fn
     from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
+    from rlrun.rollout.rewards.post_process import load_reward_post_process
 
     r = cfg.rollout
     specs = [("rollout.reward", r.reward)] + [(f"rollout.rewards.{name}", spec) for name, spec in r.rewards.items()]
@@ -211,6 +213,10 @@ def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
     checks = [(key, lambda spec=spec: load_reward_fn(spec, r.remote_reward)) for key, spec in specs]
     if r.generate_fn:
         checks.append(("rollout.generate_fn", lambda: load_generate_fn(r.generate_fn)))
+    if r.reward_post_process:
+        checks.append(("rollout.reward_post_process", lambda: load_reward_post_process(r.reward_post_process)))
+    if cfg.data.sampler:
+        checks.append(("data.sampler", lambda: load_source_factory(cfg.data.sampler)))
     if r.dynamic_filter:
         checks.append(("rollout.dynamic_filter", lambda: load_filter(r.dynamic_filter)))
     for key, check in checks:

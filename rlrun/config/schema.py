@@ -115,6 +115,11 @@ class DataConfig(Section):
     (and suppresses templates that would insert a default one)."""
     shuffle: bool = True
     """Shuffle prompts each epoch with a seed derived from ``seed`` and the epoch number."""
+    sampler: str | None = None
+    """A prompt source of your own (slime's ``--data-source-path``): ``module:function`` /
+    ``path/to/file.py:function`` with signature ``fn(dataset: PromptDataset, seed: int, shuffle: bool) ->
+    PromptSource`` (``next_batch(n)``, JSON ``state_dict()``, ``load_state_dict(state)``, ``dataset``;
+    rlrun/data/source.py, example examples/hooks/sources.py). None: the seeded, shuffled-per-epoch sampler."""
     source_key: str = "source"
     """Metadata key naming a row's data source (one dataset of a mixture): the step's rewards are also logged
     per source (``rollout/source/<source>/reward``, eval likewise); rows without the key are not broken down."""
@@ -178,6 +183,11 @@ class RolloutConfig(Section):
     """A reward function may return a dict of named scores (``{"correct": 1.0, "format": 0.5}``): the value
     under this key is the reward that trains, and every key's mean is logged (``rollout/reward/<key>``).
     None: a dict reward fails its sample (reward 0, counted in ``rollout/reward_errors``)."""
+    reward_post_process: str | None = None
+    """Reshape the step's rewards once its batch is known (slime's ``--custom-reward-post-process-path``):
+    ``module:function`` / ``path/to/file.py:function`` with signature ``fn(samples: list[Sample]) ->
+    list[float]``, called on rank 0 with the trained samples (whole groups, prompt-major) before advantages;
+    its values replace the rewards (rlrun/rollout/rewards/post_process.py, example examples/hooks/rewards.py)."""
     reward_per_group: bool = False
     """Call a custom reward once per group as ``fn(samples: list[Sample]) -> list[float]`` (e.g. to
     rank a prompt's responses against each other) instead of once per sample."""

@@ -37,6 +37,7 @@ from rlrun.rollout.filters import GroupFilter, apply_filter, load_filter
 from rlrun.rollout.multiturn import load_generate_fn
 from rlrun.rollout.rewards import score_samples
 from rlrun.rollout.rewards.breakdown import reward_breakdown
+from rlrun.rollout.rewards.post_process import RewardPostProcess, load_reward_post_process, post_process_rewards
 from rlrun.rollout.rewards.select import RewardByType, load_rewards
 from rlrun.rollout.streaming import (
     TICK_S,
@@ -123,6 +124,7 @@ class RolloutHooks:
     reward_fn: Callable
     generate_fn: Callable | None
     group_filter: GroupFilter | None
+    reward_post_process: RewardPostProcess | None = None
 
     @classmethod
     def load(cls, r: RolloutConfig) -> RolloutHooks:
@@ -132,6 +134,7 @@ class RolloutHooks:
             reward_fn=load_rewards(r),
             generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
             group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None,
+            reward_post_process=load_reward_post_process(r.reward_post_process) if r.reward_post_process else None,
         )
 
 
@@ -237,15 +240,19 @@ class RolloutRuntime:
         """Sampling rounds until the batch is full; rank 0 gets the batch, the other ranks None.
 
         With ``debug.load_rollout_data`` rank 0 reads the step's saved batch instead (no engine
-        call); with ``debug.save_rollout_data`` it writes the batch it returns.
+        call); with ``debug.save_rollout_data`` it writes the batch it returns, with the rewards before
+        ``rollout.reward_post_process`` (which runs last, on loaded batches too).
         """
         debug = self.cfg.debug
         if debug.load_rollout_data:
             samples = load_rollout(debug.load_rollout_data, step) if self.parallel.is_rank0 else None
-            return RolloutBatch(samples, {"rollout/loaded_from_disk": 1.0}) if samples is not None else None
-        batch = self._stream_rounds(step) if self.streams else self._sample_rounds(step)
-        if batch is not None and debug.save_rollout_data:
-            save_rollout(self.debug_dir, step, batch.samples)
+            batch = RolloutBatch(samples, {"rollout/loaded_from_disk": 1.0}) if samples is not None else None
+        else:
+            batch = self._stream_rounds(step) if self.streams else self._sample_rounds(step)
+            if batch is not None and debug.save_rollout_data:
+                save_rollout(self.debug_dir, step, batch.samples)
+        if batch is not None and self.hooks.reward_post_process is not None:
+            batch.metrics.update(post_process_rewards(self.hooks.reward_post_process, batch.samples))
         return batch
 
     @property

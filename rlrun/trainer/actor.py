@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from rlrun.config.schema import AlgorithmConfig, RunConfig
-    from rlrun.data.prompts import PromptSampler
+    from rlrun.data.source import PromptSource
     from rlrun.megatron.model import MegatronModel
     from rlrun.runtime.dist import Parallel
     from rlrun.trainer.checkpoint import Checkpointer, RunState
@@ -153,7 +153,7 @@ class Actor:
         self,
         checkpointer: Checkpointer,
         run_state: RunState,
-        sampler: PromptSampler | None,
+        sampler: PromptSource | None,
         blocking: bool,
         carry: list | None = None,
     ) -> None:
@@ -170,7 +170,7 @@ class Actor:
             carry=carry,
         )
 
-    def restore(self, checkpointer: Checkpointer, sampler: PromptSampler | None) -> dict[str, int] | None:
+    def restore(self, checkpointer: Checkpointer, sampler: PromptSource | None) -> dict[str, int] | None:
         """Collective: load what ``checkpoint.resume`` / ``checkpoint.load`` pick; returns the saved run state
         fields (None: a fresh start). The old actor then holds the restored weights, which the engine gets next."""
         resumed = checkpointer.restore(

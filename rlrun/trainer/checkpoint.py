@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from rlrun.data.prompts import PromptSampler
+    from rlrun.data.source import PromptSource
     from rlrun.megatron.model import MegatronModel
     from rlrun.trainer.critic import Critic
 
@@ -239,7 +239,7 @@ class Checkpointer:
         run_state: RunState,
         model: MegatronModel,
         optimizer: MegatronOptimizer,
-        sampler: PromptSampler | None,
+        sampler: PromptSource | None,
         blocking: bool,
         critic: Critic | None = None,
         scheduler: OptimizerParamScheduler | None = None,
@@ -332,7 +332,7 @@ class Checkpointer:
         self,
         model: MegatronModel,
         optimizer: MegatronOptimizer,
-        sampler: PromptSampler | None,
+        sampler: PromptSource | None,
         critic: Critic | None = None,
         scheduler: OptimizerParamScheduler | None = None,
     ) -> dict[str, int] | None:

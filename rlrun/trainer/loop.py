@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from rlrun.config.load import dump_config
 from rlrun.config.schema import RunConfig
-from rlrun.data.prompts import PromptSampler
 from rlrun.data.sample import Sample
+from rlrun.data.source import PromptSource
 from rlrun.data.transfer import all_gather, scatter_from_rank0
 from rlrun.engine.group import EngineGroup
 from rlrun.metrics import MetricsLogger, PhaseTimer
@@ -62,7 +62,7 @@ class Components:
     actor: Actor
     rollout: RolloutRuntime  # engine calls, rewards, rollout hooks, the dynamic filter, evaluation
     planner: BatchPlanner  # rank 0 plans every rank's TrainBatch
-    sampler: PromptSampler | None  # rank 0 only
+    sampler: PromptSource | None  # rank 0 only: data.sampler's source, by default the seeded PromptSampler
     logger: MetricsLogger | None  # rank 0 only
 
 
@@ -159,8 +159,9 @@ def setup(cfg: RunConfig, parallel: Parallel) -> Components:
     sampler = None
     if parallel.is_rank0:
         from rlrun.data.prompts import PromptDataset
+        from rlrun.data.source import build_source
 
-        sampler = PromptSampler(PromptDataset(cfg.data, tokenizer), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+        sampler = build_source(cfg.data, PromptDataset(cfg.data, tokenizer), seed=cfg.train.seed)
     rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine)
     dp_rank_of = all_gather(parallel.dp_rank, parallel.cpu_group)
     return Components(
