@@ -475,10 +475,18 @@ class TISConfig(Section):
 
 
 class OPDConfig(Section):
-    """On-policy distillation from a teacher swapped into the trainer's model (slime's ``megatron`` OPD)."""
+    """On-policy distillation: a teacher swapped into the trainer's model (slime's ``megatron`` OPD), or a
+    teacher engine beside each rank's engine (``teacher_engine``, slime's ``sglang`` OPD)."""
 
     teacher_path: str | None = None
-    """Hugging Face directory of the teacher (same architecture as ``model.path``)."""
+    """Hugging Face directory of the teacher (same architecture as ``model.path``, unless ``teacher_engine``
+    is set: then any size or architecture the engine runs, sharing ``model.path``'s tokenizer)."""
+    teacher_engine: Literal["embedded"] | None = None
+    """Score the student's samples with a second engine worker per rank holding ``teacher_path`` (its
+    log-probs of every response token, at the rollout temperature, over the whole vocabulary), during the
+    rollout, instead of swapping the teacher into the trainer. The teacher worker keeps its weights resident
+    (no release/resume between phases). A tokenizer other than ``model.path``'s is refused at setup.
+    ``sglang`` is not served yet (its prompt log-prob call is untested here). None: the trainer-side swap."""
     kl_coef: float = Field(0.0, ge=0)
     """Advantage penalty ``A_t -= kl_coef * (logp_student - logp_teacher)``; > 0 enables distillation."""
 
@@ -566,6 +574,11 @@ class AlgorithmConfig(Section):
     @property
     def uses_teacher(self) -> bool:
         return self.opd.kl_coef > 0
+
+    @property
+    def swaps_teacher(self) -> bool:
+        """Whether the teacher's weights are swapped into the trainer (not scored by a teacher engine)."""
+        return self.uses_teacher and self.opd.teacher_engine is None
 
     @model_validator(mode="after")
     def _compatible(self) -> AlgorithmConfig:
@@ -736,6 +749,11 @@ class RunConfig(Section):
                 f"engine.tp ({self.engine.tp}) must be 1 with rollout.abort_surplus / rollout.partial_rollout "
                 "because streaming rounds send one call per group from each rank to its own engine; set "
                 "engine.tp: 1 or turn them off"
+            )
+        if self.algorithm.opd.teacher_engine is not None and self.engine.tp > 1:
+            raise ValueError(
+                f"engine.tp ({self.engine.tp}) must be 1 with algorithm.opd.teacher_engine because each rank's "
+                "teacher engine scores that rank's own samples; set engine.tp: 1 or unset teacher_engine"
             )
         if self.train.updates_per_rollout > self.rollout.prompts_per_step:
             raise ValueError(

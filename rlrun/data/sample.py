@@ -63,6 +63,9 @@ class Sample:
     """Top-p mask replay: ``[len(response_ids), width]`` int32, each response token's kept set (the ids the
     engine's top-p / top-k / min-p filter kept when it drew that token, -1 padded); ``rollout_logprobs`` are
     then renormalised over it, and so are the trainer's. None: sampled without a filter (or by SGLang)."""
+    teacher_logprobs: list[float] | None = None
+    """``algorithm.opd.teacher_engine``: the teacher engine's log-prob of each response token (None: no
+    teacher engine; the trainer-side teacher fills the micro-batch instead)."""
     carried_tokens: int = 0
     """Partial rollout: response tokens generated in earlier steps (the sample was aborted at a batch
     boundary and continued from prompt + those tokens); 0 for a sample generated within one step."""

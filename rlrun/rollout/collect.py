@@ -47,6 +47,7 @@ from rlrun.rollout.streaming import (
     carry_to_state,
     is_unfinished,
 )
+from rlrun.rollout.teacher import TeacherEngine
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ class RolloutRuntime:
     evaluator: Evaluator | None = None
     group: Any = None
     """rlrun.engine.group.EngineGroup when ``engine.tp > 1``: its leader generates the whole group's prompts."""
+    teacher: TeacherEngine | None = None
+    """This rank's teacher engine (``algorithm.opd.teacher_engine``): scores the rank's rollout samples."""
     carry: list[list[Sample]] = field(default_factory=list)
     """Rank 0, ``rollout.partial_rollout``: groups aborted (or kept beyond the batch) at the last step's end,
     generated first in the next step. Checkpointed (:meth:`carry_state`), so a resumed run trains them."""
@@ -162,7 +165,7 @@ class RolloutRuntime:
         return self.cfg.rollout.streams
 
     @classmethod
-    def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler, group=None) -> RolloutRuntime:
+    def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler, group=None, teacher=None) -> RolloutRuntime:
         runtime = cls(
             cfg=cfg,
             parallel=parallel,
@@ -171,6 +174,7 @@ class RolloutRuntime:
             sampler=sampler,
             hooks=RolloutHooks.load(cfg.rollout),
             group=group,
+            teacher=teacher,
         )
         if sampler is not None and isinstance(runtime.hooks.reward_fn, RewardByType):
             runtime.hooks.reward_fn.check(sampler.dataset.prompts, cfg.data.path)
@@ -270,7 +274,10 @@ class RolloutRuntime:
             if prompts is None:
                 break
             seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
-            gathered = gather_to_rank0(self.generate_and_score(prompts, seed), parallel.cpu_group)
+            samples = self.generate_and_score(prompts, seed)
+            if self.teacher is not None:
+                self.teacher.score(samples)
+            gathered = gather_to_rank0(samples, parallel.cpu_group)
             if tally is not None:
                 groups = group_samples([s for rank_samples in gathered for s in rank_samples], r.samples_per_prompt)
                 tally.add_round(groups, self.hooks.group_filter)
@@ -317,6 +324,8 @@ class RolloutRuntime:
             score_samples(
                 samples, self.hooks.reward_fn, group if r.reward_per_group else None, r.reward_concurrency, r.reward_key
             )
+            if self.teacher is not None:
+                self.teacher.score(samples)
 
         stream = GroupStream(self.engine, r, seed, self.tokenizer, score)
         stream.add(jobs)

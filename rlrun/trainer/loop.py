@@ -123,6 +123,8 @@ def run(cfg: RunConfig) -> bool:
         gc.unfreeze()
         if parts is not None:
             parts.engine.shutdown()
+            if parts.rollout.teacher is not None:
+                parts.rollout.teacher.close()
             if parts.logger is not None:
                 parts.logger.close()
         destroy_distributed()
@@ -162,7 +164,12 @@ def setup(cfg: RunConfig, parallel: Parallel) -> Components:
         from rlrun.data.source import build_source
 
         sampler = build_source(cfg.data, PromptDataset(cfg.data, tokenizer), seed=cfg.train.seed)
-    rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine)
+    teacher = None
+    if cfg.algorithm.opd.teacher_engine is not None:
+        from rlrun.rollout.teacher import TeacherEngine
+
+        teacher = TeacherEngine.spawn(cfg, parallel.rank, run_dir)
+    rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine, teacher=teacher)
     dp_rank_of = all_gather(parallel.dp_rank, parallel.cpu_group)
     return Components(
         cfg=cfg,

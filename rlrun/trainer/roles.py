@@ -86,13 +86,13 @@ class ModelRoles:
     def create(cls, cfg: AlgorithmConfig, model: MegatronModel, num_optimizer_steps: int = 1) -> ModelRoles:
         """Back up the actor and load every configured role; the model holds the actor on return.
         ``num_optimizer_steps``: the updates per rollout step (reuse of the training forward needs one)."""
-        if not (cfg.uses_ref or cfg.uses_teacher or cfg.keep_old_actor):
+        if not (cfg.uses_ref or cfg.swaps_teacher or cfg.keep_old_actor):
             return cls(cfg, model, None, num_optimizer_steps)
         backup = WeightBackup(model.module)
         backup.backup("actor")
         if cfg.uses_ref:
             _load_ref(backup, model, cfg.ref.path, cfg.ref.step)
-        if cfg.uses_teacher:
+        if cfg.swaps_teacher:
             _load_role(backup, model, "teacher", cfg.opd.teacher_path)
         if cfg.keep_old_actor:
             backup.copy("actor", "old_actor")
@@ -113,7 +113,7 @@ class ModelRoles:
             for tag, field, on in (
                 ("old_actor", "old_logprobs", self.needs_old_forward and self.cfg.keep_old_actor),
                 ("ref", "ref_logprobs", self.cfg.uses_ref),
-                ("teacher", "teacher_logprobs", self.cfg.uses_teacher),
+                ("teacher", "teacher_logprobs", self.cfg.swaps_teacher),  # else: the teacher engine's
             )
             if on
         ]
