@@ -107,8 +107,8 @@ def _parse_override(override: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
-    # "a: b" parses as a mapping; every field is a scalar, so the user meant the text.
-    return key, raw if isinstance(value, dict) else value
+    # "a: b" parses as a mapping but means the text; a mapping is written as one: "{a: b}".
+    return key, raw if isinstance(value, dict) and not raw.lstrip().startswith("{") else value
 
 
 def _check_known_key(key: str, override: str) -> None:

@@ -115,3 +115,12 @@ def test_config_load_resolves_every_named_reward_and_eval_reward(tmp_path):
     with pytest.raises(ConfigError, match=r"eval.datasets.0.reward: reward 'no_such_builtin'"):
         load_config(path)
     assert load_config("configs/multi_task.yaml").rollout.rewards["calc"].endswith("rewards.py:calculator")
+
+
+def test_a_mapping_override_sets_the_reward_table():
+    from rlrun.config.load import load_config
+
+    cfg = load_config("configs/quickstart.yaml", [f"rollout.rewards={{calc: '{HOOKS}:calculator'}}"])
+    assert cfg.rollout.rewards == {"calc": f"{HOOKS}:calculator"}
+    text = load_config("configs/quickstart.yaml", ["logging.run_dir=a: b"]).logging.run_dir
+    assert text == "a: b"  # "a: b" without braces stays text
