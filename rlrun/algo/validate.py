@@ -92,6 +92,11 @@ def _problems(cfg: AlgorithmConfig):
             f"must be set together because distillation needs both a teacher and a weight; set both "
             f"or neither"
         )
+    if opd.teacher_engine is not None and opd.kl_coef == 0:
+        yield (
+            f"algorithm.opd.teacher_engine ({opd.teacher_engine}) must come with algorithm.opd.kl_coef > 0 and "
+            "teacher_path because without distillation no teacher is scored; set both or unset teacher_engine"
+        )
     if (cfg.loss_type == "custom") != (cfg.custom_loss is not None):
         yield (
             f"algorithm.custom_loss ({cfg.custom_loss}) must be set exactly when loss_type is custom "

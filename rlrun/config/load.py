@@ -108,8 +108,8 @@ def _parse_override(override: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
-    # "a: b" parses as a mapping; every field is a scalar, so the user meant the text.
-    return key, raw if isinstance(value, dict) else value
+    # "a: b" parses as a mapping but means the text; a mapping is written as one: "{a: b}".
+    return key, raw if isinstance(value, dict) and not raw.lstrip().startswith("{") else value
 
 
 def _check_known_key(key: str, override: str) -> None:
@@ -205,15 +205,23 @@ def _source_order(problem: str) -> tuple[int, str]:
 
 
 def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
+    from rlrun.data.source import load_source_factory
     from rlrun.hooks import HookSpecError
     from rlrun.rollout.filters import load_filter
     from rlrun.rollout.multiturn import load_generate_fn
     from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
+    from rlrun.rollout.rewards.post_process import load_reward_post_process
 
     r = cfg.rollout
-    checks = [("rollout.reward", lambda: load_reward_fn(r.reward, r.remote_reward))]
+    specs = [("rollout.reward", r.reward)] + [(f"rollout.rewards.{name}", spec) for name, spec in r.rewards.items()]
+    specs += [(f"eval.datasets.{i}.reward", ds.reward) for i, ds in enumerate(cfg.eval.datasets) if ds.reward]
+    checks = [(key, lambda spec=spec: load_reward_fn(spec, r.remote_reward)) for key, spec in specs]
     if r.generate_fn:
         checks.append(("rollout.generate_fn", lambda: load_generate_fn(r.generate_fn)))
+    if r.reward_post_process:
+        checks.append(("rollout.reward_post_process", lambda: load_reward_post_process(r.reward_post_process)))
+    if cfg.data.sampler:
+        checks.append(("data.sampler", lambda: load_source_factory(cfg.data.sampler)))
     if r.dynamic_filter:
         checks.append(("rollout.dynamic_filter", lambda: load_filter(r.dynamic_filter)))
     for key, check in checks:

@@ -87,6 +87,7 @@ class MicroBatch:
             loss_mask=torch.zeros_like(self.loss_mask),
             advantages=torch.zeros_like(self.advantages),
             rollout_logprobs=self.rollout_logprobs,
+            teacher_logprobs=self.teacher_logprobs,
             routed_experts=self.routed_experts,
             kept_ids=self.kept_ids,
         )
@@ -127,9 +128,24 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
         loss_mask,
         adv,
         rollout_lp,
+        teacher_logprobs=_packed_teacher_logprobs(samples, seq_len),
         routed_experts=_packed_experts(samples, seq_len),
         kept_ids=_packed_kept_ids(samples, seq_len),
     )
+
+
+def _packed_teacher_logprobs(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
+    """``MicroBatch.teacher_logprobs`` of one packed row from the teacher engine's scores (prediction
+    positions, as ``rollout_logprobs``; 0 elsewhere), or None when the samples have none."""
+    if all(s.teacher_logprobs is None for s in samples):
+        return None
+    out, offset = torch.zeros(1, seq_len - 1), 0
+    for sample in samples:
+        assert sample.teacher_logprobs is not None, "the teacher engine scores every sample of a step"
+        prompt_len = len(sample.prompt.prompt_ids)
+        out[0, offset + prompt_len - 1 : offset + sample.total_length - 1] = torch.tensor(sample.teacher_logprobs)
+        offset += sample.total_length
+    return out
 
 
 def _packed_kept_ids(samples: list[Sample], seq_len: int) -> torch.Tensor | None:

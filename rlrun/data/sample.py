@@ -46,6 +46,8 @@ class Sample:
     reward: float = 0.0
     reward_error: str | None = None
     """The reward function's exception message when it raised (the reward is then 0)."""
+    reward_components: dict[str, float] | None = None
+    """A dict reward's named scores (``reward`` is the one under ``rollout.reward_key``); None for a float reward."""
     loss_mask: list[int] | None = None
     """Per response token: 1 if the model generated it (trained on), 0 if it was inserted by a tool
     or the environment in a multi-turn rollout (context only: no loss, and its ``rollout_logprobs``
@@ -61,6 +63,9 @@ class Sample:
     """Top-p mask replay: ``[len(response_ids), width]`` int32, each response token's kept set (the ids the
     engine's top-p / top-k / min-p filter kept when it drew that token, -1 padded); ``rollout_logprobs`` are
     then renormalised over it, and so are the trainer's. None: sampled without a filter (or by SGLang)."""
+    teacher_logprobs: list[float] | None = None
+    """``algorithm.opd.teacher_engine``: the teacher engine's log-prob of each response token (None: no
+    teacher engine; the trainer-side teacher fills the micro-batch instead)."""
     carried_tokens: int = 0
     """Partial rollout: response tokens generated in earlier steps (the sample was aborted at a batch
     boundary and continued from prompt + those tokens); 0 for a sample generated within one step."""

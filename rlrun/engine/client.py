@@ -150,10 +150,12 @@ class EngineClient:
         request_timeout_s: float = 600,
         heartbeat_timeout_s: float = 8.0,
         extra_env: Mapping[str, str] | None = None,
+        name: str = "engine",
     ) -> EngineClient:
         """Start a worker for ``spec`` and wait (up to ``startup_timeout_s``) until it answers ``health``.
 
-        ``extra_env`` adds variables to the worker's environment only (SGLANG_* switches, say).
+        ``extra_env`` adds variables to the worker's environment only (SGLANG_* switches, say); ``name``
+        prefixes its endpoint and log file, ``{name}-{rank}`` (a second worker per rank needs its own).
         """
         if spec.tp_size > 1 and not spec.traits.shards_over_tp:
             raise ValueError(
@@ -162,8 +164,8 @@ class EngineClient:
             )
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        endpoint = choose_endpoint(run_dir, f"engine-{rank}")
-        log_path = run_dir / f"engine-{rank}.log"
+        endpoint = choose_endpoint(run_dir, f"{name}-{rank}")
+        log_path = run_dir / f"{name}-{rank}.log"
         token = secrets.token_bytes(16)
         command = [
             sys.executable,
@@ -247,6 +249,13 @@ class EngineClient:
         return self.rpc.call(
             "generate", input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob, rids=rids
         )
+
+    def score_tokens(
+        self, input_ids: list[list[int]], starts: list[int], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Each sequence's log-probs of its tokens from ``starts[i]`` on, given the tokens before them:
+        ``log_softmax(logits / temperature)``, fp32, whole vocabulary (docs/engine-contract.md)."""
+        return self.rpc.call("score_tokens", input_ids=input_ids, starts=starts, temperature=temperature)
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.rpc.call("abort", rid=rid, abort_all=abort_all)

@@ -90,6 +90,7 @@ class EngineWorker:
         "end_weight_update",
         "get_weight_version",
         "weight_checksums",
+        "score_tokens",
         "shutdown",
     )
 
@@ -118,6 +119,13 @@ class EngineWorker:
             raise ValueError(f"rids ({len(rids)} ids) must have one id per prompt ({len(input_ids)}); pass None or fix")
         with self.lifecycle.generating():
             return await self.backend.generate(input_ids, params, return_logprob, rids)
+
+    async def score_tokens(
+        self, input_ids: list[list[int]], starts: list[int], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Each sequence's log-probs of its tokens from ``starts[i]`` on (a teacher engine scoring samples)."""
+        with self.lifecycle.generating():
+            return await self.backend.score_tokens(input_ids, starts, temperature)
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort in-flight samples whose rid starts with ``rid`` (all with ``abort_all``); they return

@@ -36,8 +36,19 @@ from rlrun.rollout.driver import generate_samples, group_samples, split_groups
 from rlrun.rollout.evaluate import Evaluator
 from rlrun.rollout.filters import GroupFilter, apply_filter, load_filter
 from rlrun.rollout.multiturn import load_generate_fn
-from rlrun.rollout.rewards import load_reward_fn, score_samples
-from rlrun.rollout.streaming import TICK_S, GroupJob, GroupStream, is_unfinished
+from rlrun.rollout.rewards import score_samples
+from rlrun.rollout.rewards.breakdown import reward_breakdown
+from rlrun.rollout.rewards.post_process import RewardPostProcess, load_reward_post_process, post_process_rewards
+from rlrun.rollout.rewards.select import RewardByType, load_rewards
+from rlrun.rollout.streaming import (
+    TICK_S,
+    GroupJob,
+    GroupStream,
+    carry_from_state,
+    carry_to_state,
+    is_unfinished,
+)
+from rlrun.rollout.teacher import TeacherEngine
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +66,8 @@ class RoundTally:
     """Rank 0's bookkeeping over one step's sampling rounds."""
 
     target: int
+    source_key: str = "source"
+    """``data.source_key``: the metadata key of a row's data source, for the per-source reward means."""
     kept: list[list[Sample]] = field(default_factory=list)
     last_round: list[list[Sample]] = field(default_factory=list)
     generated: list[Sample] = field(default_factory=list)
@@ -104,6 +117,7 @@ class RoundTally:
             "rollout/filter_exhausted": float(exhausted),
             "rollout/raw_reward_mean": sum(s.reward for s in self.generated) / max(len(self.generated), 1),
             "rollout/reward_errors": sum(s.reward_error is not None for s in self.generated),
+            **reward_breakdown(self.generated, self.source_key, "rollout"),
         }
         return RolloutBatch([s for g in groups for s in g], metrics)
 
@@ -115,15 +129,17 @@ class RolloutHooks:
     reward_fn: Callable
     generate_fn: Callable | None
     group_filter: GroupFilter | None
+    reward_post_process: RewardPostProcess | None = None
 
     @classmethod
     def load(cls, r: RolloutConfig) -> RolloutHooks:
         """Import every hook the config names; raises ``RewardSpecError`` / ``HookSpecError`` naming the key
         (cheap: call it when the config is loaded, so a bad path fails before any model loads)."""
         return cls(
-            reward_fn=load_reward_fn(r.reward, r.remote_reward),
+            reward_fn=load_rewards(r),
             generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
             group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None,
+            reward_post_process=load_reward_post_process(r.reward_post_process) if r.reward_post_process else None,
         )
 
 
@@ -141,10 +157,11 @@ class RolloutRuntime:
     evaluator: Evaluator | None = None
     group: Any = None
     """rlrun.engine.group.EngineGroup when ``engine.tp > 1``: its leader generates the whole group's prompts."""
+    teacher: TeacherEngine | None = None
+    """This rank's teacher engine (``algorithm.opd.teacher_engine``): scores the rank's rollout samples."""
     carry: list[list[Sample]] = field(default_factory=list)
     """Rank 0, ``rollout.partial_rollout``: groups aborted (or kept beyond the batch) at the last step's end,
-    generated first in the next step. Not checkpointed: a resumed run starts without them (their prompts
-    count as drawn)."""
+    generated first in the next step. Checkpointed (:meth:`carry_state`), so a resumed run trains them."""
 
     @property
     def streams(self) -> bool:
@@ -152,7 +169,7 @@ class RolloutRuntime:
         return self.cfg.rollout.streams
 
     @classmethod
-    def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler, group=None) -> RolloutRuntime:
+    def build(cls, cfg: RunConfig, parallel, engine, tokenizer, sampler, group=None, teacher=None) -> RolloutRuntime:
         runtime = cls(
             cfg=cfg,
             parallel=parallel,
@@ -161,12 +178,34 @@ class RolloutRuntime:
             sampler=sampler,
             hooks=RolloutHooks.load(cfg.rollout),
             group=group,
+            teacher=teacher,
         )
+        if sampler is not None and isinstance(runtime.hooks.reward_fn, RewardByType):
+            runtime.hooks.reward_fn.check(sampler.dataset.prompts, cfg.data.path)
         if runtime.hooks.generate_fn is not None:
             runtime.max_context_tokens = cfg.rollout.max_context_tokens or model_context_tokens(cfg.model.path)
         if cfg.eval.interval > 0:
             runtime.evaluator = Evaluator(runtime, tokenizer)
         return runtime
+
+    def carry_state(self) -> list | None:
+        """Rank 0 with partial rollout: the carry as plain data for the checkpoint; None elsewhere."""
+        if not (self.parallel.is_rank0 and self.cfg.rollout.partial_rollout):
+            return None
+        return carry_to_state(self.carry)
+
+    def restore_carry(self, state: list | None) -> None:
+        """Rank 0: take back a checkpoint's carry. Its prompts count as drawn (the sampler's cursor is past
+        them), so dropping it would lose them for good: a run without partial rollout refuses it."""
+        if not state:
+            return
+        if not self.cfg.rollout.partial_rollout:
+            raise ValueError(
+                f"rollout.partial_rollout (false) must be true to resume this checkpoint because it carries "
+                f"{len(state)} drawn, untrained groups (saved by a partial-rollout run; the data position is past "
+                "them, so they would never train); set rollout.partial_rollout: true, or checkpoint.resume: none"
+            )
+        self.carry = carry_from_state(state)
 
     def eval_due(self, step: int) -> bool:
         """Whether ``eval.interval`` says this step evaluates (before its rollout)."""
@@ -178,29 +217,33 @@ class RolloutRuntime:
         return self.evaluator.run(step)
 
     def generate_and_score(
-        self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None
+        self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None, reward_fn=None
     ) -> list[Sample] | EngineLost:
-        """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them. In an
-        engine group every rank passes its share and gets its own samples back, but the leader generates
-        and scores the whole group's prompts in one call (with its ``seed``). ``EngineLost`` when the
-        group's engine is lost and the group tolerates it (``engine.max_restarts``)."""
-        r = rollout_cfg or self.cfg.rollout
+        """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them (with
+        ``reward_fn``, by default the run's). In an engine group every rank passes its share and gets its
+        own samples back, but the leader generates and scores the whole group's prompts in one call (with its
+        ``seed``). ``EngineLost`` when the group's engine is lost and the group tolerates it
+        (``engine.max_restarts``)."""
+        r, fn = rollout_cfg or self.cfg.rollout, reward_fn or self.hooks.reward_fn
         if self.group is None:
-            return self._generate_and_score_here(prompts, seed, r)
+            return self._generate_and_score_here(prompts, seed, r, fn)
         return self.group.run_on_leader(
-            prompts, lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r), r.samples_per_prompt
+            prompts,
+            lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r, fn),
+            r.samples_per_prompt,
         )
 
-    def _generate_and_score_here(self, prompts: list[Prompt], seed: int, r: RolloutConfig) -> list[Sample]:
+    def _generate_and_score_here(self, prompts: list[Prompt], seed: int, r: RolloutConfig, fn) -> list[Sample]:
         samples = generate_samples(
             self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn, self.max_context_tokens
         )
         score_samples(
             samples,
-            self.hooks.reward_fn,
+            fn,
             group_size=r.samples_per_prompt if r.reward_per_group else None,
             concurrency=r.reward_concurrency,
             timeout_s=r.reward_timeout_s,
+            reward_key=r.reward_key,
         )
         return samples
 
@@ -208,15 +251,19 @@ class RolloutRuntime:
         """Sampling rounds until the batch is full; rank 0 gets the batch, the other ranks None.
 
         With ``debug.load_rollout_data`` rank 0 reads the step's saved batch instead (no engine
-        call); with ``debug.save_rollout_data`` it writes the batch it returns.
+        call); with ``debug.save_rollout_data`` it writes the batch it returns, with the rewards before
+        ``rollout.reward_post_process`` (which runs last, on loaded batches too).
         """
         debug = self.cfg.debug
         if debug.load_rollout_data:
             samples = load_rollout(debug.load_rollout_data, step) if self.parallel.is_rank0 else None
-            return RolloutBatch(samples, {"rollout/loaded_from_disk": 1.0}) if samples is not None else None
-        batch = self._stream_rounds(step) if self.streams else self._sample_rounds(step)
-        if batch is not None and debug.save_rollout_data:
-            save_rollout(self.debug_dir, step, batch.samples)
+            batch = RolloutBatch(samples, {"rollout/loaded_from_disk": 1.0}) if samples is not None else None
+        else:
+            batch = self._stream_rounds(step) if self.streams else self._sample_rounds(step)
+            if batch is not None and debug.save_rollout_data:
+                save_rollout(self.debug_dir, step, batch.samples)
+        if batch is not None and self.hooks.reward_post_process is not None:
+            batch.metrics.update(post_process_rewards(self.hooks.reward_post_process, batch.samples))
         return batch
 
     @property
@@ -225,14 +272,19 @@ class RolloutRuntime:
 
     def _sample_rounds(self, step: int) -> RolloutBatch | None:
         r, parallel = self.cfg.rollout, self.parallel
-        tally = RoundTally(target=r.prompts_per_step) if parallel.is_rank0 else None
+        tally = (
+            RoundTally(target=r.prompts_per_step, source_key=self.cfg.data.source_key) if parallel.is_rank0 else None
+        )
         for round_index in itertools.count():
             plan = self._plan_round(tally) if tally is not None else None
             prompts = scatter_from_rank0(plan, parallel.cpu_group)
             if prompts is None:
                 break
             seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
-            gathered = gather_to_rank0(self.generate_and_score(prompts, seed), parallel.cpu_group)
+            samples = self.generate_and_score(prompts, seed)
+            if self.teacher is not None:
+                self.teacher.score(samples)
+            gathered = gather_to_rank0(samples, parallel.cpu_group)
             if tally is not None:
                 tally.engine_lost = any(isinstance(rank_samples, EngineLost) for rank_samples in gathered)
                 kept = [s for part in gathered if not isinstance(part, EngineLost) for s in part]
@@ -243,7 +295,9 @@ class RolloutRuntime:
         """Sampling rounds of one engine call per group, aborting what still generates once the batch is
         full (rlrun/rollout/streaming.py); rank 0 returns the batch, with the carry for the next step."""
         r, parallel = self.cfg.rollout, self.parallel
-        tally = RoundTally(target=r.prompts_per_step) if parallel.is_rank0 else None
+        tally = (
+            RoundTally(target=r.prompts_per_step, source_key=self.cfg.data.source_key) if parallel.is_rank0 else None
+        )
         pending: list[GroupJob] = []
         if tally is not None:
             carried, self.carry = self.carry, []
@@ -251,10 +305,10 @@ class RolloutRuntime:
             pending = [GroupJob(g[0].prompt, g) for g in carried if any(is_unfinished(s) for s in g)]
         for round_index in itertools.count():
             plan = self._plan_stream_round(tally, pending) if tally is not None else None
-            pending = []
             jobs = scatter_from_rank0(plan, parallel.cpu_group)
-            if jobs is None:
+            if jobs is None:  # carried groups of an unstarted round stay pending (carried again below)
                 break
+            pending = []
             seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
             self._stream_one_round(jobs, seed, tally)
         if tally is None:
@@ -262,7 +316,9 @@ class RolloutRuntime:
         batch = tally.batch()
         surplus = tally.kept[tally.target :]
         if r.partial_rollout:  # nothing drawn is thrown away: aborted and surplus groups train in a later step
-            self.carry = tally.aborted + surplus
+            # Oldest first: carried groups whose continuation never started (the carried finished groups
+            # alone filled the batch, or no round was left), then this step's aborted ones and the surplus.
+            self.carry = [job.carried for job in pending if job.carried is not None] + tally.aborted + surplus
         batch.metrics.update(partial_rollout_metrics(tally, batch.samples, self.carry, r.partial_rollout))
         if r.partial_rollout_mask_offpolicy:
             batch.metrics["rollout/offpolicy_masked_tokens"] = sum(mask_older_weights(s) for s in batch.samples)
@@ -273,8 +329,16 @@ class RolloutRuntime:
         r, group = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
 
         def score(samples: list[Sample]) -> None:
-            per_group = group if r.reward_per_group else None
-            score_samples(samples, self.hooks.reward_fn, per_group, r.reward_concurrency, r.reward_timeout_s)
+            score_samples(
+                samples,
+                self.hooks.reward_fn,
+                group if r.reward_per_group else None,
+                r.reward_concurrency,
+                timeout_s=r.reward_timeout_s,
+                reward_key=r.reward_key,
+            )
+            if self.teacher is not None:
+                self.teacher.score(samples)
 
         stream = GroupStream(self.engine, r, seed, self.tokenizer, score)
         stream.add(jobs)

@@ -19,6 +19,7 @@ room left of ``max_new_tokens``, under whatever weights the engine then holds (s
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -109,6 +110,29 @@ def _concat_kept(old, new, num_old: int):
     return torch.cat(pad)
 
 
+def carry_to_state(carry: list[list[Sample]]) -> list[list[dict]]:
+    """The carried groups as plain data (dicts of lists, strings, numbers and tensors): a checkpoint
+    loads it with ``torch.load(weights_only=True)``, never unpickling a class."""
+    return [[dataclasses.asdict(s) for s in group] for group in carry]
+
+
+def carry_from_state(state: list[list[dict]]) -> list[list[Sample]]:
+    """The inverse of :func:`carry_to_state`."""
+    return [
+        [
+            Sample(
+                **{
+                    **row,
+                    "prompt": Prompt(**row["prompt"]),
+                    "weight_spans": [tuple(span) for span in row["weight_spans"]] if row["weight_spans"] else None,
+                }
+            )
+            for row in group
+        ]
+        for group in state
+    ]
+
+
 class GroupStream:
     """One rank's share of a streaming round: a thread per group, finished groups queued as they come."""
 
@@ -167,9 +191,12 @@ class GroupStream:
     def abort_and_drain(self) -> tuple[list[GroupOutcome], float]:
         """Abort everything in flight, wait for every call to return; (what is left, seconds waited)."""
         start = time.perf_counter()
-        if self.num_open:
-            self.engine.abort(abort_all=True)
-        self.close()
+        # An abort flags only the requests the engine holds: a call whose request arrives after it (its
+        # thread was slow to start) would run to its end. So abort again at every tick until all returned.
+        for thread in self._threads:
+            while thread.is_alive():
+                self.engine.abort(abort_all=True)
+                thread.join(TICK_S)
         return self.take_done(0), time.perf_counter() - start
 
     def close(self) -> None:

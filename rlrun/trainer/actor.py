@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from rlrun.config.schema import AlgorithmConfig, RunConfig
-    from rlrun.data.prompts import PromptSampler
+    from rlrun.data.source import PromptSource
     from rlrun.megatron.model import MegatronModel
     from rlrun.runtime.dist import Parallel
     from rlrun.trainer.checkpoint import Checkpointer, RunState
@@ -155,9 +155,15 @@ class Actor:
         return export_hf_weights(self.model)
 
     def save(
-        self, checkpointer: Checkpointer, run_state: RunState, sampler: PromptSampler | None, blocking: bool
+        self,
+        checkpointer: Checkpointer,
+        run_state: RunState,
+        sampler: PromptSource | None,
+        blocking: bool,
+        carry: list | None = None,
     ) -> None:
-        """Collective: checkpoint the actor (and critic) with ``run_state`` and rank 0's sampler cursor."""
+        """Collective: checkpoint the actor (and critic) with ``run_state``, rank 0's sampler cursor and its
+        partial-rollout carry (``RolloutRuntime.carry_state``)."""
         checkpointer.save(
             run_state,
             self.model,
@@ -166,13 +172,14 @@ class Actor:
             blocking=blocking,
             scheduler=self.scheduler,
             critic=self.critic,
+            carry=carry,
         )
 
     def on_weights_synced(self) -> None:
         """The engine now holds the actor's weights (see ``ModelRoles.on_weights_synced``)."""
         self.roles.on_weights_synced()
 
-    def restore(self, checkpointer: Checkpointer, sampler: PromptSampler | None) -> dict[str, int] | None:
+    def restore(self, checkpointer: Checkpointer, sampler: PromptSource | None) -> dict[str, int] | None:
         """Collective: load what ``checkpoint.resume`` / ``checkpoint.load`` pick; returns the saved run state
         fields (None: a fresh start). The caller syncs the restored weights to the engine next."""
         resumed = checkpointer.restore(

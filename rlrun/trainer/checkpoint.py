@@ -9,6 +9,8 @@ Layout (``checkpoint.dir``, default ``RUN_DIR/checkpoints``; every rank must see
         hf/                    model.path's config and tokenizer files, for ``rlrun convert mcore-to-hf``
         adapter/               with ``model.lora``: the adapters in PEFT's format (rlrun/megatron/peft_export.py)
         run_state.json         the run's RunState and rank 0's prompt-sampler cursor (the data position)
+        rollout_carry.pt       with rollout.partial_rollout: the groups drawn but not trained yet, with
+                               their tokens so far (rank 0's RolloutRuntime.carry as plain data)
         COMPLETE               written last: step, parallel layout, whether it holds weights only
     .tmp-step_000044/          being written, or left by a crash (ignored; removed by the next save)
 
@@ -28,6 +30,7 @@ saved with; RNG states come back only on the very layout that saved them.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -47,12 +50,13 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from rlrun.data.prompts import PromptSampler
+    from rlrun.data.source import PromptSource
     from rlrun.megatron.model import MegatronModel
     from rlrun.trainer.critic import Critic
 
 COMPLETE = "COMPLETE"
 RUN_STATE = "run_state.json"
+ROLLOUT_CARRY = "rollout_carry.pt"
 TMP_PREFIX = ".tmp-"
 ACTOR = "actor"
 CRITIC = "critic"
@@ -206,6 +210,7 @@ class _Pending:
     saves: list[mcore_ckpt.PendingSave]
     thread: threading.Thread
     errors: list[BaseException]
+    carry: bytes | None
 
 
 class Checkpointer:
@@ -221,6 +226,8 @@ class Checkpointer:
         self.layout = Layout.of(parallel)
         self.model_path = model_path  # its config/tokenizer files are copied into every checkpoint
         self._pending: _Pending | None = None
+        self.restored_carry: list | None = None
+        """Rank 0, after :meth:`restore`: the checkpoint's partial-rollout carry (plain data), or None."""
 
     # ---- saving ------------------------------------------------------------------------------------
 
@@ -234,13 +241,16 @@ class Checkpointer:
         run_state: RunState,
         model: MegatronModel,
         optimizer: MegatronOptimizer,
-        sampler: PromptSampler | None,
+        sampler: PromptSource | None,
         blocking: bool,
         critic: Critic | None = None,
         scheduler: OptimizerParamScheduler | None = None,
+        carry: list | None = None,
     ) -> None:
         """Checkpoint after ``run_state.step`` steps: ``run_state`` (rank 0's is kept), the model, optimizer,
-        scheduler and RNGs (and the critic's), and rank 0's sampler cursor."""
+        scheduler and RNGs (and the critic's), rank 0's sampler cursor and, with partial rollout, rank 0's
+        carry (plain data: lists, strings, numbers and tensors; serialized now, so later steps cannot
+        change what an asynchronous save writes)."""
         step = run_state.step
         self.wait()
         tmp = self.dir / f"{TMP_PREFIX}{step_dir_name(step)}"
@@ -255,6 +265,7 @@ class Checkpointer:
 
             write_peft_adapter(model, tmp / ADAPTER, self.model_path)
         state = {**dataclasses.asdict(run_state), "sampler": sampler.state_dict() if sampler is not None else None}
+        carry_bytes = _torch_bytes(carry) if carry is not None and self.parallel.is_rank0 else None
         saves = [
             mcore_ckpt.start_save(mcore_ckpt.training_state(model, optimizer, scheduler, with_rng=True), tmp / ACTOR)
         ]
@@ -263,12 +274,12 @@ class Checkpointer:
         if blocking or not self.cfg.async_save:
             for pending in saves:
                 pending.write()
-            self._commit(step, state, saves)
+            self._commit(step, state, saves, carry_bytes)
             return
         errors: list[BaseException] = []
         thread = threading.Thread(target=_write_all, args=(saves, errors), name=f"checkpoint-step-{step}", daemon=True)
         thread.start()
-        self._pending = _Pending(step, state, saves, thread, errors)
+        self._pending = _Pending(step, state, saves, thread, errors, carry_bytes)
 
     def poll(self) -> None:
         """Commit an asynchronous save once every rank has written its files (call after every step)."""
@@ -289,9 +300,9 @@ class Checkpointer:
             raise RuntimeError(
                 f"rank {self.parallel.rank} could not write its part of checkpoint step {pending.step} in {self.dir}"
             ) from pending.errors[0]
-        self._commit(pending.step, pending.run_state, pending.saves)
+        self._commit(pending.step, pending.run_state, pending.saves, pending.carry)
 
-    def _commit(self, step: int, state: dict, saves: list[mcore_ckpt.PendingSave]) -> None:
+    def _commit(self, step: int, state: dict, saves: list[mcore_ckpt.PendingSave], carry: bytes | None) -> None:
         """Every rank has written: record the checkpoints' metadata; rank 0 makes the directory visible, then
         marks it complete."""
         for pending in saves:
@@ -301,6 +312,8 @@ class Checkpointer:
             return
         tmp, final = self.dir / f"{TMP_PREFIX}{step_dir_name(step)}", self.dir / step_dir_name(step)
         _write_text(tmp / RUN_STATE, json.dumps(state, indent=1))
+        if carry is not None:
+            _write_bytes(tmp / ROLLOUT_CARRY, carry)
         if self.model_path is not None:
             copy_hf_files(Path(self.model_path), tmp / HF_FILES)
         if final.exists():  # left by an earlier run in the same directory (resume: none): replaced
@@ -325,7 +338,7 @@ class Checkpointer:
         self,
         model: MegatronModel,
         optimizer: MegatronOptimizer,
-        sampler: PromptSampler | None,
+        sampler: PromptSource | None,
         critic: Critic | None = None,
         scheduler: OptimizerParamScheduler | None = None,
     ) -> dict[str, int] | None:
@@ -356,6 +369,8 @@ class Checkpointer:
         sampler_state = run_state.pop("sampler")
         if sampler is not None:
             sampler.load_state_dict(sampler_state)
+            carry_path = path / ROLLOUT_CARRY
+            self.restored_carry = torch.load(carry_path, weights_only=True) if carry_path.is_file() else None
         if self.parallel.is_rank0:
             print(f"[rlrun] resumed from {path} (step {run_state['step']})", flush=True)
         return run_state
@@ -384,11 +399,21 @@ def _write_all(saves: list[mcore_ckpt.PendingSave], errors: list[BaseException])
         errors.append(exc)
 
 
+def _torch_bytes(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def _write_text(path: Path, text: str) -> None:
+    _write_bytes(path, text.encode())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
     """Write through a temporary name so a reader never sees half a file."""
     tmp = path.with_name(path.name + ".partial")
-    with tmp.open("w") as f:
-        f.write(text)
+    with tmp.open("wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from rlrun.config.load import dump_config
 from rlrun.config.schema import RunConfig
-from rlrun.data.prompts import PromptSampler
 from rlrun.data.sample import Sample
+from rlrun.data.source import PromptSource
 from rlrun.data.transfer import all_gather, scatter_from_rank0
 from rlrun.engine.group import EngineGroup
 from rlrun.metrics import MetricsLogger, PhaseTimer
@@ -67,7 +67,7 @@ class Components:
     actor: Actor
     rollout: RolloutRuntime  # engine calls, rewards, rollout hooks, the dynamic filter, evaluation
     planner: BatchPlanner  # rank 0 plans every rank's TrainBatch
-    sampler: PromptSampler | None  # rank 0 only
+    sampler: PromptSource | None  # rank 0 only: data.sampler's source, by default the seeded PromptSampler
     logger: MetricsLogger | None  # rank 0 only
 
 
@@ -99,6 +99,7 @@ def run(cfg: RunConfig) -> bool:
             watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
         resumed = parts.actor.restore(checkpointer, parts.sampler)
+        parts.rollout.restore_carry(checkpointer.restored_carry)
         state = RunState(**resumed) if resumed is not None else RunState()
         if resumed is not None:
             sync_weights(parts, state.weight_version)  # the engine started from model.path's weights
@@ -117,7 +118,9 @@ def run(cfg: RunConfig) -> bool:
             checkpointer.poll()
             last = state.step == cfg.train.num_steps
             if checkpointer.due(state.step, last=last, stopping=stopping):
-                parts.actor.save(checkpointer, state, parts.sampler, blocking=last or stopping)
+                parts.actor.save(
+                    checkpointer, state, parts.sampler, blocking=last or stopping, carry=parts.rollout.carry_state()
+                )
         checkpointer.wait()
         watchdog.close(parallel.cpu_group)
     except BaseException as exc:
@@ -127,6 +130,8 @@ def run(cfg: RunConfig) -> bool:
         gc.unfreeze()
         if parts is not None:
             parts.engine.shutdown()
+            if parts.rollout.teacher is not None:
+                parts.rollout.teacher.close()
             if parts.logger is not None:
                 parts.logger.close()
         destroy_distributed()
@@ -165,9 +170,15 @@ def setup(cfg: RunConfig, parallel: Parallel) -> Components:
     sampler = None
     if parallel.is_rank0:
         from rlrun.data.prompts import PromptDataset
+        from rlrun.data.source import build_source
 
-        sampler = PromptSampler(PromptDataset(cfg.data, tokenizer), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine)
+        sampler = build_source(cfg.data, PromptDataset(cfg.data, tokenizer), seed=cfg.train.seed)
+    teacher = None
+    if cfg.algorithm.opd.teacher_engine is not None:
+        from rlrun.rollout.teacher import TeacherEngine
+
+        teacher = TeacherEngine.spawn(cfg, parallel.rank, run_dir)
+    rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine, teacher=teacher)
     dp_rank_of = all_gather(parallel.dp_rank, parallel.cpu_group)
     return Components(
         cfg=cfg,

@@ -90,14 +90,14 @@ class ModelRoles:
     def create(cls, cfg: AlgorithmConfig, model: MegatronModel, num_optimizer_steps: int = 1) -> ModelRoles:
         """Back up the actor and load every configured role; the model holds the actor on return.
         ``num_optimizer_steps``: the updates per rollout step (reuse of the training forward needs one)."""
-        if not (_ref_is_a_copy(cfg, model) or cfg.uses_teacher or cfg.keep_old_actor):
+        if not (_ref_is_a_copy(cfg, model) or cfg.swaps_teacher or cfg.keep_old_actor):
             return cls(cfg, model, None, num_optimizer_steps)
         # With LoRA and no teacher every role shares the frozen base: back up the adapters alone.
-        backup = WeightBackup(model.module, trainable_only=model.lora is not None and not cfg.uses_teacher)
+        backup = WeightBackup(model.module, trainable_only=model.lora is not None and not cfg.swaps_teacher)
         backup.backup("actor")
         if _ref_is_a_copy(cfg, model):
             _load_ref(backup, model, cfg.ref.path, cfg.ref.step)
-        if cfg.uses_teacher:
+        if cfg.swaps_teacher:
             _load_role(backup, model, "teacher", cfg.opd.teacher_path)
         if cfg.keep_old_actor:
             backup.copy("actor", "old_actor")
@@ -122,7 +122,7 @@ class ModelRoles:
             for tag, field, on in (
                 ("old_actor", "old_logprobs", self.needs_old_forward and self.cfg.keep_old_actor),
                 ("ref", "ref_logprobs", _ref_is_a_copy(self.cfg, self.model)),
-                ("teacher", "teacher_logprobs", self.cfg.uses_teacher),
+                ("teacher", "teacher_logprobs", self.cfg.swaps_teacher),  # else: the teacher engine's
             )
             if on
         ]

@@ -167,3 +167,17 @@ def test_custom_advantage_must_return_advantages_and_returns(tmp_path):
         assign_advantages(
             AlgorithmConfig(custom_advantage=f"{hook}:forgot"), [micro_batch([0.5], [(1, 3)])], dp_sum=lambda t: t
         )
+
+
+def test_teacher_engine_refusals():
+    from rlrun.config.schema import RunConfig
+
+    opd = {"teacher_path": "t", "kl_coef": 0.1, "teacher_engine": "embedded"}
+    cfg = RunConfig.model_validate({"algorithm": {"opd": opd}})
+    assert cfg.algorithm.uses_teacher and not cfg.algorithm.swaps_teacher
+    with pytest.raises(ValueError, match=r"teacher_engine \(embedded\) must come with algorithm.opd.kl_coef > 0"):
+        RunConfig.model_validate({"algorithm": {"opd": {"teacher_engine": "embedded"}}})
+    with pytest.raises(ValueError, match=r"engine.tp \(2\) must be 1 with algorithm.opd.teacher_engine"):
+        RunConfig.model_validate({"algorithm": {"opd": opd}, "engine": {"tp": 2}})
+    with pytest.raises(ValueError, match="teacher_engine"):
+        RunConfig.model_validate({"algorithm": {"opd": {**opd, "teacher_engine": "sglang"}}})

@@ -42,3 +42,37 @@ def test_carried_top_p_kept_sets_concatenate():
     assert _concat_kept(old, new, 2).tolist() == [[1, 2, -1], [3, -1, -1], [4, 5, 6]]
     assert _concat_kept(None, new, 0) is new  # nothing carried: the continuation's own sets
     assert _concat_kept(old, None, 2) is None  # one side without a filter: no replay for the sample
+
+
+def test_carry_survives_the_checkpoint_format_and_a_run_without_partial_rollout_refuses_it():
+    import io
+
+    import torch
+
+    from rlrun.rollout.collect import RolloutRuntime
+    from rlrun.rollout.streaming import carry_from_state, carry_to_state
+
+    prompt = Prompt(index=7, prompt_ids=[1, 2], prompt_text="q", label={"answer": 3}, metadata={"source": "add"})
+    sample = Sample(7, prompt, [5, 6, 7], "abc", [-0.5, -1.0, -2.0], "abort", weight_version="2", reward=0.0)
+    sample.carried_tokens, sample.weight_spans = 1, [("1", 1), ("2", 2)]
+    sample.kept_ids = torch.tensor([[5, -1], [6, 9], [7, -1]], dtype=torch.int32)
+    sample.routed_experts = torch.zeros(5, 2, 2, dtype=torch.int32)
+    buffer = io.BytesIO()
+    torch.save(carry_to_state([[sample]]), buffer)
+    buffer.seek(0)
+    [[back]] = carry_from_state(torch.load(buffer, weights_only=True))  # plain data: no class unpickled
+    for name in ("group_index", "prompt", "response_ids", "rollout_logprobs", "finish_reason", "carried_tokens"):
+        assert getattr(back, name) == getattr(sample, name), name
+    assert back.weight_spans == [("1", 1), ("2", 2)] and back.first_weight_version == "1"
+    assert torch.equal(back.kept_ids, sample.kept_ids) and torch.equal(back.routed_experts, sample.routed_experts)
+
+    def runtime(partial: bool) -> RolloutRuntime:
+        cfg = RunConfig.model_validate({"rollout": {"partial_rollout": partial}})
+        return RolloutRuntime(cfg=cfg, parallel=None, engine=None, tokenizer=None, sampler=None, hooks=None)
+
+    with pytest.raises(ValueError, match=r"rollout.partial_rollout \(false\) must be true .* carries 1 drawn"):
+        runtime(False).restore_carry(carry_to_state([[sample]]))
+    runtime(False).restore_carry(None)  # a checkpoint without a carry resumes anywhere
+    resumed = runtime(True)
+    resumed.restore_carry(carry_to_state([[sample]]))
+    assert [[s.response_ids for s in g] for g in resumed.carry] == [[[5, 6, 7]]]

@@ -189,6 +189,11 @@ class EngineBackend(Protocol):
     async def weight_checksums(self) -> dict[str, str]:
         """sha256 of every weight's bytes by HF name (debug: verify a sync)."""
 
+    async def score_tokens(
+        self, input_ids: list[list[int]], starts: list[int], temperature: float
+    ) -> list[list[float]]:
+        """Log-probs of each sequence's tokens from ``starts[i]`` on given those before (a teacher's scores)."""
+
     def shutdown(self) -> None:
         """Called once after the event loop has stopped serving."""
 

@@ -372,6 +372,42 @@ class EmbeddedEngine:
         )
         return out.logits[:, -1].float()
 
+    @torch.inference_mode()
+    def score_tokens(
+        self, input_ids: list[list[int]], starts: list[int], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Each sequence's log-probs of its tokens from ``starts[i]`` on, given the tokens before them:
+        ``log_softmax(logits / temperature)`` in fp32 over the whole vocabulary (a teacher scoring a student's
+        responses). One prefill per sequence, through the generation path's attention, so nothing is cached."""
+        if len(starts) != len(input_ids):
+            raise ValueError(f"starts ({len(starts)}) must have one entry per sequence ({len(input_ids)})")
+        out = []
+        for ids, start in zip(input_ids, starts, strict=True):
+            if not 1 <= start <= len(ids):
+                raise ValueError(f"start ({start}) must be in [1, {len(ids)}] because token 0 has no context")
+            self.check_prompts([ids], [SamplingParams.from_dict({"max_new_tokens": 1})])
+            tokens = torch.tensor([ids], device=self.device)
+            mask = torch.ones_like(tokens)
+            cache = StaticKVCache(1, len(ids), self.device)
+            cache.columns = torch.arange(len(ids), device=self.device)
+            positions = torch.arange(len(ids), device=self.device)[None]
+            context: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if self.router_recorder is not None:
+                self._prefill_experts = self.router_recorder.prefill_buffer(tokens.numel(), self.device)
+                context = self.router_recorder.writing(self._prefill_experts)
+            with context:
+                hidden = self.model.get_decoder()(
+                    input_ids=tokens,
+                    attention_mask=prefill_mask(mask),
+                    position_ids=positions,
+                    use_cache=True,
+                    **{self._decoder_cache_kwarg: cache},
+                ).last_hidden_state
+            logits = self.model.get_output_embeddings()(hidden[0, start - 1 : len(ids) - 1]).float() / temperature
+            targets = tokens[0, start:, None]
+            out.append(torch.log_softmax(logits, dim=-1).gather(-1, targets)[:, 0].tolist())
+        return out
+
     def _prefill_forward(
         self, ids, attention_mask, positions, cache: StaticKVCache, last: torch.Tensor
     ) -> torch.Tensor:

@@ -208,6 +208,11 @@ class EmbeddedBackend:
         params = self.engine.named_parameters()
         return await self._on_compute_thread(lambda: {name: tensor_checksum(t) for name, t in params.items()})
 
+    async def score_tokens(
+        self, input_ids: list[list[int]], starts: list[int], temperature: float
+    ) -> list[list[float]]:
+        return await self._on_compute_thread(self.engine.score_tokens, input_ids, starts, temperature)
+
     def shutdown(self) -> None:
         self.control.abort(abort_all=True)
         self._compute.shutdown(wait=False, cancel_futures=True)

@@ -289,5 +289,13 @@ class SglangBackend:
             "sglang.Engine does not offer; verify syncs with the embedded backend"
         )
 
+    async def score_tokens(
+        self, input_ids: list[list[int]], starts: list[int], temperature: float
+    ) -> list[list[float]]:
+        raise NotImplementedError(
+            "score_tokens (a teacher engine's log-probs) is served by the embedded backend only; set "
+            "algorithm.opd.teacher_engine: embedded"
+        )
+
     def shutdown(self) -> None:
         self.engine.shutdown()

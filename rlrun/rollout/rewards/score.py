@@ -28,8 +28,12 @@ def score_samples(
     group_size: int | None = None,
     concurrency: int = 64,
     timeout_s: float | None = None,
+    reward_key: str | None = None,
 ) -> int:
     """Set ``sample.reward`` for every sample; returns how many samples' rewards failed.
+
+    A reward may be a dict of named finite numbers: ``reward_key``'s value becomes ``sample.reward`` and
+    the dict ``sample.reward_components`` (without ``reward_key`` a dict fails the sample, as below).
 
     ``group_size`` None calls ``fn(sample) -> float`` per sample; an int calls
     ``fn(group) -> list[float]`` once per consecutive run of ``group_size`` samples (one prompt's
@@ -53,29 +57,32 @@ def score_samples(
         what = f"the reward function {getattr(fn, '__qualname__', fn)} ({len(units)} calls)"
         fix = "fix the hook, or raise rollout.reward_timeout_s if it needs longer"
         with hard_deadline(timeout_s, what, fix):
-            asyncio.run(_score_units(units, fn, per_group=group_size is not None, concurrency=concurrency))
+            asyncio.run(_score_units(units, fn, group_size is not None, concurrency, reward_key))
     errors = Counter(s.reward_error for s in samples if s.reward_error is not None)
     for message, count in errors.items():
         logger.warning("reward failed for %d sample(s): %s", count, message)
     return sum(errors.values())
 
 
-async def _score_units(units: list[list[Sample]], fn: RewardFn, per_group: bool, concurrency: int) -> None:
+async def _score_units(
+    units: list[list[Sample]], fn: RewardFn, per_group: bool, concurrency: int, reward_key: str | None
+) -> None:
     gate = asyncio.Semaphore(concurrency)
 
     async def score(unit: list[Sample]) -> None:
         for sample in unit:
-            sample.reward, sample.reward_error = 0.0, None
+            sample.reward, sample.reward_error, sample.reward_components = 0.0, None, None
         try:
             async with gate:
                 result = await _call(fn, unit if per_group else unit[0])
-            rewards = _check_group(result, len(unit)) if per_group else [_check_number(result)]
+            values = _check_group(result, len(unit)) if per_group else [result]
+            rewards = [_reward_value(value, reward_key) for value in values]
         except Exception as err:  # noqa: BLE001 - a user hook may raise anything; it is recorded, not hidden
             for sample in unit:
                 sample.reward_error = f"{type(err).__name__}: {err}"
             return
-        for sample, reward in zip(unit, rewards, strict=False):
-            sample.reward = reward
+        for sample, (reward, components) in zip(unit, rewards, strict=False):
+            sample.reward, sample.reward_components = reward, components
 
     await asyncio.gather(*(score(unit) for unit in units))
 
@@ -91,7 +98,19 @@ def _check_number(value: Any) -> float:
     return float(value)
 
 
-def _check_group(values: Any, size: int) -> list[float]:
+def _reward_value(value: Any, reward_key: str | None) -> tuple[float, dict[str, float] | None]:
+    """(the reward that trains, the dict's named scores or None) of one returned value."""
+    if not isinstance(value, dict):
+        return _check_number(value), None
+    if reward_key is None:
+        raise TypeError(f"reward function returned a dict {value!r}; set rollout.reward_key to the key that trains")
+    if reward_key not in value:
+        raise KeyError(f"reward dict {value!r} has no rollout.reward_key '{reward_key}'")
+    components = {str(key): _check_number(v) for key, v in value.items()}
+    return components[reward_key], components
+
+
+def _check_group(values: Any, size: int) -> list[Any]:
     if not isinstance(values, (list, tuple)) or len(values) != size:
-        raise TypeError(f"group reward function returned {values!r}; expected a list of {size} finite floats")
-    return [_check_number(v) for v in values]
+        raise TypeError(f"group reward function returned {values!r}; expected a list of {size} rewards")
+    return list(values)

@@ -1,0 +1,73 @@
+"""``algorithm.opd.teacher_engine``: a teacher engine worker beside each rank's engine scores that rank's
+samples during the rollout (slime's ``sglang`` OPD form), so the teacher may be of another size or
+architecture than the student; it must share the student's tokenizer (token ids are compared, not text).
+
+    rank r:  engine-r (student) ──samples──> teacher-r.score_tokens(prompt + response, start=len(prompt))
+             Sample.teacher_logprobs ──collate──> MicroBatch.teacher_logprobs ──> the OPD advantage penalty
+
+The teacher's log-probs are ``log_softmax(logits / rollout.temperature)`` over the whole vocabulary, as the
+trainer-side teacher's are (rlrun/trainer/roles.py). The teacher worker keeps its weights resident.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlrun.config.schema import RunConfig
+from rlrun.data.sample import Sample
+
+
+class TeacherEngine:
+    """One rank's teacher worker and the rollout temperature its scores use."""
+
+    def __init__(self, client, temperature: float) -> None:
+        self.client, self.temperature = client, temperature
+
+    @classmethod
+    def spawn(cls, cfg: RunConfig, rank: int, run_dir: Path) -> TeacherEngine:
+        from rlrun.engine.backends import BackendSpec
+        from rlrun.engine.client import EngineClient
+
+        opd = cfg.algorithm.opd
+        assert opd.teacher_path is not None, "check_algorithm pairs teacher_path with kl_coef"
+        check_same_tokenizer(cfg.model.path, opd.teacher_path)
+        spec = BackendSpec(str(opd.teacher_engine), opd.teacher_path, seed=cfg.train.seed + rank, dtype=cfg.model.dtype)
+        client = EngineClient.spawn(
+            spec,
+            run_dir=run_dir,
+            rank=rank,
+            name="teacher",
+            startup_timeout_s=cfg.engine.startup_timeout_s,
+            request_timeout_s=cfg.engine.request_timeout_s,
+            heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s,
+        )
+        return cls(client, cfg.rollout.temperature)
+
+    def score(self, samples: list[Sample]) -> None:
+        """Set every sample's ``teacher_logprobs`` (one per response token) in one engine call."""
+        if not samples:
+            return
+        sequences = [s.prompt.prompt_ids + s.response_ids for s in samples]
+        starts = [len(s.prompt.prompt_ids) for s in samples]
+        for sample, logprobs in zip(
+            samples, self.client.score_tokens(sequences, starts, self.temperature), strict=True
+        ):
+            sample.teacher_logprobs = logprobs
+
+    def close(self) -> None:
+        self.client.shutdown()
+
+
+def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
+    """Raise unless both directories' tokenizers map every token to the same id (the teacher scores the
+    student's token ids as they are)."""
+    from transformers import AutoTokenizer
+
+    student, teacher = AutoTokenizer.from_pretrained(student_path), AutoTokenizer.from_pretrained(teacher_path)
+    if student.get_vocab() != teacher.get_vocab() or student.all_special_ids != teacher.all_special_ids:
+        only = len(set(student.get_vocab().items()) ^ set(teacher.get_vocab().items()))
+        raise ValueError(
+            f"algorithm.opd.teacher_path ({teacher_path}) must have model.path's tokenizer ({student_path}) "
+            f"because the teacher engine scores the student's token ids; {only} (token, id) pairs differ"
+            f"{'' if only else ' (the special tokens do)'}; pick a teacher of the same tokenizer family"
+        )

@@ -1,0 +1,86 @@
+"""On-policy distillation from a separate teacher engine (``algorithm.opd.teacher_engine``): a tiny random
+student sharing SmolLM2's tokenizer trains one CLI step (2 ranks) while SmolLM2-135M, in its own engine
+worker per rank, scores the student's samples; the scores it handed the trainer equal SmolLM2's own HF
+forward within 1e-4, and a teacher of another tokenizer is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from integration.test_train_loop import REPO, run_train
+
+SMOLLM2 = REPO / ".cache/models/SmolLM2-135M-Instruct"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not SMOLLM2.is_dir(), reason="needs SmolLM2 (`rlrun prepare smollm2`)"),
+]
+
+
+def make_student(out_dir):
+    """A 2-layer random Llama over SmolLM2's tokenizer (ids and special tokens as the teacher's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_models import tiny_config
+
+    tokenizer, teacher = AutoTokenizer.from_pretrained(SMOLLM2), AutoConfig.from_pretrained(SMOLLM2)
+    config = tiny_config("llama", vocab_size=teacher.vocab_size, tie=True)
+    config.update({k: getattr(teacher, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_teacher_engine_scores_equal_the_teachers_hf_forward(tmp_path, tiny_model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    from rlrun.rollout.teacher import check_same_tokenizer
+
+    student, run_dir = make_student(tmp_path / "student"), tmp_path / "run"
+    records = run_train(
+        student,
+        run_dir,
+        "train.num_steps=1",
+        f"algorithm.opd.teacher_path={SMOLLM2}",
+        "algorithm.opd.kl_coef=0.2",
+        "algorithm.opd.teacher_engine=embedded",
+        "debug.save_rollout_data=true",
+    )
+    assert records[0]["train/opd_reverse_kl"] > 0  # a random student is far from the teacher
+    assert (run_dir / "teacher-0.log").is_file() and (run_dir / "teacher-1.log").is_file()
+
+    rows = [json.loads(line) for line in (run_dir / "debug/rollout_000000.jsonl").read_text().splitlines()]
+    teacher = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    gaps = []
+    with torch.no_grad():
+        for row in rows:
+            prompt, response = row["prompt"]["prompt_ids"], row["response_ids"]
+            logits = teacher(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()  # T = 1
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+            gaps.append((torch.tensor(row["teacher_logprobs"]) - want).abs().max().item())
+    assert len(rows) == 32 and max(gaps) < 1e-4, max(gaps)
+
+    with pytest.raises(ValueError, match=r"must have model.path's tokenizer .* \(token, id\) pairs differ"):
+        check_same_tokenizer(str(tiny_model_dirs["qwen3"]), str(SMOLLM2))
+
+
+def test_embedded_score_tokens_equal_an_hf_forward_at_a_temperature(tiny_model_dirs):
+    """In process, on a tiny model with QK-norm: several sequences of other lengths and starts, T = 0.7."""
+    from transformers import AutoModelForCausalLM
+
+    from rlrun.engine.backends.embedded import EmbeddedEngine
+
+    path = tiny_model_dirs["qwen3"]
+    engine, reference = EmbeddedEngine(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    sequences, starts = [[5, 9, 11, 40, 7, 3], [17, 2, 2, 90, 100, 31, 8, 64, 1], [3, 4]], [3, 1, 1]
+    scores = engine.score_tokens(sequences, starts, temperature=0.7)
+    with torch.no_grad():
+        for ids, start, got in zip(sequences, starts, scores, strict=True):
+            logits = reference(torch.tensor([ids])).logits[0, start - 1 : -1].float() / 0.7
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[start:])[:, None])[:, 0]
+            assert len(got) == len(ids) - start and torch.allclose(torch.tensor(got), want, atol=1e-5)
+    with pytest.raises(ValueError, match=r"start \(0\) must be in \[1, 2\]"):
+        engine.score_tokens([[3, 4]], [0])
