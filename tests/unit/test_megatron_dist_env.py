@@ -27,5 +27,5 @@ def test_without_torchrun_is_one_process_on_a_free_port(monkeypatch):
 def test_world_size_not_divisible_by_tp_pp_is_refused(monkeypatch):
     for key, value in dict(RANK="0", WORLD_SIZE="6", MASTER_PORT="1").items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(ValueError, match=r"world_size \(6\) must be divisible by tp\*pp \(4\*1\)"):
+    with pytest.raises(ValueError, match=r"world_size \(6\) must be divisible by tp\*pp\*cp \(4\*1\*1\)"):
         init_distributed(tp=4, pp=1, seed=0)
