@@ -6,7 +6,7 @@ import pytest
 
 from rlrun.config.schema import RolloutConfig, RunConfig
 from rlrun.data.sample import Prompt, Sample
-from rlrun.rollout.collect import mask_older_weights
+from rlrun.rollout.streaming import mask_older_weights
 
 
 def test_streaming_config_refusals():
