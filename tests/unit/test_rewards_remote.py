@@ -48,20 +48,25 @@ class Handler(BaseHTTPRequestHandler):
             server.in_flight += 1
             server.peak = max(server.peak, server.in_flight)
         try:
-            time.sleep(0.05)
-            if text == "flaky" and attempt < 3:
-                return self.reply(503, b"busy")
-            if text == "slow":
-                time.sleep(1.0)
-            if text == "bad":
-                return self.reply(400, b"label missing")
-            if text == "junk":
-                return self.reply(200, b"not json")
-            reward = len(text) / 10
-            return self.reply(200, json.dumps(reward if text.startswith("n") else {"reward": reward}).encode())
-        finally:
+            code, payload = self.answer(text, attempt)
+        finally:  # out of flight before the reply is written: the client sends its next request once it reads it
             with server.lock:
                 server.in_flight -= 1
+        self.reply(code, payload)
+
+    @staticmethod
+    def answer(text: str, attempt: int) -> tuple[int, bytes]:
+        time.sleep(0.05)
+        if text == "flaky" and attempt < 3:
+            return 503, b"busy"
+        if text == "slow":
+            time.sleep(1.0)
+        if text == "bad":
+            return 400, b"label missing"
+        if text == "junk":
+            return 200, b"not json"
+        reward = len(text) / 10
+        return 200, json.dumps(reward if text.startswith("n") else {"reward": reward}).encode()
 
     def reply(self, code: int, payload: bytes):
         self.send_response(code)
