@@ -5,6 +5,6 @@ cd "$(dirname "$0")/.."
 bash launch/install.sh
 VENV="${RLRUN_VENV:-.venv}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
-# Two pytest-xdist workers that take tests from each other when idle (worksteal: the long CLI tests otherwise leave one worker alone at the end); most tests
-# start torchrun ranks and engine workers that wait on each other, so two at a time keep 2 cores busier than one.
-exec "$VENV/bin/python" -m pytest -n "${RLRUN_TEST_WORKERS:-2}" --dist worksteal tests "$@"
+# Two pytest-xdist workers, one test file each at a time (a file's tests share module fixtures): most tests
+# start torchrun ranks and engine workers that wait on each other, so two files keep 2 cores busier than one.
+exec "$VENV/bin/python" -m pytest -n "${RLRUN_TEST_WORKERS:-2}" --dist loadfile tests "$@"
