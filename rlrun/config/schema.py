@@ -884,13 +884,8 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _rollout_fits_the_step(self) -> RunConfig:
-        if self.rollout.streams and self.engine.tp > 1:
-            raise ValueError(
-                f"engine.tp ({self.engine.tp}) must be 1 with rollout.abort_surplus / rollout.partial_rollout "
-                "because streaming rounds send one call per group from each rank to its own engine; set "
-                "engine.tp: 1 or turn them off"
-            )
+    def _sync_interval_fits(self) -> RunConfig:
+        """``engine.sync_interval`` against the options that read the weights the engine holds."""
         algo, interval = self.algorithm, self.engine.sync_interval
         if algo.keep_old_actor and interval == 1:
             raise ValueError(
@@ -920,6 +915,16 @@ class RunConfig(Section):
                 "weights' while the engine samples with weights synced up to "
                 f"{interval - 1} steps earlier, and the gate would stop the first step between syncs; "
                 "set algorithm.keep_old_actor: true"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_fits_the_step(self) -> RunConfig:
+        if self.rollout.streams and self.engine.tp > 1:
+            raise ValueError(
+                f"engine.tp ({self.engine.tp}) must be 1 with rollout.abort_surplus / rollout.partial_rollout "
+                "because streaming rounds send one call per group from each rank to its own engine; set "
+                "engine.tp: 1 or turn them off"
             )
         if self.algorithm.opd.teacher_engine is not None and self.engine.tp > 1:
             raise ValueError(
