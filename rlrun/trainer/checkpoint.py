@@ -20,8 +20,9 @@ are written (in a background thread with ``async_save``); then, once every rank 
 all-reduce), the checkpoints' metadata is recorded and rank 0 writes ``run_state.json``, renames the
 directory to ``step_N``, writes ``COMPLETE`` and prunes to ``keep_last``. A crash at any point leaves
 either no ``step_N`` or a ``step_N`` without ``COMPLETE``; resuming only ever picks directories with
-the marker. The same directory shape, with weights only and step 0, is what ``rlrun convert
-hf-to-mcore`` writes, so ``checkpoint.load`` can start a run from it.
+the marker. A rank whose writes fail (a full disk, a quota) raises ``CheckpointWriteError`` naming the
+cause, the space left and the newest complete checkpoint. The same directory shape, with weights only and
+step 0, is what ``rlrun convert hf-to-mcore`` writes, so ``checkpoint.load`` can start a run from it.
 
 A checkpoint loads on any data-parallel size, with the tensor- and pipeline-parallel sizes it was
 saved with; RNG states come back only on the very layout that saved them.

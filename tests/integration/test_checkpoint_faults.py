@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,7 @@ def test_kill_and_full_disk_mid_checkpoint_leave_only_the_last_complete_one(tiny
     try:
         resumed = job.wait_for_line(re.compile(r"\[rlrun\] resumed from (\S+) \(step (\d+)\)"))
         code = job.wait(timeout_s=300)
+        ended = time.monotonic()
     finally:
         job.kill()
     output = "\n".join(line for _, line in job.lines)
@@ -92,6 +94,6 @@ def test_kill_and_full_disk_mid_checkpoint_leave_only_the_last_complete_one(tiny
     assert half_written(ckpt_dir) == [tmp]
     assert resolve_start(CheckpointConfig(resume="auto"), ckpt_dir) == start
     print(
-        f"rank killed mid-checkpoint: detected after {died[0] - killed:.2f} s; full disk: stopped "
-        f"{failed[0] - job.start:.1f} s after the job started"
+        f"rank killed mid-checkpoint: detected after {died[0] - killed:.2f} s; "
+        f"full disk: the job ended {ended - failed[0]:.1f} s after the failure was published"
     )

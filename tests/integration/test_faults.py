@@ -106,4 +106,8 @@ def test_engine_faults_restart_in_place_until_max_restarts(tiny_model_dirs, tmp_
         for (name, at), hit in zip(faults.items(), (first, second, final), strict=True)
         if hit is not None
     }
-    print(f"detection (s): {detected}; job ended {ended - faults['SIGSTOP, past max_restarts']:.1f} s after SIGSTOP")
+    restart_s = {s: metrics[s]["engine/restart_s"] for s in restarted}
+    print(
+        f"detection (s): {detected}; restart and re-sync (s) by step: {restart_s}; job ended "
+        f"{ended - faults['SIGSTOP, past max_restarts']:.1f} s after SIGSTOP"
+    )
