@@ -1,16 +1,20 @@
 """Faults during a checkpoint save, in a real 2-rank job (torchrun, Megatron on gloo, embedded engines), and what
 the next ``resume: auto`` does. One run directory, two jobs:
 
-    job 1  saves step_000001, then rank 1 is SIGKILLed as it starts writing a later checkpoint
-           (a fault point, rlrun/runtime/fault_points.py: in the save by construction)
+    job 1  saves step_000001, then rank 1 is SIGKILLed as it starts writing the next checkpoint (armed once
+           the first is saved; a fault point, rlrun/runtime/fault_points.py: in the save by construction)
            -> rank 0 names the dead rank and the phase; only .tmp-step_N/ is left
-    job 2  resume: auto (from step_000001, past the half-written step), every file capped at 512 KiB
+    job 2  resume: auto (from the one before it, past the half-written step), every file capped at 512 KiB
            (RLIMIT_FSIZE: the full disk; no mount needed) -> the next save fails on rank 0's shard,
            the job stops naming the rank, the checkpoint and the errno; again only .tmp-step_N/ is left
 
+A file-size limit rather than a small tmpfs or loop file: mounting needs root (or a user namespace, whose
+mount ends with the job, before the next job could resume from it), and both writes fail alike (EFBIG here,
+ENOSPC on a full disk; torch's zip writer turns either into ``unexpected pos``, the errno kept as context).
+
 Asserted: the one-line causes, every process gone, no ``step_N`` without its ``COMPLETE`` marker, and
-``resume: auto`` picking step_000001 each time (job 2 shows it does, with job 1's half-written step present;
-after job 2 the directory holds that same state).
+``resume: auto`` picking the last complete checkpoint each time (job 2 shows it does, with job 1's
+half-written step present; after job 2 the directory holds that same state).
 """
 
 from __future__ import annotations
