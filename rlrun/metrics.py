@@ -26,16 +26,17 @@ class PhaseListener(Protocol):
 
 
 class PhaseTimer:
-    """Wall time per named phase of one step: ``with timer("rollout"): ...``."""
+    """Wall time per named phase of one step: ``with timer("rollout"): ...``; each phase's start is told to the
+    listeners (rank 0's progress bar, the watchdog's messages)."""
 
-    def __init__(self, listener: PhaseListener | None = None) -> None:
+    def __init__(self, *listeners: PhaseListener | None) -> None:
         self.seconds: dict[str, float] = {}
-        self.listener = listener
+        self.listeners = [listener for listener in listeners if listener is not None]
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        if self.listener is not None:
-            self.listener.phase_started(phase)
+        for listener in self.listeners:
+            listener.phase_started(phase)
         start = time.perf_counter()
         try:
             with record_function(phase):  # a named range in profiler traces (rlrun/profiler.py)

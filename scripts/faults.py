@@ -7,8 +7,9 @@
 step 10 and step 30 begin, and checks what must hold: all 50 steps logged once, ``engine/restarts`` 2,
 the reward rising, the trainer-vs-engine log-prob gap below 1e-4 in every step that trained (a step whose
 groups all tied trains nothing and logs no gap). Its metrics and a summary go to ``benchmarks/results/``.
-The helpers (find a rank's engine worker through /proc, wait for a step, catch a rollout or a weight sync
-in the act) are shared with tests/integration/test_faults.py. Processes are found
+The helpers (find a rank's engine worker through /proc, wait for a step, arm a fault point so a process
+signals itself in a named phase, rlrun/runtime/fault_points.py) are shared with the fault tests
+(tests/integration/test_faults.py, test_checkpoint_faults.py). Processes are found
 as children of the torchrun process started here and signalled by pid only.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -67,25 +70,6 @@ def wait_for_steps(run_dir: Path, num_steps: int, proc: subprocess.Popen, timeou
         time.sleep(0.005)
 
 
-def wait_for_sync(rank_pid: int, timeout_s: float = 300) -> bool:
-    """Until the rank holds a weight bucket's shared memory (on CPU a sync hands the engine /dev/shm tensors,
-    the bucket in flight and the next one; nothing else does): its weight sync is under way. False if the
-    rank is gone or the timeout passed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            fds = os.listdir(f"/proc/{rank_pid}/fd")
-        except OSError:
-            return False
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{rank_pid}/fd/{fd}").startswith("/dev/shm/torch_"):
-                    return True
-            except OSError:
-                continue
-    return False
-
-
 def rank_pids(torchrun_pid: int) -> dict[int, int]:
     """{rank: pid} of the job under ``torchrun_pid``."""
     return {rank_of(pid): pid for pid in children(torchrun_pid)}
@@ -112,12 +96,40 @@ def wait_for_work(engine_pid: int, cpu_s: float = 0.01, timeout_s: float = 300) 
     return True
 
 
-class Job:
-    """A torchrun job in its own session, its output read into timestamped lines."""
+def arm(fault_dir: Path, pid: int, point: str, signal_name: str) -> None:
+    """Make process ``pid`` send itself ``signal_name`` when it next reaches ``point``
+    (rlrun/runtime/fault_points.py; the job runs with ``RLRUN_FAULT_DIR=fault_dir``)."""
+    armed = fault_dir / f"{pid}.{point}"
+    partial = armed.with_name(armed.name + ".partial")
+    partial.write_text(signal_name)
+    os.rename(partial, armed)  # never seen half-written
 
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+
+def wait_fired(fault_dir: Path, pid: int, point: str, proc: subprocess.Popen, timeout_s: float = 300) -> float:
+    """Until the fault armed for ``pid`` at ``point`` has fired; its ``time.monotonic()`` (the machine's clock).
+    Raises if the job ends first."""
+    fired = fault_dir / f"{pid}.{point}.fired"
+    deadline = time.monotonic() + timeout_s
+    while not fired.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the job ended or stalled before {point} of pid {pid} (exit {proc.poll()})")
+        time.sleep(0.005)
+    return float(fired.read_text().split()[1])
+
+
+class Job:
+    """A torchrun job in its own session, its output read into timestamped lines. ``max_file_bytes`` caps the
+    size of any file its processes write (RLIMIT_FSIZE, ``ulimit -f``; Python ignores SIGXFSZ, so a write past
+    it fails with ``OSError: [Errno 27] File too large``, as one on a full disk fails with errno 28)."""
+
+    def __init__(self, command: list[str], env: dict[str, str], max_file_bytes: int | None = None) -> None:
         self.start = time.monotonic()
         self.lines: list[tuple[float, str]] = []
+
+        def limit_files() -> None:
+            if max_file_bytes is not None:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
         self.proc = subprocess.Popen(
             command,
             cwd=REPO,
@@ -126,6 +138,7 @@ class Job:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=limit_files,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -138,6 +151,18 @@ class Job:
     def first_line_after(self, since: float, text: str) -> tuple[float, str] | None:
         """The first output line containing ``text`` at or after monotonic time ``since``."""
         return next(((t, line) for t, line in self.lines if t >= since and text in line), None)
+
+    def wait_for_line(self, pattern: re.Pattern, count: int = 1, timeout_s: float = 300) -> re.Match:
+        """The ``count``-th match of ``pattern`` in the output, once it is there; raises if the job ends first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ended = self.proc.poll() is not None
+            found = [m for _, line in list(self.lines) if (m := pattern.search(line))]
+            if len(found) >= count:
+                return found[count - 1]
+            if ended or time.monotonic() > deadline:
+                raise RuntimeError(f"no {pattern.pattern!r} #{count} before the job ended (exit {self.proc.poll()})")
+            time.sleep(0.01)
 
     def tail(self, num_lines: int = 40) -> str:
         return "\n".join(line for _, line in self.lines[-num_lines:])

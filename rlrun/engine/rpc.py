@@ -50,6 +50,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from rlrun.runtime import fault_points
+
 log = logging.getLogger(__name__)
 
 IPC_PATH_MAX_BYTES = 107
@@ -228,6 +230,7 @@ class RpcServer:
                     f"method ({method}) carries pickled tensor handles and must arrive over ipc:// or loopback "
                     f"tcp because handles only mean something on this host; {self.endpoint} is neither"
                 )
+            fault_points.reached(f"rpc.{method}")  # test-only (rlrun/runtime/fault_points.py)
             result = handler(**request.get("kwargs", {}))
             if inspect.isawaitable(result):
                 result = await result

@@ -75,6 +75,8 @@ class Watchdog:
         self.world_size = world_size
         self.step = 0
         """The loop's current step, for messages (written by the main thread)."""
+        self.phase = "setup"
+        """The main thread's phase (a step's phases, ``checkpoint``), for messages; see :meth:`phase_started`."""
         # The store client belongs to the watcher thread while it runs, to the main thread otherwise.
         self._store = store
         self._store_addr = store_addr
@@ -118,6 +120,14 @@ class Watchdog:
         self._engine, self._engine_log = process, log_path
         self._engine_oom_kills = oom_kill_counts()
 
+    def phase_started(self, phase: str) -> None:
+        """The main thread enters ``phase`` (a ``PhaseTimer`` listener): failures found from now on name it, so a
+        rank that waits at a collective for a dead or stuck peer says what it was doing."""
+        self.phase = phase
+
+    def where(self) -> str:
+        return f"step {self.step} ({self.phase})"
+
     def close(self, group: dist.ProcessGroup) -> None:
         """Normal end: stop watching, then wait for every rank to stop (so no rank exits while watched)."""
         self._stop_thread()
@@ -132,7 +142,7 @@ class Watchdog:
         self._stop_thread()
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         try:
-            self._publish(f"{self.me.describe()} failed at step {self.step}: {type(exc).__name__}: {first_line}")
+            self._publish(f"{self.me.describe()} failed at {self.where()}: {type(exc).__name__}: {first_line}")
         except Exception as store_exc:  # noqa: BLE001 - the original error propagates; this is only a note
             print(
                 f"[rlrun] {self.me.describe()} could not publish its failure: {store_exc}", file=sys.stderr, flush=True
@@ -169,7 +179,7 @@ class Watchdog:
             return None
         how = describe_exit(self._engine.pid, code, self._engine_log, self._engine_oom_kills)
         return (
-            f"the engine worker of {self.me.describe()} (pid {self._engine.pid}) {how} at step {self.step}; "
+            f"the engine worker of {self.me.describe()} (pid {self._engine.pid}) {how} at {self.where()}; "
             f"see {self._engine_log}"
         )
 
@@ -181,13 +191,13 @@ class Watchdog:
         info = self._neighbour_info
         who = info.describe() if info else f"rank {self._neighbour}"
         if info is not None and info.host == self.me.host and not process_alive(info.pid):
-            return f"{who} died: its process is gone (killed or crashed; see its output) at step {self.step}"
+            return f"{who} died: its process is gone (killed or crashed; see its output) at {self.where()}"
         beats, now = self._store.add(self._key("beat", self._neighbour), 0), time.monotonic()
         if beats != self._neighbour_beats:
             self._neighbour_beats, self._neighbour_seen_s = beats, now
         if now - self._neighbour_seen_s > PEER_TIMEOUT_S:
             return (
-                f"{who} sent no heartbeat for {PEER_TIMEOUT_S:.0f} s at step {self.step}: its process or "
+                f"{who} sent no heartbeat for {PEER_TIMEOUT_S:.0f} s at {self.where()}: its process or "
                 f"node is gone, or it is stuck without releasing the Python GIL"
             )
         return None

@@ -20,8 +20,9 @@ are written (in a background thread with ``async_save``); then, once every rank 
 all-reduce), the checkpoints' metadata is recorded and rank 0 writes ``run_state.json``, renames the
 directory to ``step_N``, writes ``COMPLETE`` and prunes to ``keep_last``. A crash at any point leaves
 either no ``step_N`` or a ``step_N`` without ``COMPLETE``; resuming only ever picks directories with
-the marker. The same directory shape, with weights only and step 0, is what ``rlrun convert
-hf-to-mcore`` writes, so ``checkpoint.load`` can start a run from it.
+the marker. A rank whose writes fail (a full disk, a quota) raises ``CheckpointWriteError`` naming the
+cause, the space left and the newest complete checkpoint. The same directory shape, with weights only and
+step 0, is what ``rlrun convert hf-to-mcore`` writes, so ``checkpoint.load`` can start a run from it.
 
 A checkpoint loads on any data-parallel size, with the tensor- and pipeline-parallel sizes it was
 saved with; RNG states come back only on the very layout that saved them.
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from rlrun.config.schema import CheckpointConfig
 from rlrun.megatron import checkpoint as mcore_ckpt
+from rlrun.runtime import fault_points
 from rlrun.runtime.dist import Parallel
 
 if TYPE_CHECKING:
@@ -63,6 +65,10 @@ CRITIC = "critic"
 HF_FILES = "hf"
 ADAPTER = "adapter"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A rank could not write its part of a checkpoint (a full disk, a quota, a file-size limit, an I/O error)."""
 
 
 @dataclass
@@ -260,6 +266,7 @@ class Checkpointer:
             if critic is not None:
                 (tmp / CRITIC).mkdir()
         dist.barrier(group=self.parallel.cpu_group)
+        fault_points.reached("checkpoint.write")  # test-only (rlrun/runtime/fault_points.py)
         if model.lora is not None:  # small: gathered and written now, also when the rest is written async
             from rlrun.megatron.peft_export import write_peft_adapter
 
@@ -272,8 +279,11 @@ class Checkpointer:
         if critic is not None:
             saves.append(mcore_ckpt.start_save(critic.checkpoint_state(), tmp / CRITIC))
         if blocking or not self.cfg.async_save:
-            for pending in saves:
-                pending.write()
+            try:
+                for pending in saves:
+                    pending.write()
+            except Exception as exc:
+                raise self._write_error(step, exc) from exc
             self._commit(step, state, saves, carry_bytes)
             return
         errors: list[BaseException] = []
@@ -297,10 +307,29 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         pending.thread.join()
         if pending.errors:
-            raise RuntimeError(
-                f"rank {self.parallel.rank} could not write its part of checkpoint step {pending.step} in {self.dir}"
-            ) from pending.errors[0]
+            raise self._write_error(pending.step, pending.errors[0]) from pending.errors[0]
         self._commit(pending.step, pending.run_state, pending.saves, pending.carry)
+
+    def _write_error(self, step: int, exc: BaseException) -> CheckpointWriteError:
+        """The one-line failure of this rank's writes: the cause (``OSError: [Errno 28] No space left on device``:
+        torch's zip writer reports a failed write as ``unexpected pos``, the OSError only as its context), the free
+        space, what is left and what resume does with it."""
+        chain: list[BaseException] = []
+        link: BaseException | None = exc
+        while link is not None and link not in chain:
+            chain.append(link)
+            link = link.__cause__ or link.__context__
+        cause = next((e for e in chain if isinstance(e, OSError)), chain[-1])
+        complete = complete_checkpoints(self.dir)
+        newest = complete[-1][1].name if complete else "none (a fresh start)"
+        free_gib = shutil.disk_usage(self.dir).free / 2**30
+        return CheckpointWriteError(
+            f"rank {self.parallel.rank} could not write its part of checkpoint {step_dir_name(step)} in {self.dir}: "
+            f"{type(cause).__name__}: {cause} ({free_gib:.1f} GiB free there); the half-written "
+            f"{TMP_PREFIX}{step_dir_name(step)}/ is never resumed from (newest complete: {newest}); free space in "
+            f"{self.dir} (or point checkpoint.dir elsewhere) and run again: checkpoint.resume=auto continues from "
+            "the newest complete checkpoint"
+        )
 
     def _commit(self, step: int, state: dict, saves: list[mcore_ckpt.PendingSave], carry: bytes | None) -> None:
         """Every rank has written: record the checkpoints' metadata; rank 0 makes the directory visible, then

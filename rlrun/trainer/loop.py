@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -53,6 +54,9 @@ from rlrun.trainer.checkpoint import RunState
 from rlrun.trainer.offload import Offloader
 from rlrun.trainer.recovery import EngineRecovery
 
+if TYPE_CHECKING:
+    from rlrun.runtime.watchdog import Watchdog
+
 
 @dataclass
 class Components:
@@ -69,6 +73,7 @@ class Components:
     planner: BatchPlanner  # rank 0 plans every rank's TrainBatch
     sampler: PromptSource | None  # rank 0 only: data.sampler's source, by default the seeded PromptSampler
     logger: MetricsLogger | None  # rank 0 only
+    watchdog: Watchdog  # told each phase, so a failure it reports names where this rank was
 
 
 def run(cfg: RunConfig) -> bool:
@@ -94,7 +99,7 @@ def run(cfg: RunConfig) -> bool:
     stop, watchdog, parts = StopRequest.install(), Watchdog.start(parallel), None
     try:
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
-            parts = setup(cfg, parallel)
+            parts = setup(cfg, parallel, watchdog)
         if cfg.engine.max_restarts == 0:  # else a dead engine is restarted, not the end of the job
             watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
@@ -114,7 +119,9 @@ def run(cfg: RunConfig) -> bool:
             with profile_step(cfg.logging, parallel.rank, state.step):
                 train_one_step(parts, state)
             state.step += 1
+            watchdog.step, watchdog.phase = state.step, "stop check"  # step N's save writes step_N
             stopping = stop.agreed(parallel.cpu_group)
+            watchdog.phase = "checkpoint"
             checkpointer.poll()
             last = state.step == cfg.train.num_steps
             if checkpointer.due(state.step, last=last, stopping=stopping):
@@ -138,7 +145,7 @@ def run(cfg: RunConfig) -> bool:
     return parts.offloader.needs_hard_exit
 
 
-def setup(cfg: RunConfig, parallel: Parallel) -> Components:
+def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
     from transformers import AutoTokenizer
 
     from rlrun.engine.backends import BackendSpec
@@ -191,13 +198,14 @@ def setup(cfg: RunConfig, parallel: Parallel) -> Components:
         planner=BatchPlanner(cfg, dp_rank_of, parallel.dp_size, pad_token_id=tokenizer.pad_token_id or 0),
         sampler=sampler,
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
+        watchdog=watchdog,
     )
 
 
 def train_one_step(parts: Components, state: RunState) -> None:
     """One step, the module docstring's list; every phase runs on every rank."""
     cursor = parts.sampler.state_dict() if parts.sampler is not None else None
-    phases, metrics = parts.offloader.phases(PhaseTimer(parts.logger)), {}
+    phases, metrics = parts.offloader.phases(PhaseTimer(parts.logger, parts.watchdog)), {}
     if parts.rollout.eval_due(state.step):
         with phases("eval"):
             metrics.update(parts.rollout.evaluate(state.step))

@@ -111,9 +111,11 @@ def test_killed_process_ends_every_process_within_30s(tiny_model_dirs, tmp_path,
 
 def test_silent_peer_on_another_host_is_declared_dead_after_the_timeout(monkeypatch):
     """The heartbeat path (a peer on another node cannot be checked by pid): a peer whose beat stops
-    moving is named after PEER_TIMEOUT_S, one whose beat moves is not. Real TCPStore, no thread."""
+    moving is named after PEER_TIMEOUT_S, one whose beat moves is not; verdicts and this rank's own failure name
+    the step and phase the main thread is in. Real TCPStore, no thread."""
     import torch.distributed as dist
 
+    from rlrun.metrics import PhaseTimer
     from rlrun.runtime import watchdog as wd
     from rlrun.runtime.dist import free_port
 
@@ -129,8 +131,23 @@ def test_silent_peer_on_another_host_is_declared_dead_after_the_timeout(monkeypa
     server.add("t/beat/1", 1)  # still beating
     assert dog._neighbour_death() is None
     time.sleep(0.7)
-    verdict = dog._neighbour_death()
+    dog.step = 7
+    with PhaseTimer(dog)("sync"):  # the loop's timer tells the watchdog each phase
+        verdict = dog._neighbour_death()
     assert verdict is not None and verdict.startswith("rank 1 (pid 4242 on node-b) sent no heartbeat"), verdict
+    assert verdict.endswith(
+        " at step 7 (sync): its process or node is gone, or it is stuck without releasing the Python GIL"
+    )
     server.set("t/done/1", "1")  # a peer that finished normally is no longer watched
     server.get("t/done/1")  # set is not acknowledged: a read on the same connection waits for it
     assert dog._neighbour_death() is None
+
+    # This rank's own failure is published naming its phase: e.g. a collective that timed out waiting for a peer
+    # that is alive but stuck (gloo's timeout names its transport; the watcher first looks for a dead peer,
+    # PEER_TIMEOUT_S, then publishes; here without the transport's name, so at once).
+    dog.phase_started("checkpoint")
+    dog.fail(RuntimeError("Timed out waiting 600000ms for recv operation to complete\nmore detail"))
+    assert server.get("t/abort").decode() == (
+        f"rank 0 (pid {os.getpid()} on node-a) failed at step 7 (checkpoint): RuntimeError: Timed out waiting "
+        "600000ms for recv operation to complete"
+    )
