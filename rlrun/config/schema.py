@@ -274,8 +274,16 @@ class RolloutConfig(Section):
     """Timeouts, retries and concurrency for an ``http(s)://`` reward."""
     generate_fn: str | None = None
     """Custom multi-turn / tool-use generation: ``module:function`` or ``path/to/file.py:function``,
-    an ``async def fn(traj: Trajectory) -> None`` that drives the engine turn by turn
-    (rlrun/rollout/multiturn.py; example: examples/calculator_tool). None: one engine call per prompt."""
+    an ``async def fn(traj: Trajectory) -> None | list[Sample]`` that drives the engine turn by turn
+    (rlrun/rollout/multiturn.py; example: examples/calculator_tool). Returning a list makes the trajectory
+    several training samples sharing its reward and group score (example: examples/hooks/judge_agent.py).
+    None: one engine call per prompt."""
+    sample_to_train: str | None = None
+    """What each rollout sample trains as (slime's ``--custom-convert-samples-to-train-data-path``):
+    ``module:function`` / ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> list[Sample]``,
+    called on rank 0 after the group scores; every returned sample (none drops it) trains with its
+    sample's group score (rlrun/rollout/train_samples.py, example examples/hooks/train_samples.py).
+    None: a sample trains as itself, or as its ``parts`` when a ``generate_fn`` returned several."""
     max_context_tokens: int | None = Field(None, ge=2)
     """Prompt + response limit of one multi-turn trajectory (``generate_fn``): turns get at most the
     room left and a full trajectory ends with finish_reason "length". None uses the model's

@@ -44,15 +44,20 @@ class TeacherEngine:
         return cls(client, cfg.rollout.temperature)
 
     def score(self, samples: list[Sample]) -> None:
-        """Set every sample's ``teacher_logprobs`` (one per response token) in one engine call."""
-        if not samples:
+        """Set every sample's ``teacher_logprobs`` (one per response token) in one engine call; a trajectory
+        of several parts has each part scored (the trajectory's own copy of its last part shares its scores)."""
+        targets = [part for s in samples for part in (s.parts or [s])]
+        if not targets:
             return
-        sequences = [s.prompt.prompt_ids + s.response_ids for s in samples]
-        starts = [len(s.prompt.prompt_ids) for s in samples]
+        sequences = [s.prompt.prompt_ids + s.response_ids for s in targets]
+        starts = [len(s.prompt.prompt_ids) for s in targets]
         for sample, logprobs in zip(
-            samples, self.client.score_tokens(sequences, starts, self.temperature), strict=True
+            targets, self.client.score_tokens(sequences, starts, self.temperature), strict=True
         ):
             sample.teacher_logprobs = logprobs
+        for sample in samples:
+            if sample.parts:
+                sample.teacher_logprobs = sample.parts[-1].teacher_logprobs
 
     def close(self) -> None:
         self.client.shutdown()

@@ -188,7 +188,13 @@ def setup(cfg: RunConfig, parallel: Parallel) -> Components:
         recovery=recovery,
         actor=actor,
         rollout=rollout,
-        planner=BatchPlanner(cfg, dp_rank_of, parallel.dp_size, pad_token_id=tokenizer.pad_token_id or 0),
+        planner=BatchPlanner(
+            cfg,
+            dp_rank_of,
+            parallel.dp_size,
+            pad_token_id=tokenizer.pad_token_id or 0,
+            sample_to_train=rollout.hooks.sample_to_train,
+        ),
         sampler=sampler,
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
     )
