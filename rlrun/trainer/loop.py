@@ -97,6 +97,9 @@ def run(cfg: RunConfig) -> bool:
             parts = setup(cfg, parallel)
         if cfg.engine.max_restarts == 0:  # else a dead engine is restarted, not the end of the job
             watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
+        if parts.rollout.teacher is not None:  # never restarted: its death ends the job
+            teacher = parts.rollout.teacher.client
+            watchdog.watch_engine(teacher.process, teacher.log_path, role="teacher engine")
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
         resumed = parts.actor.restore(checkpointer, parts.sampler)
         parts.rollout.restore_carry(checkpointer.restored_carry)
