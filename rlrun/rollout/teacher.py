@@ -31,7 +31,13 @@ class TeacherEngine:
         opd = cfg.algorithm.opd
         assert opd.teacher_path is not None, "check_algorithm pairs teacher_path with kl_coef"
         check_same_tokenizer(cfg.model.path, opd.teacher_path)
-        spec = BackendSpec(str(opd.teacher_engine), opd.teacher_path, seed=cfg.train.seed + rank, dtype=cfg.model.dtype)
+        spec = BackendSpec(
+            str(opd.teacher_engine),
+            opd.teacher_path,
+            seed=cfg.train.seed + rank,
+            dtype=cfg.model.dtype,
+            server_args=dict(opd.teacher_server_args),
+        )
         client = EngineClient.spawn(
             spec,
             run_dir=run_dir,
