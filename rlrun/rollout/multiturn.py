@@ -150,6 +150,7 @@ class Trajectory:
     skip_special_tokens: bool = True
     """``rollout.skip_special_tokens``: whether the text ``generate`` returns drops special tokens."""
     num_forks: int = 0
+    """Contexts opened with :meth:`fork` so far (each gets its own seeds)."""
 
     async def generate(
         self,
