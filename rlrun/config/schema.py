@@ -274,8 +274,16 @@ class RolloutConfig(Section):
     """Timeouts, retries and concurrency for an ``http(s)://`` reward."""
     generate_fn: str | None = None
     """Custom multi-turn / tool-use generation: ``module:function`` or ``path/to/file.py:function``,
-    an ``async def fn(traj: Trajectory) -> None`` that drives the engine turn by turn
-    (rlrun/rollout/multiturn.py; example: examples/calculator_tool). None: one engine call per prompt."""
+    an ``async def fn(traj: Trajectory) -> None | list[Sample]`` that drives the engine turn by turn
+    (rlrun/rollout/multiturn.py; example: examples/calculator_tool). Returning a list makes the trajectory
+    several training samples sharing its reward and group score (example: examples/hooks/judge_agent.py).
+    None: one engine call per prompt."""
+    sample_to_train: str | None = None
+    """What each rollout sample trains as (slime's ``--custom-convert-samples-to-train-data-path``):
+    ``module:function`` / ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> list[Sample]``,
+    called on rank 0 after the group scores; every returned sample (none drops it) trains with its
+    sample's group score (rlrun/rollout/train_samples.py, example examples/hooks/train_samples.py).
+    None: a sample trains as itself, or as its ``parts`` when a ``generate_fn`` returned several."""
     max_context_tokens: int | None = Field(None, ge=2)
     """Prompt + response limit of one multi-turn trajectory (``generate_fn``): turns get at most the
     room left and a full trajectory ends with finish_reason "length". None uses the model's
@@ -572,12 +580,18 @@ class OPDConfig(Section):
     teacher_path: str | None = None
     """Hugging Face directory of the teacher (same architecture as ``model.path``, unless ``teacher_engine``
     is set: then any size or architecture the engine runs, sharing ``model.path``'s tokenizer)."""
-    teacher_engine: Literal["embedded"] | None = None
+    teacher_engine: Literal["embedded", "sglang"] | None = None
     """Score the student's samples with a second engine worker per rank holding ``teacher_path`` (its
     log-probs of every response token, at the rollout temperature, over the whole vocabulary), during the
     rollout, instead of swapping the teacher into the trainer. The teacher worker keeps its weights resident
-    (no release/resume between phases). A tokenizer other than ``model.path``'s is refused at setup.
-    ``sglang`` is not served yet (its prompt log-prob call is untested here). None: the trainer-side swap."""
+    (no release/resume between phases) and is watched like the engine (its death ends the job). A tokenizer
+    other than ``model.path``'s is refused at setup. ``sglang``: prefill-only requests with
+    ``logprob_start_len`` (slime's SGLang teacher), at ``rollout.temperature`` 1 only. None: the trainer-side
+    swap."""
+    teacher_server_args: dict[str, Any] = Field(default_factory=dict)
+    """``sglang.Engine`` arguments of an SGLang teacher engine, e.g. ``mem_fraction_static``: the teacher's
+    share of the GPU beside the student's engine and the trainer (give both engines' ``mem_fraction_static``
+    so that they and the trainer fit). Must stay empty with the embedded teacher, which takes none."""
     kl_coef: float = Field(0.0, ge=0)
     """Advantage penalty ``A_t -= kl_coef * (logp_student - logp_teacher)``; > 0 enables distillation."""
 
@@ -918,6 +932,22 @@ class RunConfig(Section):
             )
         return self
 
+    def _teacher_engine_fits(self) -> None:
+        opd = self.algorithm.opd
+        traits = backend_traits(opd.teacher_engine) if opd.teacher_engine is not None else None
+        if opd.teacher_server_args and not (traits is not None and traits.accepts_server_args):
+            raise ValueError(
+                f"algorithm.opd.teacher_server_args ({opd.teacher_server_args}) must be empty with teacher_engine "
+                f"{opd.teacher_engine} because that engine takes no server arguments; remove them or set "
+                "algorithm.opd.teacher_engine: sglang"
+            )
+        if traits is not None and not traits.scores_any_temperature and self.rollout.temperature != 1.0:
+            raise ValueError(
+                f"rollout.temperature ({self.rollout.temperature}) must be 1 with algorithm.opd.teacher_engine: "
+                f"{opd.teacher_engine} because whether it scales prompt log-probs by the request's temperature is "
+                "not pinned by a test here; set rollout.temperature: 1 or teacher_engine: embedded"
+            )
+
     @model_validator(mode="after")
     def _rollout_fits_the_step(self) -> RunConfig:
         if self.rollout.streams and self.engine.tp > 1:
@@ -931,6 +961,7 @@ class RunConfig(Section):
                 f"engine.tp ({self.engine.tp}) must be 1 with algorithm.opd.teacher_engine because each rank's "
                 "teacher engine scores that rank's own samples; set engine.tp: 1 or unset teacher_engine"
             )
+        self._teacher_engine_fits()
         if self.train.updates_per_rollout > self.rollout.prompts_per_step:
             raise ValueError(
                 f"train.updates_per_rollout ({self.train.updates_per_rollout}) must be <= rollout.prompts_per_step "

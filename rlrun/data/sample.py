@@ -72,6 +72,11 @@ class Sample:
     weight_spans: list[tuple[str, int]] | None = None
     """Partial rollout: ``(weight_version, num_tokens)`` runs over the response, oldest first, when its
     tokens came from more than one generate call; None: every token is ``weight_version``'s."""
+    parts: list[Sample] | None = None
+    """A trajectory that yields several training samples (a ``generate_fn`` returned a list): those samples,
+    in order; this sample is a copy of the last one. The reward, the dynamic filter and the group statistics
+    see the trajectory (this sample) once; each part trains as its own sample with the trajectory's group
+    score (rlrun/rollout/train_samples.py). None: the sample is its own training sample."""
 
     @property
     def first_weight_version(self) -> str:

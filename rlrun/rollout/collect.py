@@ -51,6 +51,7 @@ from rlrun.rollout.streaming import (
     partial_rollout_metrics,
 )
 from rlrun.rollout.teacher import TeacherEngine
+from rlrun.rollout.train_samples import SampleToTrain
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ class RolloutHooks:
     generate_fn: Callable | None
     group_filter: GroupFilter | None
     reward_post_process: RewardPostProcess | None = None
+    sample_to_train: SampleToTrain | None = None
+    """Used by rank 0's batch planner (rlrun/trainer/batch.py), after the group scores."""
 
     @classmethod
     def load(cls, r: RolloutConfig) -> RolloutHooks:
@@ -142,6 +145,7 @@ class RolloutHooks:
             generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
             group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None,
             reward_post_process=load_reward_post_process(r.reward_post_process) if r.reward_post_process else None,
+            sample_to_train=SampleToTrain.load(r.sample_to_train) if r.sample_to_train else None,
         )
 
 

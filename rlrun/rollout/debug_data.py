@@ -42,8 +42,13 @@ def load_rollout(directory: str | Path, step: int) -> list[Sample]:
     with path.open(encoding="utf-8") as lines:
         for line in lines:
             row = json.loads(line)
-            samples.append(Sample(**{**row, "prompt": Prompt(**row["prompt"])}))
+            samples.append(_sample(row))
     return samples
+
+
+def _sample(row: dict) -> Sample:
+    parts = [_sample(part) for part in row["parts"]] if row.get("parts") else None
+    return Sample(**{**row, "prompt": Prompt(**row["prompt"]), "parts": parts})
 
 
 def maybe_save_train_data(cfg, step: int, rank: int, micro_batches: list) -> None:

@@ -1,6 +1,6 @@
 """Custom generate functions (``rollout.generate_fn``): multi-turn and tool-using rollouts.
 
-A generate function is ``async def fn(traj: Trajectory) -> None``. It is called once per response
+A generate function is ``async def fn(traj: Trajectory) -> None | list[Sample]``. It is called once per response
 (``samples_per_prompt`` times per prompt, concurrently) and drives the engine turn by turn::
 
     async def generate(traj):
@@ -13,7 +13,20 @@ A generate function is ``async def fn(traj: Trajectory) -> None``. It is called 
                                                    # tool tokens: context only (loss mask 0)
 
 The trajectory becomes one :class:`Sample` whose ``response_ids`` are everything after the prompt
-and whose ``loss_mask`` marks which of them the model generated. A trajectory never outgrows
+and whose ``loss_mask`` marks which of them the model generated. A trajectory may instead yield several
+training samples (slime's generate functions returning a list): the function returns a list of samples,
+typically ``traj.to_sample()`` and those of the contexts it opened with ``traj.fork(...)`` (a second agent,
+a context reset after a summary)::
+
+    async def generate(traj):
+        await traj.generate()                                   # the solver's answer
+        judge = traj.fork(judge_prompt(traj.tokenizer.decode(traj.response_ids)))
+        await judge.generate()                                  # a second context, its own prompt
+        return [traj.to_sample(), judge.to_sample()]            # two training samples, one trajectory
+
+The reward scores the trajectory once, on its last sample (which sees the others in ``Sample.parts``), and
+the group statistics count it once; each sample then trains with the trajectory's group score
+(rlrun/rollout/train_samples.py). A trajectory never outgrows
 ``max_context_tokens`` (prompt + response): a turn gets at most the room left, environment text is
 cut at the limit, and ``traj.generate()`` with no room left ends the trajectory (``finish_reason``
 "length") by raising :class:`ContextFull`, which the driver catches. Engine calls from all concurrent
@@ -24,15 +37,17 @@ trajectories are batched: a call is sent when every unfinished trajectory is wai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlrun.data.sample import Prompt, Sample
 from rlrun.hooks import HookSpecError, resolve_hook
 
-SIGNATURE = "async fn(traj: Trajectory) -> None"
+SIGNATURE = "async fn(traj: Trajectory) -> None | list[Sample]"
 FLUSH_WAIT_S = 0.005
 _SEED_STRIDE = 7919  # separates the seeds of one trajectory's turns
+_FORK_SEED_STRIDE = 104_729  # separates the seeds of a trajectory's forks from its own turns
 
 
 class ContextFull(Exception):
@@ -134,6 +149,8 @@ class Trajectory:
     num_turns: int = 0
     skip_special_tokens: bool = True
     """``rollout.skip_special_tokens``: whether the text ``generate`` returns drops special tokens."""
+    num_forks: int = 0
+    """Contexts opened with :meth:`fork` so far (each gets its own seeds)."""
 
     async def generate(
         self,
@@ -190,6 +207,25 @@ class Trajectory:
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+
+    def fork(self, prompt: str | list[int]) -> Trajectory:
+        """A new context for the same row (its ``index``, ``label`` and ``metadata``) with ``prompt`` as its
+        prompt: text (special tokens parsed, as in :meth:`append_env`; render the chat template yourself) or
+        token ids. It generates through the same batched engine calls under its own seeds; return its
+        :meth:`to_sample` in the list to train on it."""
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else prompt
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+        self.num_forks += 1
+        return Trajectory(
+            prompt=dataclasses.replace(self.prompt, prompt_ids=list(ids), prompt_text=text),
+            sample_index=self.sample_index,
+            tokenizer=self.tokenizer,
+            sampling=self.sampling,
+            batcher=self.batcher,
+            seed=self.seed + _FORK_SEED_STRIDE * self.num_forks,
+            max_context_tokens=self.max_context_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
     def to_sample(self) -> Sample:
         """The finished trajectory; ``response_text`` keeps special tokens so turns stay visible to rewards."""
@@ -250,9 +286,10 @@ async def _run_all(
         for j in range(n)
     ]
 
-    async def drive(traj: Trajectory) -> None:
+    async def drive(traj: Trajectory) -> Sample:
+        returned = None
         try:
-            await fn(traj)
+            returned = await fn(traj)
         except ContextFull:
             pass  # a normal end: the trajectory is as long as it may get
         except Exception as err:
@@ -262,15 +299,35 @@ async def _run_all(
             ) from err
         finally:
             batcher.finished()
-        if traj.num_turns == 0:
+        if returned is None and traj.num_turns == 0:
             raise RuntimeError(
                 f"rollout.generate_fn returned for prompt {traj.prompt.index} without calling "
                 "traj.generate(); every trajectory needs at least one model turn"
             )
+        return traj.to_sample() if returned is None else trajectory_of(returned, traj.prompt.index)
 
     server = asyncio.create_task(batcher.serve())
     try:
-        await asyncio.gather(*(drive(t) for t in trajectories))
+        return list(await asyncio.gather(*(drive(t) for t in trajectories)))
     finally:
         server.cancel()
-    return [t.to_sample() for t in trajectories]
+
+
+def trajectory_of(parts: object, index: int) -> Sample:
+    """The trajectory's sample for a generate function's returned list: a copy of its last sample holding
+    the whole list as ``parts`` (a single sample is the trajectory itself)."""
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, Sample) for p in parts):
+        raise TypeError(
+            f"rollout.generate_fn returned {type(parts).__name__} for prompt {index}; it must return None or a "
+            f"non-empty list of Sample (signature {SIGNATURE}) because each sample trains; return e.g. "
+            "[traj.to_sample(), other.to_sample()]"
+        )
+    if any(p.group_index != index for p in parts):
+        raise ValueError(
+            f"rollout.generate_fn returned samples of prompts {sorted({p.group_index for p in parts})} for prompt "
+            f"{index}; they must all be prompt {index}'s because they share its group; build them with "
+            "traj.to_sample() and traj.fork(...)"
+        )
+    if len(parts) == 1:
+        return parts[0]
+    return dataclasses.replace(parts[-1], parts=list(parts))

@@ -31,7 +31,13 @@ class TeacherEngine:
         opd = cfg.algorithm.opd
         assert opd.teacher_path is not None, "check_algorithm pairs teacher_path with kl_coef"
         check_same_tokenizer(cfg.model.path, opd.teacher_path)
-        spec = BackendSpec(str(opd.teacher_engine), opd.teacher_path, seed=cfg.train.seed + rank, dtype=cfg.model.dtype)
+        spec = BackendSpec(
+            str(opd.teacher_engine),
+            opd.teacher_path,
+            seed=cfg.train.seed + rank,
+            dtype=cfg.model.dtype,
+            server_args=dict(opd.teacher_server_args),
+        )
         client = EngineClient.spawn(
             spec,
             run_dir=run_dir,
@@ -44,15 +50,20 @@ class TeacherEngine:
         return cls(client, cfg.rollout.temperature)
 
     def score(self, samples: list[Sample]) -> None:
-        """Set every sample's ``teacher_logprobs`` (one per response token) in one engine call."""
-        if not samples:
+        """Set every sample's ``teacher_logprobs`` (one per response token) in one engine call; a trajectory
+        of several parts has each part scored (the trajectory's own copy of its last part shares its scores)."""
+        targets = [part for s in samples for part in (s.parts or [s])]
+        if not targets:
             return
-        sequences = [s.prompt.prompt_ids + s.response_ids for s in samples]
-        starts = [len(s.prompt.prompt_ids) for s in samples]
+        sequences = [s.prompt.prompt_ids + s.response_ids for s in targets]
+        starts = [len(s.prompt.prompt_ids) for s in targets]
         for sample, logprobs in zip(
-            samples, self.client.score_tokens(sequences, starts, self.temperature), strict=True
+            targets, self.client.score_tokens(sequences, starts, self.temperature), strict=True
         ):
             sample.teacher_logprobs = logprobs
+        for sample in samples:
+            if sample.parts:
+                sample.teacher_logprobs = sample.parts[-1].teacher_logprobs
 
     def close(self) -> None:
         self.client.shutdown()

@@ -11,7 +11,7 @@ store; rank 0's outside torchrun). Every ``INTERVAL_S`` it::
 
     adds 1 to   beat/<rank>                  its heartbeat
     reads       abort                        a failure someone published -> print it, exit
-    polls       its own engine worker        exited -> publish, exit
+    polls       its own engine workers       exited -> publish, exit (the engine, and the OPD teacher engine)
     checks      its ring neighbour rank+1    same host: is the pid alive?  any host: has its beat
                                              moved within PEER_TIMEOUT_S?   gone -> publish, exit
 
@@ -52,6 +52,18 @@ EXIT_PEER_FAILED = 43
 
 
 @dataclass(frozen=True)
+class WatchedWorker:
+    """A worker process of this rank whose exit is this rank's failure."""
+
+    role: str
+    """How messages name it: "engine", "teacher engine"."""
+    process: subprocess.Popen
+    log_path: Path | None
+    oom_kills: dict[str, int] | None
+    """The host's OOM-kill counters when watching began (a later kill is evidence of the cause)."""
+
+
+@dataclass(frozen=True)
 class PeerInfo:
     rank: int
     pid: int
@@ -82,9 +94,7 @@ class Watchdog:
         self._store_addr = store_addr
         self._prefix = prefix
         self._store_ok_s = time.monotonic()
-        self._engine: subprocess.Popen | None = None
-        self._engine_log: Path | None = None
-        self._engine_oom_kills: dict[str, int] | None = None
+        self._workers: list[WatchedWorker] = []
         self._neighbour = (me.rank + 1) % world_size
         self._neighbour_info: PeerInfo | None = None
         self._neighbour_beats = -1
@@ -114,11 +124,11 @@ class Watchdog:
         watchdog._thread.start()
         return watchdog
 
-    def watch_engine(self, process: subprocess.Popen | None, log_path: Path | None) -> None:
-        """Also treat the exit of this rank's engine worker as a failure of this rank (None: this rank has
+    def watch_engine(self, process: subprocess.Popen | None, log_path: Path | None, role: str = "engine") -> None:
+        """Also treat the exit of this rank's ``role`` worker as a failure of this rank (None: this rank has
         none, a member of an engine group)."""
-        self._engine, self._engine_log = process, log_path
-        self._engine_oom_kills = oom_kill_counts()
+        if process is not None:
+            self._workers.append(WatchedWorker(role, process, log_path, oom_kill_counts()))
 
     def phase_started(self, phase: str) -> None:
         """The main thread enters ``phase`` (a ``PhaseTimer`` listener): failures found from now on name it, so a
@@ -174,14 +184,16 @@ class Watchdog:
         return self._publish(cause) if cause else None
 
     def _engine_death(self) -> str | None:
-        code = None if self._engine is None else self._engine.poll()
-        if code is None:
-            return None
-        how = describe_exit(self._engine.pid, code, self._engine_log, self._engine_oom_kills)
-        return (
-            f"the engine worker of {self.me.describe()} (pid {self._engine.pid}) {how} at {self.where()}; "
-            f"see {self._engine_log}"
-        )
+        for worker in self._workers:
+            code = worker.process.poll()
+            if code is None:
+                continue
+            how = describe_exit(worker.process.pid, code, worker.log_path, worker.oom_kills)
+            return (
+                f"the {worker.role} worker of {self.me.describe()} (pid {worker.process.pid}) {how} at "
+                f"{self.where()}; see {worker.log_path}"
+            )
+        return None
 
     def _neighbour_death(self) -> str | None:
         if self.world_size == 1 or self._store.check([self._key("done", self._neighbour)]):
@@ -208,11 +220,13 @@ class Watchdog:
 
     def _exit(self, verdict: str) -> None:
         print(f"[rlrun] {self.me.describe()} exiting: {verdict}", file=sys.stderr, flush=True)
-        if self._engine is not None and self._engine.poll() is None:
+        for worker in self._workers:
+            if worker.process.poll() is not None:
+                continue
             try:  # the worker leads its own process group (SGLang's schedulers live in it too)
-                os.killpg(self._engine.pid, signal.SIGKILL)
+                os.killpg(worker.process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
-                self._engine.kill()
+                worker.process.kill()
         os._exit(EXIT_PEER_FAILED)
 
     def _stop_thread(self) -> None:

@@ -1,7 +1,9 @@
 """The typed batch a rank trains on: rank 0 plans every rank's share of a rollout and scatters it.
 
     rank 0:  samples (prompt-major, whole groups) -> group scores, tied groups dropped (rlrun.algo)
-             -> ``train.updates_per_rollout`` updates of whole groups -> per update: packed micro-batches,
+             -> ``train.updates_per_rollout`` updates of whole groups -> per update: each sample's training
+             samples (its parts, or ``rollout.sample_to_train``'s; rlrun/rollout/train_samples.py) with its
+             group score -> packed micro-batches,
              balanced over DP ranks, and the update's global loss-token and loss-sample counts
     every rank:  its ``TrainBatch`` (TP / PP peers of a DP rank receive the same micro-batches)
 
@@ -21,6 +23,7 @@ from rlrun.config.schema import RunConfig
 from rlrun.data.batch import MicroBatch, schedule_micro_batches
 from rlrun.data.sample import Sample
 from rlrun.rollout.driver import group_samples
+from rlrun.rollout.train_samples import SampleToTrain, train_samples
 
 T = TypeVar("T")
 
@@ -62,6 +65,8 @@ class BatchPlanner:
     """The DP rank of every global rank (index: global rank)."""
     dp_size: int
     pad_token_id: int
+    sample_to_train: SampleToTrain | None = None
+    """``rollout.sample_to_train``; None: each sample trains as itself (or as its parts)."""
 
     def plan(self, samples: list[Sample], metrics: dict[str, float]) -> list[TrainBatch]:
         """One ``TrainBatch`` per global rank; adds the rollout's reward and length metrics to ``metrics``."""
@@ -77,7 +82,12 @@ class BatchPlanner:
             for s, a in zip(g, score, strict=False)
         ]
         per_update = []  # [update] -> (micro-batches per DP rank, global tokens, global samples)
-        for part in split_into_updates(kept, cfg.rollout.samples_per_prompt, cfg.train.updates_per_rollout):
+        num_train_samples = 0
+        for trajectories in split_into_updates(kept, cfg.rollout.samples_per_prompt, cfg.train.updates_per_rollout):
+            part = [(t, a) for s, a in trajectories for t in train_samples(s, self.sample_to_train)]
+            num_train_samples += len(part)
+            if not part:  # the hook dropped every sample of this update
+                continue
             per_dp = schedule_micro_batches(
                 [s for s, _ in part],
                 [a for _, a in part],
@@ -88,6 +98,7 @@ class BatchPlanner:
             )
             num_samples = sum(mb.num_loss_samples for mbs in per_dp for mb in mbs)
             per_update.append((per_dp, sum(s.num_loss_tokens for s, _ in part), num_samples))
+        metrics["rollout/train_samples"] = num_train_samples
         return [
             TrainBatch([Update(per_dp[dp_rank], tokens, num_samples) for per_dp, tokens, num_samples in per_update])
             for dp_rank in self.dp_rank_of

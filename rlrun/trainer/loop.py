@@ -102,6 +102,9 @@ def run(cfg: RunConfig) -> bool:
             parts = setup(cfg, parallel, watchdog)
         if cfg.engine.max_restarts == 0:  # else a dead engine is restarted, not the end of the job
             watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
+        if parts.rollout.teacher is not None:  # never restarted: its death ends the job
+            teacher = parts.rollout.teacher.client
+            watchdog.watch_engine(teacher.process, teacher.log_path, role="teacher engine")
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
         resumed = parts.actor.restore(checkpointer, parts.sampler)
         parts.rollout.restore_carry(checkpointer.restored_carry)
@@ -195,7 +198,13 @@ def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
         recovery=recovery,
         actor=actor,
         rollout=rollout,
-        planner=BatchPlanner(cfg, dp_rank_of, parallel.dp_size, pad_token_id=tokenizer.pad_token_id or 0),
+        planner=BatchPlanner(
+            cfg,
+            dp_rank_of,
+            parallel.dp_size,
+            pad_token_id=tokenizer.pad_token_id or 0,
+            sample_to_train=rollout.hooks.sample_to_train,
+        ),
         sampler=sampler,
         logger=MetricsLogger(cfg) if parallel.is_rank0 else None,
         watchdog=watchdog,

@@ -168,6 +168,30 @@ def test_generated_logprobs_match_the_trainer_on_the_same_weights(engine, traine
     assert mean <= GAP_GOAL, f"trainer-vs-engine mean |log-prob gap| {mean:.4f} > goal {GAP_GOAL}"
 
 
+def test_score_tokens_match_the_trainer(engine, trainer, record):
+    """``algorithm.opd.teacher_engine: sglang``'s call (prefill-only requests with ``logprob_start_len``):
+    the engine's prompt log-probs of sampled responses are the trainer's on the same weights, at T = 1. At
+    T = 0.7 it only records which of the trainer's T = 0.7 / T = 1 log-probs they match (whether SGLang
+    scales prompt log-probs by the temperature, the one reason rlrun asks an SGLang teacher for T = 1 only)."""
+    _, _, trainer_lp, (prompt_ids, results) = gap(trainer, engine, seed=3, version=engine.get_weight_version())
+    sequences = [p + r["output_ids"] for p, r in zip(prompt_ids, results, strict=True)]
+    scored = torch.tensor(engine.score_tokens(sequences, [PROMPT_LEN] * BATCH, 1.0))
+    diff = (scored - trainer_lp).abs()
+    record["score_tokens_gap"] = {"mean_abs": diff.mean().item(), "max_abs": diff.max().item()}
+    assert diff.mean().item() <= GAP_GOAL, record["score_tokens_gap"]
+    from rlrun.megatron import compute_logprobs
+
+    tokens = torch.tensor(sequences, device=trainer.parallel.device)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    with torch.no_grad():
+        cool = compute_logprobs(trainer, tokens, positions, 0.7).float()[:, PROMPT_LEN - 1 :].cpu()
+    scored_cool = torch.tensor(engine.score_tokens(sequences, [PROMPT_LEN] * BATCH, 0.7))
+    record["score_tokens_at_0_7"] = {
+        "mean_abs_vs_trainer_t0_7": (scored_cool - cool).abs().mean().item(),
+        "mean_abs_vs_trainer_t1": (scored_cool - trainer_lp).abs().mean().item(),
+    }
+
+
 def test_weight_sync_from_megatron_moves_the_engine_to_the_trainers_weights(engine, trainer, record):
     """Perturb the trainer, push it over CUDA IPC in flattened buckets: the engine follows, stamped."""
     from rlrun.megatron import export_hf_weights

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -151,3 +152,39 @@ def test_silent_peer_on_another_host_is_declared_dead_after_the_timeout(monkeypa
         f"rank 0 (pid {os.getpid()} on node-a) failed at step 7 (checkpoint): RuntimeError: Timed out waiting "
         "600000ms for recv operation to complete"
     )
+
+
+def test_a_dead_teacher_engine_is_this_ranks_failure(tmp_path):
+    """``algorithm.opd.teacher_engine``'s worker is watched beside the engine (rlrun/trainer/loop.py): its
+    exit is reported naming it, its pid, the signal and its log, as the engine's is. Real TCPStore and a
+    real worker process, no thread."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    from rlrun.runtime import watchdog as wd
+    from rlrun.runtime.dist import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    dog = wd.Watchdog(wd.PeerInfo(0, os.getpid(), "node-a"), 1, server, f"127.0.0.1:{port}", "t/")
+    log = tmp_path / "teacher-0.log"
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    teacher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        dog.watch_engine(engine, tmp_path / "engine-0.log")
+        dog.watch_engine(teacher, log, role="teacher engine")
+        dog.step = 3
+        assert dog._engine_death() is None
+        teacher.kill()
+        teacher.wait()
+        verdict = dog._engine_death()
+        assert verdict is not None and verdict.startswith(
+            f"the teacher engine worker of rank 0 (pid {os.getpid()} on node-a) (pid {teacher.pid}) exited with "
+            "code -9 (killed by SIGKILL"
+        ), verdict
+        assert verdict.endswith(f"at step 3 (setup); see {log}"), verdict
+    finally:
+        for process in (engine, teacher):
+            process.kill()
+            process.wait()

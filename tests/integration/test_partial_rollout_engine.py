@@ -1,11 +1,16 @@
 """Partial rollout on 2 real ranks with real embedded engines: every drawn group is trained exactly once
 (or still carried at the end), a carried sample's tokens are exactly what the engine returned at the abort,
 its continuation is conditioned on prompt + those tokens (its log-probs equal an HF forward over the whole
-sequence), older-weight tokens are masked, and the abort leaves the engine idle at once."""
+sequence), older-weight tokens are masked, and the abort leaves the engine idle at once.
+
+Every fourth row is a deterministic long tail: the engine worker (tests/fakes/backends/held_backend.py, the
+embedded engine with a hold) generates ``HELD_TOKENS`` real tokens for it and holds the call until the abort,
+so each round has a group still generating when the batch fills however loaded the machine is."""
 
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -17,6 +22,14 @@ from dist_utils import run_distributed
 pytestmark = pytest.mark.slow
 
 NUM_ROWS, NUM_STEPS, SEED = 64, 4, 5
+HELD_TOKENS = 6
+
+
+def is_held(row: int) -> bool:
+    """At most one held row among any 4 consecutive draws: each round's other groups fill the batch."""
+    return row % 4 == 3
+
+
 ROLLOUT = {
     "prompts_per_step": 2,
     "over_sampling_prompts": 4,
@@ -32,6 +45,7 @@ def collect_steps(model_dir: str, run_dir: str, data: str, reward: str):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine_contract import FAKES_DIR
     from rlrun.config.schema import RunConfig
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.engine.backends import BackendSpec
@@ -53,8 +67,11 @@ def collect_steps(model_dir: str, run_dir: str, data: str, reward: str):
         dataset = PromptDataset(cfg.data, tokenizer)
         sampler = PromptSampler(dataset, seed=SEED, shuffle=False) if parallel.is_rank0 else None
         steps = []
+        held = {"held_prompts": [p.prompt_ids for p in dataset.prompts if is_held(p.index)], "held_tokens": HELD_TOKENS}
+        spec = BackendSpec("held", model_dir, parallel.rank, factory="held_backend:build", server_args=held)
+        pythonpath = os.pathsep.join(p for p in (str(FAKES_DIR / "backends"), os.environ.get("PYTHONPATH")) if p)
         with EngineClient.spawn(
-            BackendSpec("embedded", model_dir, parallel.rank), run_dir=Path(run_dir), rank=parallel.rank
+            spec, run_dir=Path(run_dir), rank=parallel.rank, extra_env={"PYTHONPATH": pythonpath}
         ) as engine:
             runtime = RolloutRuntime.build(cfg, parallel, engine, tokenizer, sampler)
             for step in range(NUM_STEPS):
@@ -105,7 +122,7 @@ def test_partial_rollout_conserves_samples(tiny_model_dirs, tmp_path):
     assert all(r["finish"] != "abort" for samples, _, _ in steps for r in samples)
 
     batches = {(r["group"], r["slot"]): r for samples, _, _ in steps for r in samples}
-    checked = 0
+    continued = set()
     for _, carry, _ in steps:
         for group in carry:
             for row in group:
@@ -116,9 +133,11 @@ def test_partial_rollout_conserves_samples(tiny_model_dirs, tmp_path):
                 assert later["response_ids"][:n] == row["response_ids"]  # the carried tokens, unchanged
                 assert later["logprobs"][:n] == row["logprobs"]
                 assert later["carried_tokens"] >= n
-                checked += 1
-    lengths = sorted(len(r["response_ids"]) for r in batches.values())
-    assert checked > 0, f"no sample was aborted and continued (lengths {lengths}): the test would prove nothing"
+                continued.add((row["group"], row["slot"]))
+    held_trained = {(g, k) for g in trained if is_held(g) for k in range(ROLLOUT["samples_per_prompt"])}
+    assert len(held_trained) >= 2  # held rows were drawn, aborted, carried and trained
+    assert held_trained <= continued  # every trained held sample went through an abort and a continuation
+    assert all(batches[key]["carried_tokens"] >= HELD_TOKENS for key in held_trained)
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     masked = 0

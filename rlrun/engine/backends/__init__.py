@@ -44,6 +44,9 @@ class BackendTraits:
     routed_experts_args: Mapping[str, Any] | None
     """Server arguments under which it returns each sample's routed experts (``algorithm.routing_replay:
     rollout``); ``{}``: it always does for MoE models; None: it cannot."""
+    scores_any_temperature: bool = True
+    """``score_tokens`` is known to honour its temperature; False: only 1 is (SGLang's prompt log-probs, whose
+    temperature scaling no test here pins), so an engine teacher refuses another rollout temperature."""
     needs_gpu: bool = False
     package: str | None = None
     """The distribution it imports (``rlrun doctor`` checks it is installed)."""
@@ -63,6 +66,7 @@ BACKENDS: dict[str, BackendTraits] = {
         supports_checksums=False,  # sglang.Engine offers no per-tensor weight access
         accepts_server_args=True,
         routed_experts_args={"enable_return_routed_experts": True},
+        scores_any_temperature=False,
         needs_gpu=True,
         package="sglang",
     ),

@@ -151,6 +151,19 @@ def check_payload(payload: bytes, unpickler: type) -> None:
             ) from None
 
 
+def input_logprobs(output: dict, ids: list[int], start: int) -> list[float]:
+    """The log-probs of ``ids[start:]`` from a prefill-only output asked with ``logprob_start_len = start - 1``,
+    checked to be of exactly those tokens (a window off by one would score the wrong tokens silently)."""
+    entries = output["meta_info"]["input_token_logprobs"][1:]
+    scored = [token_id for _, token_id, *_ in entries]
+    if scored != ids[start:]:
+        raise RuntimeError(
+            f"SGLang's input_token_logprobs cover tokens {scored[:8]}... ({len(scored)}), not the {len(ids) - start} "
+            f"tokens from position {start} that were asked for; the logprob_start_len contract changed"
+        )
+    return [float(logprob) for logprob, *_ in entries]
+
+
 def _routed_topk(spec: BackendSpec) -> int | None:
     """``num_experts_per_tok`` of the model when the server was started to return routed experts (SGLang
     leaves reshaping its flat ids to the caller's model config), else None."""
@@ -292,10 +305,21 @@ class SglangBackend:
     async def score_tokens(
         self, input_ids: list[list[int]], starts: list[int], temperature: float
     ) -> list[list[float]]:
-        raise NotImplementedError(
-            "score_tokens (a teacher engine's log-probs) is served by the embedded backend only; set "
-            "algorithm.opd.teacher_engine: embedded"
+        """Prefill-only requests (``max_new_tokens`` 0, as slime's SGLang teacher sends) with
+        ``logprob_start_len`` one token before each start: SGLang's ``input_token_logprobs`` then open with
+        the token at that position (logprob None: nothing in the window conditions it), dropped here."""
+        for ids, start in zip(input_ids, starts, strict=True):
+            if not 1 <= start < len(ids):
+                raise ValueError(
+                    f"start ({start}) must be in [1, {len(ids) - 1}] because the first token has no logprob"
+                )
+        outputs = await self.engine.async_generate(
+            input_ids=input_ids,
+            sampling_params=[{"max_new_tokens": 0, "temperature": temperature} for _ in input_ids],
+            return_logprob=True,
+            logprob_start_len=[start - 1 for start in starts],
         )
+        return [input_logprobs(out, ids, start) for out, ids, start in zip(outputs, input_ids, starts, strict=True)]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

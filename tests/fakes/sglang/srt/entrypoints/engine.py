@@ -119,6 +119,7 @@ class Engine:
         rid=None,
         stream=False,
         return_routed_experts=False,
+        logprob_start_len=None,
         **unsupported,
     ):
         if unsupported or prompt is not None or stream:
@@ -129,6 +130,7 @@ class Engine:
             return_logprob=return_logprob,
             rid=rid,
             return_routed_experts=return_routed_experts,
+            logprob_start_len=logprob_start_len,
         )
         return await self.tokenizer_manager.generate_request(obj, None).__anext__()
 

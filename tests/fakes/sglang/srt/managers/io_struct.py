@@ -80,3 +80,5 @@ class GenerateReqInput:
     rid: Optional[str | list[str]] = None
     return_routed_experts: bool = False
     stream: bool = False
+    logprob_start_len: Optional[int | list[int]] = None
+    """Where ``input_token_logprobs`` start in the input; None / -1: output tokens only (io_struct.py:567)."""

@@ -177,14 +177,25 @@ class TokenizerManager:
             else [obj.sampling_params or {}] * len(input_ids)
         )
         rids = self._rids(obj.rid, len(input_ids))
+        starts = (
+            obj.logprob_start_len
+            if isinstance(obj.logprob_start_len, list)
+            else [obj.logprob_start_len] * len(input_ids)
+        )
         n = params[0].get("n", 1)
         if any(p.get("n", 1) != n for p in params):
             raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
         if n > 1:  # expanded prompt-major with fresh rids, as _handle_batch_request does
             input_ids = [ids for ids in input_ids for _ in range(n)]
             params = [p for p in params for _ in range(n)]
+            starts = [start for start in starts for _ in range(n)]
             rids = [uuid.uuid4().hex for _ in input_ids]
-        parsed = [self._sampling_params(p) for p in params]
+        # max_new_tokens 0 is a prefill-only request (scoring the input): SGLang serves it, the engine needs >= 1.
+        prefill_only = [p.get("max_new_tokens") == 0 for p in params]
+        parsed = [
+            self._sampling_params({**p, "max_new_tokens": 1} if z else p)
+            for p, z in zip(params, prefill_only, strict=True)
+        ]
         async with self.is_pause_cond:
             await self.is_pause_cond.wait_for(lambda: not self.is_pause)
         await self.model_update_lock.acquire_read()
@@ -192,7 +203,15 @@ class TokenizerManager:
         try:
             loop = asyncio.get_running_loop()
             outputs = await loop.run_in_executor(
-                self._scheduler, self._run_batch, input_ids, parsed, rids, obj.return_logprob, obj.return_routed_experts
+                self._scheduler,
+                self._run_batch,
+                input_ids,
+                parsed,
+                rids,
+                obj.return_logprob,
+                obj.return_routed_experts,
+                prefill_only,
+                starts,
             )
         finally:
             for rid in rids:
@@ -242,19 +261,47 @@ class TokenizerManager:
             ours["sampling_seed"] = params["sampling_seed"]  # without it SGLang ignores sampling_seed
         return SamplingParams.from_dict(ours)
 
-    def _run_batch(self, input_ids, params, rids, return_logprob, return_routed_experts=False) -> list[dict]:
+    def _run_batch(
+        self, input_ids, params, rids, return_logprob, return_routed_experts=False, prefill_only=None, starts=None
+    ) -> list[dict]:
         if self.offload_tags:
             die(
                 f"CUDA error: an illegal memory access was encountered (memory tags {sorted(self.offload_tags)} "
                 "are released)"
             )
         start = time.perf_counter()
-        with self.control.registered(rids) as handle:
-            results = self.model.generate(input_ids, params, True, rids, request=handle, control=self.control)
-        return [
+        prefill_only = prefill_only or [False] * len(input_ids)
+        rows = [i for i, z in enumerate(prefill_only) if not z]
+        results: list[dict] = [_prefill_result(rid, ids) for rid, ids in zip(rids, input_ids, strict=True)]
+        if rows:
+            with self.control.registered([rids[i] for i in rows]) as handle:
+                generated = self.model.generate(
+                    [input_ids[i] for i in rows],
+                    [params[i] for i in rows],
+                    True,
+                    [rids[i] for i in rows],
+                    request=handle,
+                    control=self.control,
+                )
+            for i, result in zip(rows, generated, strict=True):
+                results[i] = result
+        outputs = [
             self._output(r, p, return_logprob, time.perf_counter() - start, return_routed_experts)
             for r, p in zip(results, params, strict=False)
         ]
+        for ids, p, begin, output in zip(input_ids, params, starts or [None] * len(input_ids), outputs, strict=True):
+            if return_logprob and begin is not None and begin >= 0:
+                output["meta_info"]["input_token_logprobs"] = self._input_logprobs(ids, begin, p.temperature)
+        return outputs
+
+    def _input_logprobs(self, ids: list[int], begin: int, temperature: float) -> list[tuple]:
+        """``(logprob, token_id, None)`` for every input token from ``begin`` on; the first entry's logprob is
+        None, as SGLang's (nothing inside the window conditions it). At the request's (normalised) temperature,
+        as output log-probs are; rlrun only asks at T = 1."""
+        if not 0 <= begin < len(ids):
+            raise ValueError(f"logprob_start_len ({begin}) must be < the input length ({len(ids)})")
+        scores = self.model.score_tokens([ids], [begin + 1], temperature)[0] if begin + 1 < len(ids) else []
+        return [(None, ids[begin], None)] + [(lp, tid, None) for lp, tid in zip(scores, ids[begin + 1 :], strict=True)]
 
     def _output(
         self,
@@ -460,3 +507,15 @@ class TokenizerManager0523(TokenizerManager):
                 "or queued. Retract or finish them, then call /flush_cache."
             )
         return True, "Success"
+
+
+def _prefill_result(rid: str, ids: list[int]) -> dict:
+    """A prefill-only request's result (``max_new_tokens`` 0): no output tokens, finished by length."""
+    return {
+        "rid": rid,
+        "output_ids": [],
+        "output_logprobs": [],
+        "finish_reason": {"type": "length", "length": 0},
+        "prompt_tokens": len(ids),
+        "completion_tokens": 0,
+    }
