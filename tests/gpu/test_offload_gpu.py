@@ -27,7 +27,7 @@ class _NoEngine:
 
 def test_trainer_sleep_frees_region_and_wake_restores_contents():
     from rlrun.config.schema import OffloadConfig
-    from rlrun.offload import Offloader
+    from rlrun.trainer.offload import Offloader
 
     offloader = Offloader(OffloadConfig(train=True, rollout=False), _NoEngine(), torch.device("cuda", 0))
     with offloader.trainer_region():

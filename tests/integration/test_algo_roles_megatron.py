@@ -47,7 +47,7 @@ def _step(hf_dir: str, parallel, cfg, reuse: bool) -> dict:
     from rlrun.algo.objective import Objective
     from rlrun.algo.rank_advantages import assign_advantages
     from rlrun.megatron import build_model, export_hf_weights, make_optimizer, train_step
-    from rlrun.roles import ModelRoles
+    from rlrun.trainer.roles import ModelRoles
 
     model = build_model(hf_dir, parallel)
     optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8, clip_grad=0.0)
@@ -95,8 +95,8 @@ def test_reuse_and_full_paths_give_identical_loss_and_gradients(tiny_model_dirs)
 def _roles_worker(actor_dir: str, ref_dir: str, teacher_dir: str) -> dict:
     from rlrun.config.schema import AlgorithmConfig
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
-    from rlrun.roles import ModelRoles
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.roles import ModelRoles
 
     parallel = init_distributed(tp=2, pp=1, seed=0)
 

@@ -46,8 +46,8 @@ def half_written(ckpt_dir: Path) -> list[str]:
 
 
 def test_kill_and_full_disk_mid_checkpoint_leave_only_the_last_complete_one(tiny_model_dirs, tmp_path):
-    from rlrun.checkpoint import resolve_start
     from rlrun.config.schema import CheckpointConfig
+    from rlrun.trainer.checkpoint import resolve_start
 
     run_dir, fault_dir = tmp_path / "run", tmp_path / "faults"
     ckpt_dir = run_dir / "checkpoints"

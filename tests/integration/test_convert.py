@@ -39,11 +39,11 @@ def _round_trips(hf_dirs: dict[str, str], out_root: str) -> dict:
     run's checkpointer (checkpoint.load) into a freshly built model."""
     import torch.distributed as dist
 
-    from rlrun.checkpoint import ACTOR, Checkpointer
     from rlrun.config.schema import CheckpointConfig
     from rlrun.convert import HfToMcore, McoreToHf
     from rlrun.megatron import build_model, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.checkpoint import ACTOR, Checkpointer
 
     parallel = init_distributed(tp=2, pp=1, seed=0)
     for family, hf_dir in hf_dirs.items():

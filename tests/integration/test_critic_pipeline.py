@@ -15,11 +15,11 @@ pytestmark = pytest.mark.slow
 
 def _pipeline_critic_worker(model_dirs: dict[str, str], tokens, returns, mask) -> dict:
     from rlrun.config.schema import CriticConfig, OptimizerConfig
-    from rlrun.critic import Critic
     from rlrun.data.batch import MicroBatch
     from rlrun.megatron import make_optimizer, make_scheduler
     from rlrun.megatron.value_head import build_critic_model
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.critic import Critic
 
     parallel = init_distributed(tp=1, pp=2, seed=0)
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)

@@ -76,9 +76,9 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 def _two_ranks(hf_dir: str, run_dir: str, distributed_optimizer: bool) -> dict:
-    from rlrun.checkpoint import Checkpointer
     from rlrun.config.schema import CheckpointConfig
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.checkpoint import Checkpointer
 
     parallel = init_distributed(tp=1, pp=1, seed=0)
     model, optimizer, scheduler = _build(hf_dir, parallel, distributed_optimizer)
@@ -95,9 +95,9 @@ def _two_ranks(hf_dir: str, run_dir: str, distributed_optimizer: bool) -> dict:
 
 
 def _one_rank(hf_dir: str, run_dir: str, distributed_optimizer: bool) -> dict:
-    from rlrun.checkpoint import Checkpointer
     from rlrun.config.schema import CheckpointConfig
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.checkpoint import Checkpointer
 
     parallel = init_distributed(tp=1, pp=1, seed=0)
     model, optimizer, scheduler = _build(hf_dir, parallel, distributed_optimizer)

@@ -40,8 +40,8 @@ RESTART_LINE = re.compile(r"\[rlrun\] rank 0: restarting the engine of rank\(s\)
 
 
 def test_engine_faults_restart_in_place_until_max_restarts(tiny_model_dirs, tmp_path):
-    from rlrun.checkpoint import resolve_start
     from rlrun.config.schema import CheckpointConfig
+    from rlrun.trainer.checkpoint import resolve_start
 
     run_dir, fault_dir = tmp_path / "run", tmp_path / "faults"
     fault_dir.mkdir()

@@ -21,11 +21,11 @@ pytestmark = pytest.mark.slow
 
 
 def _ref_worker(hf_dir: str, ckpt_dir: str) -> dict:
-    from rlrun.checkpoint import Checkpointer
     from rlrun.config.schema import AlgorithmConfig, CheckpointConfig
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer
-    from rlrun.roles import ModelRoles
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.checkpoint import Checkpointer
+    from rlrun.trainer.roles import ModelRoles
 
     torch.set_num_threads(1)
     parallel = init_distributed(tp=2, pp=1, seed=0)

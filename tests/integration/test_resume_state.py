@@ -48,10 +48,10 @@ def batches(vocab_size: int) -> list[Batch]:
 
 
 def _worker(hf_dir: str, run_dir: str, dtype: str) -> dict:
-    from rlrun.checkpoint import Checkpointer
     from rlrun.config.schema import CheckpointConfig
     from rlrun.megatron import build_model, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.checkpoint import Checkpointer
 
     parallel = init_distributed(tp=2, pp=1, seed=0)
     model = build_model(hf_dir, parallel, dtype=dtype)

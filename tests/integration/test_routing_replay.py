@@ -96,8 +96,8 @@ def _worker(hf_dir: str, pp: int) -> dict:
     from rlrun.algo.objective import Objective
     from rlrun.config.schema import AlgorithmConfig
     from rlrun.megatron import build_model, compute_logprobs, make_optimizer, train_step
-    from rlrun.roles import ModelRoles
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.roles import ModelRoles
 
     torch.set_num_threads(1)
     samples = _engine_samples(hf_dir)

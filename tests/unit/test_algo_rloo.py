@@ -8,7 +8,7 @@ from rlrun.algo.advantages import group_scores, score_groups
 from rlrun.algo.rank_advantages import assign_advantages
 from rlrun.config.schema import AlgorithmConfig
 from rlrun.data.batch import MicroBatch
-from rlrun.roles import can_reuse_logprobs
+from rlrun.trainer.roles import can_reuse_logprobs
 
 
 def reference_rloo(group: list[float]) -> list[float]:

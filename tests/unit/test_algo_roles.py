@@ -5,7 +5,7 @@ import torch
 
 from rlrun.config.schema import AlgorithmConfig
 from rlrun.megatron.weight_backup import WeightBackup
-from rlrun.roles import can_reuse_logprobs
+from rlrun.trainer.roles import can_reuse_logprobs
 
 
 def test_backup_restore_and_copy_are_exact():

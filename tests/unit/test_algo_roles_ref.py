@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rlrun.checkpoint import COMPLETE, Layout, check_layout
 from rlrun.config.schema import AlgorithmConfig
-from rlrun.roles import _ref_checkpoint
+from rlrun.trainer.checkpoint import COMPLETE, Layout, check_layout
+from rlrun.trainer.roles import _ref_checkpoint
 
 
 def make_checkpoints(root: Path, complete: list[int], partial: list[int]) -> None:

@@ -15,7 +15,7 @@ from rlrun.algo.objective import POLICY_LOSS_TERMS, policy_terms
 from rlrun.algo.rank_advantages import TOKEN_STAGES
 from rlrun.config import ConfigError, load_config
 from rlrun.config.schema import AlgorithmConfig, KLConfig, TISConfig
-from rlrun.roles import can_reuse_logprobs
+from rlrun.trainer.roles import can_reuse_logprobs
 
 RLRUN = Path(__file__).resolve().parents[2] / "rlrun"
 

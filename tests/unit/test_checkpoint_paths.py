@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rlrun.checkpoint import Layout, Marker, check_layout, resolve_load, resolve_start
 from rlrun.config.schema import CheckpointConfig
 from rlrun.megatron.checkpoint import check_shapes
+from rlrun.trainer.checkpoint import Layout, Marker, check_layout, resolve_load, resolve_start
 
 
 def make_checkpoint(path: Path, step: int, complete: bool = True, weights_only: bool = False) -> Path:

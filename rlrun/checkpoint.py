@@ -1,8 +1,0 @@
-"""Moved to :mod:`rlrun.trainer.checkpoint`; this name stays so that older imports keep working (the same module
-object, so attributes set on one are seen through the other)."""
-
-import sys
-
-from rlrun.trainer import checkpoint
-
-sys.modules[__name__] = checkpoint
