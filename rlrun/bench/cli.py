@@ -128,6 +128,12 @@ def train(
     offload_fraction: Annotated[
         float, typer.Option(help="optimizer.offload_fraction: share of the parameters whose state goes to the host.")
     ] = 1.0,
+    packed_attention: Annotated[
+        str,
+        typer.Option(
+            help="auto, per_sample, efficient_varlen (CUDA) or flash_varlen (CUDA, bf16): model.packed_attention."
+        ),
+    ] = "auto",
     out: OutFile = None,
 ) -> None:
     """Megatron training tokens/s, TFLOP/s, MFU and peak memory (formula in rlrun/bench/train.py)."""
@@ -138,9 +144,18 @@ def train(
     memory = _memory_options(recompute, recompute_num_layers, lm_head, offload, offload_fraction)
     try:
         results = bench_train(
-            shape, layouts, sample_len, samples_per_micro_batch, micro_batches, steps, peak_tflops, profile, memory
+            shape,
+            layouts,
+            sample_len,
+            samples_per_micro_batch,
+            micro_batches,
+            steps,
+            peak_tflops,
+            profile,
+            memory,
+            packed_attention,
         )
-    except ValueError as exc:  # options that cannot run here (offload on CPU, too many recompute layers)
+    except ValueError as exc:  # options that cannot run here (offload on CPU, too many recompute layers, flash on CPU)
         raise typer.BadParameter(str(exc)) from None
     _emit("train", results, out)
 

@@ -165,10 +165,12 @@ def bench_train(
     peak_tflops: float,
     profile: Path | None = None,
     memory: MemoryOptions = MemoryOptions(),
+    packed_attention: str = "auto",
 ) -> list[TrainResult]:
     """Measure each layout on one model (random weights; the optimizer keeps stepping between layouts,
     which changes no shape or FLOP). ``profile``: also write the kernel-time table of one step there;
-    ``memory``: recompute, LM head and optimizer offload (FLOPs and MFU count model FLOPs only)."""
+    ``memory``: recompute, LM head and optimizer offload (FLOPs and MFU count model FLOPs only);
+    ``packed_attention``: ``model.packed_attention`` (its core attention is reported per row)."""
     from rlrun.megatron import build_model, make_optimizer
     from rlrun.megatron.attention import core_attention
     from rlrun.megatron.recompute import Recompute
@@ -189,6 +191,7 @@ def bench_train(
                 str(hf_dir),
                 parallel,
                 dtype=dtype,
+                packed_attention=packed_attention,
                 distributed_optimizer=memory.optimizer_cpu_offload,
                 recompute=Recompute(memory.recompute, memory.recompute_num_layers),
                 lm_head=memory.lm_head,
@@ -204,7 +207,7 @@ def bench_train(
             offload_fraction=memory.offload_fraction,
         )
         samples = synthetic_samples(samples_per_micro_batch * num_micro_batches, sample_len, shape.vocab, seed=0)
-        attention = core_attention(dtype=dtype).__name__
+        attention = core_attention(packed_attention, dtype).__name__
         results = []
         for layout in layouts:
             batches = micro_batches(samples, layout, samples_per_micro_batch)

@@ -112,3 +112,14 @@ def test_cli_json_on_tiny_cpu(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / median)
         assert r["tflops"] == pytest.approx(r["flops_per_step"] / median / 1e12)
         assert r["mfu"] == pytest.approx(r["tflops"] / 790.0)
+
+
+def test_cli_passes_packed_attention_to_the_model(tmp_path):
+    """``--packed-attention`` reaches ``build_model``: the CUDA-only varlen kernel is refused on CPU by the model's
+    own check, in the CLI's one-line error."""
+    cmd = [sys.executable, "-m", "rlrun", "bench", "train", "--shape", "tiny", "--sample-len", "80", "--steps", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [*cmd, "--packed-attention", "flash_varlen"], env=env, cwd=tmp_path, timeout=300, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "model.packed_attention (flash_varlen) needs CUDA" in proc.stderr, proc.stderr
