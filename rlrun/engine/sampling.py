@@ -206,6 +206,27 @@ class SamplingTensors:
             filter=any(r.needs_filter for r in rows if not r.greedy),
         )
 
+    def padded(self, num_rows: int) -> SamplingTensors:
+        """These rows followed by copies of the first up to ``num_rows`` (a decode batch's padding rows)."""
+        extra = num_rows - self.keys.shape[0]
+        if extra == 0:
+            return self
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t[:1].expand(extra)])
+
+        return SamplingTensors(
+            temperature=pad(self.temperature),
+            top_k=pad(self.top_k),
+            top_p=pad(self.top_p),
+            min_p=pad(self.min_p),
+            greedy=pad(self.greedy),
+            filters=pad(self.filters),
+            keys=pad(self.keys),
+            sample=self.sample,
+            filter=self.filter,
+        )
+
     def copy_(self, other: SamplingTensors) -> None:
         """Overwrite these tensors in place (a captured graph keeps reading the same memory)."""
         assert (self.sample, self.filter) == (other.sample, other.filter)

@@ -33,9 +33,22 @@ class Finish(enum.IntEnum):
     STOP_STRING = 4
 
 
+ROW_ALIGN = 16
+"""Decode batches above this many rows have a multiple of it (smaller ones a power of two), so calls of
+nearby sizes share one warm batch and its captured steps; the padding rows are inactive."""
+
+
+def row_bucket(num_rows: int) -> int:
+    """The rows of the decode batch that holds ``num_rows`` samples."""
+    if num_rows <= ROW_ALIGN:
+        return 1 << (num_rows - 1).bit_length()
+    return -(-num_rows // ROW_ALIGN) * ROW_ALIGN
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
-    """What a captured step depends on: rows, cache length, stop-id width, and the sampling mode."""
+    """What a captured step depends on: rows (a :func:`row_bucket`), cache length, stop-id width, and the
+    sampling mode."""
 
     num_rows: int
     max_len: int
@@ -112,7 +125,12 @@ class DecodeBatch:
         stop_ids: torch.Tensor,
         sampling: SamplingTensors,
     ) -> None:
-        """Reset every buffer in place for a new call: prompts' K/V and mask, positions, counters."""
+        """Reset every buffer in place for a new call: prompts' K/V and mask, positions, counters. The rows past
+        the call's (a row bucket's padding) repeat its first row, inactive from the start."""
+        num_rows, num_pad = self.input_ids.shape[0], self.input_ids.shape[0] - prompt_of_row.shape[0]
+        prompt_of_row = torch.nn.functional.pad(prompt_of_row, (0, num_pad))
+        max_new = torch.nn.functional.pad(max_new, (0, num_pad), value=1)
+        stop_ids = torch.nn.functional.pad(stop_ids, (0, 0, 0, num_pad), value=-1)
         width = prefill.max_len
         self.cache.load_prefix(prefill, prompt_of_row)
         row_mask = prompt_mask.bool()[prompt_of_row]
@@ -124,11 +142,12 @@ class DecodeBatch:
         self.step.zero_()
         self.lengths.zero_()
         self.active.fill_(True)
+        self.active[num_rows - num_pad :] = False
         self.finish.fill_(Finish.RUNNING)
         self.max_new.copy_(max_new)
         self.stop_ids.fill_(-1)
         self.stop_ids[:, : stop_ids.shape[1]] = stop_ids
-        self.sampling.copy_(sampling)
+        self.sampling.copy_(sampling.padded(num_rows))
 
     def record(self, logits: torch.Tensor) -> None:
         """Sample step ``step`` from ``logits`` ([B, V]) and apply the device-side end conditions."""
@@ -158,6 +177,27 @@ class DecodeBatch:
         rows = rows & self.active
         self.finish.masked_fill_(rows, code)
         self.active &= ~rows
+
+    _STEP_STATE = ("input_ids", "positions", "mask", "step", "tokens", "logprobs", "lengths", "active", "finish")
+
+    def snapshot(self) -> list[torch.Tensor | None]:
+        """Copies of every buffer a step writes except the KV cache (a capture's warm-up runs the step)."""
+        tensors = [getattr(self, name) for name in self._STEP_STATE]
+        tensors += [self.kept_ids, self.routed_experts, self.cache.columns]
+        return [None if t is None else t.clone() for t in tensors]
+
+    def restore(self, saved: list[torch.Tensor | None]) -> None:
+        tensors = [getattr(self, name) for name in self._STEP_STATE]
+        tensors += [self.kept_ids, self.routed_experts, self.cache.columns]
+        for tensor, copy in zip(tensors, saved, strict=True):
+            if tensor is not None and copy is not None:
+                tensor.copy_(copy)
+
+    def nbytes(self) -> int:
+        """Device bytes of the buffers (the KV cache once loaded, the token and log-prob buffers)."""
+        tensors = [*self.cache.keys, *self.cache.values, self.tokens, self.logprobs, self.mask]
+        tensors += [t for t in (self.kept_ids, self.routed_experts) if t is not None]
+        return sum(t.nbytes for t in tensors)
 
     def cut(self, row: int, length: int) -> None:
         """End ``row`` at ``length`` tokens with a stop string (found on the host, possibly late)."""

@@ -7,9 +7,10 @@ It serves the same contract as the SGLang backend with a batched decode loop ove
    :class:`StaticKVCache`, then copy its KV to the ``n`` samples of its group in a
    preallocated decode cache (:mod:`rlrun.engine.backends.decode_batch`);
 2. decode all samples together, one token per step; a step (forward, sampling with per-row
-   counter-based noise, end conditions) touches only device buffers, so on GPU it is captured once
-   as a CUDA graph and replayed (:mod:`rlrun.engine.backends.cuda_graph`), and the host looks at
-   the state only every ``SYNC_EVERY`` steps;
+   counter-based noise, end conditions) touches only device buffers and reads only the filled cache
+   columns (rounded up to a bucket), so on GPU it is captured once per bucket as a CUDA graph and
+   replayed; recent batch shapes keep their buffers and graphs warm (:mod:`.decode_graphs`); the host
+   looks at the state only every ``SYNC_EVERY`` steps;
 3. a sample ends on EOS / a stop token (kept in ``output_ids``, as SGLang does), on the token that
    completes a stop string (matched on the host at those looks, a few steps behind the device; the
    extra tokens are cut), at max_new_tokens, or when it is aborted (partial output, as SGLang).
@@ -33,9 +34,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlrun.engine.backends.cuda_graph import StepGraph
-from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch, Finish
+from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch, Finish, row_bucket
 from rlrun.engine.backends.decode_control import DecodeControl, RequestHandle
+from rlrun.engine.backends.decode_graphs import WarmBatch, WarmBatches, read_len
 from rlrun.engine.backends.fused_experts import expert_slice
 from rlrun.engine.backends.fused_norm import fuse_rms_norms
 from rlrun.engine.backends.routing_record import RouterRecorder, encode
@@ -58,8 +59,9 @@ ABORTED: FinishReason = {"type": "abort", "message": "Aborted"}
 SYNC_EVERY = 16
 """Decode steps between host looks at the batch (all rows done? stop strings?): more steps waste
 up to that many finished steps; fewer stall the GPU on the host."""
-LEN_ALIGN = 64
-"""Cache lengths are rounded up to this, so calls with nearby lengths reuse one captured step."""
+LEN_ALIGN = 128
+"""Cache lengths are rounded up to this, so calls with nearby lengths reuse one warm batch (a step reads only
+the filled columns, ``decode_graphs.READ_ALIGN``, so the rounding costs memory, not time)."""
 CAPTURABLE_DECODE_EXPERTS = "batched_mm"
 """transformers' experts kernel for the decode step of a fused-experts MoE on CUDA outside bfloat16. The
 default ``grouped_mm`` copies a host tensor there (torch's grouped_mm outside bf16), and ``eager`` loops over
@@ -209,8 +211,8 @@ class EmbeddedEngine:
         self._decoder_cache_kwarg = "cache" if "cache" in decoder_params else "past_key_values"
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self._rng = torch.Generator().manual_seed(seed)
-        self._decode_slot: tuple[BatchShape, DecodeBatch, StepGraph] | None = None
-        """The last call's decode buffers and captured step, reused by calls of the same shape."""
+        self._warm = WarmBatches(self.device)
+        """Recent calls' decode buffers and captured steps by shape, reused by calls of the same shape."""
         self.router_recorder = RouterRecorder.attach(self.model)
         """Records every forwarded token's experts (MoE models; None for dense ones), see routing_record."""
         self._decode_experts = (
@@ -334,7 +336,8 @@ class EmbeddedEngine:
     @property
     def decode_step_captured(self) -> bool:
         """The last generate's decode step ran as a CUDA graph (False on CPU or if capture failed)."""
-        return self._decode_slot is not None and self._decode_slot[2].captured
+        last = self._warm.last
+        return last is not None and last.captured
 
     def check_prompts(self, input_ids: list[list[int]], params: list[SamplingParams]) -> None:
         for i, (prompt, p) in enumerate(zip(input_ids, params, strict=False)):
@@ -441,15 +444,18 @@ class EmbeddedEngine:
         with self.router_recorder.writing(self._prefill_experts):
             return self._prefill_forward(ids, prefill_mask(mask), positions, cache, last), cache, mask
 
-    def _decode_step(self, batch: DecodeBatch) -> None:
-        """One decode step on the batch's buffers only (the part that is captured as a CUDA graph)."""
+    def _decode_step(self, batch: DecodeBatch, length: int) -> None:
+        """One decode step on the batch's buffers only (the part that is captured as a CUDA graph), reading the
+        first ``length`` cache columns."""
+        batch.cache.read_len = length
+        mask = batch.mask[..., :length]
         with self._decode_experts_kernel():
             if self.router_recorder is None:
-                logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
+                logits = self._forward(batch.input_ids, mask, batch.positions, batch.cache)
             else:
                 assert batch.routed_experts is not None  # allocated with the recorder
                 with self.router_recorder.writing(batch.routed_experts, batch.step):
-                    logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
+                    logits = self._forward(batch.input_ids, mask, batch.positions, batch.cache)
         batch.advance()
         batch.record(logits)
 
@@ -467,15 +473,16 @@ class EmbeddedEngine:
         finally:
             self.model.set_experts_implementation(prefill_kernel)
 
-    def _batch_for(self, shape: BatchShape, sampling: SamplingTensors) -> tuple[DecodeBatch, StepGraph]:
-        """The decode buffers and captured step for ``shape``: the last call's when it matches."""
-        if self._decode_slot is None or self._decode_slot[0] != shape:
-            self._decode_slot = None  # free the previous buffers and graph before allocating new ones
+    def _batch_for(self, shape: BatchShape, sampling: SamplingTensors) -> WarmBatch:
+        """The decode buffers and captured steps for ``shape``: a recent call's when one matches."""
+
+        def make() -> WarmBatch:
             batch = DecodeBatch.allocate(shape, sampling, self.device)
             if self.router_recorder is not None:
                 batch.routed_experts = self.router_recorder.decode_buffer(shape.num_rows, shape.max_len, self.device)
-            self._decode_slot = (shape, batch, StepGraph(lambda: self._decode_step(batch), self.device))
-        return self._decode_slot[1], self._decode_slot[2]
+            return WarmBatch(batch, self._decode_step, self.device)
+
+        return self._warm.get(shape, make)
 
     def _decode(
         self,
@@ -497,14 +504,15 @@ class EmbeddedEngine:
         )
         stop_ids = self._stop_id_matrix(row_params)
         shape = BatchShape(
-            num_rows=len(rows),
+            num_rows=row_bucket(len(rows)),
             max_len=_round_up(prefill.max_len + max_steps, LEN_ALIGN),
             stop_width=_round_up(stop_ids.shape[1], 8),
             sample=sampling.sample,
             filter=sampling.filter,
             kept_width=min(KEPT_SET_WIDTH, self.vocab_size) if sampling.sample and sampling.filter else 0,
         )
-        batch, step_graph = self._batch_for(shape, sampling)
+        warm = self._batch_for(shape, sampling.padded(shape.num_rows))
+        batch = warm.batch
         max_new = torch.tensor([p.max_new_tokens for p in row_params], device=self.device)
         batch.load(prefill, prompt_mask, prompt_of_row, max_new, stop_ids, sampling)
         stop_strings, aborted, steps = _StopStringRows(self.tokenizer, row_params), [False] * len(rows), 0
@@ -518,9 +526,9 @@ class EmbeddedEngine:
                 if all(aborted):
                     break
             if steps == 0:
-                batch.record(logits[prompt_of_row])
-            else:
-                step_graph.run()
+                batch.record(logits[torch.nn.functional.pad(prompt_of_row, (0, shape.num_rows - len(rows)))])
+            else:  # forward ``steps`` attends up to column (prompt length + steps - 1) of each row
+                warm.run(read_len(prefill.max_len + steps, shape.max_len))
             steps += 1
             if steps % SYNC_EVERY == 0:
                 stop_strings.scan(batch, steps)
@@ -583,14 +591,14 @@ class EmbeddedEngine:
 
     def offload_weights(self) -> None:
         """Move the weights (parameters and buffers) to host memory and return the GPU memory to the
-        driver (no-op on CPU). The captured decode step reads the old weight addresses, so it is dropped
+        driver (no-op on CPU). The captured decode steps read the old weight addresses, so they are dropped
         too. The host copies are pinned buffers allocated once and reused: ``model.to("cpu")`` copied
         into fresh pageable memory every step, and that release and resume took ~0.6 s per colocated step
         on the H200 (benchmarks/results/offload_qwen3-0.6b_h200.json: offload phase minus trainer sleep
         and wake)."""
         if self.device.type != "cuda":
             return
-        self._decode_slot = None
+        self._warm.clear()
         tensors = self._weight_tensors()
         if self._host_weights is None:
             self._host_weights = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -616,7 +624,7 @@ class EmbeddedEngine:
         blocks (KV cache, activations) to the driver, so a released engine holds only its CUDA context
         (no-op on CPU)."""
         if self.device.type == "cuda":
-            self._decode_slot = None  # the decode buffers (KV cache) and the captured step
+            self._warm.clear()  # the decode buffers (KV cache) and the captured steps
             torch.cuda.synchronize(self.device)
             torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspaces outside the cache
             torch.cuda.empty_cache()

@@ -4,9 +4,11 @@ Why not transformers' ``DynamicCache``: it grows by concatenation every step (a 
 layer per token) and its length lives on the host, so a decode step can neither be captured in a
 CUDA graph nor run without host bookkeeping. Here every layer owns fixed ``[rows, kv_heads,
 max_len, head_dim]`` buffers, and the columns a forward writes are a device tensor
-(:attr:`StaticKVCache.columns`) that the decode step advances in place. Attention then reads all
-``max_len`` columns under a boolean ``[rows, 1, q_len, max_len]`` mask (True = attend), passed to the
-model as a ready 4-D mask, which transformers' SDPA path uses as is (no mask building, no host sync).
+(:attr:`StaticKVCache.columns`) that the decode step advances in place. Attention then reads the first
+:attr:`StaticKVCache.read_len` columns (all ``max_len`` unless set: the decode step reads only the filled
+part, rounded up to a bucket, see ``decode_batch.read_len``) under a boolean ``[rows, 1, q_len, read_len]``
+mask (True = attend), passed to the model as a ready 4-D mask, which transformers' SDPA path uses as is (no
+mask building, no host sync).
 
 Attention (:func:`static_cache_attention`, registered with transformers as ``ATTENTION``) runs the kernel
 the trainer runs too (:mod:`rlrun.attention_kernel`: on CUDA the memory-efficient kernel, called directly,
@@ -44,9 +46,14 @@ class StaticKVCache:
         self.columns = torch.zeros(num_rows if per_row else 1, dtype=torch.long, device=device)
         """Cache columns the next forward writes (set or advanced in place): one per query position, shared
         by all rows; or, ``per_row`` (decode, one query position), one per row."""
+        self.read_len: int | None = None
+        """Columns ``update`` hands to attention (a host int, fixed per captured step; None: all). Every column a
+        row attends to must lie below it; the columns beyond are masked anyway, so leaving them out changes
+        no attended score (see docs/engine.md for what that does to the kernel's sums)."""
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write this layer's new K/V ([rows, heads, q_len, dim]) and return the full buffers."""
+        """Write this layer's new K/V ([rows, heads, q_len, dim]) and return the buffers' first ``read_len``
+        columns (views: a captured step reads the same memory)."""
         if layer_idx == len(self.keys):  # first forward: allocate from the model's own shapes
             self._allocate(key, value)
         if self.per_row:
@@ -57,7 +64,8 @@ class StaticKVCache:
         else:
             self.keys[layer_idx].index_copy_(2, self.columns, key)
             self.values[layer_idx].index_copy_(2, self.columns, value)
-        return self.keys[layer_idx], self.values[layer_idx]
+        end = self.max_len if self.read_len is None else self.read_len
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
     def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The next layer's buffers, each shaped after its own tensor: multi-latent attention (DeepSeek-V3) caches
