@@ -206,33 +206,35 @@ class SamplingTensors:
             filter=any(r.needs_filter for r in rows if not r.greedy),
         )
 
-    def padded(self, num_rows: int) -> SamplingTensors:
-        """These rows followed by copies of the first up to ``num_rows`` (a decode batch's padding rows)."""
-        extra = num_rows - self.keys.shape[0]
-        if extra == 0:
-            return self
+    @classmethod
+    def empty(cls, num_rows: int, sample: bool, filter: bool, device: torch.device) -> SamplingTensors:
+        """Buffers for ``num_rows`` greedy rows with the given static choices (filled by :meth:`put`)."""
+        greedy = cls.of([SamplingParams(top_k=1)] * num_rows, [0] * num_rows, 1, device)
+        return dataclasses.replace(greedy, sample=sample, filter=filter)
 
-        def pad(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t[:1].expand(extra)])
-
+    def take(self, rows: torch.Tensor) -> SamplingTensors:
+        """The tensors of ``rows`` (copies), same static choices."""
         return SamplingTensors(
-            temperature=pad(self.temperature),
-            top_k=pad(self.top_k),
-            top_p=pad(self.top_p),
-            min_p=pad(self.min_p),
-            greedy=pad(self.greedy),
-            filters=pad(self.filters),
-            keys=pad(self.keys),
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            top_p=self.top_p[rows],
+            min_p=self.min_p[rows],
+            greedy=self.greedy[rows],
+            filters=self.filters[rows],
+            keys=self.keys[rows],
             sample=self.sample,
             filter=self.filter,
         )
 
-    def copy_(self, other: SamplingTensors) -> None:
-        """Overwrite these tensors in place (a captured graph keeps reading the same memory)."""
-        assert (self.sample, self.filter) == (other.sample, other.filter)
-        for field in ("temperature", "top_k", "top_p", "min_p", "greedy", "filters", "keys"):
-            getattr(self, field).copy_(getattr(other, field))
+    def put(self, rows: torch.Tensor, other: SamplingTensors) -> None:
+        """Overwrite ``rows`` with ``other``'s (one per row) in place; ``other`` may only drop static choices
+        these tensors make (a greedy row in a sampling batch), not add one (the captured step bakes them in)."""
+        assert (other.sample <= self.sample) and (other.filter <= self.filter)
+        for field in _ROW_FIELDS:
+            getattr(self, field)[rows] = getattr(other, field)
 
+
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "greedy", "filters", "keys")
 
 KEPT_SET_WIDTH = 512
 """At most this many tokens in a kept set: a filtering row's top-k is capped here (prime-rl's bound too; top-p

@@ -10,7 +10,6 @@ from rlrun.engine.backends import decode_graphs
 from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch, row_bucket
 from rlrun.engine.backends.decode_graphs import WarmBatch, WarmBatches, read_len
 from rlrun.engine.backends.embedded import EmbeddedEngine
-from rlrun.engine.sampling import SamplingParams, SamplingTensors
 
 pytestmark = pytest.mark.slow  # loads models
 
@@ -64,9 +63,7 @@ def test_read_len_and_row_buckets():
 
 def _warm_batch(num_rows: int, max_len: int) -> WarmBatch:
     shape = BatchShape(num_rows=num_rows, max_len=max_len, stop_width=8, sample=False, filter=False)
-    rows = [SamplingParams(top_k=1)] * num_rows
-    sampling = SamplingTensors.of(rows, [0] * num_rows, 16, torch.device("cpu"))
-    return WarmBatch(DecodeBatch.allocate(shape, sampling, torch.device("cpu")), lambda b, n: None, torch.device("cpu"))
+    return WarmBatch(DecodeBatch.allocate(shape, torch.device("cpu")), lambda b, n: None, torch.device("cpu"))
 
 
 def test_warm_batches_keep_recent_shapes_within_count_and_bytes(monkeypatch):

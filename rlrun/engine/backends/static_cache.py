@@ -79,15 +79,15 @@ class StaticKVCache:
         this when they are missing)."""
         return self.max_len
 
-    def load_prefix(self, prefill: StaticKVCache, rows: torch.Tensor) -> None:
-        """Copy ``prefill``'s columns into the first columns of every row (row b takes prefill row
-        ``rows[b]``: the samples of one prompt share its prefill), allocating buffers if needed."""
+    def load_prefix(self, prefill: StaticKVCache, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy ``prefill``'s columns into the first columns of rows ``slots`` (slot ``slots[k]`` takes prefill
+        row ``rows[k]``: the samples of one prompt share its prefill), allocating buffers if needed."""
         width = prefill.max_len
         for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values, strict=False)):
             if layer == len(self.keys):
                 self._allocate(key, value)
-            self.keys[layer][:, :, :width].copy_(key[rows])
-            self.values[layer][:, :, :width].copy_(value[rows])
+            self.keys[layer][slots, :, :width] = key[rows]
+            self.values[layer][slots, :, :width] = value[rows]
 
 
 def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
