@@ -96,3 +96,31 @@ def test_warm_batches_keep_recent_shapes_within_count_and_bytes(monkeypatch):
     on_cpu.get(BatchShape(1, 128, 8, False, False), lambda: _warm_batch(1, 128))
     on_cpu.get(BatchShape(2, 128, 8, False, False), lambda: _warm_batch(2, 128))
     assert [s.num_rows for s in on_cpu._batches] == [2]
+
+
+def test_a_capture_warm_up_mid_call_leaves_no_trace(tiny_model_dirs, monkeypatch):
+    """On CUDA a read length's graph is captured the first time a call reaches it, after two real warm-up
+    steps on the live buffers; emulated here on CPU (snapshot, two steps, restore), with refilled slots and
+    kept sets: the results are those of the call without warm-ups."""
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0, max_running_requests=3)
+    params = [dict(CALLS["top_p"], max_new_tokens=n, ignore_eos=True) for n in (40, 5, 30)]
+    want = engine.generate(PROMPTS, params)
+    monkeypatch.setattr(decode_graphs, "READ_ALIGN", 16)
+    want_bucketed = engine.generate(PROMPTS, params)
+    run, warmed = WarmBatch.run, set()
+
+    def run_after_warm_up(warm, length):
+        if length not in warmed:
+            warmed.add(length)
+            saved = warm.batch.snapshot()
+            warm.step(warm.batch, length)
+            warm.step(warm.batch, length)
+            warm.batch.restore(saved)
+        run(warm, length)
+
+    monkeypatch.setattr(WarmBatch, "run", run_after_warm_up)
+    got = engine.generate(PROMPTS, params)
+    assert warmed == {16, 32, 48}
+    for a, b, c in zip(want, want_bucketed, got, strict=True):
+        assert a["output_ids"] == b["output_ids"] == c["output_ids"] and a["kept_ids"] == c["kept_ids"]
+        assert b["output_logprobs"] == c["output_logprobs"]

@@ -193,20 +193,18 @@ class DecodeBatch:
         self.finish.masked_fill_(rows, code)
         self.active &= ~rows
 
-    _STEP_STATE = ("input_ids", "positions", "mask", "step", "tokens", "logprobs", "lengths", "active", "finish")
+    _STEP_STATE = ("input_ids", "positions", "mask", "step", "lengths", "active", "finish")
 
-    def snapshot(self) -> list[torch.Tensor | None]:
-        """Copies of every buffer a step writes except the KV cache (a capture's warm-up runs the step)."""
-        tensors = [getattr(self, name) for name in self._STEP_STATE]
-        tensors += [self.kept_ids, self.routed_experts, self.cache.columns]
-        return [None if t is None else t.clone() for t in tensors]
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the small buffers a step updates (a capture's warm-up runs the step). The per-token buffers
+        (tokens, log-probs, kept sets, routed experts) are left out: a step writes them at each row's ``step``,
+        past the row's valid tokens, and the real steps write those places again."""
+        return [getattr(self, name).clone() for name in self._STEP_STATE] + [self.cache.columns.clone()]
 
-    def restore(self, saved: list[torch.Tensor | None]) -> None:
-        tensors = [getattr(self, name) for name in self._STEP_STATE]
-        tensors += [self.kept_ids, self.routed_experts, self.cache.columns]
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        tensors = [getattr(self, name) for name in self._STEP_STATE] + [self.cache.columns]
         for tensor, copy in zip(tensors, saved, strict=True):
-            if tensor is not None and copy is not None:
-                tensor.copy_(copy)
+            tensor.copy_(copy)
 
     def nbytes(self) -> int:
         """Device bytes of the buffers (the KV cache once loaded, the token and log-prob buffers)."""
