@@ -286,8 +286,9 @@ def sample_tokens(
 
     ``logits`` is [B, V]. Row b draws with one uniform ``uniform_noise(keys[b], step)`` by inverse
     CDF over its (filtered) probabilities, so its samples depend only on its key and the step, not
-    on the batch. Greedy rows take the first argmax, as SGLang's and HF's greedy paths do. No host
-    synchronisation: the step can be captured in a CUDA graph.
+    on the batch: a row without a filter draws over the whole vocabulary in token order, a filtering row over
+    its kept set in probability order, whatever the other rows do. Greedy rows take the first argmax, as
+    SGLang's and HF's greedy paths do. No host synchronisation: the step can be captured in a CUDA graph.
 
     ``kept_out`` ([B, W] int64, written in place; top-p mask replay): each row's kept set, the token ids
     its filter kept (most likely first, -1 after them; all -1 for a row without a filter). Its rows' log-probs
@@ -299,17 +300,19 @@ def sample_tokens(
     log_mass = None
     if t.sample:
         probs, u = logprobs.exp(), uniform_noise(t.keys, step)
+        drawn = _inverse_cdf(probs, u)  # rows without a filter: the whole vocabulary, in token order
         if t.filter:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            kept = _filter_sorted(sorted_probs, t.top_k, t.top_p, t.min_p)
-            drawn = order.gather(-1, _inverse_cdf(kept, u)[:, None]).squeeze(-1)
+            # A filtering row keeps at most KEPT_SET_WIDTH tokens (its top-k is capped there), so the most
+            # likely KEPT_SET_WIDTH, sorted, hold its whole kept set: a top-k instead of sorting the vocabulary.
+            top, order = probs.topk(min(KEPT_SET_WIDTH, probs.shape[-1]), dim=-1)
+            kept = _filter_sorted(top, t.top_k, t.top_p, t.min_p)
+            filtered = order.gather(-1, _inverse_cdf(kept, u)[:, None]).squeeze(-1)
+            drawn = torch.where(t.filters, filtered, drawn)
             if kept_out is not None:  # the kept set is a prefix of the sorted order (every filter drops a tail)
                 width = kept_out.shape[-1]
                 replayed = t.filters[:, None] & (kept[:, :width] > 0)
                 kept_out.copy_(torch.where(replayed, order[:, :width], -1))
                 log_mass = torch.where(t.filters, kept.sum(-1).log(), 0.0)
-        else:
-            drawn = _inverse_cdf(probs, u)
         tokens = torch.where(t.greedy, tokens, drawn)
     elif kept_out is not None:
         kept_out.fill_(-1)
