@@ -124,3 +124,18 @@ def test_a_capture_warm_up_mid_call_leaves_no_trace(tiny_model_dirs, monkeypatch
     for a, b, c in zip(want, want_bucketed, got, strict=True):
         assert a["output_ids"] == b["output_ids"] == c["output_ids"] and a["kept_ids"] == c["kept_ids"]
         assert b["output_logprobs"] == c["output_logprobs"]
+
+
+def test_the_attention_bias_is_built_once_per_forward_not_per_layer(tiny_model_dirs, monkeypatch):
+    """On CUDA every layer of a forward attends under one mask, so its additive bias is built at the first
+    layer only (emulated on CPU: the bias is built as on CUDA, SDPA still takes the boolean mask)."""
+    from rlrun.engine.backends import static_cache
+
+    built = []
+    monkeypatch.setattr(static_cache, "uses_shared_kernel", lambda tensor: True)
+    monkeypatch.setattr(static_cache, "mask_bias", lambda mask, dtype: built.append(mask) or mask)
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
+    assert engine.model.config.num_hidden_layers == 2
+    engine.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+    assert len(built) == 1 + 5  # the prefill and five decode forwards
+    assert all(mask.dtype == torch.bool for mask in built)

@@ -28,7 +28,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlrun.attention_kernel import masked
+from rlrun.attention_kernel import mask_bias, masked, uses_shared_kernel
 
 ATTENTION = "rlrun_static_cache"
 """The ``attn_implementation`` name the embedded engine loads its model with."""
@@ -124,11 +124,31 @@ def static_cache_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    bias = _layer_shared_bias(attention_mask, query)
     if q_len != 1:
-        return masked(query, key, value, attention_mask, scale=scaling).transpose(1, 2), None
+        return masked(query, key, value, attention_mask, scale=scaling, bias=bias).transpose(1, 2), None
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    out = masked(grouped, key, value, attention_mask, scale=scaling)
+    out = masked(grouped, key, value, attention_mask, scale=scaling, bias=bias)
     return out.reshape(batch, 1, heads, value.shape[-1]), None  # MLA's value heads are narrower than its queries
+
+
+_last_bias: tuple[torch.Tensor, torch.dtype, torch.Tensor] | None = None
+"""(mask, dtype, its bias) of the forward in progress: every layer attends under the one mask object the
+model was given, so its additive bias is built once per forward, not once per layer (three kernels a layer
+of a decode step, which is a few microseconds each). The mask is held, so its identity cannot be reused."""
+
+
+def _layer_shared_bias(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor | None:
+    """The additive bias of ``mask`` on CUDA (built at the forward's first layer, reused by the others);
+    None on CPU, where SDPA takes the boolean mask itself."""
+    global _last_bias
+    if not uses_shared_kernel(query):
+        return None
+    last = _last_bias  # one read: another engine's thread may replace it meanwhile
+    if last is None or last[0] is not mask or last[1] != query.dtype:
+        last = (mask, query.dtype, mask_bias(mask, query.dtype))
+        _last_bias = last
+    return last[2]
 
 
 AttentionInterface.register(ATTENTION, static_cache_attention)
