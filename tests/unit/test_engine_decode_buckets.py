@@ -68,7 +68,7 @@ def _warm_batch(num_rows: int, max_len: int) -> WarmBatch:
 
 def test_warm_batches_keep_recent_shapes_within_count_and_bytes(monkeypatch):
     """On CUDA up to MAX_WARM_SHAPES shapes stay (least recently used out first) and the ones not in use hold at
-    most WARM_BYTES; on CPU (nothing captured) only the last call's buffers."""
+    most their budget (WARM_BYTES, at most WARM_FRACTION of the device); on CPU (nothing captured) only the last call's buffers."""
     warm = WarmBatches(torch.device("cuda"))  # the bounds only read the device type; nothing runs on it
     made: list[int] = []
 
@@ -89,7 +89,7 @@ def test_warm_batches_keep_recent_shapes_within_count_and_bytes(monkeypatch):
     get(2)
     assert made == [1, 2, 4, 8, 16, 2]  # made again
     budget = get(8).batch.nbytes() + get(16).batch.nbytes()
-    monkeypatch.setattr(decode_graphs, "WARM_BYTES", budget)
+    warm.budget_bytes = budget
     get(32)  # the others are cut to the budget before the new one is made: 8 and 16 rows stay
     assert [s.num_rows for s in warm._batches] == [8, 16, 32]
     on_cpu = WarmBatches(torch.device("cpu"))

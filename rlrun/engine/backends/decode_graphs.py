@@ -24,7 +24,9 @@ are the same as over the whole cache: the leftover blocks are fully masked and a
 MAX_WARM_SHAPES = 4
 """Batch shapes kept warm on CUDA (on CPU nothing is captured, so only the last call's buffers are kept)."""
 WARM_BYTES = 16 * 2**30
-"""Bytes of decode buffers (KV cache first) the warm shapes may hold together on CUDA, besides the one in use."""
+"""Bytes of decode buffers (KV cache first) the warm shapes may hold together on CUDA, besides the one in use;
+at most :data:`WARM_FRACTION` of the device's memory."""
+WARM_FRACTION = 0.1
 
 
 def read_len(filled: int, max_len: int) -> int:
@@ -67,6 +69,10 @@ class WarmBatches:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._batches: collections.OrderedDict[BatchShape, WarmBatch] = collections.OrderedDict()
+        self.budget_bytes = WARM_BYTES
+        if device.type == "cuda" and torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(device).total_memory
+            self.budget_bytes = min(WARM_BYTES, int(WARM_FRACTION * total))
 
     def get(self, shape: BatchShape, make: Callable[[], WarmBatch]) -> WarmBatch:
         """The warm batch of ``shape``; when there is none, the oldest others are dropped down to the bounds
@@ -74,7 +80,7 @@ class WarmBatches:
         warm = self._batches.pop(shape, None)
         if warm is None:
             keep = MAX_WARM_SHAPES - 1 if self.device.type == "cuda" else 0
-            while len(self._batches) > keep or (self._batches and self.nbytes() > WARM_BYTES):
+            while len(self._batches) > keep or (self._batches and self.nbytes() > self.budget_bytes):
                 self._batches.popitem(last=False)
             warm = make()
         self._batches[shape] = warm
