@@ -66,9 +66,10 @@ def _warm_batch(num_rows: int, max_len: int) -> WarmBatch:
     return WarmBatch(DecodeBatch.allocate(shape, torch.device("cpu")), lambda b, n: None, torch.device("cpu"))
 
 
-def test_warm_batches_keep_recent_shapes_within_count_and_bytes(monkeypatch):
+def test_warm_batches_keep_recent_shapes_within_count_and_bytes():
     """On CUDA up to MAX_WARM_SHAPES shapes stay (least recently used out first) and the ones not in use hold at
-    most their budget (WARM_BYTES, at most WARM_FRACTION of the device); on CPU (nothing captured) only the last call's buffers."""
+    most their budget (WARM_BYTES, at most WARM_FRACTION of the device); on CPU (nothing captured) only the last
+    call's buffers."""
     warm = WarmBatches(torch.device("cuda"))  # the bounds only read the device type; nothing runs on it
     made: list[int] = []
 
