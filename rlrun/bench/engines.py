@@ -66,6 +66,10 @@ class LongTailRun:
     max_new_tokens_sum: int
     """Sum of the drawn caps: the output tokens if no request ends on EOS."""
     throughput: Throughput
+    """All requests in one call: the engine refills a slot when its request ends (continuous batching)."""
+    in_batches: Throughput
+    """The same requests in consecutive calls of ``batch`` each (every call waits for its longest request): what
+    the throughput is without refills."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,16 @@ def _timed_twice(engine, device: torch.device, prompts: list[list[int]], params:
     return Throughput.of(seconds[0], sum(r["completion_tokens"] for r in results))
 
 
+def _in_batches(engine, device: torch.device, prompts: list[list[int]], params: list[dict], batch: int) -> Throughput:
+    """``prompts`` in consecutive calls of ``batch`` (warm: the long-tail call ran before), timed together."""
+    tokens = 0
+    with timer(device) as seconds:
+        for start in range(0, len(prompts), batch):
+            results = engine.generate(prompts[start : start + batch], params[start : start + batch])
+            tokens += sum(r["completion_tokens"] for r in results)
+    return Throughput.of(seconds[0], tokens)
+
+
 def _bench_backend(
     backend: str,
     model_dir: Path,
@@ -148,6 +162,7 @@ def _bench_backend(
             runs[name] = _timed_twice(engine, device, prompts, fixed)
         if long_tail is not None:
             runs["long_tail"] = _timed_twice(engine, device, *long_tail)
+            runs["long_tail_in_batches"] = _in_batches(engine, device, *long_tail, batch=len(prompts))
     finally:
         engine.shutdown()
     return startup_s[0], runs
@@ -201,7 +216,9 @@ def bench_rollout_backends(
                 tail_run = None
                 if long_tail is not None and tail is not None:
                     caps = sum(p["max_new_tokens"] for p in tail[1])
-                    tail_run = LongTailRun(long_tail, len(tail[0]), caps, runs["long_tail"])
+                    tail_run = LongTailRun(
+                        long_tail, len(tail[0]), caps, runs["long_tail"], runs["long_tail_in_batches"]
+                    )
                 results.append(
                     BackendRolloutResult(
                         backend=backend,
