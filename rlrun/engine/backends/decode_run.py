@@ -83,7 +83,7 @@ class DecodeRun:
         self.stop_strings = StopStringSlots(engine.tokenizer)
         self.forwards = 0
         self._prefill_of: tuple[list[int], int] = ([], 0)
-        """The last admission's prefilled prompts (row indices of ``prompts``) and width (MoE routed experts)."""
+        """The last admission's prefilled prompts (indices into ``prompts``) and width (MoE routed experts)."""
 
     # ---- the loop ---------------------------------------------------------------------------------
 
