@@ -11,6 +11,9 @@
 #               warm, routed experts in the captured step, engine-vs-trainer exactness (tests/gpu)
 #   bench_0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
 #   bench_1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
+#
+# CPU rehearsal of the bench step (tiny shape, float32): OUT=/tmp/es BATCH=4,8 NEW_TOKENS=16 LONG_TAIL_MAX=64 \
+#   bash scripts/gpu/engine_speed.sh bench_tiny
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 BACKENDS=${BACKENDS:-embedded}
@@ -25,8 +28,9 @@ step() {
 }
 
 bench() {
-    step "bench_$1" 540 "$PY" -m rlrun bench rollout --shape "qwen3-$1" --backends "$BACKENDS" --batch 64,128 \
-        --prompt-len 128 --new-tokens 256 --long-tail --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_qwen3-$1.json"
+    step "bench_$1" 540 "$PY" -m rlrun bench rollout --shape "$1" --backends "$BACKENDS" --batch "${BATCH:-64,128}" \
+        --prompt-len 128 --new-tokens "${NEW_TOKENS:-256}" --long-tail --long-tail-max "${LONG_TAIL_MAX:-1024}" \
+        --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_$1.json"
 }
 
 for name in "${@:-tests bench_0.6b bench_1.7b}"; do
@@ -34,8 +38,7 @@ for name in "${@:-tests bench_0.6b bench_1.7b}"; do
         case $one in
         tests) step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_decode_buckets_gpu.py \
             tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py ;;
-        bench_0.6b) bench 0.6b ;;
-        bench_1.7b) bench 1.7b ;;
+        bench_*) bench "${one#bench_}" ;;
         *) echo "unknown step $one" >&2; exit 2 ;;
         esac
     done

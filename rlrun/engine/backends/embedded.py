@@ -157,10 +157,12 @@ class EmbeddedEngine:
         """Recent calls' decode buffers and captured steps by shape, reused by calls of the same shape."""
         self.router_recorder = RouterRecorder.attach(self.model)
         """Records every forwarded token's experts (MoE models; None for dense ones), see routing_record."""
-        if max_running_requests is not None and (max_running_requests < 1 or self.router_recorder is not None):
+        if max_running_requests is not None and (
+            not isinstance(max_running_requests, int) or max_running_requests < 1 or self.router_recorder is not None
+        ):
             raise ValueError(
-                f"max_running_requests ({max_running_requests}) must be unset for a MoE model and >= 1 otherwise "
-                "because a MoE call records its prompts' experts from one prefill of every row; remove it "
+                f"max_running_requests ({max_running_requests!r}) must be unset for a MoE model and an integer >= 1 "
+                "otherwise because a MoE call records its prompts' experts from one prefill of every row; remove it "
                 "(engine.server_args) or set a positive count"
             )
         self.max_running_requests = max_running_requests
