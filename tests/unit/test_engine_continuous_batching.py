@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlrun.engine.backends import decode_run
+from rlrun.engine.backends.decode_batch import row_bucket
 from rlrun.engine.backends.decode_control import RequestHandle
 from rlrun.engine.backends.decode_graphs import WarmBatch
 from rlrun.engine.backends.embedded import EmbeddedEngine
@@ -42,6 +44,7 @@ def _assert_same(got: list, want: list) -> None:
 def test_waiting_samples_take_ended_slots_and_sample_as_alone(tiny_model_dirs, monkeypatch, sampling):
     """10 samples through 3 slots (a bucket of 4, one kept empty) against the uncapped engine and against each
     prompt alone: same tokens, finish reasons and kept sets; the capped engine never ran more than 4 rows."""
+    monkeypatch.setattr(decode_run, "num_slots", lambda n, device: row_bucket(n))  # padding rows as on CUDA
     model = tiny_model_dirs["qwen3"]
     uncapped, capped = EmbeddedEngine(model, seed=0), EmbeddedEngine(model, seed=0, max_running_requests=3)
     shapes = []

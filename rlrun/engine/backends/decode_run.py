@@ -45,6 +45,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def num_slots(num_running: int, device: torch.device) -> int:
+    """The decode batch's rows: a :func:`row_bucket` on CUDA (nearby sizes share captured steps); exactly the
+    running rows on CPU, where nothing is captured and a padding row costs a row of compute."""
+    return row_bucket(num_running) if device.type == "cuda" else num_running
+
+
 class DecodeRun:
     """The state of one call's decode: its rows, the batch, which slot holds which row, the results so far."""
 
@@ -66,7 +72,7 @@ class DecodeRun:
         sampling = SamplingTensors.of(self.row_params, self.keys, engine.vocab_size, engine.device)
         num_running = len(self.rows) if max_running is None else min(max_running, len(self.rows))
         self.shape = BatchShape(
-            num_rows=row_bucket(num_running),
+            num_rows=num_slots(num_running, engine.device),
             max_len=_round_up(max(len(p) for p in prompts) + max(p.max_new_tokens for p in params), LEN_ALIGN),
             stop_width=_round_up(self.stop_ids.shape[1], 8),
             sample=sampling.sample,
