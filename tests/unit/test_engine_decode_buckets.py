@@ -129,7 +129,8 @@ def test_a_capture_warm_up_mid_call_leaves_no_trace(tiny_model_dirs, monkeypatch
 
 def test_the_attention_bias_is_built_once_per_forward_not_per_layer(tiny_model_dirs, monkeypatch):
     """On CUDA every layer of a forward attends under one mask, so its additive bias is built at the first
-    layer only (emulated on CPU: the bias is built as on CUDA, SDPA still takes the boolean mask)."""
+    layer only, and let go after the forward (emulated on CPU: the bias is built as on CUDA, SDPA still takes the
+    boolean mask)."""
     from rlrun.engine.backends import static_cache
 
     built = []
@@ -140,3 +141,4 @@ def test_the_attention_bias_is_built_once_per_forward_not_per_layer(tiny_model_d
     engine.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
     assert len(built) == 1 + 5  # the prefill and five decode forwards
     assert all(mask.dtype == torch.bool for mask in built)
+    assert static_cache._forward_state.last is None  # nothing held past a forward (a graph pool's memory)

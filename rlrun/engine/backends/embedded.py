@@ -41,7 +41,7 @@ from rlrun.engine.backends.decode_run import SYNC_EVERY, DecodeRun
 from rlrun.engine.backends.fused_experts import expert_slice
 from rlrun.engine.backends.fused_norm import fuse_rms_norms
 from rlrun.engine.backends.routing_record import RouterRecorder
-from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, prefill_mask
+from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, bias_per_forward, prefill_mask
 from rlrun.engine.sampling import SamplingParams, per_prompt_params, row_key, row_rids
 from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, GenResult
 
@@ -239,14 +239,15 @@ class EmbeddedEngine:
 
     def _forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
         """The one model call (prefill and decode): last position's logits in fp32, K/V into ``cache``."""
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
+        with bias_per_forward():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: cache},
+            )
         return out.logits[:, -1].float()
 
     @torch.inference_mode()
@@ -272,7 +273,7 @@ class EmbeddedEngine:
             if self.router_recorder is not None:
                 self._prefill_experts = self.router_recorder.prefill_buffer(tokens.numel(), self.device)
                 context = self.router_recorder.writing(self._prefill_experts)
-            with context:
+            with context, bias_per_forward():
                 hidden = self.model.get_decoder()(
                     input_ids=tokens,
                     attention_mask=prefill_mask(mask),
@@ -291,13 +292,14 @@ class EmbeddedEngine:
         """The prefill's model call: K/V into ``cache``, fp32 logits at each prompt's last position ``last``
         ([P]); the LM head sees only those rows (a right-padded batch has no common last column)."""
         decoder = self.model.get_decoder()
-        hidden = decoder(
-            input_ids=ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._decoder_cache_kwarg: cache},
-        ).last_hidden_state
+        with bias_per_forward():
+            hidden = decoder(
+                input_ids=ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._decoder_cache_kwarg: cache},
+            ).last_hidden_state
         rows = torch.arange(ids.shape[0], device=ids.device)
         return self.model.get_output_embeddings()(hidden[rows, last][:, None])[:, -1].float()
 

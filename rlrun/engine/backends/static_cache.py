@@ -24,6 +24,10 @@ model), or copied from a prefill cache with :meth:`load_prefix`.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -132,22 +136,36 @@ def static_cache_attention(
     return out.reshape(batch, 1, heads, value.shape[-1]), None  # MLA's value heads are narrower than its queries
 
 
-_last_bias: tuple[torch.Tensor, torch.dtype, torch.Tensor] | None = None
-"""(mask, dtype, its bias) of the forward in progress: every layer attends under the one mask object the
-model was given, so its additive bias is built once per forward, not once per layer (three kernels a layer
-of a decode step, which is a few microseconds each). The mask is held, so its identity cannot be reused."""
+_forward_state = threading.local()
+"""``last``: (mask, dtype, its bias) of the forward in progress on this thread, inside :func:`bias_per_forward`."""
+
+
+@contextlib.contextmanager
+def bias_per_forward() -> Iterator[None]:
+    """Within: every layer of the forward attends under the one mask object the model was given, so its additive
+    bias is built once (at the first layer), not once per layer (three kernels a layer of a decode step, a few
+    microseconds each). On exit the bias and the mask are let go (a captured step's bias lives in its graph's
+    memory pool, which must not be held once the engine releases its memory)."""
+    _forward_state.last = None
+    _forward_state.active = True
+    try:
+        yield
+    finally:
+        _forward_state.last = None
+        _forward_state.active = False
 
 
 def _layer_shared_bias(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor | None:
-    """The additive bias of ``mask`` on CUDA (built at the forward's first layer, reused by the others);
-    None on CPU, where SDPA takes the boolean mask itself."""
-    global _last_bias
+    """The additive bias of ``mask`` on CUDA (inside :func:`bias_per_forward`: built at the first layer, reused by
+    the others); None on CPU, where SDPA takes the boolean mask itself."""
     if not uses_shared_kernel(query):
         return None
-    last = _last_bias  # one read: another engine's thread may replace it meanwhile
+    if not getattr(_forward_state, "active", False):
+        return mask_bias(mask, query.dtype)
+    last = _forward_state.last
     if last is None or last[0] is not mask or last[1] != query.dtype:
         last = (mask, query.dtype, mask_bias(mask, query.dtype))
-        _last_bias = last
+        _forward_state.last = last
     return last[2]
 
 
