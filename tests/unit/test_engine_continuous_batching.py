@@ -43,7 +43,8 @@ def _assert_same(got: list, want: list) -> None:
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}], ids=["plain", "top_p"])
 def test_waiting_samples_take_ended_slots_and_sample_as_alone(tiny_model_dirs, monkeypatch, sampling):
     """10 samples through 3 slots (a bucket of 4, one kept empty) against the uncapped engine and against each
-    prompt alone: same tokens, finish reasons and kept sets; the capped engine never ran more than 4 rows."""
+    prompt alone: same tokens, finish reasons and kept sets; the capped engine never ran more than 4 rows and
+    prefilled each prompt once."""
     monkeypatch.setattr(decode_run, "num_slots", lambda n, device: row_bucket(n))  # padding rows as on CUDA
     model = tiny_model_dirs["qwen3"]
     uncapped, capped = EmbeddedEngine(model, seed=0), EmbeddedEngine(model, seed=0, max_running_requests=3)
@@ -54,7 +55,11 @@ def test_waiting_samples_take_ended_slots_and_sample_as_alone(tiny_model_dirs, m
     want = uncapped.generate(PROMPTS, params)
     assert set(shapes) == {16}
     shapes.clear()
+    prefilled: list[list[int]] = []
+    prefill = capped._prefill
+    monkeypatch.setattr(capped, "_prefill", lambda prompts: (prefilled.extend(prompts), prefill(prompts))[1])
     got = capped.generate(PROMPTS, params)
+    assert sorted(prefilled) == sorted(PROMPTS)  # each prompt once: a group split between refills reuses its K/V
     assert set(shapes) == {4} and len(shapes) < 75  # 190 tokens over 3 slots; 105 in batches of 3 without refills
     _assert_same(got, want)
     alone = [r for prompt, p in zip(PROMPTS, params, strict=True) for r in uncapped.generate([prompt], p)]

@@ -21,6 +21,7 @@ from rlrun.engine.backends.decode_control import DecodeControl, RequestHandle
 from rlrun.engine.backends.decode_graphs import read_len
 from rlrun.engine.backends.decode_slots import SlotTable, StopStringSlots
 from rlrun.engine.backends.routing_record import encode
+from rlrun.engine.backends.static_cache import StaticKVCache
 from rlrun.engine.kept_set import encode_kept_ids
 from rlrun.engine.sampling import KEPT_SET_WIDTH, SamplingParams, SamplingTensors
 from rlrun.engine.types import FinishReason, GenResult, RoutedExperts
@@ -49,6 +50,9 @@ def num_slots(num_running: int, device: torch.device) -> int:
     """The decode batch's rows: a :func:`row_bucket` on CUDA (nearby sizes share captured steps); exactly the
     running rows on CPU, where nothing is captured and a padding row costs a row of compute."""
     return row_bucket(num_running) if device.type == "cuda" else num_running
+
+
+_Prefill = tuple[list[int], torch.Tensor, StaticKVCache, torch.Tensor]
 
 
 class DecodeRun:
@@ -88,6 +92,9 @@ class DecodeRun:
         self.done: dict[int, GenResult] = {}
         self.stop_strings = StopStringSlots(engine.tokenizer)
         self.forwards = 0
+        self._last_prefill: _Prefill | None = None
+        """The last admission's prefill: (its prompts as indices into ``prompts``, their next-token logits, their
+        K/V, their [P, W] mask); a group split between two refills takes its prompt's K/V from here."""
         self._prefill_of: tuple[list[int], int] = ([], 0)
         """The last admission's prefilled prompts (indices into ``prompts``) and width (MoE routed experts)."""
 
@@ -147,16 +154,31 @@ class DecodeRun:
             self._admit(free, [self.queue.popleft() for _ in free], aborted)
 
     def _admit(self, slots: list[int], rows: list[int], aborted: list[bool]) -> None:
-        """Load ``rows`` into ``slots``: one prefill of their distinct prompts, then each row's first token (none
-        for a row already aborted: it ends with no output, as SGLang's)."""
-        engine, device = self.engine, self.engine.device
-        prompt_ids = sorted({self.rows[r][0] for r in rows})
+        """Load ``rows`` into ``slots``: the rows whose prompt the last admission prefilled reuse its K/V (a group
+        split between two refills is prefilled once), the others share one prefill of their distinct prompts;
+        then each row's first token (none for a row already aborted: it ends with no output, as SGLang's)."""
+        last = self._last_prefill
+        reused = [k for k, r in enumerate(rows) if last is not None and self.rows[r][0] in last[0]]
+        fresh = [k for k in range(len(rows)) if k not in reused]
+        if fresh:
+            prompt_ids = sorted({self.rows[rows[k]][0] for k in fresh})
+            logits, prefill, prompt_mask = self.engine._prefill([self.prompts[i] for i in prompt_ids])
+            self._last_prefill = (prompt_ids, logits, prefill, prompt_mask)
+            self._prefill_of = (prompt_ids, prefill.max_len)
+            self._load([slots[k] for k in fresh], [rows[k] for k in fresh], self._last_prefill, aborted)
+        if reused:
+            assert last is not None  # rows are reused only from a previous prefill
+            self._load([slots[k] for k in reused], [rows[k] for k in reused], last, aborted)
+
+    def _load(self, slots: list[int], rows: list[int], prefilled: _Prefill, aborted: list[bool]) -> None:
+        """Load ``rows`` into ``slots`` from ``prefilled`` (which holds their prompts) and sample their first token."""
+        device = self.engine.device
+        prompt_ids, logits, prefill, prompt_mask = prefilled
         local = {i: k for k, i in enumerate(prompt_ids)}
-        logits, prefill, prompt_mask = engine._prefill([self.prompts[i] for i in prompt_ids])
         index = torch.tensor(slots, device=device)
         prompt_of_row = torch.tensor([local[self.rows[r][0]] for r in rows], device=device)
         row_params = [self.row_params[r] for r in rows]
-        sampling = SamplingTensors.of(row_params, [self.keys[r] for r in rows], engine.vocab_size, device)
+        sampling = SamplingTensors.of(row_params, [self.keys[r] for r in rows], self.engine.vocab_size, device)
         max_new = torch.tensor([p.max_new_tokens for p in row_params], device=device)
         stop_ids = self.stop_ids[torch.tensor(rows, device=device)]
         self.batch.load_rows(index, prefill, prompt_mask, prompt_of_row, max_new, stop_ids, sampling)
@@ -170,7 +192,6 @@ class DecodeRun:
         for s, r, p in zip(slots, rows, row_params, strict=True):
             self.slots.occupy(s, r, len(self.prompts[self.rows[r][0]]), self.forwards, p.max_new_tokens)
             self.stop_strings.start(s, p.stop)
-        self._prefill_of = (prompt_ids, prefill.max_len)
 
     # ---- results ----------------------------------------------------------------------------------
 
