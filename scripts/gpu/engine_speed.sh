@@ -3,8 +3,9 @@
 # call (one H200), PYTHONPATH at the repo and the wheels installed. Each step logs to $OUT/<step>.log, writes
 # its exit code to $OUT/steps.txt, and a failed step does not stop the next.
 #
-#   bash scripts/gpu/engine_speed.sh tests bench_0.6b bench_1.7b            # embedded only (~6 min)
-#   BACKENDS=embedded,sglang bash scripts/gpu/engine_speed.sh bench_0.6b    # with SGLang importable
+#   bash scripts/gpu/engine_speed.sh tests bench_0.6b                       # call 1: embedded (~4 min)
+#   bash scripts/gpu/engine_speed.sh bench_1.7b                             # call 2 (~5 min)
+#   BACKENDS=embedded,sglang bash scripts/gpu/engine_speed.sh bench_0.6b    # with SGLang importable (~8 min)
 #
 # Steps:
 #   tests       the GPU tests of the decode: read-length buckets bitwise vs the whole cache, graphs kept
