@@ -41,10 +41,12 @@ class SlotTable:
         return [s for s, r in enumerate(self.row) if r < 0]
 
     def filled(self, forwards: int) -> int:
-        """Cache columns the ``forwards``-th forward may attend to: a slot loaded after ``start`` forwards
-        attends to its prompt plus one column per forward since, and stops moving after ``max_new`` tokens
-        (empty slots keep their last row's bound)."""
-        return max(p + min(forwards - s, m) for p, s, m in zip(self.prompt_len, self.start, self.max_new, strict=True))
+        """Cache columns the ``forwards``-th forward may attend to in a held row: a slot loaded after ``start``
+        forwards attends to its prompt plus one column per forward since, and stops moving after ``max_new``
+        tokens. Empty slots do not count: their rows are gone, so what they attend to is never read (column 0,
+        a prompt's, is always in their mask, so no row is fully masked)."""
+        held = (s for s, r in enumerate(self.row) if r >= 0)
+        return max((self.prompt_len[s] + min(forwards - self.start[s], self.max_new[s]) for s in held), default=1)
 
     def last_forward(self, slot: int) -> int:
         """The forward after which the slot's row has ended at the latest (its max_new_tokens-th token)."""
