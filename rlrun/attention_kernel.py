@@ -122,11 +122,29 @@ def causal(
     return out.transpose(1, 2)
 
 
+def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's conversion of a boolean mask (True = attend) to an additive bias in ``dtype`` (0 where attended,
+    -inf elsewhere), padded so that each bias row starts aligned; the kernel adds 0.0 exactly, so attended
+    scores are unchanged. Returns the unpadded view, shaped like ``mask``."""
+    k_len = mask.shape[-1]
+    padded = -(-k_len // BIAS_ALIGN) * BIAS_ALIGN
+    bias = torch.full((*mask.shape[:-1], padded), float("-inf"), dtype=dtype, device=mask.device)
+    bias[..., :k_len].masked_fill_(mask, 0.0)
+    return bias[..., :k_len]
+
+
 def masked(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inference attention over ``[B, heads, q_len, dim]`` under a boolean mask broadcastable to
-    ``[B, heads, q_len, k_len]`` (True = attend); key/value may have fewer, grouped heads. No autograd."""
+    ``[B, heads, q_len, k_len]`` (True = attend); key/value may have fewer, grouped heads. No autograd.
+    ``bias``: ``mask_bias(mask, query.dtype)`` when the caller already has it (every layer of one forward
+    attends under the same mask)."""
     if not uses_shared_kernel(query):
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
@@ -134,12 +152,7 @@ def masked(
     key, value = (_repeat_heads(t, query.shape[1], 1) for t in (key, value))
     batch, heads, q_len, _ = query.shape
     k_len = key.shape[2]
-    # SDPA's own conversion (0 where attended, -inf elsewhere, in the query's dtype), padded so that each
-    # bias row starts aligned; the kernel adds 0.0 exactly, so attended scores are unchanged.
-    padded = -(-k_len // BIAS_ALIGN) * BIAS_ALIGN
-    bias = torch.full((*mask.shape[:-1], padded), float("-inf"), dtype=query.dtype, device=query.device)
-    bias[..., :k_len].masked_fill_(mask, 0.0)
-    bias = bias[..., :k_len].expand(batch, heads, q_len, k_len)
+    bias = (mask_bias(mask, query.dtype) if bias is None else bias).expand(batch, heads, q_len, k_len)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = torch.ops.aten._efficient_attention_forward(
         q, k, v, bias, None, None, None, None, 0.0, 0, False, scale=_scale(query, scale)

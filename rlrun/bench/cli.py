@@ -44,7 +44,7 @@ def _emit(kind: str, results: Any, out: Path | None, echo: bool = True) -> None:
 @bench_app.command("rollout")
 def rollout(
     shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-0.6b",
-    batch: int = 64,
+    batch: Annotated[str, typer.Option(help="Rows decoded at once; comma-separated for several, e.g. 64,128.")] = "64",
     prompt_len: int = 128,
     new_tokens: int = 256,
     device: Annotated[str | None, typer.Option(help="Default: cuda if available, else cpu.")] = None,
@@ -62,6 +62,16 @@ def rollout(
     run_dir: Annotated[Path, typer.Option(help="With --backends: engine logs and the model directory.")] = Path(
         "runs/bench"
     ),
+    long_tail: Annotated[
+        bool,
+        typer.Option(
+            help="With --backends: also a long-tail call (requests-per-slot x batch prompts, lognormal lengths, EOS)."
+        ),
+    ] = False,
+    long_tail_requests_per_slot: int = 4,
+    long_tail_median: Annotated[int, typer.Option(help="Median of the drawn max_new_tokens.")] = 128,
+    long_tail_sigma: Annotated[float, typer.Option(help="Sigma of log(max_new_tokens).")] = 1.0,
+    long_tail_max: Annotated[int, typer.Option(help="Cap of the drawn max_new_tokens.")] = 1024,
     out: OutFile = None,
 ) -> None:
     """Embedded engine vs transformers generate output tokens/s, and the memory-bandwidth bound."""
@@ -69,22 +79,51 @@ def rollout(
 
     from rlrun.bench.rollout import bench_rollout
 
+    batches = _positive_ints("--batch", batch)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if backends:
-        from rlrun.bench.engines import bench_rollout_backends
+        from rlrun.bench.engines import LongTail, bench_rollout_backends
 
         names = [b.strip() for b in backends.split(",") if b.strip()]
-        _emit(
-            "rollout",
-            bench_rollout_backends(
-                names, shape, batch, prompt_len, new_tokens, dtype, run_dir, hbm_bytes_per_s=hbm_gbps * 1e9
-            ),
-            out,
+        workload = (
+            LongTail(long_tail_requests_per_slot, long_tail_median, long_tail_sigma, long_tail_max)
+            if long_tail
+            else None
         )
+        results = bench_rollout_backends(
+            names,
+            shape,
+            batches,
+            prompt_len,
+            new_tokens,
+            dtype,
+            run_dir,
+            hbm_bytes_per_s=hbm_gbps * 1e9,
+            long_tail=workload,
+        )
+        _emit("rollout", results, out)
         return
-    result = bench_rollout(shape, batch, prompt_len, new_tokens, device, dtype, hbm_bytes_per_s=hbm_gbps * 1e9)
-    _emit("rollout", [result], out)
+    if long_tail:
+        raise typer.BadParameter(
+            "--long-tail needs --backends because it runs through the engine worker (max_running_requests); "
+            "add --backends embedded"
+        )
+    results = [
+        bench_rollout(shape, b, prompt_len, new_tokens, device, dtype, hbm_bytes_per_s=hbm_gbps * 1e9) for b in batches
+    ]
+    _emit("rollout", results, out)
+
+
+def _positive_ints(flag: str, value: str) -> list[int]:
+    """``64,128`` as [64, 128]."""
+    try:
+        numbers = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 1:
+        raise typer.BadParameter(f"{flag} ({value}) must be positive integers, comma-separated; set e.g. {flag} 64,128")
+    return numbers
 
 
 @bench_app.command("sync")

@@ -5,7 +5,13 @@ Every backend gets the same weights (one random HF directory), the same prompts 
 same two timed calls as the in-process benchmark (greedy, then sampled at temperature 1 with top-p
 0.95), each after an untimed call of the same shape (CUDA graphs, JIT). Workers run one at a time,
 each shut down before the next starts, so neither sees the other's memory. Tokens/s includes the RPC
-round trip, which a trainer pays too.
+round trip, which a trainer pays too. Each worker runs at most ``batch`` requests at once
+(``max_running_requests``, both backends' server argument).
+
+The long-tail workload (:class:`LongTail`) sends ``requests_per_slot x batch`` prompts in one call, each with
+its own ``max_new_tokens`` drawn from a lognormal (EOS allowed, sampled and seeded per request), so requests
+end at very different times and an engine that cannot refill ended slots idles; tokens/s counts the tokens
+actually produced.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlrun.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput, _engine_run
+from rlrun.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput
 from rlrun.bench.shapes import get_shape, write_random_model
 from rlrun.bench.timing import hardware, timer
 from rlrun.engine.backends import BackendSpec
@@ -33,6 +39,37 @@ it in ``bench sync``), PyTorch sampling (no FlashInfer JIT), token ids only (the
 tokenizer)."""
 BENCH_SERVER_ARGS: dict[str, dict[str, Any]] = {"sglang": SGLANG_SERVER_ARGS}
 """The server arguments the benchmarks tune per backend (backends absent here start with none)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LongTail:
+    """Response lengths ``min(max_new_tokens, max(1, round(exp(N(log(median), sigma)))))``, one per request,
+    from a seeded generator: the same for every backend."""
+
+    requests_per_slot: int = 4
+    median: int = 128
+    sigma: float = 1.0
+    max_new_tokens: int = 1024
+
+    def lengths(self, num_requests: int, seed: int) -> list[int]:
+        draws = torch.empty(num_requests, dtype=torch.float64)
+        draws.log_normal_(math.log(self.median), self.sigma, generator=torch.Generator().manual_seed(seed))
+        return draws.round().clamp(1, self.max_new_tokens).long().tolist()
+
+
+@dataclasses.dataclass(frozen=True)
+class LongTailRun:
+    """One backend's long-tail call: the workload, its requests' length caps, and the throughput."""
+
+    workload: LongTail
+    num_requests: int
+    max_new_tokens_sum: int
+    """Sum of the drawn caps: the output tokens if no request ends on EOS."""
+    throughput: Throughput
+    """All requests in one call: the engine refills a slot when its request ends (continuous batching)."""
+    in_batches: Throughput
+    """The same requests in consecutive calls of ``batch`` each (every call waits for its longest request): what
+    the throughput is without refills."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +91,7 @@ class BackendRolloutResult:
     """Temperature 1, top-p 0.95, seeded."""
     bound: BandwidthBound
     fraction_of_bound: float
+    long_tail: LongTailRun | None = None
 
 
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
@@ -73,10 +111,33 @@ def checkpoint_bytes(model_dir: Path) -> int:
     return total
 
 
-def bench_spec(backend: str, model_dir: Path, dtype: str, base_gpu_id: int) -> BackendSpec:
-    """The engine a benchmark starts: seed 0, plus the benchmark's server arguments where the backend takes them."""
+def bench_spec(
+    backend: str, model_dir: Path, dtype: str, base_gpu_id: int, max_running_requests: int | None = None
+) -> BackendSpec:
+    """The engine a benchmark starts: seed 0, plus the benchmark's server arguments where the backend takes them
+    (and ``max_running_requests`` when given)."""
     server_args = dict(BENCH_SERVER_ARGS.get(backend, {}))
+    if max_running_requests is not None:
+        server_args["max_running_requests"] = max_running_requests
     return BackendSpec(backend, str(model_dir), 0, dtype, base_gpu_id=base_gpu_id, server_args=server_args)
+
+
+def _timed_twice(engine, device: torch.device, prompts: list[list[int]], params: dict | list[dict]) -> Throughput:
+    """One untimed call (CUDA graphs, JIT) and the same call timed; tokens are those produced."""
+    engine.generate(prompts, params)
+    with timer(device) as seconds:
+        results = engine.generate(prompts, params)
+    return Throughput.of(seconds[0], sum(r["completion_tokens"] for r in results))
+
+
+def _in_batches(engine, device: torch.device, prompts: list[list[int]], params: list[dict], batch: int) -> Throughput:
+    """``prompts`` in consecutive calls of ``batch`` (warm: the long-tail call ran before), timed together."""
+    tokens = 0
+    with timer(device) as seconds:
+        for start in range(0, len(prompts), batch):
+            results = engine.generate(prompts[start : start + batch], params[start : start + batch])
+            tokens += sum(r["completion_tokens"] for r in results)
+    return Throughput.of(seconds[0], tokens)
 
 
 def _bench_backend(
@@ -87,41 +148,55 @@ def _bench_backend(
     new_tokens: int,
     dtype: str,
     device: torch.device,
+    long_tail: tuple[list[list[int]], list[dict]] | None = None,
 ) -> tuple[float, dict[str, Throughput]]:
     from rlrun.engine.client import EngineClient
 
+    spec = bench_spec(backend, model_dir, dtype, device.index or 0, max_running_requests=len(prompts))
     with timer(device) as startup_s:
-        engine = EngineClient.spawn(
-            bench_spec(backend, model_dir, dtype, device.index or 0), run_dir=run_dir, rank=0, startup_timeout_s=600
-        )
+        engine = EngineClient.spawn(spec, run_dir=run_dir, rank=0, startup_timeout_s=600)
     try:
         runs = {}
         for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
-            _engine_run(engine, prompts, new_tokens, params)  # untimed call of the same shape
-            with timer(device) as seconds:
-                tokens = _engine_run(engine, prompts, new_tokens, params)
-            runs[name] = Throughput.of(seconds[0], tokens)
+            fixed = {"max_new_tokens": new_tokens, "ignore_eos": True, **params}  # every response full length
+            runs[name] = _timed_twice(engine, device, prompts, fixed)
+        if long_tail is not None:
+            runs["long_tail"] = _timed_twice(engine, device, *long_tail)
+            runs["long_tail_in_batches"] = _in_batches(engine, device, *long_tail, batch=len(prompts))
     finally:
         engine.shutdown()
     return startup_s[0], runs
 
 
+def _long_tail_call(
+    workload: LongTail, batch: int, prompt_len: int, vocab: int, seed: int
+) -> tuple[list[list[int]], list[dict]]:
+    """The long-tail call at ``batch`` slots: its prompts and per-request sampling parameters."""
+    num_requests = workload.requests_per_slot * batch
+    generator = torch.Generator().manual_seed(seed + 1)
+    prompts = torch.randint(2, vocab, (num_requests, prompt_len), generator=generator).tolist()
+    lengths = workload.lengths(num_requests, seed)
+    params = [{**SAMPLED, "max_new_tokens": n, "sampling_seed": k} for k, n in enumerate(lengths)]
+    return prompts, params
+
+
 def bench_rollout_backends(
     backends: list[str],
     shape: str,
-    batch: int,
+    batches: list[int],
     prompt_len: int,
     new_tokens: int,
     dtype: str,
     run_dir: Path,
     hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
     seed: int = 0,
+    long_tail: LongTail | None = None,
 ) -> list[BackendRolloutResult]:
-    """Time each backend's worker on the same random model and prompts, one backend at a time."""
+    """Time each backend's worker on the same random model and prompts, one backend at a time, per batch size
+    (a fresh worker each, started with ``max_running_requests`` = the batch)."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     spec = get_shape(shape)
     run_dir.mkdir(parents=True, exist_ok=True)
-    prompts = torch.randint(2, spec.vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed)).tolist()
     torch.manual_seed(seed)
     results = []
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-", dir=run_dir) as tmp:
@@ -129,23 +204,36 @@ def bench_rollout_backends(
         nbytes = checkpoint_bytes(Path(model_dir))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
-        for backend in backends:
-            startup_s, runs = _bench_backend(backend, Path(model_dir), run_dir, prompts, new_tokens, dtype, device)
-            results.append(
-                BackendRolloutResult(
-                    backend=backend,
-                    shape=shape,
-                    hardware=hardware(device),
-                    dtype=dtype,
-                    batch=batch,
-                    prompt_len=prompt_len,
-                    new_tokens=new_tokens,
-                    startup_s=startup_s,
-                    engine=runs["greedy"],
-                    engine_sampled=runs["sampled"],
-                    bound=bound,
-                    fraction_of_bound=runs["greedy"].tokens_per_s / bound.tokens_per_s,
+        for batch in batches:
+            generator = torch.Generator().manual_seed(seed)
+            prompts = torch.randint(2, spec.vocab, (batch, prompt_len), generator=generator).tolist()
+            tail = None if long_tail is None else _long_tail_call(long_tail, batch, prompt_len, spec.vocab, seed)
+            bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
+            for backend in backends:
+                startup_s, runs = _bench_backend(
+                    backend, Path(model_dir), run_dir, prompts, new_tokens, dtype, device, tail
                 )
-            )
+                tail_run = None
+                if long_tail is not None and tail is not None:
+                    caps = sum(p["max_new_tokens"] for p in tail[1])
+                    tail_run = LongTailRun(
+                        long_tail, len(tail[0]), caps, runs["long_tail"], runs["long_tail_in_batches"]
+                    )
+                results.append(
+                    BackendRolloutResult(
+                        backend=backend,
+                        shape=shape,
+                        hardware=hardware(device),
+                        dtype=dtype,
+                        batch=batch,
+                        prompt_len=prompt_len,
+                        new_tokens=new_tokens,
+                        startup_s=startup_s,
+                        engine=runs["greedy"],
+                        engine_sampled=runs["sampled"],
+                        bound=bound,
+                        fraction_of_bound=runs["greedy"].tokens_per_s / bound.tokens_per_s,
+                        long_tail=tail_run,
+                    )
+                )
     return results

@@ -502,7 +502,11 @@ class EngineConfig(Section):
     """Extra keyword arguments of the backend's server, passed as-is (backends that take them only). For
     ``sglang``: ``sglang.Engine`` (ServerArgs) arguments, e.g. ``mem_fraction_static``,
     ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true`` makes SGLang honour the
-    per-sample seeds (rollouts reproducible, somewhat slower)."""
+    per-sample seeds (rollouts reproducible, somewhat slower). For ``embedded``: only
+    ``max_running_requests`` (SGLang's name too): at most that many samples decode at once, the others wait
+    and take the slots of ended ones (continuous batching; dense models only; unset: every sample of a call
+    at once). Set it when a step's samples do not fit the GPU's memory together or have long-tailed lengths
+    (docs/engine.md)."""
 
     @model_validator(mode="after")
     def _backend_options(self) -> EngineConfig:
@@ -516,6 +520,12 @@ class EngineConfig(Section):
             raise ValueError(
                 f"engine.server_args must be empty with backend {self.backend} because it reads none; "
                 "remove them or pick a backend that takes server arguments (sglang)"
+            )
+        unknown = sorted(set(self.server_args) - set(traits.server_arg_names or self.server_args))
+        if unknown:
+            raise ValueError(
+                f"engine.server_args keys {unknown} must be among {list(traits.server_arg_names or ())} with "
+                f"backend {self.backend} because it reads only those; remove them"
             )
         return self
 
@@ -935,11 +945,15 @@ class RunConfig(Section):
     def _teacher_engine_fits(self) -> None:
         opd = self.algorithm.opd
         traits = backend_traits(opd.teacher_engine) if opd.teacher_engine is not None else None
-        if opd.teacher_server_args and not (traits is not None and traits.accepts_server_args):
+        # The embedded engine's only server argument (max_running_requests) schedules decoding, which a teacher
+        # never does; SGLang's (server_arg_names None: any sglang.Engine argument) size its memory too.
+        if opd.teacher_server_args and not (
+            traits is not None and traits.accepts_server_args and traits.server_arg_names is None
+        ):
             raise ValueError(
                 f"algorithm.opd.teacher_server_args ({opd.teacher_server_args}) must be empty with teacher_engine "
-                f"{opd.teacher_engine} because that engine takes no server arguments; remove them or set "
-                "algorithm.opd.teacher_engine: sglang"
+                f"{opd.teacher_engine} because that teacher only scores tokens and reads none of them; remove them "
+                "or set algorithm.opd.teacher_engine: sglang"
             )
         if traits is not None and not traits.scores_any_temperature and self.rollout.temperature != 1.0:
             raise ValueError(

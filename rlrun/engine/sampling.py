@@ -206,12 +206,35 @@ class SamplingTensors:
             filter=any(r.needs_filter for r in rows if not r.greedy),
         )
 
-    def copy_(self, other: SamplingTensors) -> None:
-        """Overwrite these tensors in place (a captured graph keeps reading the same memory)."""
-        assert (self.sample, self.filter) == (other.sample, other.filter)
-        for field in ("temperature", "top_k", "top_p", "min_p", "greedy", "filters", "keys"):
-            getattr(self, field).copy_(getattr(other, field))
+    @classmethod
+    def empty(cls, num_rows: int, sample: bool, filter: bool, device: torch.device) -> SamplingTensors:
+        """Buffers for ``num_rows`` greedy rows with the given static choices (filled by :meth:`put`)."""
+        greedy = cls.of([SamplingParams(top_k=1)] * num_rows, [0] * num_rows, 1, device)
+        return dataclasses.replace(greedy, sample=sample, filter=filter)
 
+    def take(self, rows: torch.Tensor) -> SamplingTensors:
+        """The tensors of ``rows`` (copies), same static choices."""
+        return SamplingTensors(
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            top_p=self.top_p[rows],
+            min_p=self.min_p[rows],
+            greedy=self.greedy[rows],
+            filters=self.filters[rows],
+            keys=self.keys[rows],
+            sample=self.sample,
+            filter=self.filter,
+        )
+
+    def put(self, rows: torch.Tensor, other: SamplingTensors) -> None:
+        """Overwrite ``rows`` with ``other``'s (one per row) in place; ``other`` may only drop static choices
+        these tensors make (a greedy row in a sampling batch), not add one (the captured step bakes them in)."""
+        assert (other.sample <= self.sample) and (other.filter <= self.filter)
+        for field in _ROW_FIELDS:
+            getattr(self, field)[rows] = getattr(other, field)
+
+
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "greedy", "filters", "keys")
 
 KEPT_SET_WIDTH = 512
 """At most this many tokens in a kept set: a filtering row's top-k is capped here (prime-rl's bound too; top-p
@@ -263,8 +286,9 @@ def sample_tokens(
 
     ``logits`` is [B, V]. Row b draws with one uniform ``uniform_noise(keys[b], step)`` by inverse
     CDF over its (filtered) probabilities, so its samples depend only on its key and the step, not
-    on the batch. Greedy rows take the first argmax, as SGLang's and HF's greedy paths do. No host
-    synchronisation: the step can be captured in a CUDA graph.
+    on the batch: a row without a filter draws over the whole vocabulary in token order, a filtering row over
+    its kept set in probability order, whatever the other rows do. Greedy rows take the first argmax, as
+    SGLang's and HF's greedy paths do. No host synchronisation: the step can be captured in a CUDA graph.
 
     ``kept_out`` ([B, W] int64, written in place; top-p mask replay): each row's kept set, the token ids
     its filter kept (most likely first, -1 after them; all -1 for a row without a filter). Its rows' log-probs
@@ -276,17 +300,19 @@ def sample_tokens(
     log_mass = None
     if t.sample:
         probs, u = logprobs.exp(), uniform_noise(t.keys, step)
+        drawn = _inverse_cdf(probs, u)  # rows without a filter: the whole vocabulary, in token order
         if t.filter:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            kept = _filter_sorted(sorted_probs, t.top_k, t.top_p, t.min_p)
-            drawn = order.gather(-1, _inverse_cdf(kept, u)[:, None]).squeeze(-1)
+            # A filtering row keeps at most KEPT_SET_WIDTH tokens (its top-k is capped there), so the most
+            # likely KEPT_SET_WIDTH, sorted, hold its whole kept set: a top-k instead of sorting the vocabulary.
+            top, order = probs.topk(min(KEPT_SET_WIDTH, probs.shape[-1]), dim=-1)
+            kept = _filter_sorted(top, t.top_k, t.top_p, t.min_p)
+            filtered = order.gather(-1, _inverse_cdf(kept, u)[:, None]).squeeze(-1)
+            drawn = torch.where(t.filters, filtered, drawn)
             if kept_out is not None:  # the kept set is a prefix of the sorted order (every filter drops a tail)
                 width = kept_out.shape[-1]
                 replayed = t.filters[:, None] & (kept[:, :width] > 0)
                 kept_out.copy_(torch.where(replayed, order[:, :width], -1))
                 log_mass = torch.where(t.filters, kept.sum(-1).log(), 0.0)
-        else:
-            drawn = _inverse_cdf(probs, u)
         tokens = torch.where(t.greedy, tokens, drawn)
     elif kept_out is not None:
         kept_out.fill_(-1)

@@ -70,8 +70,9 @@ def probe_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out[None], None
 
 
-def sdpa_masked(query, key, value, mask, scale=None):
-    """The engine's attention before rlrun.attention_kernel: SDPA's own kernel choice under the mask."""
+def sdpa_masked(query, key, value, mask, scale=None, bias=None):
+    """The engine's attention before rlrun.attention_kernel: SDPA's own kernel choice under the mask (``bias``,
+    the shared kernel's additive form of the mask, unused)."""
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
 
 

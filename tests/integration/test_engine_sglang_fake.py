@@ -205,7 +205,10 @@ def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
     batch, new_tokens = 2, 4
     records = {}
     for kind, args in {
-        "rollout": ["--batch", str(batch), "--prompt-len", "4", "--new-tokens", str(new_tokens), "--hbm-gbps", "1000"],
+        "rollout": [
+            *("--batch", str(batch), "--prompt-len", "4", "--new-tokens", str(new_tokens), "--hbm-gbps", "1000"),
+            *("--long-tail", "--long-tail-median", "3", "--long-tail-max", "6"),
+        ],
         "sync": ["--repeats", "1", "--bucket-mib", "1"],
     }.items():
         out = tmp_path / f"{kind}.json"
@@ -237,6 +240,11 @@ def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
     for r in records["rollout"]:
         assert r["engine"]["output_tokens"] == r["engine_sampled"]["output_tokens"] == batch * new_tokens
         assert r["bound"]["tokens_per_s"] == pytest.approx(batch / (weight_bytes / 1e12))
+        tail = r["long_tail"]  # 4 requests per slot, lengths drawn once for both backends
+        assert tail["num_requests"] == 4 * batch
+        for run in ("throughput", "in_batches"):  # refilled slots, and calls of `batch` requests one after another
+            assert 0 < tail[run]["output_tokens"] <= tail["max_new_tokens_sum"]
+    assert len({r["long_tail"]["max_new_tokens_sum"] for r in records["rollout"]}) == 1
     assert [(r["backend"], r["weight_bytes"]) for r in records["sync"]] == [
         ("embedded", weight_bytes),
         ("sglang", weight_bytes),

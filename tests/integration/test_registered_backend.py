@@ -52,8 +52,16 @@ def test_traits_decide_the_config_and_the_spec(recording_backend, tmp_path):
     assert BackendSpec.from_config(config(tmp_path, "x"), seed=5).server_args == {"record_to": "x"}
     with pytest.raises(ValueError, match=r"engine.verify_weights \(true\) must be false with backend recording"):
         RunConfig.model_validate({"engine": {"backend": "recording", "verify_weights": True}})
-    with pytest.raises(ValueError, match=r"engine.server_args must be empty with backend embedded"):
-        RunConfig.model_validate({"engine": {"server_args": {"a": 1}}})
+    with pytest.raises(
+        ValueError, match=r"engine.server_args keys \['a'\] must be among \['max_running_requests'\] with"
+    ):
+        RunConfig.model_validate({"engine": {"server_args": {"a": 1, "max_running_requests": 8}}})
+    with pytest.raises(ValueError, match=r"engine.server_args must be empty with backend blind because it reads"):
+        register_backend("blind", dataclasses.replace(RECORDING, accepts_server_args=False))
+        try:
+            RunConfig.model_validate({"engine": {"backend": "blind", "server_args": {"a": 1}}})
+        finally:
+            del BACKENDS["blind"]
     with pytest.raises(ValueError, match=r"engine.backend \('nope'\) must be one of \['embedded', 'recording'"):
         RunConfig.model_validate({"engine": {"backend": "nope"}})
     register_backend("blind", dataclasses.replace(RECORDING, routed_experts_args=None))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlrun.engine.sampling import SamplingParams, SamplingTensors, row_key, sample_tokens, uniform_noise
+from rlrun.engine.sampling import SamplingParams, SamplingTensors, filter_probs, row_key, sample_tokens, uniform_noise
 
 NUM_ROWS = 20_000
 
@@ -50,3 +50,27 @@ def test_greedy_rows_take_the_first_argmax_next_to_sampled_rows():
     assert draws == {1}
     tokens, logprobs = sample_tokens(logits, tensors, torch.tensor([0]))
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+
+
+def test_a_row_draws_the_same_whatever_the_filters_of_the_other_rows():
+    """An unfiltered row next to a top-p row draws what it draws alone, and a top-p row what it draws next to
+    greedy rows only: the batch's static choices (``sample``, ``filter``) never change a row's draw."""
+    logits = torch.randn(3, 600, generator=torch.Generator().manual_seed(0)) * 3
+    plain, top_p = SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=700)
+    greedy = SamplingParams.from_dict({"temperature": 0})
+
+    def draws(rows: list[SamplingParams], keys: list[int], index: list[int]) -> list[list[int]]:
+        tensors = SamplingTensors.of(rows, keys, 600, torch.device("cpu"))
+        return [sample_tokens(logits[index], tensors, torch.tensor([s]))[0].tolist() for s in range(200)]
+
+    mixed = draws([plain, top_p, greedy], [11, 22, 33], [0, 1, 2])
+    assert [d[0] for d in mixed] == [d[0] for d in draws([plain], [11], [0])]
+    assert [d[1] for d in mixed] == [d[1] for d in draws([greedy, top_p], [33, 22], [2, 1])] and len(
+        {d[1] for d in mixed}
+    ) > 1
+    kept = torch.empty(1, 512, dtype=torch.long)
+    tensors = SamplingTensors.of([top_p], [22], 600, torch.device("cpu"))
+    sample_tokens(logits[1:2], tensors, torch.tensor([0]), kept)
+    probs = torch.softmax(logits[1] / 0.8, -1)
+    survivors = filter_probs(probs[None], [top_p])[0].nonzero().flatten()
+    assert set(kept[0][kept[0] >= 0].tolist()) == set(survivors.tolist())  # top-k 700 is capped at 512

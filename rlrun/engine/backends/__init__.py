@@ -40,13 +40,16 @@ class BackendTraits:
     supports_checksums: bool
     """Answers ``weight_checksums`` (``engine.verify_weights``)."""
     accepts_server_args: bool
-    """Reads ``engine.server_args`` (passed through unchecked)."""
+    """Reads ``engine.server_args`` (passed through, checked by the backend)."""
     routed_experts_args: Mapping[str, Any] | None
     """Server arguments under which it returns each sample's routed experts (``algorithm.routing_replay:
     rollout``); ``{}``: it always does for MoE models; None: it cannot."""
     scores_any_temperature: bool = True
     """``score_tokens`` is known to honour its temperature; False: only 1 is (SGLang's prompt log-probs, whose
     temperature scaling no test here pins), so an engine teacher refuses another rollout temperature."""
+    server_arg_names: tuple[str, ...] | None = None
+    """The ``engine.server_args`` keys it reads, checked when the config loads (None: any, e.g. every
+    ``sglang.Engine`` argument)."""
     needs_gpu: bool = False
     package: str | None = None
     """The distribution it imports (``rlrun doctor`` checks it is installed)."""
@@ -57,7 +60,8 @@ BACKENDS: dict[str, BackendTraits] = {
         factory="rlrun.engine.backends.embedded_backend:EmbeddedBackend.from_spec",
         shards_over_tp=False,
         supports_checksums=True,
-        accepts_server_args=False,
+        accepts_server_args=True,
+        server_arg_names=("max_running_requests",),
         routed_experts_args={},
     ),
     "sglang": BackendTraits(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,18 +29,21 @@ class StepGraph:
     eagerly and :attr:`captured` is False, with a warning: slower, still correct.
     """
 
-    def __init__(self, step: Callable[[], None], device: torch.device) -> None:
+    def __init__(self, step: Callable[[], None], device: torch.device, pool: Any = None) -> None:
+        """``pool`` (``torch.cuda.graph_pool_handle()``): a memory pool shared with the other steps of one
+        batch; safe because their replays never overlap and a step keeps nothing in the pool between replays
+        (every result is copied into the batch's buffers, allocated outside any graph)."""
         self.step = step
         self.graph: torch.cuda.CUDAGraph | None = None
         if device.type == "cuda":
-            self.graph = self._capture(step, device)
+            self.graph = self._capture(step, device, pool)
 
     @property
     def captured(self) -> bool:
         return self.graph is not None
 
     @staticmethod
-    def _capture(step: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
+    def _capture(step: Callable[[], None], device: torch.device, pool: Any) -> torch.cuda.CUDAGraph | None:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -50,7 +54,7 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the worker's event-loop thread may touch CUDA (a weight load) meanwhile.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 step()
         except RuntimeError as exc:
             log.warning("decode step could not be captured as a CUDA graph (%s); running it eagerly", exc)

@@ -33,9 +33,22 @@ class Finish(enum.IntEnum):
     STOP_STRING = 4
 
 
+ROW_ALIGN = 16
+"""Decode batches above this many rows have a multiple of it (smaller ones a power of two), so calls of
+nearby sizes share one warm batch and its captured steps; the padding rows are inactive."""
+
+
+def row_bucket(num_rows: int) -> int:
+    """The rows of the decode batch that holds ``num_rows`` samples."""
+    if num_rows <= ROW_ALIGN:
+        return 1 << (num_rows - 1).bit_length()
+    return -(-num_rows // ROW_ALIGN) * ROW_ALIGN
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
-    """What a captured step depends on: rows, cache length, stop-id width, and the sampling mode."""
+    """What a captured step depends on: rows (a :func:`row_bucket`), cache length, stop-id width, and the
+    sampling mode."""
 
     num_rows: int
     max_len: int
@@ -59,7 +72,7 @@ class DecodeBatch:
     mask: torch.Tensor
     """[B, 1, 1, max_len] which cache columns each row attends to."""
     step: torch.Tensor
-    """[1] index of the next token to sample (0 = the first one, from the prefill logits)."""
+    """[B] index of each row's next token to sample (0 = the first one, from the prefill logits)."""
     tokens: torch.Tensor
     """[B, max_len] sampled tokens, valid up to ``lengths``."""
     logprobs: torch.Tensor
@@ -76,11 +89,15 @@ class DecodeBatch:
     some row filters; None otherwise."""
     routed_experts: torch.Tensor | None = None
     """[B, max_len, layers, topk] (uint8 or int32, ``RouterRecorder.dtype``): the experts of the token each
-    decode step forwarded (column ``step - 1``), written by the engine's router hooks (MoE models only;
-    ``routing_record``)."""
+    decode step forwarded (column ``step - 1`` of each row), written by the engine's router hooks (MoE models
+    only; ``routing_record``)."""
+
+    def __post_init__(self) -> None:
+        self.all_rows = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)
+        """[B] every row's index (a decode step's ``record`` over all rows)."""
 
     @classmethod
-    def allocate(cls, shape: BatchShape, sampling: SamplingTensors, device: torch.device) -> DecodeBatch:
+    def allocate(cls, shape: BatchShape, device: torch.device) -> DecodeBatch:
         rows = shape.num_rows
 
         def zeros(*size: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -91,7 +108,7 @@ class DecodeBatch:
             input_ids=zeros(rows, 1),
             positions=zeros(rows, 1),
             mask=torch.ones(rows, 1, 1, shape.max_len, dtype=torch.bool, device=device),
-            step=zeros(1),
+            step=zeros(rows),
             tokens=zeros(rows, shape.max_len),
             logprobs=zeros(rows, shape.max_len, dtype=torch.float32),
             lengths=zeros(rows),
@@ -99,12 +116,13 @@ class DecodeBatch:
             finish=zeros(rows),
             max_new=zeros(rows),
             stop_ids=zeros(rows, shape.stop_width) - 1,
-            sampling=sampling,
+            sampling=SamplingTensors.empty(rows, shape.sample, shape.filter, device),
             kept_ids=zeros(rows, shape.max_len, shape.kept_width) - 1 if shape.kept_width else None,
         )
 
-    def load(
+    def load_rows(
         self,
+        slots: torch.Tensor,
         prefill: StaticKVCache,
         prompt_mask: torch.Tensor,
         prompt_of_row: torch.Tensor,
@@ -112,45 +130,61 @@ class DecodeBatch:
         stop_ids: torch.Tensor,
         sampling: SamplingTensors,
     ) -> None:
-        """Reset every buffer in place for a new call: prompts' K/V and mask, positions, counters."""
+        """Put new rows into ``slots`` (the others untouched): each slot takes prefill row ``prompt_of_row[k]``'s
+        K/V and mask, its counters restart at 0. A slot's old K/V past the new prompt stays, masked, and is
+        overwritten column by column before the new row attends to it."""
         width = prefill.max_len
-        self.cache.load_prefix(prefill, prompt_of_row)
+        self.cache.load_prefix(prefill, prompt_of_row, slots)
         row_mask = prompt_mask.bool()[prompt_of_row]
-        self.positions.copy_(row_mask.sum(-1, keepdim=True))
-        self.cache.columns.copy_(self.positions[:, 0])  # the first decode forward writes each prompt's next column
-        self.mask.zero_()
-        self.mask[:, 0, 0, :width] = row_mask
-        self.mask.scatter_(3, self.positions.view(-1, 1, 1, 1), True)
-        self.step.zero_()
-        self.lengths.zero_()
-        self.active.fill_(True)
-        self.finish.fill_(Finish.RUNNING)
-        self.max_new.copy_(max_new)
-        self.stop_ids.fill_(-1)
-        self.stop_ids[:, : stop_ids.shape[1]] = stop_ids
-        self.sampling.copy_(sampling)
+        lengths = row_mask.sum(-1)
+        self.positions[slots] = lengths[:, None]
+        self.cache.columns[slots] = lengths  # the first decode forward writes each prompt's next column
+        mask = torch.zeros(len(slots), self.mask.shape[-1], dtype=torch.bool, device=self.mask.device)
+        mask[:, :width] = row_mask
+        mask.scatter_(1, lengths[:, None], True)
+        self.mask[slots, 0, 0] = mask
+        for name in ("step", "lengths"):
+            getattr(self, name)[slots] = 0
+        self.active[slots] = True
+        self.finish[slots] = Finish.RUNNING
+        self.max_new[slots] = max_new
+        self.stop_ids[slots] = torch.nn.functional.pad(
+            stop_ids, (0, self.stop_ids.shape[1] - stop_ids.shape[1]), value=-1
+        )
+        self.sampling.put(slots, sampling)
 
-    def record(self, logits: torch.Tensor) -> None:
-        """Sample step ``step`` from ``logits`` ([B, V]) and apply the device-side end conditions."""
-        kept = None if self.kept_ids is None else torch.empty_like(self.kept_ids[:, 0])
-        token, logprob = sample_tokens(logits, self.sampling, self.step, kept)
+    def deactivate(self, slots: torch.Tensor) -> None:
+        """Make ``slots`` inactive without a finish code (a row bucket's padding, a slot left empty)."""
+        self.active[slots] = False
+
+    def record(self, logits: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+        """Sample each row's next token (its ``step``-th) from ``logits`` ([B, V], or [len(slots), V] for just
+        ``slots``: the first token of rows just loaded) and apply the device-side end conditions. A row's step
+        advances only while it is active, so its k-th token always draws the noise of step k."""
+        rows = self.all_rows if slots is None else slots
+        step, active = self.step[rows], self.active[rows]
+        sampling = self.sampling if slots is None else self.sampling.take(slots)
+        kept = None if self.kept_ids is None else torch.empty_like(self.kept_ids[rows, 0])
+        token, logprob = sample_tokens(logits, sampling, step, kept)
         if kept is not None and self.kept_ids is not None:  # both or neither
-            self.kept_ids.index_copy_(1, self.step, kept[:, None])
-        self.tokens.index_copy_(1, self.step, token[:, None])
-        self.logprobs.index_copy_(1, self.step, logprob[:, None])
-        self.lengths += self.active
-        stopped = (token[:, None] == self.stop_ids).any(-1) & self.active
-        too_long = (self.lengths >= self.max_new) & self.active & ~stopped
-        self.finish.masked_fill_(stopped, Finish.STOP_TOKEN)
-        self.finish.masked_fill_(too_long, Finish.LENGTH)
-        self.active &= ~(stopped | too_long)
-        self.input_ids.copy_(token[:, None])
-        self.step += 1
+            self.kept_ids[rows, step] = kept
+        self.tokens[rows, step] = token
+        self.logprobs[rows, step] = logprob
+        lengths = self.lengths[rows] + active
+        stopped = (token[:, None] == self.stop_ids[rows]).any(-1) & active
+        too_long = (lengths >= self.max_new[rows]) & active & ~stopped
+        finish = self.finish[rows].masked_fill(stopped, Finish.STOP_TOKEN).masked_fill(too_long, Finish.LENGTH)
+        self.lengths[rows] = lengths
+        self.finish[rows] = finish
+        self.active[rows] = active & ~(stopped | too_long)
+        self.input_ids[rows] = token[:, None]
+        self.step[rows] = step + active
 
     def advance(self) -> None:
-        """After a decode forward: the next one writes (and attends to) the next column."""
-        self.positions += 1
-        self.cache.columns += 1
+        """After a decode forward: an active row's next one writes (and attends to) its next column; an
+        inactive row stays on its column (it never passes its prompt + max_new_tokens)."""
+        self.positions += self.active[:, None]
+        self.cache.columns += self.active
         self.mask.scatter_(3, self.cache.columns.view(-1, 1, 1, 1), True)
 
     def end_rows(self, rows: torch.Tensor, code: Finish) -> None:
@@ -158,6 +192,25 @@ class DecodeBatch:
         rows = rows & self.active
         self.finish.masked_fill_(rows, code)
         self.active &= ~rows
+
+    _STEP_STATE = ("input_ids", "positions", "mask", "step", "lengths", "active", "finish")
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the small buffers a step updates (a capture's warm-up runs the step). The per-token buffers
+        (tokens, log-probs, kept sets, routed experts) are left out: a step writes them at each row's ``step``,
+        past the row's valid tokens, and the real steps write those places again."""
+        return [getattr(self, name).clone() for name in self._STEP_STATE] + [self.cache.columns.clone()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        tensors = [getattr(self, name) for name in self._STEP_STATE] + [self.cache.columns]
+        for tensor, copy in zip(tensors, saved, strict=True):
+            tensor.copy_(copy)
+
+    def nbytes(self) -> int:
+        """Device bytes of the buffers (the KV cache once loaded, the token and log-prob buffers)."""
+        tensors = [*self.cache.keys, *self.cache.values, self.tokens, self.logprobs, self.mask]
+        tensors += [t for t in (self.kept_ids, self.routed_experts) if t is not None]
+        return sum(t.nbytes for t in tensors)
 
     def cut(self, row: int, length: int) -> None:
         """End ``row`` at ``length`` tokens with a stop string (found on the host, possibly late)."""

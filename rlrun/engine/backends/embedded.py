@@ -7,15 +7,17 @@ It serves the same contract as the SGLang backend with a batched decode loop ove
    :class:`StaticKVCache`, then copy its KV to the ``n`` samples of its group in a
    preallocated decode cache (:mod:`rlrun.engine.backends.decode_batch`);
 2. decode all samples together, one token per step; a step (forward, sampling with per-row
-   counter-based noise, end conditions) touches only device buffers, so on GPU it is captured once
-   as a CUDA graph and replayed (:mod:`rlrun.engine.backends.cuda_graph`), and the host looks at
-   the state only every ``SYNC_EVERY`` steps;
+   counter-based noise, end conditions) touches only device buffers and reads only the filled cache
+   columns (rounded up to a bucket), so on GPU it is captured once per bucket as a CUDA graph and
+   replayed; recent batch shapes keep their buffers and graphs warm (:mod:`.decode_graphs`); the host
+   looks at the state only every ``SYNC_EVERY`` steps;
 3. a sample ends on EOS / a stop token (kept in ``output_ids``, as SGLang does), on the token that
    completes a stop string (matched on the host at those looks, a few steps behind the device; the
    extra tokens are cut), at max_new_tokens, or when it is aborted (partial output, as SGLang).
 
-Finished samples keep riding along in the batch (their extra tokens are discarded), which keeps
-the loop simple; fine for short RL responses, wasteful for long tails of very different lengths.
+With ``max_running_requests`` the batch holds at most that many samples; the others wait, and each one
+takes the slot of a sample that ended at the next host look (continuous batching, :mod:`.decode_run`).
+Finished samples that no waiting one replaces ride along until the call ends (their tokens discarded).
 This module is synchronous; :mod:`rlrun.engine.backends.embedded_backend` runs it on a thread
 behind the worker's event loop and owns abort/pause through a :class:`DecodeControl`.
 """
@@ -23,7 +25,6 @@ behind the worker's event loop and owns abort/pause through a :class:`DecodeCont
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -33,33 +34,22 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlrun.engine.backends.cuda_graph import StepGraph
-from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch, Finish
+from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch
 from rlrun.engine.backends.decode_control import DecodeControl, RequestHandle
+from rlrun.engine.backends.decode_graphs import WarmBatch, WarmBatches
+from rlrun.engine.backends.decode_run import SYNC_EVERY, DecodeRun
 from rlrun.engine.backends.fused_experts import expert_slice
 from rlrun.engine.backends.fused_norm import fuse_rms_norms
-from rlrun.engine.backends.routing_record import RouterRecorder, encode
-from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, prefill_mask
-from rlrun.engine.kept_set import encode_kept_ids
-from rlrun.engine.sampling import (
-    KEPT_SET_WIDTH,
-    SamplingParams,
-    SamplingTensors,
-    per_prompt_params,
-    row_key,
-    row_rids,
-)
-from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, FinishReason, GenResult, RoutedExperts
+from rlrun.engine.backends.routing_record import RouterRecorder
+from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, bias_per_forward, prefill_mask
+from rlrun.engine.sampling import SamplingParams, per_prompt_params, row_key, row_rids
+from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, GenResult
+
+__all__ = ["SYNC_EVERY", "EarlyDelivery", "EmbeddedEngine"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ABORTED: FinishReason = {"type": "abort", "message": "Aborted"}
 
 
-SYNC_EVERY = 16
-"""Decode steps between host looks at the batch (all rows done? stop strings?): more steps waste
-up to that many finished steps; fewer stall the GPU on the host."""
-LEN_ALIGN = 64
-"""Cache lengths are rounded up to this, so calls with nearby lengths reuse one captured step."""
 CAPTURABLE_DECODE_EXPERTS = "batched_mm"
 """transformers' experts kernel for the decode step of a fused-experts MoE on CUDA outside bfloat16. The
 default ``grouped_mm`` copies a host tensor there (torch's grouped_mm outside bf16), and ``eager`` loops over
@@ -67,24 +57,6 @@ the experts the batch hit, so neither can be captured as a CUDA graph; ``batched
 (token, expert) pair, no data-dependent shape) can, at little cost for decode's few tokens. Probed on the
 H200 (torch 2.11, transformers 5.17): float32 grouped_mm and eager fail capture, batched_mm captures;
 bfloat16 grouped_mm captures, so bf16 keeps it (it does not gather one weight copy per pair)."""
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-class _StopStrings:
-    """SGLang's stop-string check: after each token, decode the last (longest stop in tokens + 1)
-    tokens and look for every stop string in that text (``schedule_batch.py``, ``tail_str``)."""
-
-    def __init__(self, tokenizer, stops: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stops = list(stops)
-        self.window = 1 + max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stops)
-
-    def match(self, output_ids: list[int]) -> str | None:
-        tail = self.tokenizer.decode(output_ids[-self.window :])
-        return next((s for s in self.stops if s in tail), None)
 
 
 class EarlyDelivery:
@@ -96,46 +68,12 @@ class EarlyDelivery:
         """``callback(part, results)``, called on the decode thread once per part delivered early."""
         self.delivered = [False] * len(self.parts)
 
-    def deliver_done(self, active: list[bool], results_of: Callable[[list[int]], list[GenResult]]) -> None:
+    def deliver_done(self, done: Mapping[int, GenResult]) -> None:
+        """Hand over each part whose rows all have results in ``done`` (by row), once."""
         for k, rows in enumerate(self.parts):
-            if not self.delivered[k] and not any(active[b] for b in rows):
+            if not self.delivered[k] and all(b in done for b in rows):
                 self.delivered[k] = True
-                self.callback(k, results_of(rows))
-
-
-class _StopStringRows:
-    """Stop-string matching of the rows that have stop strings, on the host, a few steps behind the
-    device: :meth:`scan` feeds each row's new tokens to its matcher one at a time (so the match is
-    found on the exact token that completes it, as SGLang's per-step check does) and cuts the row
-    there. A stop token on that same token wins, as it is checked first in SGLang too."""
-
-    def __init__(self, tokenizer, row_params: Sequence[SamplingParams]) -> None:
-        self.matchers = {b: _StopStrings(tokenizer, p.stop) for b, p in enumerate(row_params) if p.stop}
-        self.outputs: dict[int, list[int]] = {b: [] for b in self.matchers}
-        self.open = set(self.matchers)
-        self.matched: dict[int, str] = {}
-
-    def scan(self, batch: DecodeBatch, steps: int) -> None:
-        """Match the tokens of the first ``steps`` steps not scanned yet (one host read of the rows)."""
-        if not self.open:
-            return
-        rows = sorted(self.open)
-        index = torch.tensor(rows, device=batch.tokens.device)
-        tokens = batch.tokens[index, :steps].tolist()
-        lengths, finish = batch.lengths[index].tolist(), batch.finish[index].tolist()
-        for b, row_tokens, length, code in zip(rows, tokens, lengths, finish, strict=False):
-            output = self.outputs[b]
-            for s in range(len(output), length):
-                output.append(row_tokens[s])
-                matched = self.matchers[b].match(output)
-                if matched is not None:
-                    if s < length - 1 or code != Finish.STOP_TOKEN:
-                        batch.cut(b, s + 1)
-                        self.matched[b] = matched
-                    code = Finish.STOP_STRING
-                    break
-            if code != Finish.RUNNING:
-                self.open.discard(b)
+                self.callback(k, [done[b] for b in rows])
 
 
 def _decode_experts_implementation(model, device: torch.device) -> str | None:
@@ -161,7 +99,13 @@ class EmbeddedEngine:
     """A transformers causal LM in eval mode behind the engine contract's generate and weight loading."""
 
     def __init__(
-        self, model_path: str | Path, *, seed: int = 0, dtype: str = "float32", device: str | torch.device = "cpu"
+        self,
+        model_path: str | Path,
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        device: str | torch.device = "cpu",
+        max_running_requests: int | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(
@@ -209,10 +153,20 @@ class EmbeddedEngine:
         self._decoder_cache_kwarg = "cache" if "cache" in decoder_params else "past_key_values"
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self._rng = torch.Generator().manual_seed(seed)
-        self._decode_slot: tuple[BatchShape, DecodeBatch, StepGraph] | None = None
-        """The last call's decode buffers and captured step, reused by calls of the same shape."""
+        self._warm = WarmBatches(self.device)
+        """Recent calls' decode buffers and captured steps by shape, reused by calls of the same shape."""
         self.router_recorder = RouterRecorder.attach(self.model)
         """Records every forwarded token's experts (MoE models; None for dense ones), see routing_record."""
+        if max_running_requests is not None and (
+            not isinstance(max_running_requests, int) or max_running_requests < 1 or self.router_recorder is not None
+        ):
+            raise ValueError(
+                f"max_running_requests ({max_running_requests!r}) must be unset for a MoE model and an integer >= 1 "
+                "otherwise because a MoE call records its prompts' experts from one prefill of every row; remove it "
+                "(engine.server_args) or set a positive count"
+            )
+        self.max_running_requests = max_running_requests
+        """At most this many samples decode at once, the rest wait for a slot (None: every sample of a call)."""
         self._decode_experts = (
             None if self.router_recorder is None else _decode_experts_implementation(self.model, self.device)
         )
@@ -249,92 +203,15 @@ class EmbeddedEngine:
             raise ValueError(f"rids ({len(rids)} ids) must have one id per prompt ({len(input_ids)}); pass None or fix")
         request = request if request is not None else RequestHandle(row_rids(rids, params))
         control = control if control is not None else DecodeControl()
-        rows = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
-
-        def results_of(batch: DecodeBatch, steps: int, stop_strings: dict[int, str], subset: Sequence[int]):
-            return self._results(batch, steps, stop_strings, subset, input_ids, params, rows, request, return_logprob)
-
         with control.running():
-            batch, steps, stop_strings = self._decode(input_ids, params, rows, request, control, early, results_of)
-        return results_of(batch, steps, stop_strings, range(len(rows)))
-
-    def _results(
-        self,
-        batch: DecodeBatch,
-        steps: int,
-        stop_strings: dict[int, str],
-        subset: Sequence[int],
-        input_ids: list[list[int]],
-        params: list[SamplingParams],
-        rows: Sequence[tuple[int, int]],
-        request: RequestHandle,
-        return_logprob: bool,
-    ) -> list[GenResult]:
-        """The results of the finished rows ``subset`` (one host read of their buffers)."""
-        index = torch.tensor(list(subset), device=self.device, dtype=torch.long)
-        tokens, logprobs = batch.tokens[index, :steps].tolist(), batch.logprobs[index, :steps].tolist()
-        lengths, finish = batch.lengths[index].tolist(), batch.finish[index].tolist()
-        results: list[GenResult] = []
-        for k, b in enumerate(subset):
-            i = rows[b][0]
-            output_ids = tokens[k][: lengths[k]]
-            results.append(
-                {
-                    "rid": request.row_rids[b],
-                    "output_ids": output_ids,
-                    "output_logprobs": logprobs[k][: lengths[k]] if return_logprob else None,
-                    "finish_reason": self._finish_reason(finish[k], output_ids, params[i], stop_strings.get(b)),
-                    "prompt_tokens": len(input_ids[i]),
-                    "completion_tokens": lengths[k],
-                    "weight_version": self.weight_version,
-                }
-            )
-        if self.router_recorder:
-            experts = self._routed_experts(batch, input_ids, [rows[b] for b in subset], lengths, list(subset))
-            for result, row_experts in zip(results, experts, strict=True):
-                result["routed_experts"] = row_experts
-        if batch.kept_ids is not None:
-            for k, b in enumerate(subset):
-                if bool(batch.sampling.filters[b]):
-                    results[k]["kept_ids"] = encode_kept_ids(batch.kept_ids[b, : lengths[k]])
-        return results
-
-    def _routed_experts(
-        self,
-        batch: DecodeBatch,
-        prompts: list[list[int]],
-        rows: Sequence[tuple[int, int]],
-        lengths: list[int],
-        batch_rows: list[int],
-    ) -> list[RoutedExperts]:
-        """Per row, SGLang's ``routed_experts`` (with its topk): the prompt's tokens (from the prefill, whose
-        prompts start at the first column) then the output tokens that were forwarded (all but the last)."""
-        assert self._prefill_experts is not None and batch.routed_experts is not None  # a MoE records them
-        width = max(len(p) for p in prompts)
-        prefill = self._prefill_experts.reshape(len(prompts), width, *self._prefill_experts.shape[1:])
-        out = []
-        for (i, _), length, b in zip(rows, lengths, batch_rows, strict=True):
-            forwarded = len(prompts[i]) + length - 1
-            row = torch.cat([prefill[i, : len(prompts[i])], batch.routed_experts[b, : max(length - 1, 0)]])
-            out.append(encode(row[:forwarded]))
-        return out
-
-    @staticmethod
-    def _finish_reason(code: int, output_ids: list[int], params: SamplingParams, stop: str | None) -> FinishReason:
-        if code == Finish.STOP_TOKEN:
-            return {"type": "stop", "matched": output_ids[-1]}
-        if code == Finish.STOP_STRING:
-            assert stop is not None  # the code of a stop string that matched
-            return {"type": "stop", "matched": stop}
-        if code == Finish.ABORT:
-            return ABORTED
-        assert code == Finish.LENGTH, f"a decoded row ended without a finish code ({code})"
-        return {"type": "length", "length": params.max_new_tokens}
+            run = DecodeRun(self, input_ids, params, request, return_logprob, self.max_running_requests)
+            return run.run(control, early)
 
     @property
     def decode_step_captured(self) -> bool:
         """The last generate's decode step ran as a CUDA graph (False on CPU or if capture failed)."""
-        return self._decode_slot is not None and self._decode_slot[2].captured
+        last = self._warm.last
+        return last is not None and last.captured
 
     def check_prompts(self, input_ids: list[list[int]], params: list[SamplingParams]) -> None:
         for i, (prompt, p) in enumerate(zip(input_ids, params, strict=False)):
@@ -362,14 +239,15 @@ class EmbeddedEngine:
 
     def _forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
         """The one model call (prefill and decode): last position's logits in fp32, K/V into ``cache``."""
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
+        with bias_per_forward():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: cache},
+            )
         return out.logits[:, -1].float()
 
     @torch.inference_mode()
@@ -395,7 +273,7 @@ class EmbeddedEngine:
             if self.router_recorder is not None:
                 self._prefill_experts = self.router_recorder.prefill_buffer(tokens.numel(), self.device)
                 context = self.router_recorder.writing(self._prefill_experts)
-            with context:
+            with context, bias_per_forward():
                 hidden = self.model.get_decoder()(
                     input_ids=tokens,
                     attention_mask=prefill_mask(mask),
@@ -414,13 +292,14 @@ class EmbeddedEngine:
         """The prefill's model call: K/V into ``cache``, fp32 logits at each prompt's last position ``last``
         ([P]); the LM head sees only those rows (a right-padded batch has no common last column)."""
         decoder = self.model.get_decoder()
-        hidden = decoder(
-            input_ids=ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._decoder_cache_kwarg: cache},
-        ).last_hidden_state
+        with bias_per_forward():
+            hidden = decoder(
+                input_ids=ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._decoder_cache_kwarg: cache},
+            ).last_hidden_state
         rows = torch.arange(ids.shape[0], device=ids.device)
         return self.model.get_output_embeddings()(hidden[rows, last][:, None])[:, -1].float()
 
@@ -441,15 +320,18 @@ class EmbeddedEngine:
         with self.router_recorder.writing(self._prefill_experts):
             return self._prefill_forward(ids, prefill_mask(mask), positions, cache, last), cache, mask
 
-    def _decode_step(self, batch: DecodeBatch) -> None:
-        """One decode step on the batch's buffers only (the part that is captured as a CUDA graph)."""
+    def _decode_step(self, batch: DecodeBatch, length: int) -> None:
+        """One decode step on the batch's buffers only (the part that is captured as a CUDA graph), reading the
+        first ``length`` cache columns."""
+        batch.cache.read_len = length
+        mask = batch.mask[..., :length]
         with self._decode_experts_kernel():
             if self.router_recorder is None:
-                logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
+                logits = self._forward(batch.input_ids, mask, batch.positions, batch.cache)
             else:
                 assert batch.routed_experts is not None  # allocated with the recorder
                 with self.router_recorder.writing(batch.routed_experts, batch.step):
-                    logits = self._forward(batch.input_ids, batch.mask, batch.positions, batch.cache)
+                    logits = self._forward(batch.input_ids, mask, batch.positions, batch.cache)
         batch.advance()
         batch.record(logits)
 
@@ -467,71 +349,16 @@ class EmbeddedEngine:
         finally:
             self.model.set_experts_implementation(prefill_kernel)
 
-    def _batch_for(self, shape: BatchShape, sampling: SamplingTensors) -> tuple[DecodeBatch, StepGraph]:
-        """The decode buffers and captured step for ``shape``: the last call's when it matches."""
-        if self._decode_slot is None or self._decode_slot[0] != shape:
-            self._decode_slot = None  # free the previous buffers and graph before allocating new ones
-            batch = DecodeBatch.allocate(shape, sampling, self.device)
+    def _batch_for(self, shape: BatchShape) -> WarmBatch:
+        """The decode buffers and captured steps for ``shape``: a recent call's when one matches."""
+
+        def make() -> WarmBatch:
+            batch = DecodeBatch.allocate(shape, self.device)
             if self.router_recorder is not None:
                 batch.routed_experts = self.router_recorder.decode_buffer(shape.num_rows, shape.max_len, self.device)
-            self._decode_slot = (shape, batch, StepGraph(lambda: self._decode_step(batch), self.device))
-        return self._decode_slot[1], self._decode_slot[2]
+            return WarmBatch(batch, self._decode_step, self.device)
 
-    def _decode(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        rows: Sequence[tuple[int, int]],
-        request: RequestHandle,
-        control: DecodeControl,
-        early: EarlyDelivery | None = None,
-        results_of: Callable | None = None,
-    ) -> tuple[DecodeBatch, int, dict[int, str]]:
-        """Run the batch to its end; returns (its buffers, steps recorded, stop strings matched by row)."""
-        max_steps = max(p.max_new_tokens for p in params)
-        row_params = [params[i] for i, _ in rows]
-        prompt_of_row = torch.tensor([i for i, _ in rows], device=self.device)
-        logits, prefill, prompt_mask = self._prefill(prompts)
-        sampling = SamplingTensors.of(
-            row_params, [self._row_key(params[i], prompts[i], j) for i, j in rows], self.vocab_size, self.device
-        )
-        stop_ids = self._stop_id_matrix(row_params)
-        shape = BatchShape(
-            num_rows=len(rows),
-            max_len=_round_up(prefill.max_len + max_steps, LEN_ALIGN),
-            stop_width=_round_up(stop_ids.shape[1], 8),
-            sample=sampling.sample,
-            filter=sampling.filter,
-            kept_width=min(KEPT_SET_WIDTH, self.vocab_size) if sampling.sample and sampling.filter else 0,
-        )
-        batch, step_graph = self._batch_for(shape, sampling)
-        max_new = torch.tensor([p.max_new_tokens for p in row_params], device=self.device)
-        batch.load(prefill, prompt_mask, prompt_of_row, max_new, stop_ids, sampling)
-        stop_strings, aborted, steps = _StopStringRows(self.tokenizer, row_params), [False] * len(rows), 0
-        while steps < max_steps:
-            if control.paused:  # queued steps finish before a load may touch the weights
-                self.synchronize()
-            control.checkpoint(request)
-            if request.aborted != aborted:
-                aborted = list(request.aborted)
-                batch.end_rows(torch.tensor(aborted, device=self.device), Finish.ABORT)
-                if all(aborted):
-                    break
-            if steps == 0:
-                batch.record(logits[prompt_of_row])
-            else:
-                step_graph.run()
-            steps += 1
-            if steps % SYNC_EVERY == 0:
-                stop_strings.scan(batch, steps)
-                if early is not None:
-                    assert results_of is not None  # passed with early
-                    done = functools.partial(results_of, batch, steps, stop_strings.matched)
-                    early.deliver_done(batch.active.tolist(), done)
-                if not batch.active.any():
-                    break
-        stop_strings.scan(batch, steps)
-        return batch, steps, stop_strings.matched
+        return self._warm.get(shape, make)
 
     def _stop_id_matrix(self, row_params: Sequence[SamplingParams]) -> torch.Tensor:
         """[B, S] stop token ids per row, padded with -1 (never a token id)."""
@@ -583,14 +410,14 @@ class EmbeddedEngine:
 
     def offload_weights(self) -> None:
         """Move the weights (parameters and buffers) to host memory and return the GPU memory to the
-        driver (no-op on CPU). The captured decode step reads the old weight addresses, so it is dropped
+        driver (no-op on CPU). The captured decode steps read the old weight addresses, so they are dropped
         too. The host copies are pinned buffers allocated once and reused: ``model.to("cpu")`` copied
         into fresh pageable memory every step, and that release and resume took ~0.6 s per colocated step
         on the H200 (benchmarks/results/offload_qwen3-0.6b_h200.json: offload phase minus trainer sleep
         and wake)."""
         if self.device.type != "cuda":
             return
-        self._decode_slot = None
+        self._warm.clear()
         tensors = self._weight_tensors()
         if self._host_weights is None:
             self._host_weights = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -616,7 +443,7 @@ class EmbeddedEngine:
         blocks (KV cache, activations) to the driver, so a released engine holds only its CUDA context
         (no-op on CPU)."""
         if self.device.type == "cuda":
-            self._decode_slot = None  # the decode buffers (KV cache) and the captured step
+            self._warm.clear()  # the decode buffers (KV cache) and the captured steps
             torch.cuda.synchronize(self.device)
             torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps its workspaces outside the cache
             torch.cuda.empty_cache()

@@ -67,8 +67,12 @@ class EmbeddedBackend:
     tp_size = 1
     loop = None  # the worker creates its own event loop
 
-    def __init__(self, model_path: str, *, seed: int, dtype: str, device: str) -> None:
-        self.engine = EmbeddedEngine(model_path, seed=seed, dtype=dtype, device=device)
+    def __init__(
+        self, model_path: str, *, seed: int, dtype: str, device: str, max_running_requests: int | None = None
+    ) -> None:
+        self.engine = EmbeddedEngine(
+            model_path, seed=seed, dtype=dtype, device=device, max_running_requests=max_running_requests
+        )
         self.control = DecodeControl()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="embedded-decode")
         self._loading = asyncio.Lock()  # continue_generation waits for a load that runs while paused
@@ -77,7 +81,13 @@ class EmbeddedBackend:
 
     @classmethod
     def from_spec(cls, spec: BackendSpec) -> EmbeddedBackend:
-        return cls(spec.model_path, seed=spec.seed, dtype=spec.dtype, device=spec.resolved_device())
+        return cls(
+            spec.model_path,
+            seed=spec.seed,
+            dtype=spec.dtype,
+            device=spec.resolved_device(),
+            max_running_requests=spec.server_args.get("max_running_requests"),
+        )
 
     @property
     def weight_version(self) -> str:

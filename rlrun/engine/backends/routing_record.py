@@ -9,8 +9,8 @@ token is never forwarded, so it has no routing). :func:`encode` / :func:`decode`
 Recording: forward hooks on the HF model's routers (transformers 5 ``*TopKRouter`` modules, which
 return ``(router_logits, router_weights, router_indices)``, indices ``[tokens, topk]``) copy the indices
 into a buffer that :meth:`RouterRecorder.writing` points them at. The prefill writes a fresh
-``[rows * width, layers, topk]`` tensor; a decode step writes column ``step - 1`` (the token it
-forwards) of the decode batch's static ``[rows, max_len, layers, topk]`` buffer through an index that
+``[rows * width, layers, topk]`` tensor; a decode step writes each row's column ``step - 1`` (the token
+it forwards) of the decode batch's static ``[rows, max_len, layers, topk]`` buffer through an index that
 is a device tensor, so the copies are captured into the decode step's CUDA graph and replay with it.
 """
 
@@ -61,8 +61,9 @@ class RouterRecorder:
             indices = output[2].to(buffer.dtype)
             if column is None:  # prefill: [tokens, topk] for the whole [rows * width] block
                 buffer[:, layer].copy_(indices)
-            else:  # decode: one token per row, at the column of the token being forwarded
-                buffer[:, :, layer].index_copy_(1, column, indices[:, None])
+            else:  # decode: one token per row, at each row's column of the token being forwarded
+                rows = torch.arange(buffer.shape[0], device=buffer.device)
+                buffer[rows, column, layer] = indices
 
         return write
 
@@ -75,7 +76,7 @@ class RouterRecorder:
     @contextlib.contextmanager
     def writing(self, buffer: torch.Tensor, step: torch.Tensor | None = None) -> Iterator[None]:
         """Route the hooks' writes into ``buffer``: the prefill's (``step`` None) or a decode batch's,
-        at column ``step - 1`` (``step``: the batch's device counter of the next token to sample;
+        at each row's column ``step - 1`` (``step``: the batch's [B] counters of the next token to sample;
         clamped so the capture's warm-up runs, before the batch is loaded, write in bounds)."""
         column = None if step is None else (step - 1).clamp(min=0)
         self._sink = (buffer, column)

@@ -4,9 +4,11 @@ Why not transformers' ``DynamicCache``: it grows by concatenation every step (a 
 layer per token) and its length lives on the host, so a decode step can neither be captured in a
 CUDA graph nor run without host bookkeeping. Here every layer owns fixed ``[rows, kv_heads,
 max_len, head_dim]`` buffers, and the columns a forward writes are a device tensor
-(:attr:`StaticKVCache.columns`) that the decode step advances in place. Attention then reads all
-``max_len`` columns under a boolean ``[rows, 1, q_len, max_len]`` mask (True = attend), passed to the
-model as a ready 4-D mask, which transformers' SDPA path uses as is (no mask building, no host sync).
+(:attr:`StaticKVCache.columns`) that the decode step advances in place. Attention then reads the first
+:attr:`StaticKVCache.read_len` columns (all ``max_len`` unless set: the decode step reads only the filled
+part, rounded up to a bucket, see ``decode_batch.read_len``) under a boolean ``[rows, 1, q_len, read_len]``
+mask (True = attend), passed to the model as a ready 4-D mask, which transformers' SDPA path uses as is (no
+mask building, no host sync).
 
 Attention (:func:`static_cache_attention`, registered with transformers as ``ATTENTION``) runs the kernel
 the trainer runs too (:mod:`rlrun.attention_kernel`: on CUDA the memory-efficient kernel, called directly,
@@ -22,11 +24,15 @@ model), or copied from a prefill cache with :meth:`load_prefix`.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlrun.attention_kernel import masked
+from rlrun.attention_kernel import mask_bias, masked, uses_shared_kernel
 
 ATTENTION = "rlrun_static_cache"
 """The ``attn_implementation`` name the embedded engine loads its model with."""
@@ -44,9 +50,14 @@ class StaticKVCache:
         self.columns = torch.zeros(num_rows if per_row else 1, dtype=torch.long, device=device)
         """Cache columns the next forward writes (set or advanced in place): one per query position, shared
         by all rows; or, ``per_row`` (decode, one query position), one per row."""
+        self.read_len: int | None = None
+        """Columns ``update`` hands to attention (a host int, fixed per captured step; None: all). Every column a
+        row attends to must lie below it; the columns beyond are masked anyway, so leaving them out changes
+        no attended score (see docs/engine.md for what that does to the kernel's sums)."""
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write this layer's new K/V ([rows, heads, q_len, dim]) and return the full buffers."""
+        """Write this layer's new K/V ([rows, heads, q_len, dim]) and return the buffers' first ``read_len``
+        columns (views: a captured step reads the same memory)."""
         if layer_idx == len(self.keys):  # first forward: allocate from the model's own shapes
             self._allocate(key, value)
         if self.per_row:
@@ -57,7 +68,8 @@ class StaticKVCache:
         else:
             self.keys[layer_idx].index_copy_(2, self.columns, key)
             self.values[layer_idx].index_copy_(2, self.columns, value)
-        return self.keys[layer_idx], self.values[layer_idx]
+        end = self.max_len if self.read_len is None else self.read_len
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
     def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The next layer's buffers, each shaped after its own tensor: multi-latent attention (DeepSeek-V3) caches
@@ -71,15 +83,15 @@ class StaticKVCache:
         this when they are missing)."""
         return self.max_len
 
-    def load_prefix(self, prefill: StaticKVCache, rows: torch.Tensor) -> None:
-        """Copy ``prefill``'s columns into the first columns of every row (row b takes prefill row
-        ``rows[b]``: the samples of one prompt share its prefill), allocating buffers if needed."""
+    def load_prefix(self, prefill: StaticKVCache, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy ``prefill``'s columns into the first columns of rows ``slots`` (slot ``slots[k]`` takes prefill
+        row ``rows[k]``: the samples of one prompt share its prefill), allocating buffers if needed."""
         width = prefill.max_len
         for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values, strict=False)):
             if layer == len(self.keys):
                 self._allocate(key, value)
-            self.keys[layer][:, :, :width].copy_(key[rows])
-            self.values[layer][:, :, :width].copy_(value[rows])
+            self.keys[layer][slots, :, :width] = key[rows]
+            self.values[layer][slots, :, :width] = value[rows]
 
 
 def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -116,11 +128,45 @@ def static_cache_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    bias = _layer_shared_bias(attention_mask, query)
     if q_len != 1:
-        return masked(query, key, value, attention_mask, scale=scaling).transpose(1, 2), None
+        return masked(query, key, value, attention_mask, scale=scaling, bias=bias).transpose(1, 2), None
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    out = masked(grouped, key, value, attention_mask, scale=scaling)
+    out = masked(grouped, key, value, attention_mask, scale=scaling, bias=bias)
     return out.reshape(batch, 1, heads, value.shape[-1]), None  # MLA's value heads are narrower than its queries
+
+
+_forward_state = threading.local()
+"""``last``: (mask, dtype, its bias) of the forward in progress on this thread, inside :func:`bias_per_forward`."""
+
+
+@contextlib.contextmanager
+def bias_per_forward() -> Iterator[None]:
+    """Within: every layer of the forward attends under the one mask object the model was given, so its additive
+    bias is built once (at the first layer), not once per layer (three kernels a layer of a decode step, a few
+    microseconds each). On exit the bias and the mask are let go (a captured step's bias lives in its graph's
+    memory pool, which must not be held once the engine releases its memory)."""
+    _forward_state.last = None
+    _forward_state.active = True
+    try:
+        yield
+    finally:
+        _forward_state.last = None
+        _forward_state.active = False
+
+
+def _layer_shared_bias(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor | None:
+    """The additive bias of ``mask`` on CUDA (inside :func:`bias_per_forward`: built at the first layer, reused by
+    the others); None on CPU, where SDPA takes the boolean mask itself."""
+    if not uses_shared_kernel(query):
+        return None
+    if not getattr(_forward_state, "active", False):
+        return mask_bias(mask, query.dtype)
+    last = _forward_state.last
+    if last is None or last[0] is not mask or last[1] != query.dtype:
+        last = (mask, query.dtype, mask_bias(mask, query.dtype))
+        _forward_state.last = last
+    return last[2]
 
 
 AttentionInterface.register(ATTENTION, static_cache_attention)

@@ -46,6 +46,7 @@ SERVER_ARGS = {
     "log_level": "error",
     "mem_fraction_static": None,
     "max_total_tokens": None,
+    "max_running_requests": None,
     "enable_memory_saver": False,
     "enable_weights_cpu_backup": False,
     "enable_return_routed_experts": False,

@@ -1,0 +1,71 @@
+"""Decode forwards of a long-tailed call with and without refills, counted on CPU (the tiny bench shape).
+
+The same requests as ``rlrun bench rollout --long-tail`` draws them (``LongTail``), through an embedded engine
+capped at ``--slots`` running requests: once as one call (ended slots refilled at the host looks) and once as
+consecutive calls of ``--slots`` requests (each runs until its longest request ends). Prints JSON: forwards,
+prefill calls and tokens of each, and the slot utilisation (tokens / (forwards x slots)).
+
+    PYTHONPATH=. python scripts/engine_refill_steps.py --slots 16 --requests-per-slot 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rlrun.bench.engines import LongTail
+from rlrun.bench.shapes import get_shape, write_random_model
+from rlrun.engine.backends.decode_graphs import WarmBatch
+from rlrun.engine.backends.embedded import EmbeddedEngine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--requests-per-slot", type=int, default=4)
+    parser.add_argument("--median", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    workload = LongTail(args.requests_per_slot, args.median, 1.0, args.max_new_tokens)
+    num_requests = args.requests_per_slot * args.slots
+    lengths = workload.lengths(num_requests, seed=0)
+    prompts = torch.randint(2, 512, (num_requests, 16), generator=torch.Generator().manual_seed(1)).tolist()
+    params = [
+        {"max_new_tokens": n, "temperature": 1.0, "sampling_seed": k, "ignore_eos": True} for k, n in enumerate(lengths)
+    ]
+    counts = {"forwards": 0, "prefills": 0}
+    run = WarmBatch.run
+
+    def counting(warm, length):
+        counts["forwards"] += 1
+        run(warm, length)
+
+    WarmBatch.run = counting  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = EmbeddedEngine(
+            write_random_model(get_shape("tiny"), Path(tmp), torch.float32, "cpu"), max_running_requests=args.slots
+        )
+        prefill = engine._prefill
+
+        def counting_prefill(batch):
+            counts["prefills"] += 1
+            return prefill(batch)
+
+        engine._prefill = counting_prefill  # type: ignore[method-assign]
+        report = {"slots": args.slots, "requests": num_requests, "max_new_tokens_sum": sum(lengths)}
+        for name, calls in (
+            ("refilled", [slice(0, num_requests)]),
+            ("in_batches", [slice(s, s + args.slots) for s in range(0, num_requests, args.slots)]),
+        ):
+            counts.update(forwards=0, prefills=0)
+            tokens = sum(r["completion_tokens"] for c in calls for r in engine.generate(prompts[c], params[c]))
+            report[name] = {**counts, "tokens": tokens, "slot_utilisation": tokens / (counts["forwards"] * args.slots)}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Device side of issue 29 (the embedded engine at SGLang's speed), from the repo root inside a device `run`
+# call (one H200), PYTHONPATH at the repo and the wheels installed. Each step logs to $OUT/<step>.log, writes
+# its exit code to $OUT/steps.txt, and a failed step does not stop the next.
+#
+#   bash scripts/gpu/engine_speed.sh tests bench_0.6b                       # call 1: embedded (~4 min)
+#   bash scripts/gpu/engine_speed.sh bench_1.7b                             # call 2 (~5 min)
+#   BACKENDS=embedded,sglang bash scripts/gpu/engine_speed.sh bench_0.6b    # with SGLang importable (~8 min)
+#
+# Steps:
+#   tests       the GPU tests of the decode: read-length buckets bitwise vs the whole cache, graphs kept
+#               warm, routed experts in the captured step, engine-vs-trainer exactness (tests/gpu)
+#   bench_0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
+#   bench_1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
+#
+# CPU rehearsal of the bench step (tiny shape, float32): OUT=/tmp/es BATCH=4,8 NEW_TOKENS=16 LONG_TAIL_MAX=64 \
+#   bash scripts/gpu/engine_speed.sh bench_tiny
+set -uo pipefail
+: "${OUT:?set OUT to the output folder}"
+BACKENDS=${BACKENDS:-embedded}
+PY=${PY:-python}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
+
+step() {
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "$name $?" >>"$OUT/steps.txt"
+}
+
+bench() {
+    step "bench_$1" 540 "$PY" -m rlrun bench rollout --shape "$1" --backends "$BACKENDS" --batch "${BATCH:-64,128}" \
+        --prompt-len 128 --new-tokens "${NEW_TOKENS:-256}" --long-tail --long-tail-max "${LONG_TAIL_MAX:-1024}" \
+        --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_$1.json"
+}
+
+for name in "${@:-tests bench_0.6b bench_1.7b}"; do
+    for one in $name; do
+        case $one in
+        tests) step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_decode_buckets_gpu.py \
+            tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py ;;
+        bench_*) bench "${one#bench_}" ;;
+        *) echo "unknown step $one" >&2; exit 2 ;;
+        esac
+    done
+done
+cat "$OUT/steps.txt"

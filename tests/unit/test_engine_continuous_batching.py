@@ -1,0 +1,88 @@
+"""Continuous batching in the embedded engine: with fewer slots than samples, waiting samples take the slots of
+ended ones, and every sample's tokens are what it samples alone (same seed), in fp32 on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlrun.engine.backends import decode_run
+from rlrun.engine.backends.decode_batch import row_bucket
+from rlrun.engine.backends.decode_control import RequestHandle
+from rlrun.engine.backends.decode_graphs import WarmBatch
+from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.kept_set import decode_kept_ids
+from rlrun.engine.sampling import SamplingParams, row_rids
+
+pytestmark = pytest.mark.slow  # loads models
+
+PROMPTS = [[72, 101, 108, 108, 111], [257, 9, 44], [1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31], [200, 201, 202, 203]]
+LENGTHS = [37, 3, 20, 9, 26]  # a long tail: the long rows keep their slots while short ones come and go
+
+
+def _params(sampling: dict) -> list[dict]:
+    return [{"max_new_tokens": n, "n": 2, "sampling_seed": 11 + k, **sampling} for k, n in enumerate(LENGTHS)]
+
+
+def _kept_sets(result: dict) -> list[set[int]] | None:
+    if "kept_ids" not in result:
+        return None
+    kept = decode_kept_ids(result["kept_ids"], len(result["output_ids"]))
+    return [set(row[row >= 0].tolist()) for row in kept]
+
+
+def _assert_same(got: list, want: list) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["finish_reason"] == b["finish_reason"]
+        assert _kept_sets(a) == _kept_sets(b)  # as sets: fp32 rounding across batch sizes may swap two near ties
+        torch.testing.assert_close(
+            torch.tensor(a["output_logprobs"]), torch.tensor(b["output_logprobs"]), rtol=0, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}], ids=["plain", "top_p"])
+def test_waiting_samples_take_ended_slots_and_sample_as_alone(tiny_model_dirs, monkeypatch, sampling):
+    """10 samples through 3 slots (a bucket of 4, one kept empty) against the uncapped engine and against each
+    prompt alone: same tokens, finish reasons and kept sets; the capped engine never ran more than 4 rows and
+    prefilled each prompt once."""
+    monkeypatch.setattr(decode_run, "num_slots", lambda n, device: row_bucket(n))  # padding rows as on CUDA
+    model = tiny_model_dirs["qwen3"]
+    uncapped, capped = EmbeddedEngine(model, seed=0), EmbeddedEngine(model, seed=0, max_running_requests=3)
+    shapes = []
+    run = WarmBatch.run
+    monkeypatch.setattr(WarmBatch, "run", lambda warm, n: (shapes.append(warm.batch.tokens.shape[0]), run(warm, n)))
+    params = _params(sampling)
+    want = uncapped.generate(PROMPTS, params)
+    assert set(shapes) == {16}
+    shapes.clear()
+    prefilled: list[list[int]] = []
+    prefill = capped._prefill
+    monkeypatch.setattr(capped, "_prefill", lambda prompts: (prefilled.extend(prompts), prefill(prompts))[1])
+    got = capped.generate(PROMPTS, params)
+    assert sorted(prefilled) == sorted(PROMPTS)  # each prompt once: a group split between refills reuses its K/V
+    assert set(shapes) == {4} and len(shapes) < 75  # 190 tokens over 3 slots; 105 in batches of 3 without refills
+    _assert_same(got, want)
+    alone = [r for prompt, p in zip(PROMPTS, params, strict=True) for r in uncapped.generate([prompt], p)]
+    _assert_same(got, alone)
+
+
+def test_a_sample_aborted_while_waiting_ends_without_tokens(tiny_model_dirs):
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0, max_running_requests=2)
+    params = [SamplingParams.from_dict(p) for p in _params({"temperature": 1.0})]
+    handle = RequestHandle(row_rids([f"r{k}" for k in range(len(PROMPTS))], params))
+    handle.aborted[0] = handle.aborted[7] = True  # one in the first slots, one waiting
+    got = engine.generate(PROMPTS, params, rids=[f"r{k}" for k in range(len(PROMPTS))], request=handle)
+    want = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0).generate(PROMPTS, params)
+    for k in (0, 7):
+        assert got[k]["output_ids"] == [] and got[k]["finish_reason"] == {"type": "abort", "message": "Aborted"}
+        assert got[k]["rid"] == handle.row_rids[k] and got[k]["completion_tokens"] == 0
+    _assert_same([r for k, r in enumerate(got) if k not in (0, 7)], [r for k, r in enumerate(want) if k not in (0, 7)])
+
+
+def test_max_running_requests_is_refused_where_it_cannot_act(tiny_moe_dir, tiny_model_dirs):
+    with pytest.raises(ValueError, match=r"max_running_requests \(2\) must be unset for a MoE model"):
+        EmbeddedEngine(tiny_moe_dir, max_running_requests=2)
+    with pytest.raises(
+        ValueError, match=r"max_running_requests \(0\) must be unset for a MoE model and an integer >= 1"
+    ):
+        EmbeddedEngine(tiny_model_dirs["qwen3"], max_running_requests=0)
