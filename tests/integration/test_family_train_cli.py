@@ -1,11 +1,12 @@
-"""One ``rlrun train`` step per model family through the real CLI (torchrun, 2 ranks, the embedded engine):
+"""``rlrun train`` per model family through the real CLI (torchrun, 2 ranks, the embedded engine):
 Mistral (explicit head_dim) at TP=2 (3 key/value groups padded to 4), GLM-4.5 MoE and DeepSeek-V3 at DP=2 with
 rollout routing replay (configs/quickstart_moe.yaml, a second step after the first sync: the engine records
 routing, the trainer replays it; the config's own Qwen3-MoE is checked against HF in test_moe_parity.py and
 test_moe_train.py). The engine (transformers) and the trainer (Megatron) score the sampled tokens alike:
-``train/logprob_gap`` < 1e-4 in fp32 at step 0, < 1e-3 for the MoE step after a sync. The other dense ``FAMILY_KINDS`` (RoPE scaling) go through the same
-CLI code; tests/integration/test_megatron_hf_parity.py checks each of them at TP=2 against transformers
-(log-probs, the export the weight sync sends, one finite training step) without a process launch each."""
+``train/logprob_gap`` < 1e-4 in fp32 at step 0, < 1e-3 for the MoE step after a sync. The other dense
+``FAMILY_KINDS`` (RoPE scaling) go through the same CLI code; tests/integration/test_megatron_hf_parity.py
+checks each of them at TP=2 against transformers (log-probs, the export the weight sync sends, one finite
+training step) without a process launch each."""
 
 import json
 import math
