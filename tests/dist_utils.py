@@ -4,6 +4,12 @@
 LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT, one torch thread, and runs ``fn(*args)``; it is
 ``fn``'s job to call ``init_distributed``. Results travel as pickled bytes (tensors are copied, so a
 process may exit before the parent reads its result).
+
+Without CUDA the processes are forked from a multiprocessing forkserver that imported torch, Megatron and
+transformers once per test process (``PRELOAD``): these imports are most of a rank's start-up CPU, and the
+CPU suite starts many ranks. The server holds nothing else (no process group, no model), so every rank still
+starts from the same clean state; each gets the parent's current environment. With CUDA: spawn, as a forked
+process must not inherit a CUDA context.
 """
 
 from __future__ import annotations
@@ -15,12 +21,36 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 from rlrun.runtime.dist import free_port
 
+PRELOAD = [
+    "torch",
+    "transformers",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.pipeline_parallel",
+    "rlrun.megatron",
+    "rlrun.megatron.model",
+    "rlrun.engine.client",
+    "rlrun.runtime.dist",
+]
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args: tuple) -> None:
+
+def _context():
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first run here)
+    return ctx
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args: tuple, env: dict) -> None:
+    os.environ.clear()  # the forkserver's environment is the one it started with
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -32,8 +62,6 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args: 
         TOKENIZERS_PARALLELISM="false",
         HF_HUB_OFFLINE="1",
     )
-    import torch
-
     torch.set_num_threads(1)
     try:
         results.put((rank, True, pickle.dumps(fn(*args))))
@@ -48,11 +76,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     processes are then terminated (only the ones started here). A run longer than ``timeout_s`` raises
     ``TimeoutError`` naming the ranks that never reported.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, results, args), daemon=True)
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, results, args, dict(os.environ)), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -1,13 +1,18 @@
-"""``rlrun bench step`` on CPU at the tiny shape: the real loop under torchrun, one rank, the embedded engine.
+"""``rlrun bench step`` on CPU at the tiny shape: the real loop under torchrun, one rank, the embedded engine;
+then the same per-rank work at 2 ranks (gloo): weak scaling keeps the work per rank fixed.
 
-References: metrics.jsonl read here (the loop's own record), the fixed-length formula prompts x samples x
-new_tokens, the median and ratio definitions. EOS is made near-certain (every word id is an EOS id in the
-model's generation config), so full-length responses show that ``ignore_eos`` reached the engine.
+References: metrics.jsonl read here (the loop's own record), the fixed-length formula (ranks x) prompts x
+samples x new_tokens, the median and ratio definitions. EOS is made near-certain (every word id is an EOS id
+in the model's generation config), so full-length responses show that ``ignore_eos`` reached the engine. The
+2-rank run is checked against its own files (config, metrics.jsonl, one engine log per rank) and efficiency =
+t(1)/t(N) is recomputed here from the two runs' medians (scripts/gpu/summarise_multi_gpu.py computes it for the
+device script). The 1-rank CLI run serves both tests (one module fixture).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import statistics
@@ -16,8 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from rlrun.bench.step import StepSettings, Variant, prepare_inputs
+from rlrun.bench.step import StepSettings, Variant, bench_step, prepare_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +31,15 @@ REPO = Path(__file__).resolve().parents[2]
 PHASES = {"offload", "rollout", "memory", "scatter", "logprobs", "train", "sync"}
 
 
-def test_bench_step_json_matches_the_loop_metrics(tmp_path):
-    settings = StepSettings(
-        shape="tiny", prompts=2, samples=4, prompt_len=8, new_tokens=6, steps=3, micro_batch_samples=4
-    )
+SETTINGS = StepSettings(shape="tiny", prompts=2, samples=4, prompt_len=8, new_tokens=6, steps=3, micro_batch_samples=4)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The 1-rank ``rlrun bench step`` CLI run: (the process, its work dir, its --out JSON)."""
+    tmp_path = tmp_path_factory.mktemp("bench_step")
     work = tmp_path / "work"
-    model_dir = prepare_inputs(settings, work, "float32", "cpu") / "model"
+    model_dir = prepare_inputs(SETTINGS, work, "float32", "cpu") / "model"
     generation = json.loads((model_dir / "generation_config.json").read_text())
     generation["eos_token_id"] = list(range(1, 512))  # any sampled word would stop a response at once
     (model_dir / "generation_config.json").write_text(json.dumps(generation))
@@ -66,6 +75,11 @@ def test_bench_step_json_matches_the_loop_metrics(tmp_path):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return proc, work, out
+
+
+def test_bench_step_json_matches_the_loop_metrics(one_rank):
+    proc, work, out = one_rank
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     record = json.loads(out.read_text())
@@ -107,3 +121,40 @@ def test_bench_step_json_matches_the_loop_metrics(tmp_path):
     for phase in PHASES:
         assert result["median_phases_s"][phase] == pytest.approx(statistics.median(s["phases_s"][phase] for s in timed))
     assert result["median_tokens_per_s"] == pytest.approx(statistics.median(s["tokens_per_s"] for s in timed))
+
+
+def load_summariser():
+    spec = importlib.util.spec_from_file_location("summarise_multi_gpu", REPO / "scripts/gpu/summarise_multi_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_ranks_run_twice_the_prompts_with_the_same_work_per_rank(one_rank, tmp_path, monkeypatch):
+    proc, _, out = one_rank
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (one,) = json.loads(out.read_text())["results"]  # dataclasses.asdict of the 1-rank BenchResult
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    two = bench_step(dataclasses.replace(SETTINGS, prompts=2 * 2), tmp_path, timeout_s=400, ranks=2)
+
+    assert (one["ranks"], two.ranks) == (1, 2) and one["samples_per_rank"] == two.samples_per_rank == 2 * 4
+    run_dir = Path(two.run_dir)
+    assert run_dir.name == "embedded_ranks2" and Path(one["run_dir"]).name == "embedded"
+    assert sorted(p.name for p in run_dir.glob("engine-*.log")) == ["engine-0.log", "engine-1.log"]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["rollout"]["prompts_per_step"] == 2 * 2 and config["parallel"]["tp"] == 1
+    assert len((tmp_path / "inputs" / "prompts.jsonl").read_text().splitlines()) == 2 * 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/prompts_drawn"] for r in rows] == [4.0] * 3
+    assert two.fixed_length and [s.output_tokens for s in two.steps] == [2 * 2 * 4 * 6] * 3
+
+    summary = load_summariser().scaling([dataclasses.asdict(two), one])
+    assert [r["ranks"] for r in summary["runs"]] == [1, 2]
+    assert summary["runs"][1]["efficiency"] == pytest.approx(one["median_step_s"] / two.median_step_s)
+    assert summary["runs"][0]["efficiency"] == 1.0
+    with pytest.raises(SystemExit, match="samples per rank"):
+        load_summariser().scaling([one, {**dataclasses.asdict(two), "samples_per_rank": 16}])
+    with pytest.raises(ValueError, match="must be a multiple of ranks"):
+        bench_step(dataclasses.replace(SETTINGS, prompts=3), tmp_path / "odd", ranks=2)

@@ -237,11 +237,19 @@ def test_two_ranks_share_one_engine_with_engine_tp_2(tiny_model_dirs, tmp_path):
 @pytest.mark.parametrize("kind,trainer_tp", [("qwen3", 1), ("qwen2", 2)])
 def test_cli_run_with_engine_tp_2(tiny_model_dirs, tmp_path, kind, trainer_tp):
     """Trainer DP=2 (rank 1 trains on samples from rank 0's engine) and trainer TP=2 (rank 1 takes part
-    in every all-gather of the export it does not send)."""
+    in every all-gather of the export it does not send). The TP=2 run is colocated with offload on, as
+    scripts/gpu/multi_gpu.sh's engine_tp2 step (which test_multi_rank_layouts.py leaves to this run), and
+    is also the suite's qwen2 TP=2 CLI run (test_train_loop.py)."""
     from test_train_loop import run_train
 
+    offload = ["offload.colocate=true"] if trainer_tp == 2 else []
     records = run_train(
-        tiny_model_dirs[kind], tmp_path / "run", "train.num_steps=2", "engine.tp=2", f"parallel.tp={trainer_tp}"
+        tiny_model_dirs[kind],
+        tmp_path / "run",
+        "train.num_steps=2",
+        "engine.tp=2",
+        f"parallel.tp={trainer_tp}",
+        *offload,
     )
     assert [r["step"] for r in records] == [0, 1]
     for r in records:

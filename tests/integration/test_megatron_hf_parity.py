@@ -4,12 +4,15 @@
 
 References: HF transformers fp32 log-probs and entropies, and the safetensors on disk for the export
 round trip. Each layout (TP=1, TP=2, PP=2: one layer per stage, the tied embedding split over the first
-and last stage) runs once (one spawn) for all three families, and every rank must hold the results.
+and last stage) runs once (one spawn) for all three families, and every rank must hold the results. At
+TP=2 each ``FAMILY_KINDS`` model then takes one optimizer step (finite loss and gradient norm; the CLI run
+of tests/integration/test_family_train_cli.py keeps one of these kinds end to end).
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -23,8 +26,36 @@ TEMPERATURE = 0.7
 pytestmark = pytest.mark.slow
 
 
+def _one_step(model, tokens: torch.Tensor) -> dict[str, float]:
+    """One optimizer step on ``tokens``' rows as samples (4 prompt tokens, the rest the response)."""
+    from rlrun.data.batch import collate
+    from rlrun.data.sample import Prompt, Sample
+    from rlrun.megatron import make_optimizer, train_step
+
+    samples = [
+        Sample(
+            group_index=i,
+            prompt=Prompt(index=i, prompt_ids=row[:4].tolist(), prompt_text=""),
+            response_ids=row[4:].tolist(),
+            response_text="",
+            rollout_logprobs=[0.0] * (len(row) - 4),
+            finish_reason="length",
+        )
+        for i, row in enumerate(tokens)
+    ]
+    mb = collate(samples, [(-1.0) ** i for i in range(len(samples))], pad_token_id=0)
+
+    def loss_fn(batch, logprobs):
+        loss = -(logprobs * batch.advantages * batch.loss_mask).sum()
+        return loss, {"loss_sum": loss.detach()}
+
+    optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
+    return train_step(model, optimizer, [mb], loss_fn, int(mb.loss_mask.sum()), TEMPERATURE)
+
+
 def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor, pp: int = 1) -> dict:
-    """Per family: log-probs, entropies and the exported HF weights of this rank."""
+    """Per family: log-probs, entropies and the exported HF weights of this rank (at TP=2, for the
+    ``FAMILY_KINDS``, the metrics of one training step after them)."""
     from rlrun.megatron import build_model, compute_logprobs, compute_logprobs_and_entropy, export_hf_weights
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
@@ -42,6 +73,8 @@ def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor, pp
             "entropy": entropy.cpu(),
             "weights": {name: tensor.cpu() for name, tensor in export_hf_weights(model)},
         }
+        if tp == 2 and kind in FAMILY_KINDS:
+            out[kind]["step"] = _one_step(model, tokens)
     destroy_distributed()
     return out
 
@@ -99,6 +132,17 @@ def test_export_round_trips_exactly(kind, megatron_run, model_dirs):
         for name, tensor in on_disk.items():
             assert exported[name].dtype == tensor.dtype, name
             assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_a_training_step_at_tp2_is_finite(kind, megatron_run):
+    tp, ranks = megatron_run
+    if tp != 2:
+        pytest.skip("the training step runs in the TP=2 layout")
+    for result in ranks:
+        step = result[kind]["step"]
+        assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0, step
+    assert ranks[0][kind]["step"] == ranks[1][kind]["step"]  # train_step's metrics are the same on every rank
 
 
 def _packed_pipeline_worker(hf_dir: str, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 * On a real Megatron model (gloo, 2 DP ranks): the loop's ``train`` over 4 updates equals 4 hand-driven
   ``train_step`` calls on the same splits, each normalised by its own global token count (loss, grad
   norm and weights within 1e-6), with the old-policy log-probs computed once, before the first update.
-* Through the CLI: the first update of every step has ``approx_kl == 0`` and ``clip_frac == 0`` exactly
+* Through the CLI (one rank): the first update of every step has ``approx_kl == 0`` and ``clip_frac == 0`` exactly
   (the weights have not moved since the old-policy forward: slime's CI invariant), later ones do not,
   and the LR schedule counts updates.
 """
@@ -121,6 +121,7 @@ def test_first_update_of_every_step_is_exactly_on_policy_and_later_ones_are_not(
         "train.updates_per_rollout=4",
         "algorithm.skip_tied_groups=false",  # every step keeps its 4 groups: 4 updates
         "optimizer.lr_decay_style=linear",
+        nproc=1,  # the 2-rank split of each update is the hand-driven comparison's (above)
     )
     assert len(records) == 2
     lrs = []
