@@ -239,11 +239,12 @@ class RolloutConfig(Section):
     its turns stay visible."""
     reward: str = "first_number"
     """Reward function: a built-in name (math, gsm8k, exact_match, format_boxed, format_think,
-    first_number), an ``http(s)://`` URL of a reward server (see ``remote_reward``), or
-    ``module:function`` / ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> float``
-    (plain or ``async def``; the sample carries the response text, finish_reason and the prompt's
-    label and metadata). Resolved when the config is loaded. A reward that raises scores 0 and is
-    counted in ``rollout/reward_errors`` and logged with its message."""
+    first_number; slime's dapo, deepscaler, f1: rlrun/rollout/rewards/builtin.py), an ``http(s)://`` URL
+    of a reward server (see ``remote_reward``), or ``module:function`` / ``path/to/file.py:function``
+    with signature ``fn(sample: Sample) -> float`` (plain or ``async def``; the sample carries the
+    response text, finish_reason and the prompt's label and metadata). Resolved when the config is
+    loaded. A reward that raises scores 0 and is counted in ``rollout/reward_errors`` and logged with
+    its message."""
     rewards: dict[str, str] = Field(default_factory=dict)
     """Multi-task data: named reward functions (each a spec as ``reward`` takes) that a row selects by its
     metadata's ``reward_type_key`` value (slime's per-sample ``rm_type``); rows without that key use
