@@ -279,6 +279,16 @@ class RolloutConfig(Section):
     (rlrun/rollout/multiturn.py; example: examples/calculator_tool). Returning a list makes the trajectory
     several training samples sharing its reward and group score (example: examples/hooks/judge_agent.py).
     None: one engine call per prompt."""
+    rollout_fn: str | None = None
+    """Replaces each sampling round's generation on every rank (slime's ``--rollout-function-path``):
+    ``module:function`` / ``path/to/file.py:function`` with signature
+    ``fn(ctx: RolloutContext) -> list[list[Sample]]``, given the round's prompts of the rank, the step, the
+    seed, the engine client and rlrun's generation (``ctx.generate``), returning one group per prompt; the
+    groups are then scored, filtered and trained as rlrun's own (rlrun/rollout/rollout_fn.py, example
+    examples/hooks/rollout_fn.py). Evaluation generates as usual. None: rlrun generates."""
+    rollout_fn_scores: bool = False
+    """The ``rollout_fn`` sets ``sample.reward`` itself (as slime's rollout functions do), so ``reward`` is
+    not called on its samples; false: they are scored with ``reward`` like any others."""
     sample_to_train: str | None = None
     """What each rollout sample trains as (slime's ``--custom-convert-samples-to-train-data-path``):
     ``module:function`` / ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> list[Sample]``,
@@ -331,6 +341,23 @@ class RolloutConfig(Section):
                 f"rollout.generate_fn ('{self.generate_fn}') must be unset with rollout.abort_surplus / "
                 "rollout.partial_rollout because a multi-turn trajectory cannot be aborted and continued from "
                 "its tokens; unset one of them"
+            )
+        if self.streams and self.rollout_fn is not None:
+            raise ValueError(
+                f"rollout.rollout_fn ('{self.rollout_fn}') must be unset with rollout.abort_surplus / "
+                "rollout.partial_rollout because the function generates a round's groups in one call, which "
+                "cannot be aborted at the batch boundary nor carried into the next step; unset one of them"
+            )
+        if self.rollout_fn_scores and self.rollout_fn is None:
+            raise ValueError(
+                "rollout.rollout_fn_scores (true) must come with rollout.rollout_fn because it says that "
+                "function sets the rewards; set rollout.rollout_fn or rollout.rollout_fn_scores: false"
+            )
+        if self.rollout_fn_scores and (self.reward_per_group or self.rewards):
+            raise ValueError(
+                f"rollout.rollout_fn_scores (true) must not come with rollout.reward_per_group "
+                f"({self.reward_per_group}) / rollout.rewards ({sorted(self.rewards)}) because the rollout "
+                "function's samples are not scored by them; unset those, or set rollout.rollout_fn_scores: false"
             )
         if self.partial_rollout_mask_offpolicy and not self.partial_rollout:
             raise ValueError(
@@ -968,6 +995,11 @@ class RunConfig(Section):
                 f"train.updates_per_rollout ({self.train.updates_per_rollout}) must be <= rollout.prompts_per_step "
                 f"({self.rollout.prompts_per_step}) because each update trains whole groups; lower it or draw "
                 "more prompts per step"
+            )
+        if self.rollout.rollout_fn is not None and self.debug.load_rollout_data:
+            raise ValueError(
+                f"rollout.rollout_fn ('{self.rollout.rollout_fn}') must be unset with debug.load_rollout_data "
+                "because the loaded batches replace every rollout, so the function would never run; unset one"
             )
         if self.engine.max_restarts and self.rollout.streams:
             raise ValueError(
