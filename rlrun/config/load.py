@@ -211,6 +211,7 @@ def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
     from rlrun.rollout.multiturn import load_generate_fn
     from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
     from rlrun.rollout.rewards.post_process import load_reward_post_process
+    from rlrun.rollout.rollout_fn import RolloutFn
     from rlrun.rollout.train_samples import SampleToTrain
 
     r = cfg.rollout
@@ -221,6 +222,8 @@ def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
         checks.append(("rollout.generate_fn", lambda: load_generate_fn(r.generate_fn)))
     if r.reward_post_process:
         checks.append(("rollout.reward_post_process", lambda: load_reward_post_process(r.reward_post_process)))
+    if r.rollout_fn:
+        checks.append(("rollout.rollout_fn", lambda: RolloutFn.load(r.rollout_fn)))
     if r.sample_to_train:
         checks.append(("rollout.sample_to_train", lambda: SampleToTrain.load(r.sample_to_train)))
     if cfg.data.sampler:

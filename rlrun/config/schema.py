@@ -239,11 +239,12 @@ class RolloutConfig(Section):
     its turns stay visible."""
     reward: str = "first_number"
     """Reward function: a built-in name (math, gsm8k, exact_match, format_boxed, format_think,
-    first_number), an ``http(s)://`` URL of a reward server (see ``remote_reward``), or
-    ``module:function`` / ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> float``
-    (plain or ``async def``; the sample carries the response text, finish_reason and the prompt's
-    label and metadata). Resolved when the config is loaded. A reward that raises scores 0 and is
-    counted in ``rollout/reward_errors`` and logged with its message."""
+    first_number; slime's dapo, deepscaler, f1: rlrun/rollout/rewards/builtin.py), an ``http(s)://`` URL
+    of a reward server (see ``remote_reward``), or ``module:function`` / ``path/to/file.py:function``
+    with signature ``fn(sample: Sample) -> float`` (plain or ``async def``; the sample carries the
+    response text, finish_reason and the prompt's label and metadata). Resolved when the config is
+    loaded. A reward that raises scores 0 and is counted in ``rollout/reward_errors`` and logged with
+    its message."""
     rewards: dict[str, str] = Field(default_factory=dict)
     """Multi-task data: named reward functions (each a spec as ``reward`` takes) that a row selects by its
     metadata's ``reward_type_key`` value (slime's per-sample ``rm_type``); rows without that key use
@@ -278,6 +279,16 @@ class RolloutConfig(Section):
     (rlrun/rollout/multiturn.py; example: examples/calculator_tool). Returning a list makes the trajectory
     several training samples sharing its reward and group score (example: examples/hooks/judge_agent.py).
     None: one engine call per prompt."""
+    rollout_fn: str | None = None
+    """Replaces each sampling round's generation on every rank (slime's ``--rollout-function-path``):
+    ``module:function`` / ``path/to/file.py:function`` with signature
+    ``fn(ctx: RolloutContext) -> list[list[Sample]]``, given the round's prompts of the rank, the step, the
+    seed, the engine client and rlrun's generation (``ctx.generate``), returning one group per prompt; the
+    groups are then scored, filtered and trained as rlrun's own (rlrun/rollout/rollout_fn.py, example
+    examples/hooks/rollout_fn.py). Evaluation generates as usual. None: rlrun generates."""
+    rollout_fn_scores: bool = False
+    """The ``rollout_fn`` sets ``sample.reward`` itself (as slime's rollout functions do), so ``reward`` is
+    not called on its samples; false: they are scored with ``reward`` like any others."""
     sample_to_train: str | None = None
     """What each rollout sample trains as (slime's ``--custom-convert-samples-to-train-data-path``):
     ``module:function`` / ``path/to/file.py:function`` with signature ``fn(sample: Sample) -> list[Sample]``,
@@ -330,6 +341,23 @@ class RolloutConfig(Section):
                 f"rollout.generate_fn ('{self.generate_fn}') must be unset with rollout.abort_surplus / "
                 "rollout.partial_rollout because a multi-turn trajectory cannot be aborted and continued from "
                 "its tokens; unset one of them"
+            )
+        if self.streams and self.rollout_fn is not None:
+            raise ValueError(
+                f"rollout.rollout_fn ('{self.rollout_fn}') must be unset with rollout.abort_surplus / "
+                "rollout.partial_rollout because the function generates a round's groups in one call, which "
+                "cannot be aborted at the batch boundary nor carried into the next step; unset one of them"
+            )
+        if self.rollout_fn_scores and self.rollout_fn is None:
+            raise ValueError(
+                "rollout.rollout_fn_scores (true) must come with rollout.rollout_fn because it says that "
+                "function sets the rewards; set rollout.rollout_fn or rollout.rollout_fn_scores: false"
+            )
+        if self.rollout_fn_scores and (self.reward_per_group or self.rewards):
+            raise ValueError(
+                f"rollout.rollout_fn_scores (true) must not come with rollout.reward_per_group "
+                f"({self.reward_per_group}) / rollout.rewards ({sorted(self.rewards)}) because the rollout "
+                "function's samples are not scored by them; unset those, or set rollout.rollout_fn_scores: false"
             )
         if self.partial_rollout_mask_offpolicy and not self.partial_rollout:
             raise ValueError(
@@ -981,6 +1009,11 @@ class RunConfig(Section):
                 f"train.updates_per_rollout ({self.train.updates_per_rollout}) must be <= rollout.prompts_per_step "
                 f"({self.rollout.prompts_per_step}) because each update trains whole groups; lower it or draw "
                 "more prompts per step"
+            )
+        if self.rollout.rollout_fn is not None and self.debug.load_rollout_data:
+            raise ValueError(
+                f"rollout.rollout_fn ('{self.rollout.rollout_fn}') must be unset with debug.load_rollout_data "
+                "because the loaded batches replace every rollout, so the function would never run; unset one"
             )
         if self.engine.max_restarts and self.rollout.streams:
             raise ValueError(

@@ -2,7 +2,7 @@
 rank 0, and draw again until the batch is full.
 
     round r:  rank 0 draws ``prompts_per_round`` prompts ──scatter whole groups──> every rank
-              every rank: generate (engine or generate_fn) + score ──gather──> rank 0
+              every rank: generate (engine, generate_fn or rollout_fn) + score ──gather──> rank 0
                           (engine.tp > 1: each group's leader generates its group's prompts)
               rank 0: dynamic filter keeps whole groups; enough kept or ``max_sampling_rounds``? stop
     (the stop is itself a scatter of ``None`` to every rank, so all ranks leave the loop together)
@@ -40,6 +40,7 @@ from rlrun.rollout.rewards import score_samples
 from rlrun.rollout.rewards.breakdown import reward_breakdown
 from rlrun.rollout.rewards.post_process import RewardPostProcess, load_reward_post_process, post_process_rewards
 from rlrun.rollout.rewards.select import RewardByType, load_rewards
+from rlrun.rollout.rollout_fn import RolloutContext, RolloutFn
 from rlrun.rollout.streaming import (
     TICK_S,
     GroupJob,
@@ -135,6 +136,8 @@ class RolloutHooks:
     reward_post_process: RewardPostProcess | None = None
     sample_to_train: SampleToTrain | None = None
     """Used by rank 0's batch planner (rlrun/trainer/batch.py), after the group scores."""
+    rollout_fn: RolloutFn | None = None
+    """Replaces the generation of the training rounds (rlrun/rollout/rollout_fn.py); eval generates as usual."""
 
     @classmethod
     def load(cls, r: RolloutConfig) -> RolloutHooks:
@@ -146,6 +149,7 @@ class RolloutHooks:
             group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None,
             reward_post_process=load_reward_post_process(r.reward_post_process) if r.reward_post_process else None,
             sample_to_train=SampleToTrain.load(r.sample_to_train) if r.sample_to_train else None,
+            rollout_fn=RolloutFn.load(r.rollout_fn) if r.rollout_fn else None,
         )
 
 
@@ -223,26 +227,44 @@ class RolloutRuntime:
         return self.evaluator.run(step)
 
     def generate_and_score(
-        self, prompts: list[Prompt], seed: int, rollout_cfg: RolloutConfig | None = None, reward_fn=None
+        self,
+        prompts: list[Prompt],
+        seed: int,
+        rollout_cfg: RolloutConfig | None = None,
+        reward_fn=None,
+        round_at: tuple[int, int] | None = None,
     ) -> list[Sample] | EngineLost:
         """This rank's share: generate ``samples_per_prompt`` responses per prompt and score them (with
-        ``reward_fn``, by default the run's). In an engine group every rank passes its share and gets its
+        ``reward_fn``, by default the run's). A training round (``round_at``: its step and index) generates
+        with ``rollout.rollout_fn`` when set. In an engine group every rank passes its share and gets its
         own samples back, but the leader generates and scores the whole group's prompts in one call (with its
         ``seed``). ``EngineLost`` when the group's engine is lost and the group tolerates it
         (``engine.max_restarts``)."""
         r, fn = rollout_cfg or self.cfg.rollout, reward_fn or self.hooks.reward_fn
         if self.group is None:
-            return self._generate_and_score_here(prompts, seed, r, fn)
+            return self._generate_and_score_here(prompts, seed, r, fn, round_at)
         return self.group.run_on_leader(
             prompts,
-            lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r, fn),
+            lambda group_prompts: self._generate_and_score_here(group_prompts, seed, r, fn, round_at),
             r.samples_per_prompt,
         )
 
-    def _generate_and_score_here(self, prompts: list[Prompt], seed: int, r: RolloutConfig, fn) -> list[Sample]:
-        samples = generate_samples(
+    def _generate(self, prompts: list[Prompt], r: RolloutConfig, seed: int) -> list[Sample]:
+        return generate_samples(
             self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn, self.max_context_tokens
         )
+
+    def _generate_and_score_here(
+        self, prompts: list[Prompt], seed: int, r: RolloutConfig, fn, round_at: tuple[int, int] | None
+    ) -> list[Sample]:
+        rollout_fn = self.hooks.rollout_fn if round_at is not None and prompts else None
+        if rollout_fn is None:
+            samples = self._generate(prompts, r, seed)
+        else:
+            ctx = RolloutContext(*round_at, prompts, seed, r, self.engine, self.tokenizer, self._generate)
+            samples = rollout_fn.run(ctx, scored=r.rollout_fn_scores)
+            if r.rollout_fn_scores:
+                return samples
         score_samples(
             samples,
             fn,
@@ -287,7 +309,7 @@ class RolloutRuntime:
             if prompts is None:
                 break
             seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
-            samples = self.generate_and_score(prompts, seed)
+            samples = self.generate_and_score(prompts, seed, round_at=(step, round_index))
             if self.teacher is not None:
                 self.teacher.score(samples)
             gathered = gather_to_rank0(samples, parallel.cpu_group)

@@ -6,11 +6,15 @@ and sizing commands, ``\\text{}`` wrappers, ``$``, degree and percent signs, ``\
 a leading ``x =``, thousands separators, a trailing period) and then compares them as exact
 rationals when both parse as numbers (``0.5 == 1/2 == \\frac{1}{2} == \\frac12``, ``-3 == \\frac{-6}{2}``),
 else as normalised strings. Rationals are exact (``fractions.Fraction``), so ``1/3 != 0.333``.
+
+For free-text answers (:func:`qa_tokens`): SQuAD's normalisation (lower case, no punctuation, no
+articles, single spaces), split into words.
 """
 
 from __future__ import annotations
 
 import re
+import string
 from fractions import Fraction
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
@@ -141,3 +145,13 @@ def answers_equal(predicted: str | None, reference: object) -> bool:
     if x is not None and y is not None:
         return x == y
     return a == b
+
+
+_ARTICLES = re.compile(r"\b(?:a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def qa_tokens(text: str) -> list[str]:
+    """The words of ``text`` after SQuAD's answer normalisation: lower-cased, ASCII punctuation removed,
+    then the articles a/an/the (``"The Eiffel-Tower!"`` -> ``["eiffeltower"]``)."""
+    return _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split()
