@@ -98,7 +98,8 @@ def test_builtins_and_module_specs(tmp_path, monkeypatch):
     [
         (
             "firstnumber",
-            "not a built-in (first_number, exact_match, math, gsm8k, format_boxed, format_think), "
+            "not a built-in (first_number, exact_match, math, gsm8k, format_boxed, format_think, dapo, deepscaler, "
+            "f1), "
             "not an http(s):// URL and not of the form module:function",
         ),
         ("no_such_module_xyz:f", "module 'no_such_module_xyz' not found on sys.path"),
