@@ -179,5 +179,9 @@ def test_teacher_engine_refusals():
         RunConfig.model_validate({"algorithm": {"opd": {"teacher_engine": "embedded"}}})
     with pytest.raises(ValueError, match=r"engine.tp \(2\) must be 1 with algorithm.opd.teacher_engine"):
         RunConfig.model_validate({"algorithm": {"opd": opd}, "engine": {"tp": 2}})
-    with pytest.raises(ValueError, match="teacher_engine"):
-        RunConfig.model_validate({"algorithm": {"opd": {**opd, "teacher_engine": "sglang"}}})
+    sglang = {**opd, "teacher_engine": "sglang"}
+    assert RunConfig.model_validate({"algorithm": {"opd": sglang}}).algorithm.opd.teacher_engine == "sglang"
+    with pytest.raises(ValueError, match=r"rollout.temperature \(0.7\) must be 1 with algorithm.opd.teacher_engine"):
+        RunConfig.model_validate({"algorithm": {"opd": sglang}, "rollout": {"temperature": 0.7}})
+    with pytest.raises(ValueError, match=r"teacher_server_args \(\{'max_running_requests': 8\}\) must be empty"):
+        RunConfig.model_validate({"algorithm": {"opd": {**opd, "teacher_server_args": {"max_running_requests": 8}}}})

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from rlrun import offload
+from rlrun.trainer import offload
 
 
 class Proc:

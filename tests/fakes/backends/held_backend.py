@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 
 from rlrun.engine.backends import BackendSpec
-from rlrun.engine.backends.embedded import ABORTED
+from rlrun.engine.backends.decode_run import ABORTED
 from rlrun.engine.backends.embedded_backend import EmbeddedBackend
 from rlrun.engine.sampling import SamplingParams, row_rids
 from rlrun.engine.types import GenResult

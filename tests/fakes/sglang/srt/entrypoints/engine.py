@@ -66,7 +66,9 @@ SERVER_ARGS = {
 
 # The scheduler stand-in: idles until shutdown kills it, or ends itself once its parent is gone
 # (sglang's kill_itself_when_parent_died).
-SCHEDULER = "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent: time.sleep(0.2)"
+# The engine's pid comes in argv, not from os.getppid() at start: an engine that dies before this child's first
+# line would leave it reparented, reading init as its parent and holding the engine's stdout/stderr open forever.
+SCHEDULER = "import os, sys, time\nparent = int(sys.argv[1])\nwhile os.getppid() == parent: time.sleep(0.2)"
 
 
 class Engine:
@@ -100,7 +102,9 @@ class Engine:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"  # a process-wide side effect, as _set_envs_and_config
         self.tokenizer_manager = self.tokenizer_manager_class(self.server_args)
         self.loop = self._ensure_event_loop()
-        self.scheduler = subprocess.Popen([sys.executable, "-S", "-c", SCHEDULER], stdin=subprocess.DEVNULL)
+        self.scheduler = subprocess.Popen(
+            [sys.executable, "-S", "-c", SCHEDULER, str(os.getpid())], stdin=subprocess.DEVNULL
+        )
 
     @staticmethod
     def _ensure_event_loop() -> asyncio.AbstractEventLoop:
