@@ -986,8 +986,9 @@ class RunConfig(Section):
         if traits is not None and not traits.scores_any_temperature and self.rollout.temperature != 1.0:
             raise ValueError(
                 f"rollout.temperature ({self.rollout.temperature}) must be 1 with algorithm.opd.teacher_engine: "
-                f"{opd.teacher_engine} because whether it scales prompt log-probs by the request's temperature is "
-                "not pinned by a test here; set rollout.temperature: 1 or teacher_engine: embedded"
+                f"{opd.teacher_engine} because its prompt log-probs ignore the request's temperature (on the H200, "
+                "scored at 0.7 they are the temperature-1 log-probs) while the student's are taken at "
+                "rollout.temperature; set rollout.temperature: 1 or teacher_engine: embedded"
             )
 
     @model_validator(mode="after")

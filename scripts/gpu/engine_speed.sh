@@ -3,15 +3,15 @@
 # call (one H200), PYTHONPATH at the repo and the wheels installed. Each step logs to $OUT/<step>.log, writes
 # its exit code to $OUT/steps.txt, and a failed step does not stop the next.
 #
-#   bash scripts/gpu/engine_speed.sh tests bench_0.6b                       # call 1: embedded (~4 min)
-#   bash scripts/gpu/engine_speed.sh bench_1.7b                             # call 2 (~5 min)
-#   BACKENDS=embedded,sglang bash scripts/gpu/engine_speed.sh bench_0.6b    # with SGLang importable (~8 min)
+#   bash scripts/gpu/engine_speed.sh tests bench_qwen3-0.6b                       # call 1: embedded (~4 min)
+#   bash scripts/gpu/engine_speed.sh bench_qwen3-1.7b                             # call 2 (~5 min)
+#   BACKENDS=embedded,sglang bash scripts/gpu/engine_speed.sh bench_qwen3-0.6b    # with SGLang importable (~8 min)
 #
 # Steps:
 #   tests       the GPU tests of the decode: read-length buckets bitwise vs the whole cache, graphs kept
 #               warm, routed experts in the captured step, engine-vs-trainer exactness (tests/gpu)
-#   bench_0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
-#   bench_1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
+#   bench_qwen3-0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
+#   bench_qwen3-1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
 #
 # CPU rehearsal of the bench step (tiny shape, float32): OUT=/tmp/es BATCH=4,8 NEW_TOKENS=16 LONG_TAIL_MAX=64 \
 #   bash scripts/gpu/engine_speed.sh bench_tiny
@@ -34,7 +34,7 @@ bench() {
         --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_$1.json"
 }
 
-for name in "${@:-tests bench_0.6b bench_1.7b}"; do
+for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
     for one in $name; do
         case $one in
         tests) step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_decode_buckets_gpu.py \

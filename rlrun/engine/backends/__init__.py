@@ -45,8 +45,9 @@ class BackendTraits:
     """Server arguments under which it returns each sample's routed experts (``algorithm.routing_replay:
     rollout``); ``{}``: it always does for MoE models; None: it cannot."""
     scores_any_temperature: bool = True
-    """``score_tokens`` is known to honour its temperature; False: only 1 is (SGLang's prompt log-probs, whose
-    temperature scaling no test here pins), so an engine teacher refuses another rollout temperature."""
+    """``score_tokens`` honours its temperature; False: it scores at 1 whatever it is asked (SGLang's prompt
+    log-probs: tests/gpu/test_sglang_gpu.py measured them at T = 0.7 equal to the T = 1 ones), so an engine teacher
+    refuses another rollout temperature."""
     server_arg_names: tuple[str, ...] | None = None
     """The ``engine.server_args`` keys it reads, checked when the config loads (None: any, e.g. every
     ``sglang.Engine`` argument)."""
