@@ -31,7 +31,7 @@ from rlrun.data.sample import Prompt, Sample
 from rlrun.rollout.driver import _kept_ids, _routed_experts, generate_samples, sampling_params
 
 if TYPE_CHECKING:
-    from rlrun.rollout.collect import RoundTally
+    from rlrun.rollout.tally import RoundTally
 
 TICK_S = 0.05
 """How often the ranks meet while groups generate (one small gather and scatter of control data)."""
