@@ -214,7 +214,7 @@ def bench_rollout_backends(
                     backend, Path(model_dir), run_dir, prompts, new_tokens, dtype, device, tail
                 )
                 tail_run = None
-                if long_tail is not None and tail is not None:
+                if tail is not None:  # built exactly when long_tail is set
                     caps = sum(p["max_new_tokens"] for p in tail[1])
                     tail_run = LongTailRun(
                         long_tail, len(tail[0]), caps, runs["long_tail"], runs["long_tail_in_batches"]

@@ -214,17 +214,7 @@ class SamplingTensors:
 
     def take(self, rows: torch.Tensor) -> SamplingTensors:
         """The tensors of ``rows`` (copies), same static choices."""
-        return SamplingTensors(
-            temperature=self.temperature[rows],
-            top_k=self.top_k[rows],
-            top_p=self.top_p[rows],
-            min_p=self.min_p[rows],
-            greedy=self.greedy[rows],
-            filters=self.filters[rows],
-            keys=self.keys[rows],
-            sample=self.sample,
-            filter=self.filter,
-        )
+        return dataclasses.replace(self, **{field: getattr(self, field)[rows] for field in _ROW_FIELDS})
 
     def put(self, rows: torch.Tensor, other: SamplingTensors) -> None:
         """Overwrite ``rows`` with ``other``'s (one per row) in place; ``other`` may only drop static choices

@@ -77,12 +77,13 @@ def _gather(model: MegatronModel, name: str, param: torch.Tensor, expert: bool, 
         return [torch.empty(shape, dtype=param.dtype, device="meta")] * (parallel.ep_size if expert else 1)
     # The shard as the engine must get it: with LoRA, its adapters merged in (a fresh tensor).
     local = model.lora.merged(name, param) if model.lora is not None else param
-    full = param.detach().clone() if local is param else local
     if partition.dim is not None and size > 1:
         group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
         shards = [torch.empty_like(param) for _ in range(size)]
         dist.all_gather(shards, local.detach().contiguous(), group=group)
         full = partition.unshard(shards)
+    else:
+        full = param.detach().clone() if local is param else local
     if not expert or parallel.ep_size == 1:
         return [full]
     fulls = [torch.empty_like(full) for _ in range(parallel.ep_size)]

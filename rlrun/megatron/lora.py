@@ -166,6 +166,8 @@ class LoraAdapters:
         self.cfg = cfg
         self.arch = arch
         self.parallel = parallel
+        self.first_layer = parallel.pp_rank * (arch.num_layers // parallel.pp_size)
+        """The global index of this pipeline stage's first layer."""
         self.scale = cfg.scale
         self.enabled = True
         self.layers: list[dict[str, LoraBranch]] = []
@@ -182,10 +184,9 @@ class LoraAdapters:
 
     def peft_tensors(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """``(PEFT key, parameter)`` of this rank's branches, in layer order."""
-        first_layer = self.parallel.pp_rank * (self.arch.num_layers // self.parallel.pp_size)
         for local, branches in enumerate(self.layers):
             for name, branch in branches.items():
-                base = f"base_model.model.model.layers.{first_layer + local}.{TARGETS[name].hf_module}"
+                base = f"base_model.model.model.layers.{self.first_layer + local}.{TARGETS[name].hf_module}"
                 yield f"{base}.lora_A.weight", branch.lora_A
                 yield f"{base}.lora_B.weight", branch.lora_B
 
@@ -239,7 +240,6 @@ def attach_lora(gpt: GPTModel, arch: ModelArch, cfg: LoraConfig, parallel: Paral
     for param in gpt.parameters():
         param.requires_grad_(False)
     adapters = LoraAdapters(cfg, arch, parallel)
-    first_layer = parallel.pp_rank * (arch.num_layers // parallel.pp_size)
     for local, layer in enumerate(gpt.decoder.layers):
         branches: dict[str, LoraBranch] = {}
         for parent_name in ("self_attention", "mlp"):
@@ -249,7 +249,7 @@ def attach_lora(gpt: GPTModel, arch: ModelArch, cfg: LoraConfig, parallel: Paral
                 continue
             group = LoraBranches(
                 {
-                    n: _new_branch(parent, n, cfg.rank, arch, parallel, _seed(seed, first_layer + local, n))
+                    n: _new_branch(parent, n, cfg.rank, arch, parallel, _seed(seed, adapters.first_layer + local, n))
                     for n in names
                 }
             )
@@ -310,14 +310,16 @@ def _part_rows(arch: ModelArch, name: str, local_rows: int, tp: int) -> int:
 def _hook(adapters: LoraAdapters, linear: str, branches: LoraBranches):
     """The forward hook adding ``linear``'s branches to its ``(output, bias)``."""
 
+    column = linear in PARTS  # fixed per hook: worked out once, not on every forward
+    row_branch = None if column else next(branches[n] for n in branches if TARGETS[n].linear == linear)
+
     def hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
         if not adapters.enabled:
             return None
         out, bias = output
         x = args[0]
-        if linear in PARTS:
+        if row_branch is None:
             return adapters.column_output(linear, branches, x, out), bias
-        name = next(n for n in branches if TARGETS[n].linear == linear)
-        return out + adapters.scale * branches[name].delta(x, adapters.cfg.dropout), bias
+        return out + adapters.scale * row_branch.delta(x, adapters.cfg.dropout), bias
 
     return hook

@@ -196,6 +196,12 @@ class RolloutRuntime:
             samples = rollout_fn.run(ctx, scored=r.rollout_fn_scores)
             if r.rollout_fn_scores:
                 return samples
+        self._score(samples, fn, r)
+        return samples
+
+    @staticmethod
+    def _score(samples: list[Sample], fn, r: RolloutConfig) -> None:
+        """Score with ``r``'s reward options: one place for the sampling rounds, the streaming rounds and eval."""
         score_samples(
             samples,
             fn,
@@ -204,7 +210,6 @@ class RolloutRuntime:
             timeout_s=r.reward_timeout_s,
             reward_key=r.reward_key,
         )
-        return samples
 
     def collect(self, step: int) -> RolloutBatch | None:
         """Sampling rounds until the batch is full; rank 0 gets the batch, the other ranks None.
@@ -225,15 +230,19 @@ class RolloutRuntime:
             batch.metrics.update(post_process_rewards(self.hooks.reward_post_process, batch.samples))
         return batch
 
+    def _new_tally(self) -> RoundTally | None:
+        """Rank 0's bookkeeping of one step's rounds (None on the other ranks)."""
+        if not self.parallel.is_rank0:
+            return None
+        return RoundTally(target=self.cfg.rollout.prompts_per_step, source_key=self.cfg.data.source_key)
+
     @property
     def debug_dir(self) -> Path:
         return Path(self.cfg.logging.run_dir) / "debug"
 
     def _sample_rounds(self, step: int) -> RolloutBatch | None:
         r, parallel = self.cfg.rollout, self.parallel
-        tally = (
-            RoundTally(target=r.prompts_per_step, source_key=self.cfg.data.source_key) if parallel.is_rank0 else None
-        )
+        tally = self._new_tally()
         for round_index in itertools.count():
             plan = self._plan_round(tally) if tally is not None else None
             prompts = scatter_from_rank0(plan, parallel.cpu_group)
@@ -254,9 +263,7 @@ class RolloutRuntime:
         """Sampling rounds of one engine call per group, aborting what still generates once the batch is
         full (rlrun/rollout/streaming.py); rank 0 returns the batch, with the carry for the next step."""
         r, parallel = self.cfg.rollout, self.parallel
-        tally = (
-            RoundTally(target=r.prompts_per_step, source_key=self.cfg.data.source_key) if parallel.is_rank0 else None
-        )
+        tally = self._new_tally()
         pending: list[GroupJob] = []
         if tally is not None:
             carried, self.carry = self.carry, []
@@ -285,17 +292,10 @@ class RolloutRuntime:
 
     def _stream_one_round(self, jobs: list[GroupJob], seed: int, tally: RoundTally | None) -> None:
         """Every rank: generate its groups until rank 0 says the batch is full or nothing is left."""
-        r, group = self.cfg.rollout, self.cfg.rollout.samples_per_prompt
+        r = self.cfg.rollout
 
         def score(samples: list[Sample]) -> None:
-            score_samples(
-                samples,
-                self.hooks.reward_fn,
-                group if r.reward_per_group else None,
-                r.reward_concurrency,
-                timeout_s=r.reward_timeout_s,
-                reward_key=r.reward_key,
-            )
+            self._score(samples, self.hooks.reward_fn, r)
             if self.teacher is not None:
                 self.teacher.score(samples)
 

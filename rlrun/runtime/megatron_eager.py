@@ -41,7 +41,8 @@ class _EagerJitFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Disable Megatron's jit fuser for this process; idempotent; a no-op once Megatron is imported."""
+    """Disable Megatron's jit fuser for this process; idempotent. Once Megatron is imported it only turns the fuser off
+    for what is decorated later (what its import decorated stays compiled)."""
     if JIT_MODULE in sys.modules:
         sys.modules[JIT_MODULE].disable_jit_fuser()
         return

@@ -187,9 +187,9 @@ class DecodeBatch:
         self.cache.columns += self.active
         self.mask.scatter_(3, self.cache.columns.view(-1, 1, 1, 1), True)
 
-    def end_rows(self, rows: torch.Tensor, code: Finish) -> None:
-        """Finish the still-active rows in the bool mask ``rows`` with ``code`` (abort)."""
-        rows = rows & self.active
+    def end_rows(self, slots: torch.Tensor, code: Finish) -> None:
+        """Finish the still-active rows among the indices ``slots`` with ``code`` (abort)."""
+        rows = torch.zeros_like(self.active).index_fill_(0, slots, True) & self.active
         self.finish.masked_fill_(rows, code)
         self.active &= ~rows
 

@@ -95,7 +95,6 @@ class DecodeRun:
         self._last_prefill: _Prefill | None = None
         """The last admission's prefill: (its prompts as indices into ``prompts``, their next-token logits, their
         K/V, their [P, W] mask); a group split between two refills takes its prompt's K/V from here."""
-        self._prefill_of: tuple[list[int], int] = ([], 0)
         """The last admission's prefilled prompts (indices into ``prompts``) and width (MoE routed experts)."""
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -112,7 +111,7 @@ class DecodeRun:
                 held = [s for s in self.slots.occupied if aborted[self.slots.row[s]]]
                 if held:
                     index = torch.tensor(held, device=self.engine.device)
-                    self.batch.end_rows(torch.zeros_like(self.batch.active).index_fill_(0, index, True), Finish.ABORT)
+                    self.batch.end_rows(index, Finish.ABORT)
                 look_at = self.forwards
             if self.forwards >= look_at:
                 self._look(aborted)
@@ -164,7 +163,6 @@ class DecodeRun:
             prompt_ids = sorted({self.rows[rows[k]][0] for k in fresh})
             logits, prefill, prompt_mask = self.engine._prefill([self.prompts[i] for i in prompt_ids])
             self._last_prefill = (prompt_ids, logits, prefill, prompt_mask)
-            self._prefill_of = (prompt_ids, prefill.max_len)
             self._load([slots[k] for k in fresh], [rows[k] for k in fresh], self._last_prefill, aborted)
         if reused:
             assert last is not None  # rows are reused only from a previous prefill
@@ -184,10 +182,7 @@ class DecodeRun:
         self.batch.load_rows(index, prefill, prompt_mask, prompt_of_row, max_new, stop_ids, sampling)
         ended = [s for s, r in zip(slots, rows, strict=True) if aborted[r]]
         if ended:
-            self.batch.end_rows(
-                torch.zeros_like(self.batch.active).index_fill_(0, torch.tensor(ended, device=device), True),
-                Finish.ABORT,
-            )
+            self.batch.end_rows(torch.tensor(ended, device=device), Finish.ABORT)
         self.batch.record(logits[prompt_of_row], index)
         for s, r, p in zip(slots, rows, row_params, strict=True):
             self.slots.occupy(s, r, len(self.prompts[self.rows[r][0]]), self.forwards, p.max_new_tokens)
@@ -246,7 +241,9 @@ class DecodeRun:
         last). A MoE call runs every row from one prefill (``max_running_requests`` is refused with MoE)."""
         experts, decoded = self.engine._prefill_experts, self.batch.routed_experts
         assert experts is not None and decoded is not None  # a MoE records them
-        prompt_ids, width = self._prefill_of
+        assert self._last_prefill is not None  # the prefill that loaded every row
+        prompt_ids, _, loaded, _ = self._last_prefill
+        width = loaded.max_len
         prefill = experts.reshape(len(prompt_ids), width, *experts.shape[1:])
         i = self.rows[self.slots.row[slot]][0]
         prompt = self.prompts[i]
