@@ -21,7 +21,7 @@ from dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow
 
-NUM_ROWS, NUM_STEPS, SEED = 64, 4, 5
+NUM_ROWS, NUM_STEPS, SEED = 64, 8, 5  # 8 steps: a carried held group trains in a later step in most of them
 HELD_TOKENS = 6
 
 
