@@ -49,7 +49,18 @@ def _cudnn(q, k, v, bounds, max_len):
     )[0]
 
 
-KERNELS = {"efficient": _efficient, "flash": _flash, "cudnn": _cudnn}
+def _cudnn_dense(q, k, v, bounds, max_len):
+    """cuDNN through SDPA, one ``[1, heads, s, dim]`` call per sample (no ``cu_seqlens``)."""
+    outs = []
+    for sample in zip(*(t.split((bounds[1:] - bounds[:-1]).tolist()) for t in (q, k, v)), strict=True):
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in sample)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+KERNELS = {"efficient": _efficient, "flash": _flash, "cudnn_dense": _cudnn_dense, "cudnn": _cudnn}
 
 
 def _reference(q, k, v, lengths):
@@ -78,7 +89,7 @@ def _timed(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters / 1e3
 
 
-def measure(name: str, shape, iters: int) -> dict:
+def measure(name: str, shape, iters: int, kernels: list[str]) -> dict:
     heads, kv_heads, dim, lengths = shape
     total = sum(lengths)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -95,7 +106,8 @@ def measure(name: str, shape, iters: int) -> dict:
         ref_out = _reference(*ref_in, lengths)
         ref_out.backward(grad.float())
     row = {"shape": name, "tokens": total, "heads": heads, "kv_heads": kv_heads, "dim": dim, "kernels": {}}
-    for kname, kernel in KERNELS.items():
+    for kname in kernels:
+        kernel = KERNELS[kname]
         entry = {}
         try:
             inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -132,12 +144,13 @@ def measure(name: str, shape, iters: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_kernels.py measures CUDA kernels: run it on the GPU machine")
-    rows = [measure(name, SHAPES[name], args.iters) for name in args.shapes.split(",")]
+    rows = [measure(name, SHAPES[name], args.iters, args.kernels.split(',')) for name in args.shapes.split(",")]
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -170,7 +170,8 @@ def train(
     packed_attention: Annotated[
         str,
         typer.Option(
-            help="auto, per_sample, efficient_varlen (CUDA) or flash_varlen (CUDA, bf16): model.packed_attention."
+            help="auto, per_sample, efficient_varlen (CUDA), flash_varlen or cudnn_per_sample (CUDA, bf16): "
+            "model.packed_attention."
         ),
     ] = "auto",
     out: OutFile = None,
@@ -243,7 +244,8 @@ def step(
     packed_attention: Annotated[
         str,
         typer.Option(
-            help="auto, per_sample, efficient_varlen (CUDA) or flash_varlen (CUDA, bf16): model.packed_attention."
+            help="auto, per_sample, efficient_varlen (CUDA), flash_varlen or cudnn_per_sample (CUDA, bf16): "
+            "model.packed_attention."
         ),
     ] = "auto",
     profile_step: Annotated[

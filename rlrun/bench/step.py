@@ -75,6 +75,7 @@ ATTENTION_SUFFIX: dict[str, str] = {
     "per_sample": "_persample",
     "efficient_varlen": "_effvarlen",
     "flash_varlen": "_varlen",
+    "cudnn_per_sample": "_cudnn",
 }
 """A variant's label suffix for each ``model.packed_attention`` (``auto``, the default, adds none)."""
 PROFILED_PHASE = "train"

@@ -52,7 +52,7 @@ class MoEConfig(Section):
     (Megatron's all-to-all dispatcher needs CUDA streams)."""
 
 
-PackedAttention = Literal["auto", "per_sample", "efficient_varlen", "flash_varlen"]
+PackedAttention = Literal["auto", "per_sample", "efficient_varlen", "flash_varlen", "cudnn_per_sample"]
 """``model.packed_attention``'s values (rlrun/megatron/attention.py)."""
 LMHead = Literal["chunked", "logits"]
 """``model.lm_head``'s values (rlrun/megatron/lm_head.py)."""
@@ -116,7 +116,10 @@ class ModelConfig(Section):
     ``efficient_varlen``, one memory-efficient varlen call per layer for the whole row (CUDA), the kernel the
     embedded engine runs, so trainer and engine log-probs agree (docs/on_policy.md); ``flash_varlen``, one
     FlashAttention-2 varlen call per layer (CUDA, bfloat16; off-policy by 0.03-0.05 nats per token in bf16
-    because no engine runs that kernel); ``auto``, efficient_varlen on CUDA, else per_sample."""
+    because no engine runs that kernel); ``cudnn_per_sample``, cuDNN's fused attention, one call per sample (CUDA,
+    bfloat16; for long samples: 4x the memory-efficient kernel at 32K tokens on an H200, slower below ~2K tokens;
+    off-policy like flash_varlen); ``auto``, efficient_varlen on CUDA, else per_sample. Unpacked rows (one
+    sample per row) run the same kernel as packed ones."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of the whole actor (``LoraConfig``); None: full fine-tuning."""
     lm_head: LMHead = "chunked"

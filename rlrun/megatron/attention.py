@@ -29,6 +29,20 @@ attended in one varlen call per layer:
   but no engine runs it, so trainer and engine disagree by bf16 rounding amplified over the layers (0.03-0.05
   nats per token on SmolLM2-135M): off-policy, kept for comparison.
 
+For long samples the kernel's speed decides the step: at 32K tokens of Qwen3-4B attention was 80% of the
+CUDA time (benchmarks/results/profile_train_qwen3-4b_32k_full_h200.txt). So there is a third kernel, for
+one long sample per row:
+
+* ``cudnn_per_sample`` (:class:`CudnnCoreAttention`, CUDA, bf16): cuDNN's fused attention (SDPA's cuDNN
+  backend), one call per sample. Forward + backward on an H200 at 32K tokens: 535 TFLOP/s, against 325 for
+  FlashAttention-2 and 137 for the memory-efficient kernel; below ~2K tokens per sample it is the slowest
+  (benchmarks/results/attention_kernels_h200.json). Off-policy like flash_varlen. cuDNN's own varlen entry
+  (``aten._cudnn_attention_forward`` with ``cu_seqlens``) is not used: on torch 2.11 its backward returned
+  garbage gradients (1e30) and it ran at 3 TFLOP/s.
+
+Every kernel choice covers unpacked rows (one sample per row, no ``packed_seq_params``) too: there the
+whole batch is one call of the same kernel.
+
 When TransformerEngine is importable, its ``TEDotProductAttention`` (cuDNN / flash, ``thd`` with
 ``cu_seqlens``) is the core attention instead. Only the core attention is swapped, not the whole TE
 spec: the TE spec fuses the norms into the linear layers, renaming the parameters that
@@ -70,7 +84,8 @@ def transformer_engine_attention() -> type | None:
 
 def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> type:
     """The core attention class: TransformerEngine's when importable, else packed rows attended per sample or
-    in one varlen call per layer (``efficient_varlen``: CUDA; ``flash_varlen``: CUDA, bfloat16); ``auto``
+    in one varlen call per layer (``efficient_varlen``: CUDA; ``flash_varlen``: CUDA, bfloat16), or per sample
+    on cuDNN (``cudnn_per_sample``: CUDA, bfloat16); ``auto``
     takes ``efficient_varlen`` on CUDA, the engine's kernel. ``dtype`` is ``model.dtype`` (its default here too)."""
     if packed_attention not in get_args(PackedAttention):
         raise ValueError(
@@ -91,10 +106,10 @@ def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> ty
         return EfficientVarlenCoreAttention
     if dtype != "bfloat16":
         raise ValueError(
-            f"model.packed_attention (flash_varlen) needs model.dtype bfloat16 (not {dtype}) because "
-            "FlashAttention has no float32 kernel; use per_sample or auto"
+            f"model.packed_attention ({packed_attention}) needs model.dtype bfloat16 (not {dtype}) because "
+            "its kernel has no float32 version; use per_sample or auto"
         )
-    return FlashVarlenCoreAttention
+    return FlashVarlenCoreAttention if packed_attention == "flash_varlen" else CudnnCoreAttention
 
 
 def layer_spec(
@@ -111,6 +126,11 @@ def layer_spec(
         # MLA's values are narrower than its queries and keys: FlashAttention's kernel refuses that, and the varlen
         # kernels are untested with it (rlrun.megatron.mla); SDPA per sample takes it.
         packed_attention = "per_sample"
+    if arch.mla is not None and packed_attention in ("flash_varlen", "cudnn_per_sample"):
+        raise ValueError(
+            f"model.packed_attention ({packed_attention}) cannot run multi-latent attention because its kernel "
+            "needs values as wide as queries and keys; use auto or per_sample"
+        )
     attention = core_attention(packed_attention, dtype)
     if all(moe_layers) or not any(moe_layers):
         return _layer_spec(arch, any(moe_layers), attention)
@@ -293,6 +313,14 @@ class FlashVarlenCoreAttention(SDPACoreAttention):
     def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
         bounds = _device_bounds(packed_seq_params)
         max_len = packed_seq_params.max_seqlen_q
+        return self._flash(query, key, value, bounds, max_len)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Unpacked ``[B, heads, S, dim]`` rows: the same kernel over the batch (``[B, S, heads, dim]`` inside)."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return self._flash(q, k, v, None, q.shape[1]).transpose(1, 2)
+
+    def _flash(self, query, key, value, bounds, max_len: int) -> torch.Tensor:
         return torch.ops.aten._flash_attention_forward(
             query,
             key,
@@ -306,3 +334,21 @@ class FlashVarlenCoreAttention(SDPACoreAttention):
             False,
             scale=self.softmax_scale,
         )[0]
+
+
+class CudnnCoreAttention(SDPACoreAttention):
+    """:class:`SDPACoreAttention` on cuDNN's fused attention (CUDA, bf16): packed rows one call per sample, as
+    ``per_sample``, unpacked rows one call over the batch. SDPA is held to its cuDNN backend, so a shape cuDNN
+    refuses fails loudly instead of falling back to another kernel."""
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=True,
+                scale=self.softmax_scale,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )

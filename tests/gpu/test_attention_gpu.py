@@ -1,5 +1,6 @@
-"""FlashVarlenCoreAttention (one varlen kernel per packed row) against the per-sample SDPA path, forward
-and backward, in bf16 on a GPU, with Qwen3-0.6B's head layout (16 query heads, 8 key/value heads, 128)."""
+"""The bf16-only core attentions (FlashAttention-2's varlen kernel, cuDNN per sample) against the per-sample
+memory-efficient path, forward and backward, on packed rows and on unpacked ones, in bf16 on a GPU, with
+Qwen3-0.6B's head layout (16 query heads, 8 key/value heads, 128)."""
 
 from __future__ import annotations
 
@@ -28,27 +29,40 @@ def make(cls):
     return cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 
-def test_varlen_matches_per_sample_sdpa_forward_and_backward():
-    from rlrun.megatron.attention import FlashVarlenCoreAttention, SDPACoreAttention, packed_seq_params
+def _leaves(shape_of, gen):
+    return [
+        torch.randn(*shape_of(h), DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for h in (HEADS, KV_HEADS, KV_HEADS)
+    ]
 
+
+def _run(cls, leaves, grad_out, params):
+    inputs = [t.clone().requires_grad_(True) for t in leaves]
+    out = make(cls)(*inputs, None, packed_seq_params=params)
+    out.backward(grad_out)
+    return (out.float(), *(t.grad.float() for t in inputs))
+
+
+@pytest.mark.parametrize("kernel", ["FlashVarlenCoreAttention", "CudnnCoreAttention"])
+def test_bf16_kernels_match_per_sample_attention_packed_and_unpacked(kernel):
+    from rlrun.megatron import attention
+    from rlrun.megatron.attention import SDPACoreAttention, packed_seq_params
+
+    cls = getattr(attention, kernel)
+    gen = torch.Generator(device="cuda").manual_seed(0)
     lengths = [640, 640, 37, 300, 1, 512]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     params = packed_seq_params(positions, torch.device("cuda"))
     assert params.cu_seqlens_device.is_cuda and params.cu_seqlens_q.device.type == "cpu"
-    gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = sum(lengths)
-    leaves = [
-        torch.randn(tokens, h, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-        for h in (HEADS, KV_HEADS, KV_HEADS)
-    ]
-    grad_out = torch.randn(tokens, HEADS * DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-    results = {}
-    for cls in (SDPACoreAttention, FlashVarlenCoreAttention):
-        inputs = [t.clone().requires_grad_(True) for t in leaves]
-        out = make(cls)(*inputs, None, packed_seq_params=params)
-        out.backward(grad_out)
-        results[cls.__name__] = (out.float(), *(t.grad.float() for t in inputs))
-    for reference, varlen, name in zip(
-        results["SDPACoreAttention"], results["FlashVarlenCoreAttention"], ("output", "dq", "dk", "dv"), strict=False
-    ):
-        torch.testing.assert_close(varlen, reference, atol=2e-2, rtol=2e-2, msg=f"{name} differs")
+    packed = _leaves(lambda h: (tokens, h), gen)
+    packed_grad = torch.randn(tokens, HEADS * DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    unpacked = _leaves(lambda h: (384, 2, h), gen)  # [S, B, heads, dim]: rows of one sample each
+    unpacked_grad = torch.randn(384, 2, HEADS * DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for leaves, grad_out, rows in ((packed, packed_grad, params), (unpacked, unpacked_grad, None)):
+        reference = _run(SDPACoreAttention, leaves, grad_out, rows)
+        result = _run(cls, leaves, grad_out, rows)
+        for got, want, name in zip(result, reference, ("output", "dq", "dk", "dv"), strict=True):
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"{kernel} {name} differs")
+            # a different kernel: equal to bf16 rounding, not bitwise (so this compares two computations)
+        assert not torch.equal(result[0], reference[0]), f"{kernel} ran the reference's kernel"

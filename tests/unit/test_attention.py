@@ -106,14 +106,15 @@ def test_packed_attention_choice_is_checked():
     if not torch.cuda.is_available():
         assert core_attention("auto", "bfloat16") is SDPACoreAttention
         assert core_attention("auto", "float32") is SDPACoreAttention
-        for varlen in ("flash_varlen", "efficient_varlen"):
+        for varlen in ("flash_varlen", "efficient_varlen", "cudnn_per_sample"):
             with pytest.raises(ValueError, match="needs CUDA"):
                 core_attention(varlen)
     else:  # the engine's kernel, in both dtypes (rlrun.attention_kernel)
         assert core_attention("auto", "bfloat16").__name__ == "EfficientVarlenCoreAttention"
         assert core_attention("auto", "float32").__name__ == "EfficientVarlenCoreAttention"
-        with pytest.raises(ValueError, match="needs model.dtype bfloat16"):
-            core_attention("flash_varlen", "float32")
+        for kernel in ("flash_varlen", "cudnn_per_sample"):
+            with pytest.raises(ValueError, match="needs model.dtype bfloat16"):
+                core_attention(kernel, "float32")
 
 
 @pytest.mark.parametrize("kind", ["flash", "efficient"])
