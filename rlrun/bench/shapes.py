@@ -61,7 +61,7 @@ def write_random_model(shape: Shape, out_dir: Path, dtype: torch.dtype, device: 
         intermediate_size=shape.intermediate,
         vocab_size=shape.vocab,
         tie_word_embeddings=shape.tied,
-        max_position_embeddings=4096,
+        max_position_embeddings=40960,  # Qwen3's published value: long-response benchmarks reach 32K
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
         bos_token_id=0,

@@ -342,6 +342,8 @@ class CudnnCoreAttention(SDPACoreAttention):
     refuses fails loudly instead of falling back to another kernel."""
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] == 1:  # cuDNN refuses a key length of 1 (a one-token sample); any kernel is exact there
+            return super()._sdpa(q, k, v)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(
                 q,
