@@ -73,14 +73,17 @@ def test_teacher_engine_scores_equal_the_teachers_hf_forward(tmp_path, tiny_mode
         check_same_tokenizer(str(tiny_model_dirs["qwen3"]), str(SMOLLM2))
 
 
-def test_embedded_score_tokens_equal_an_hf_forward_at_a_temperature(tiny_model_dirs):
-    """In process, on a tiny model with QK-norm: several sequences of other lengths and starts, T = 0.7."""
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_embedded_score_tokens_equal_an_hf_forward_at_a_temperature(kind, tiny_model_dirs, tiny_moe_dir):
+    """In process, on a tiny model with QK-norm (dense, and MoE: scoring leaves the last generation's routing
+    record alone): several sequences of other lengths and starts, T = 0.7."""
     from transformers import AutoModelForCausalLM
 
     from rlrun.engine.backends.embedded import EmbeddedEngine
 
-    path = tiny_model_dirs["qwen3"]
+    path = tiny_moe_dir if kind == "qwen3_moe" else tiny_model_dirs[kind]
     engine, reference = EmbeddedEngine(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    recorded = engine._prefill_experts = torch.zeros(1)  # stands in for the last generation's record
     sequences, starts = [[5, 9, 11, 40, 7, 3], [17, 2, 2, 90, 100, 31, 8, 64, 1], [3, 4]], [3, 1, 1]
     scores = engine.score_tokens(sequences, starts, temperature=0.7)
     with torch.no_grad():
@@ -90,3 +93,4 @@ def test_embedded_score_tokens_equal_an_hf_forward_at_a_temperature(tiny_model_d
             assert len(got) == len(ids) - start and torch.allclose(torch.tensor(got), want, atol=1e-5)
     with pytest.raises(ValueError, match=r"start \(0\) must be in \[1, 2\]"):
         engine.score_tokens([[3, 4]], [0])
+    assert engine._prefill_experts is recorded
