@@ -184,8 +184,9 @@ def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
         sampler = build_source(cfg.data, PromptDataset(cfg.data, tokenizer), seed=cfg.train.seed)
     teacher = None
     if cfg.algorithm.opd.teacher_engine is not None:
-        from rlrun.rollout.teacher import TeacherEngine
+        from rlrun.rollout.teacher import TeacherEngine, check_teacher_tokenizer
 
+        check_teacher_tokenizer(cfg, tokenizer, parallel)
         teacher = TeacherEngine.spawn(cfg, parallel.rank, run_dir)
     rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine, teacher=teacher)
     dp_rank_of = all_gather(parallel.dp_rank, parallel.cpu_group)

@@ -6,10 +6,12 @@ forward within 1e-4, and a teacher of another tokenizer is refused."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from dist_utils import run_distributed
 from integration.test_train_loop import REPO, run_train
 
 SMOLLM2 = REPO / ".cache/models/SmolLM2-135M-Instruct"
@@ -43,8 +45,6 @@ def make_student(out_dir):
 def test_teacher_engine_scores_equal_the_teachers_hf_forward(tmp_path, tiny_model_dirs):
     from transformers import AutoModelForCausalLM
 
-    from rlrun.rollout.teacher import check_same_tokenizer
-
     student, run_dir = make_student(tmp_path / "student"), tmp_path / "run"
     records = run_train(
         student,
@@ -69,8 +69,32 @@ def test_teacher_engine_scores_equal_the_teachers_hf_forward(tmp_path, tiny_mode
             gaps.append((torch.tensor(row["teacher_logprobs"]) - want).abs().max().item())
     assert len(rows) == 32 and max(gaps) < 1e-4, max(gaps)
 
-    with pytest.raises(ValueError, match=r"must have model.path's tokenizer .* \(token, id\) pairs differ"):
-        check_same_tokenizer(str(tiny_model_dirs["qwen3"]), str(SMOLLM2))
+
+def _check_tokenizers(student_dir: str, teacher_dir: str) -> str | None:
+    from transformers import AutoTokenizer
+
+    from rlrun.config.schema import RunConfig
+    from rlrun.rollout.teacher import check_teacher_tokenizer
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    parallel = init_distributed(1, 1, 0)
+    try:
+        opd = {"teacher_path": teacher_dir, "kl_coef": 0.2, "teacher_engine": "embedded"}
+        cfg = RunConfig.model_validate({"model": {"path": student_dir}, "algorithm": {"opd": opd}})
+        try:
+            check_teacher_tokenizer(cfg, AutoTokenizer.from_pretrained(student_dir), parallel)
+        except ValueError as err:
+            return str(err)
+        return None
+    finally:
+        destroy_distributed()
+
+
+def test_a_teacher_of_another_tokenizer_is_refused_on_every_rank(tiny_model_dirs):
+    """Rank 0 alone loads the teacher's tokenizer; both ranks raise its verdict before any teacher starts."""
+    verdicts = run_distributed(_check_tokenizers, 2, str(tiny_model_dirs["qwen3"]), str(SMOLLM2), all_ranks=True)
+    assert verdicts[0] == verdicts[1] and verdicts[0] is not None
+    assert re.search(r"must have model.path's tokenizer .* \(token, id\) pairs differ", verdicts[0]), verdicts[0]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
