@@ -207,29 +207,17 @@ def _source_order(problem: str) -> tuple[int, str]:
 def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
     from rlrun.data.source import load_source_factory
     from rlrun.hooks import HookSpecError
-    from rlrun.rollout.filters import load_filter
-    from rlrun.rollout.multiturn import load_generate_fn
+    from rlrun.rollout.hook_specs import HOOK_LOADERS
     from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
-    from rlrun.rollout.rewards.post_process import load_reward_post_process
-    from rlrun.rollout.rollout_fn import RolloutFn
-    from rlrun.rollout.train_samples import SampleToTrain
 
     r = cfg.rollout
     specs = [("rollout.reward", r.reward)] + [(f"rollout.rewards.{name}", spec) for name, spec in r.rewards.items()]
     specs += [(f"eval.datasets.{i}.reward", ds.reward) for i, ds in enumerate(cfg.eval.datasets) if ds.reward]
     checks = [(key, lambda spec=spec: load_reward_fn(spec, r.remote_reward)) for key, spec in specs]
-    if r.generate_fn:
-        checks.append(("rollout.generate_fn", lambda: load_generate_fn(r.generate_fn)))
-    if r.reward_post_process:
-        checks.append(("rollout.reward_post_process", lambda: load_reward_post_process(r.reward_post_process)))
-    if r.rollout_fn:
-        checks.append(("rollout.rollout_fn", lambda: RolloutFn.load(r.rollout_fn)))
-    if r.sample_to_train:
-        checks.append(("rollout.sample_to_train", lambda: SampleToTrain.load(r.sample_to_train)))
+    hooks = [(name, load, getattr(r, name)) for name, load in HOOK_LOADERS.items()]
+    checks += [(f"rollout.{name}", lambda load=load, spec=spec: load(spec)) for name, load, spec in hooks if spec]
     if cfg.data.sampler:
         checks.append(("data.sampler", lambda: load_source_factory(cfg.data.sampler)))
-    if r.dynamic_filter:
-        checks.append(("rollout.dynamic_filter", lambda: load_filter(r.dynamic_filter)))
     for key, check in checks:
         try:
             check()

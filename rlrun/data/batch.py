@@ -108,6 +108,8 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
     tokens = torch.full((1, seq_len), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros(1, seq_len, dtype=torch.long)
     loss_mask, adv, rollout_lp = (torch.zeros(1, seq_len - 1) for _ in range(3))
+    # The teacher engine's scores (prediction positions, as rollout_logprobs; 0 elsewhere), when it scored.
+    teacher_lp = None if all(s.teacher_logprobs is None for s in samples) else torch.zeros(1, seq_len - 1)
     offset = 0
     for sample, advantage in zip(samples, advantages, strict=False):
         prompt_len, resp_len = len(sample.prompt.prompt_ids), len(sample.response_ids)
@@ -119,6 +121,9 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
         loss_mask[0, span] = mask
         adv[0, span] = advantage * mask
         rollout_lp[0, span] = torch.tensor(sample.rollout_logprobs) * mask
+        if teacher_lp is not None:
+            assert sample.teacher_logprobs is not None, "the teacher engine scores every sample of a step"
+            teacher_lp[0, span] = torch.tensor(sample.teacher_logprobs)
         offset += length
     last_start = offset - samples[-1].total_length
     position_ids[0, offset:] = torch.arange(offset - last_start, seq_len - last_start)
@@ -128,24 +133,10 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
         loss_mask,
         adv,
         rollout_lp,
-        teacher_logprobs=_packed_teacher_logprobs(samples, seq_len),
+        teacher_logprobs=teacher_lp,
         routed_experts=_packed_experts(samples, seq_len),
         kept_ids=_packed_kept_ids(samples, seq_len),
     )
-
-
-def _packed_teacher_logprobs(samples: list[Sample], seq_len: int) -> torch.Tensor | None:
-    """``MicroBatch.teacher_logprobs`` of one packed row from the teacher engine's scores (prediction
-    positions, as ``rollout_logprobs``; 0 elsewhere), or None when the samples have none."""
-    if all(s.teacher_logprobs is None for s in samples):
-        return None
-    out, offset = torch.zeros(1, seq_len - 1), 0
-    for sample in samples:
-        assert sample.teacher_logprobs is not None, "the teacher engine scores every sample of a step"
-        prompt_len = len(sample.prompt.prompt_ids)
-        out[0, offset + prompt_len - 1 : offset + sample.total_length - 1] = torch.tensor(sample.teacher_logprobs)
-        offset += sample.total_length
-    return out
 
 
 def _packed_kept_ids(samples: list[Sample], seq_len: int) -> torch.Tensor | None:

@@ -78,6 +78,20 @@ class Sample:
     see the trajectory (this sample) once; each part trains as its own sample with the trajectory's group
     score (rlrun/rollout/train_samples.py). None: the sample is its own training sample."""
 
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> Sample:
+        """The inverse of ``dataclasses.asdict`` (a checkpoint's carried groups, a saved rollout's JSON lines):
+        the prompt and parts as objects again, weight spans as tuples."""
+        spans, parts = row.get("weight_spans"), row.get("parts")
+        return cls(
+            **{
+                **row,
+                "prompt": Prompt(**row["prompt"]),
+                "weight_spans": [(v, n) for v, n in spans] if spans else None,
+                "parts": [cls.from_dict(part) for part in parts] if parts else None,
+            }
+        )
+
     @property
     def first_weight_version(self) -> str:
         """The weight version that generated the response's first token."""

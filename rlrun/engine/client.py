@@ -43,7 +43,7 @@ from rlrun.engine.payload import iter_buckets, serialize_for_tp_ranks, tensor_ch
 from rlrun.engine.rpc import Endpoint, RpcClient, RpcError, choose_endpoint
 from rlrun.engine.types import EngineStatus, GenResult, OpResult
 from rlrun.engine.worker import AUTHKEY_ENV, TOKEN_ENV
-from rlrun.runtime.deaths import describe_exit, oom_kill_counts
+from rlrun.runtime.deaths import WatchedProcess
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,9 @@ class EngineClient:
         self.endpoint = endpoint
         self.process = process
         self.log_path = log_path
-        self._oom_kills_at_start = oom_kill_counts()
-        """The cgroup's OOM-kill counters when the worker started: a SIGKILL with a higher count is the OOM killer."""
+        self.watched = WatchedProcess(process, log_path)
+        """The worker with its OOM-kill counters at start (a SIGKILL after they rose is the OOM killer's); the
+        watchdog watches this same record."""
         self.rpc = RpcClient(
             endpoint.address,
             timeout_s=request_timeout_s,
@@ -213,10 +214,9 @@ class EngineClient:
 
     def _death_note(self) -> str | None:
         """None while the worker runs, else its exit code and the end of its log."""
-        code = self.process.poll()
-        if code is None:
+        how = self.watched.exit_note()
+        if how is None:
             return None
-        how = describe_exit(self.process.pid, code, self.log_path, self._oom_kills_at_start)
         return (
             f"engine worker for rank {self.rank} (pid {self.process.pid}) {how}; "
             f"last lines of {self.log_path}:\n{_tail(self.log_path, LOG_TAIL_LINES)}"

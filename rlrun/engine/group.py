@@ -51,7 +51,6 @@ import multiprocessing
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -61,6 +60,7 @@ from rlrun.engine.backends import BackendSpec
 from rlrun.engine.client import EngineClient
 from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket
 from rlrun.engine.rpc import RpcPeerDiedError, RpcTimeoutError
+from rlrun.runtime.deaths import WatchedProcess
 
 log = logging.getLogger(__name__)
 
@@ -220,12 +220,13 @@ class EngineGroup:
 
     @property
     def process(self) -> subprocess.Popen | None:
-        """The engine worker's process on the leader (for the watchdog), None elsewhere."""
+        """The engine worker's process on the leader, None elsewhere."""
         return self.client.process if self.client is not None else None
 
     @property
-    def log_path(self) -> Path | None:
-        return self.client.log_path if self.client is not None else None
+    def watched(self) -> WatchedProcess | None:
+        """The engine worker as the watchdog watches it, on the leader; None elsewhere."""
+        return self.client.watched if self.client is not None else None
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         self._on_engine("offload", lambda engine: engine.release_memory_occupation(tags))

@@ -79,9 +79,7 @@ def _gather(model: MegatronModel, name: str, param: torch.Tensor, expert: bool, 
     local = model.lora.merged(name, param) if model.lora is not None else param
     if partition.dim is not None and size > 1:
         group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
-        shards = [torch.empty_like(param) for _ in range(size)]
-        dist.all_gather(shards, local.detach().contiguous(), group=group)
-        full = partition.unshard(shards)
+        full = partition.gather(local.detach(), size, group)
     else:
         full = param.detach().clone() if local is param else local
     if not expert or parallel.ep_size == 1:

@@ -33,14 +33,9 @@ def full_adapter_tensors(model: MegatronModel) -> dict[str, torch.Tensor]:
     assert model.lora is not None, "full_adapter_tensors needs a model built with model.lora"
     parallel = model.parallel
     mine: dict[str, torch.Tensor] = {}
+    group = mpu.get_tensor_model_parallel_group()
     for key, param in model.lora.peft_tensors():
-        partition = Partition.of(param)
-        full = param.detach()
-        if partition.dim is not None and parallel.tp_size > 1:
-            shards = [torch.empty_like(full) for _ in range(parallel.tp_size)]
-            dist.all_gather(shards, full.contiguous(), group=mpu.get_tensor_model_parallel_group())
-            full = partition.unshard(shards)
-        mine[key] = full.cpu().contiguous()
+        mine[key] = Partition.of(param).gather(param.detach(), parallel.tp_size, group).cpu().contiguous()
     # One sender per pipeline stage (DP replicas and TP peers hold the same full tensors).
     sends = parallel.tp_rank == 0 and parallel.dp_rank == 0
     gathered: list[dict[str, torch.Tensor] | None] = [None] * parallel.world_size if parallel.is_rank0 else []

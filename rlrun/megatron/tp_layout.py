@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,13 @@ class Partition:
             return shards[0]
         pieces = [shard.chunk(self.stride, dim=self.dim) for shard in shards]
         return torch.cat([pieces[r][s] for s in range(self.stride) for r in range(len(shards))], dim=self.dim)
+
+    def gather(self, local: torch.Tensor, size: int, group: dist.ProcessGroup) -> torch.Tensor:
+        """Collective over ``group`` (the ``size`` ranks that split the parameter: TP, or ETP for experts): the
+        full tensor from every rank's ``local`` shard; ``local`` itself when it is replicated or not split."""
+        if self.dim is None or size == 1:
+            return local
+        local = local.contiguous()
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local, group=group)
+        return self.unshard(shards)

@@ -34,10 +34,10 @@ from rlrun.engine.group import EngineLost
 from rlrun.rollout.debug_data import load_rollout, save_rollout
 from rlrun.rollout.driver import generate_samples, group_samples, split_groups
 from rlrun.rollout.evaluate import Evaluator
-from rlrun.rollout.filters import GroupFilter, load_filter
-from rlrun.rollout.multiturn import load_generate_fn
+from rlrun.rollout.filters import GroupFilter
+from rlrun.rollout.hook_specs import load_hooks
 from rlrun.rollout.rewards import score_samples
-from rlrun.rollout.rewards.post_process import RewardPostProcess, load_reward_post_process, post_process_rewards
+from rlrun.rollout.rewards.post_process import RewardPostProcess, post_process_rewards
 from rlrun.rollout.rewards.select import RewardByType, load_rewards
 from rlrun.rollout.rollout_fn import RolloutContext, RolloutFn
 from rlrun.rollout.streaming import (
@@ -59,11 +59,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RolloutHooks:
-    """The rollout's user-replaceable functions, resolved from ``rollout.*`` specs."""
+    """The rollout's user-replaceable functions, resolved from ``rollout.*`` specs (each optional one is a row of
+    :data:`rlrun.rollout.hook_specs.HOOK_LOADERS`, under its config key's name)."""
 
     reward_fn: Callable
     generate_fn: Callable | None
-    group_filter: GroupFilter | None
+    dynamic_filter: GroupFilter | None
     reward_post_process: RewardPostProcess | None = None
     sample_to_train: SampleToTrain | None = None
     """Used by rank 0's batch planner (rlrun/trainer/batch.py), after the group scores."""
@@ -74,14 +75,7 @@ class RolloutHooks:
     def load(cls, r: RolloutConfig) -> RolloutHooks:
         """Import every hook the config names; raises ``RewardSpecError`` / ``HookSpecError`` naming the key
         (cheap: call it when the config is loaded, so a bad path fails before any model loads)."""
-        return cls(
-            reward_fn=load_rewards(r),
-            generate_fn=load_generate_fn(r.generate_fn) if r.generate_fn else None,
-            group_filter=load_filter(r.dynamic_filter) if r.dynamic_filter else None,
-            reward_post_process=load_reward_post_process(r.reward_post_process) if r.reward_post_process else None,
-            sample_to_train=SampleToTrain.load(r.sample_to_train) if r.sample_to_train else None,
-            rollout_fn=RolloutFn.load(r.rollout_fn) if r.rollout_fn else None,
-        )
+        return cls(reward_fn=load_rewards(r), **load_hooks(r))
 
 
 @dataclass
@@ -256,7 +250,7 @@ class RolloutRuntime:
             if tally is not None:
                 tally.engine_lost = any(isinstance(rank_samples, EngineLost) for rank_samples in gathered)
                 kept = [s for part in gathered if not isinstance(part, EngineLost) for s in part]
-                tally.add_round(group_samples(kept, r.samples_per_prompt), self.hooks.group_filter)
+                tally.add_round(group_samples(kept, r.samples_per_prompt), self.hooks.dynamic_filter)
         return tally.batch() if tally is not None else None
 
     def _stream_rounds(self, step: int) -> RolloutBatch | None:
@@ -267,7 +261,7 @@ class RolloutRuntime:
         pending: list[GroupJob] = []
         if tally is not None:
             carried, self.carry = self.carry, []
-            tally.add_groups([g for g in carried if not any(is_unfinished(s) for s in g)], self.hooks.group_filter)
+            tally.add_groups([g for g in carried if not any(is_unfinished(s) for s in g)], self.hooks.dynamic_filter)
             pending = [GroupJob(g[0].prompt, g) for g in carried if any(is_unfinished(s) for s in g)]
         for round_index in itertools.count():
             plan = self._plan_stream_round(tally, pending) if tally is not None else None
@@ -315,7 +309,7 @@ class RolloutRuntime:
         reports = gather_to_rank0((leftover, wait_s), self.parallel.cpu_group)
         if tally is not None:
             for outcomes, rank_wait_s in reports:
-                tally.add_groups([o.samples for o in outcomes if not o.aborted], self.hooks.group_filter)
+                tally.add_groups([o.samples for o in outcomes if not o.aborted], self.hooks.dynamic_filter)
                 tally.aborted += [o.samples for o in outcomes if o.aborted]
                 tally.abort_wait_s = max(tally.abort_wait_s, rank_wait_s)
 
@@ -328,7 +322,7 @@ class RolloutRuntime:
         if errors:
             return [("fail: " + "; ".join(errors), [])] * world_size
         for outcomes, _, _ in reports:
-            tally.add_groups([o.samples for o in outcomes if not o.aborted], self.hooks.group_filter)
+            tally.add_groups([o.samples for o in outcomes if not o.aborted], self.hooks.dynamic_filter)
             tally.aborted += [o.samples for o in outcomes if o.aborted]
         if tally.full:
             return [("abort", [])] * world_size

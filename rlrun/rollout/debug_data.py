@@ -14,7 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from rlrun.data.sample import Prompt, Sample
+from rlrun.data.sample import Sample
 
 
 def rollout_path(directory: str | Path, step: int) -> Path:
@@ -42,13 +42,8 @@ def load_rollout(directory: str | Path, step: int) -> list[Sample]:
     with path.open(encoding="utf-8") as lines:
         for line in lines:
             row = json.loads(line)
-            samples.append(_sample(row))
+            samples.append(Sample.from_dict(row))
     return samples
-
-
-def _sample(row: dict) -> Sample:
-    parts = [_sample(part) for part in row["parts"]] if row.get("parts") else None
-    return Sample(**{**row, "prompt": Prompt(**row["prompt"]), "parts": parts})
 
 
 def maybe_save_train_data(cfg, step: int, rank: int, micro_batches: list) -> None:

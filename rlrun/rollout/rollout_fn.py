@@ -21,7 +21,6 @@ have changed) with one log-prob per response token. Evaluation generates as usua
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -29,6 +28,7 @@ from typing import Any, NoReturn
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
 from rlrun.hooks import load_hook
+from rlrun.rollout.rewards.score import is_finite_reward
 
 SIGNATURE = "fn(ctx: RolloutContext) -> list[list[Sample]]"
 
@@ -101,10 +101,8 @@ class RolloutFn:
                 f"{len(s.response_ids)} response tokens",
                 "one rollout log-prob per response token",
             )
-        if scored and (isinstance(s.reward, bool) or not isinstance(s.reward, (int, float))):
-            self._fail(ctx, f"set reward {s.reward!r} on prompt {prompt.index}", "a float sample.reward")
-        if scored and not math.isfinite(s.reward):
-            self._fail(ctx, f"set reward {s.reward!r} on prompt {prompt.index}", "a finite sample.reward")
+        if scored and not is_finite_reward(s.reward):
+            self._fail(ctx, f"set reward {s.reward!r} on prompt {prompt.index}", "a finite float sample.reward")
 
     def _fail(self, ctx: RolloutContext, what: str, expected: str) -> NoReturn:
         raise ValueError(

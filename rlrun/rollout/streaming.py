@@ -121,19 +121,7 @@ def carry_to_state(carry: list[list[Sample]]) -> list[list[dict]]:
 
 def carry_from_state(state: list[list[dict]]) -> list[list[Sample]]:
     """The inverse of :func:`carry_to_state`."""
-    return [
-        [
-            Sample(
-                **{
-                    **row,
-                    "prompt": Prompt(**row["prompt"]),
-                    "weight_spans": [tuple(span) for span in row["weight_spans"]] if row["weight_spans"] else None,
-                }
-            )
-            for row in group
-        ]
-        for group in state
-    ]
+    return [[Sample.from_dict(row) for row in group] for group in state]
 
 
 class GroupStream:

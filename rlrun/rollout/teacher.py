@@ -30,7 +30,6 @@ class TeacherEngine:
 
         opd = cfg.algorithm.opd
         assert opd.teacher_path is not None, "check_algorithm pairs teacher_path with kl_coef"
-        check_same_tokenizer(cfg.model.path, opd.teacher_path)
         spec = BackendSpec(
             str(opd.teacher_engine),
             opd.teacher_path,
@@ -69,16 +68,31 @@ class TeacherEngine:
         self.client.shutdown()
 
 
-def check_same_tokenizer(student_path: str, teacher_path: str) -> None:
-    """Raise unless both directories' tokenizers map every token to the same id (the teacher scores the
-    student's token ids as they are)."""
+def check_teacher_tokenizer(cfg: RunConfig, tokenizer, parallel) -> None:
+    """Collective over ``parallel.cpu_group``, before any rank spawns a teacher: rank 0 alone loads the teacher's
+    tokenizer and compares it with the student's (``tokenizer``, loaded already), and every rank raises the
+    same error when they differ."""
+    from rlrun.data.transfer import scatter_from_rank0
+
+    teacher_path = cfg.algorithm.opd.teacher_path
+    assert teacher_path is not None, "check_algorithm pairs teacher_path with kl_coef"
+    verdict = tokenizer_mismatch(tokenizer, cfg.model.path, teacher_path) if parallel.is_rank0 else None
+    problem = scatter_from_rank0([verdict] * parallel.world_size if parallel.is_rank0 else None, parallel.cpu_group)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def tokenizer_mismatch(student, student_path: str, teacher_path: str) -> str | None:
+    """Why ``teacher_path``'s tokenizer does not map every token to the same id as the student's (``student``,
+    the tokenizer of ``student_path``), or None: the teacher scores the student's token ids as they are."""
     from transformers import AutoTokenizer
 
-    student, teacher = AutoTokenizer.from_pretrained(student_path), AutoTokenizer.from_pretrained(teacher_path)
-    if student.get_vocab() != teacher.get_vocab() or student.all_special_ids != teacher.all_special_ids:
-        only = len(set(student.get_vocab().items()) ^ set(teacher.get_vocab().items()))
-        raise ValueError(
-            f"algorithm.opd.teacher_path ({teacher_path}) must have model.path's tokenizer ({student_path}) "
-            f"because the teacher engine scores the student's token ids; {only} (token, id) pairs differ"
-            f"{'' if only else ' (the special tokens do)'}; pick a teacher of the same tokenizer family"
-        )
+    teacher = AutoTokenizer.from_pretrained(teacher_path)
+    if student.get_vocab() == teacher.get_vocab() and student.all_special_ids == teacher.all_special_ids:
+        return None
+    only = len(set(student.get_vocab().items()) ^ set(teacher.get_vocab().items()))
+    return (
+        f"algorithm.opd.teacher_path ({teacher_path}) must have model.path's tokenizer ({student_path}) "
+        f"because the teacher engine scores the student's token ids; {only} (token, id) pairs differ"
+        f"{'' if only else ' (the special tokens do)'}; pick a teacher of the same tokenizer family"
+    )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -110,6 +112,22 @@ def log_cause(log_path: Path | None) -> str | None:
     if "CUDA out of memory" in last or "OutOfMemoryError" in last:
         return f"CUDA out of memory{where}: {last[:300]}"
     return f"Python exception{where}: {last[:300]}"
+
+
+@dataclass(frozen=True)
+class WatchedProcess:
+    """A worker process whose exit is explained in one line (:meth:`exit_note`): its log, and the OOM-kill
+    counters taken once when it started, so the engine client and the watchdog compare with the same ones (a
+    kill of the worker itself before the watchdog looks is still counted as evidence)."""
+
+    process: subprocess.Popen
+    log_path: Path | None
+    oom_kills: dict[str, int] = field(default_factory=lambda: oom_kill_counts())
+
+    def exit_note(self) -> str | None:
+        """None while the process runs, else :func:`describe_exit`'s line."""
+        code = self.process.poll()
+        return None if code is None else describe_exit(self.process.pid, code, self.log_path, self.oom_kills)
 
 
 def describe_exit(pid: int, code: int, log_path: Path | None, oom_before: dict[str, int] | None) -> str:

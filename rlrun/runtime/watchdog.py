@@ -29,17 +29,15 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
-from rlrun.runtime.deaths import describe_exit, oom_kill_counts
+from rlrun.runtime.deaths import WatchedProcess
 from rlrun.runtime.dist import Parallel
 from rlrun.runtime.processes import process_alive
 
@@ -57,10 +55,7 @@ class WatchedWorker:
 
     role: str
     """How messages name it: "engine", "teacher engine"."""
-    process: subprocess.Popen
-    log_path: Path | None
-    oom_kills: dict[str, int] | None
-    """The host's OOM-kill counters when watching began (a later kill is evidence of the cause)."""
+    watched: WatchedProcess
 
 
 @dataclass(frozen=True)
@@ -124,11 +119,11 @@ class Watchdog:
         watchdog._thread.start()
         return watchdog
 
-    def watch_engine(self, process: subprocess.Popen | None, log_path: Path | None, role: str = "engine") -> None:
+    def watch_engine(self, watched: WatchedProcess | None, role: str = "engine") -> None:
         """Also treat the exit of this rank's ``role`` worker as a failure of this rank (None: this rank has
         none, a member of an engine group)."""
-        if process is not None:
-            self._workers.append(WatchedWorker(role, process, log_path, oom_kill_counts()))
+        if watched is not None:
+            self._workers.append(WatchedWorker(role, watched))
 
     def phase_started(self, phase: str) -> None:
         """The main thread enters ``phase`` (a ``PhaseTimer`` listener): failures found from now on name it, so a
@@ -185,13 +180,12 @@ class Watchdog:
 
     def _engine_death(self) -> str | None:
         for worker in self._workers:
-            code = worker.process.poll()
-            if code is None:
+            how = worker.watched.exit_note()
+            if how is None:
                 continue
-            how = describe_exit(worker.process.pid, code, worker.log_path, worker.oom_kills)
             return (
-                f"the {worker.role} worker of {self.me.describe()} (pid {worker.process.pid}) {how} at "
-                f"{self.where()}; see {worker.log_path}"
+                f"the {worker.role} worker of {self.me.describe()} (pid {worker.watched.process.pid}) {how} at "
+                f"{self.where()}; see {worker.watched.log_path}"
             )
         return None
 
@@ -220,13 +214,13 @@ class Watchdog:
 
     def _exit(self, verdict: str) -> None:
         print(f"[rlrun] {self.me.describe()} exiting: {verdict}", file=sys.stderr, flush=True)
-        for worker in self._workers:
-            if worker.process.poll() is not None:
+        for process in (worker.watched.process for worker in self._workers):
+            if process.poll() is not None:
                 continue
             try:  # the worker leads its own process group (SGLang's schedulers live in it too)
-                os.killpg(worker.process.pid, signal.SIGKILL)
+                os.killpg(process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
-                worker.process.kill()
+                process.kill()
         os._exit(EXIT_PEER_FAILED)
 
     def _stop_thread(self) -> None:

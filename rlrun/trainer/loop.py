@@ -101,10 +101,9 @@ def run(cfg: RunConfig) -> bool:
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
             parts = setup(cfg, parallel, watchdog)
         if cfg.engine.max_restarts == 0:  # else a dead engine is restarted, not the end of the job
-            watchdog.watch_engine(parts.engine.process, parts.engine.log_path)
+            watchdog.watch_engine(parts.engine.watched)
         if parts.rollout.teacher is not None:  # never restarted: its death ends the job
-            teacher = parts.rollout.teacher.client
-            watchdog.watch_engine(teacher.process, teacher.log_path, role="teacher engine")
+            watchdog.watch_engine(parts.rollout.teacher.client.watched, role="teacher engine")
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
         resumed = parts.actor.restore(checkpointer, parts.sampler)
         parts.rollout.restore_carry(checkpointer.restored_carry)
@@ -185,8 +184,9 @@ def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
         sampler = build_source(cfg.data, PromptDataset(cfg.data, tokenizer), seed=cfg.train.seed)
     teacher = None
     if cfg.algorithm.opd.teacher_engine is not None:
-        from rlrun.rollout.teacher import TeacherEngine
+        from rlrun.rollout.teacher import TeacherEngine, check_teacher_tokenizer
 
+        check_teacher_tokenizer(cfg, tokenizer, parallel)
         teacher = TeacherEngine.spawn(cfg, parallel.rank, run_dir)
     rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine, teacher=teacher)
     dp_rank_of = all_gather(parallel.dp_rank, parallel.cpu_group)

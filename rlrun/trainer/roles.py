@@ -83,6 +83,8 @@ class ModelRoles:
         self.backup = backup
         """None when no role other than the actor exists (nothing is ever swapped)."""
         self.reuse_logprobs = can_reuse_logprobs(cfg, num_optimizer_steps)
+        self.ref_is_a_copy = _ref_is_a_copy(cfg, model)
+        """Whether the reference is the ``ref`` backup, swapped in (else the adapters-off model, or none)."""
         self.routing: RoutingReplay | None = RoutingReplay.create(model, cfg.routing_replay)
         """MoE routing replay around the forwards (``algorithm.routing_replay``); None when off."""
 
@@ -90,12 +92,13 @@ class ModelRoles:
     def create(cls, cfg: AlgorithmConfig, model: MegatronModel, num_optimizer_steps: int = 1) -> ModelRoles:
         """Back up the actor and load every configured role; the model holds the actor on return.
         ``num_optimizer_steps``: the updates per rollout step (reuse of the training forward needs one)."""
-        if not (_ref_is_a_copy(cfg, model) or cfg.swaps_teacher or cfg.keep_old_actor):
+        ref_is_a_copy = _ref_is_a_copy(cfg, model)
+        if not (ref_is_a_copy or cfg.swaps_teacher or cfg.keep_old_actor):
             return cls(cfg, model, None, num_optimizer_steps)
         # With LoRA and no teacher every role shares the frozen base: back up the adapters alone.
         backup = WeightBackup(model.module, trainable_only=model.lora is not None and not cfg.swaps_teacher)
         backup.backup("actor")
-        if _ref_is_a_copy(cfg, model):
+        if ref_is_a_copy:
             _load_ref(backup, model, cfg.ref.path, cfg.ref.step)
         if cfg.swaps_teacher:
             _load_role(backup, model, "teacher", cfg.opd.teacher_path)
@@ -121,7 +124,7 @@ class ModelRoles:
             (tag, field)
             for tag, field, on in (
                 ("old_actor", "old_logprobs", self.needs_old_forward and self.cfg.keep_old_actor),
-                ("ref", "ref_logprobs", _ref_is_a_copy(self.cfg, self.model)),
+                ("ref", "ref_logprobs", self.ref_is_a_copy),
                 ("teacher", "teacher_logprobs", self.cfg.swaps_teacher),  # else: the teacher engine's
             )
             if on
@@ -153,7 +156,7 @@ class ModelRoles:
         if self.backup is None:
             return
         interval = self.cfg.ref.update_interval
-        if _ref_is_a_copy(self.cfg, self.model) and interval is not None and (step + 1) % interval == 0:
+        if self.ref_is_a_copy and interval is not None and (step + 1) % interval == 0:
             self.backup.backup("ref")
 
     def _fill(self, micro_batches: list[MicroBatch], field: str, temperature: float) -> None:

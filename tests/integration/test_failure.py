@@ -163,6 +163,7 @@ def test_a_dead_teacher_engine_is_this_ranks_failure(tmp_path):
     import torch.distributed as dist
 
     from rlrun.runtime import watchdog as wd
+    from rlrun.runtime.deaths import WatchedProcess
     from rlrun.runtime.dist import free_port
 
     port = free_port()
@@ -172,8 +173,8 @@ def test_a_dead_teacher_engine_is_this_ranks_failure(tmp_path):
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     teacher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
-        dog.watch_engine(engine, tmp_path / "engine-0.log")
-        dog.watch_engine(teacher, log, role="teacher engine")
+        dog.watch_engine(WatchedProcess(engine, tmp_path / "engine-0.log"))
+        dog.watch_engine(WatchedProcess(teacher, log), role="teacher engine")
         dog.step = 3
         assert dog._engine_death() is None
         teacher.kill()

@@ -6,10 +6,12 @@ forward within 1e-4, and a teacher of another tokenizer is refused."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from dist_utils import run_distributed
 from integration.test_train_loop import REPO, run_train
 
 SMOLLM2 = REPO / ".cache/models/SmolLM2-135M-Instruct"
@@ -43,8 +45,6 @@ def make_student(out_dir):
 def test_teacher_engine_scores_equal_the_teachers_hf_forward(tmp_path, tiny_model_dirs):
     from transformers import AutoModelForCausalLM
 
-    from rlrun.rollout.teacher import check_same_tokenizer
-
     student, run_dir = make_student(tmp_path / "student"), tmp_path / "run"
     records = run_train(
         student,
@@ -69,18 +69,45 @@ def test_teacher_engine_scores_equal_the_teachers_hf_forward(tmp_path, tiny_mode
             gaps.append((torch.tensor(row["teacher_logprobs"]) - want).abs().max().item())
     assert len(rows) == 32 and max(gaps) < 1e-4, max(gaps)
 
-    with pytest.raises(ValueError, match=r"must have model.path's tokenizer .* \(token, id\) pairs differ"):
-        check_same_tokenizer(str(tiny_model_dirs["qwen3"]), str(SMOLLM2))
+
+def _check_tokenizers(student_dir: str, teacher_dir: str) -> str | None:
+    from transformers import AutoTokenizer
+
+    from rlrun.config.schema import RunConfig
+    from rlrun.rollout.teacher import check_teacher_tokenizer
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    parallel = init_distributed(1, 1, 0)
+    try:
+        opd = {"teacher_path": teacher_dir, "kl_coef": 0.2, "teacher_engine": "embedded"}
+        cfg = RunConfig.model_validate({"model": {"path": student_dir}, "algorithm": {"opd": opd}})
+        try:
+            check_teacher_tokenizer(cfg, AutoTokenizer.from_pretrained(student_dir), parallel)
+        except ValueError as err:
+            return str(err)
+        return None
+    finally:
+        destroy_distributed()
 
 
-def test_embedded_score_tokens_equal_an_hf_forward_at_a_temperature(tiny_model_dirs):
-    """In process, on a tiny model with QK-norm: several sequences of other lengths and starts, T = 0.7."""
+def test_a_teacher_of_another_tokenizer_is_refused_on_every_rank(tiny_model_dirs):
+    """Rank 0 alone loads the teacher's tokenizer; both ranks raise its verdict before any teacher starts."""
+    verdicts = run_distributed(_check_tokenizers, 2, str(tiny_model_dirs["qwen3"]), str(SMOLLM2), all_ranks=True)
+    assert verdicts[0] == verdicts[1] and verdicts[0] is not None
+    assert re.search(r"must have model.path's tokenizer .* \(token, id\) pairs differ", verdicts[0]), verdicts[0]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_embedded_score_tokens_equal_an_hf_forward_at_a_temperature(kind, tiny_model_dirs, tiny_moe_dir):
+    """In process, on a tiny model with QK-norm (dense, and MoE: scoring leaves the last generation's routing
+    record alone): several sequences of other lengths and starts, T = 0.7."""
     from transformers import AutoModelForCausalLM
 
     from rlrun.engine.backends.embedded import EmbeddedEngine
 
-    path = tiny_model_dirs["qwen3"]
+    path = tiny_moe_dir if kind == "qwen3_moe" else tiny_model_dirs[kind]
     engine, reference = EmbeddedEngine(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    recorded = engine._prefill_experts = torch.zeros(1)  # stands in for the last generation's record
     sequences, starts = [[5, 9, 11, 40, 7, 3], [17, 2, 2, 90, 100, 31, 8, 64, 1], [3, 4]], [3, 1, 1]
     scores = engine.score_tokens(sequences, starts, temperature=0.7)
     with torch.no_grad():
@@ -90,3 +117,4 @@ def test_embedded_score_tokens_equal_an_hf_forward_at_a_temperature(tiny_model_d
             assert len(got) == len(ids) - start and torch.allclose(torch.tensor(got), want, atol=1e-5)
     with pytest.raises(ValueError, match=r"start \(0\) must be in \[1, 2\]"):
         engine.score_tokens([[3, 4]], [0])
+    assert engine._prefill_experts is recorded

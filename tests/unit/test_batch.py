@@ -33,6 +33,19 @@ def test_collate_packs_samples_into_one_row():
         assert mb.rollout_logprobs[0][keep].tolist() == torch.tensor(s.rollout_logprobs).tolist()
     assert mb.advantages[0][ids == 0].sum().item() == 0.5 * 2
     assert mb.num_loss_tokens == 6 and mb.num_loss_samples == 2
+    assert mb.teacher_logprobs is None  # no teacher engine scored them
+
+
+def test_collate_places_teacher_logprobs_at_the_response_predictions():
+    """The teacher engine's scores sit where ``rollout_logprobs`` do, unmasked (a tool token's too), 0 elsewhere."""
+    samples = [make_sample(3, 2), make_sample(2, 4)]
+    samples[1].loss_mask = [1, 0, 1, 1]
+    for k, s in enumerate(samples):
+        s.teacher_logprobs = [-1.0 - k - 0.25 * j for j in range(len(s.response_ids))]
+    teacher = collate(samples, [0.5, -1.0], pad_token_id=0).teacher_logprobs
+    assert teacher is not None and teacher.shape == (1, 15)
+    want = [0.0] * 2 + [-1.0, -1.25] + [0.0] * 2 + [-2.0, -2.25, -2.5, -2.75] + [0.0] * 5
+    assert teacher[0].tolist() == want
 
 
 def test_pack_respects_budget_and_keeps_every_item():

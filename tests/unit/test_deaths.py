@@ -77,3 +77,22 @@ def test_other_signals_and_this_hosts_counters(tmp_path):
     pid, code, log = run_dying(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     assert deaths.describe_exit(pid, code, log, None) == "exited with code -11 (killed by SIGSEGV: a signal)"
     assert all(path.endswith(("memory.events", "memory.oom_control")) for path in deaths.oom_kill_counts())
+
+
+def test_a_watched_process_is_judged_by_the_counters_of_its_start(monkeypatch):
+    """The engine client and the watchdog read one ``WatchedProcess``: a kill is compared with the counters taken
+    when it was made (the worker's spawn), not with those of whoever looks later."""
+    monkeypatch.setattr(deaths, "_kernel_log_oom", lambda pid: None)
+    monkeypatch.setattr(deaths, "oom_kill_counts", lambda: {"/sys/fs/cgroup/job/memory.events": 3})
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watched = deaths.WatchedProcess(process, None)
+    try:
+        assert watched.exit_note() is None  # still running
+        monkeypatch.setattr(deaths, "oom_kill_counts", lambda: {"/sys/fs/cgroup/job/memory.events": 4})
+    finally:
+        process.kill()
+        process.wait()
+    assert watched.exit_note() == (
+        "exited with code -9 (killed by SIGKILL: the kernel's OOM killer (host memory): "
+        "/sys/fs/cgroup/job/memory.events oom_kill 3 -> 4)"
+    )

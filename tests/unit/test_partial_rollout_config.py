@@ -57,6 +57,7 @@ def test_carry_survives_the_checkpoint_format_and_a_run_without_partial_rollout_
     sample.carried_tokens, sample.weight_spans = 1, [("1", 1), ("2", 2)]
     sample.kept_ids = torch.tensor([[5, -1], [6, 9], [7, -1]], dtype=torch.int32)
     sample.routed_experts = torch.zeros(5, 2, 2, dtype=torch.int32)
+    sample.parts = [Sample(7, prompt, [5], "a", [-0.5], "stop", weight_spans=[("1", 1)])]
     buffer = io.BytesIO()
     torch.save(carry_to_state([[sample]]), buffer)
     buffer.seek(0)
@@ -64,6 +65,7 @@ def test_carry_survives_the_checkpoint_format_and_a_run_without_partial_rollout_
     for name in ("group_index", "prompt", "response_ids", "rollout_logprobs", "finish_reason", "carried_tokens"):
         assert getattr(back, name) == getattr(sample, name), name
     assert back.weight_spans == [("1", 1), ("2", 2)] and back.first_weight_version == "1"
+    assert back.parts == sample.parts  # a trajectory's parts are samples again, not dicts
     assert torch.equal(back.kept_ids, sample.kept_ids) and torch.equal(back.routed_experts, sample.routed_experts)
 
     def runtime(partial: bool) -> RolloutRuntime:

@@ -131,7 +131,7 @@ def test_rollout_hooks_load_from_the_config(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     hooks = RolloutHooks.load(load_config(repo / "configs/calculator_tool.yaml").rollout)
     assert hooks.reward_fn.__name__ == "reward" and hooks.generate_fn.__name__ == "generate"
-    assert hooks.group_filter is nonzero_std
+    assert hooks.dynamic_filter is nonzero_std
     sync = tmp_path / "sync_gen.py"
     sync.write_text("def generate(traj):\n    return None\n")
     cfg = RunConfig.model_validate({"rollout": {"generate_fn": f"{sync}:generate"}}).rollout

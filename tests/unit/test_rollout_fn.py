@@ -72,7 +72,11 @@ def context(ps: list[Prompt], n: int = 2) -> RolloutContext:
         ),
         (
             lambda ps: [[answer(p, [5], float("nan"))] * 2 for p in ps],
-            r"set reward nan on prompt 10 .*it must return a finite sample.reward",
+            r"set reward nan on prompt 10 .*it must return a finite float sample.reward",
+        ),
+        (
+            lambda ps: [[answer(p, [5], True)] * 2 for p in ps],
+            r"set reward True on prompt 10 .*it must return a finite float sample.reward",
         ),
     ],
 )

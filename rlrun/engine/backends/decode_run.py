@@ -95,7 +95,6 @@ class DecodeRun:
         self._last_prefill: _Prefill | None = None
         """The last admission's prefill: (its prompts as indices into ``prompts``, their next-token logits, their
         K/V, their [P, W] mask); a group split between two refills takes its prompt's K/V from here."""
-        """The last admission's prefilled prompts (indices into ``prompts``) and width (MoE routed experts)."""
 
     # ---- the loop ---------------------------------------------------------------------------------
 

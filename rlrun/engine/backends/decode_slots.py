@@ -25,16 +25,21 @@ class SlotTable:
         self.prompt_len = [0] * num_slots
         self.start = [0] * num_slots
         self.max_new = [1] * num_slots
+        self._held: set[int] = set()
+        """The slots that hold a row, kept by occupy/release: :meth:`filled` runs every forward and reads only
+        these (in a long tail most slots are empty)."""
 
     def occupy(self, slot: int, row: int, prompt_len: int, start: int, max_new: int) -> None:
         self.row[slot], self.prompt_len[slot], self.start[slot], self.max_new[slot] = row, prompt_len, start, max_new
+        self._held.add(slot)
 
     def release(self, slot: int) -> None:
         self.row[slot] = -1
+        self._held.discard(slot)
 
     @property
     def occupied(self) -> list[int]:
-        return [s for s, r in enumerate(self.row) if r >= 0]
+        return sorted(self._held)
 
     @property
     def free(self) -> list[int]:
@@ -45,8 +50,7 @@ class SlotTable:
         forwards attends to its prompt plus one column per forward since, and stops moving after ``max_new``
         tokens. Empty slots do not count: their rows are gone, so what they attend to is never read (column 0,
         a prompt's, is always in their mask, so no row is fully masked)."""
-        held = (s for s, r in enumerate(self.row) if r >= 0)
-        return max((self.prompt_len[s] + min(forwards - self.start[s], self.max_new[s]) for s in held), default=1)
+        return max((self.prompt_len[s] + min(forwards - self.start[s], self.max_new[s]) for s in self._held), default=1)
 
     def last_forward(self, slot: int) -> int:
         """The forward after which the slot's row has ended at the latest (its max_new_tokens-th token)."""

@@ -256,7 +256,8 @@ class EmbeddedEngine:
     ) -> list[list[float]]:
         """Each sequence's log-probs of its tokens from ``starts[i]`` on, given the tokens before them:
         ``log_softmax(logits / temperature)`` in fp32 over the whole vocabulary (a teacher scoring a student's
-        responses). One prefill per sequence, through the generation path's attention, so nothing is cached."""
+        responses). One prefill per sequence, through the generation path's attention, so nothing is cached;
+        a MoE model's routing is not recorded (nothing reads it)."""
         if len(starts) != len(input_ids):
             raise ValueError(f"starts ({len(starts)}) must have one entry per sequence ({len(input_ids)})")
         out = []
@@ -264,61 +265,46 @@ class EmbeddedEngine:
             if not 1 <= start <= len(ids):
                 raise ValueError(f"start ({start}) must be in [1, {len(ids)}] because token 0 has no context")
             self.check_prompts([ids], [SamplingParams.from_dict({"max_new_tokens": 1})])
-            tokens = torch.tensor([ids], device=self.device)
-            mask = torch.ones_like(tokens)
-            cache = StaticKVCache(1, len(ids), self.device)
-            cache.columns = torch.arange(len(ids), device=self.device)
-            positions = torch.arange(len(ids), device=self.device)[None]
-            context: contextlib.AbstractContextManager = contextlib.nullcontext()
-            if self.router_recorder is not None:
-                self._prefill_experts = self.router_recorder.prefill_buffer(tokens.numel(), self.device)
-                context = self.router_recorder.writing(self._prefill_experts)
-            with context, bias_per_forward():
-                hidden = self.model.get_decoder()(
-                    input_ids=tokens,
-                    attention_mask=prefill_mask(mask),
-                    position_ids=positions,
-                    use_cache=True,
-                    **{self._decoder_cache_kwarg: cache},
-                ).last_hidden_state
+            hidden, _, _ = self._prefill_hidden([ids])
             logits = self.model.get_output_embeddings()(hidden[0, start - 1 : len(ids) - 1]).float() / temperature
-            targets = tokens[0, start:, None]
+            targets = torch.tensor(ids[start:], device=self.device)[:, None]
             out.append(torch.log_softmax(logits, dim=-1).gather(-1, targets)[:, 0].tolist())
         return out
 
-    def _prefill_forward(
-        self, ids, attention_mask, positions, cache: StaticKVCache, last: torch.Tensor
-    ) -> torch.Tensor:
-        """The prefill's model call: K/V into ``cache``, fp32 logits at each prompt's last position ``last``
-        ([P]); the LM head sees only those rows (a right-padded batch has no common last column)."""
-        decoder = self.model.get_decoder()
-        with bias_per_forward():
-            hidden = decoder(
-                input_ids=ids,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                use_cache=True,
-                **{self._decoder_cache_kwarg: cache},
-            ).last_hidden_state
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        return self.model.get_output_embeddings()(hidden[rows, last][:, None])[:, -1].float()
-
-    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
-        """Prefill distinct prompts once, right-padded so every prompt starts at column 0 (the attention
-        kernel then splits its keys into the same blocks as the trainer does: bitwise equal log-probs,
-        rlrun.attention_kernel); returns (next-token logits per prompt, their cache, the [P, W] prompt mask)."""
+    def _prefill_hidden(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
+        """The decoder over ``prompts`` right-padded so every prompt starts at column 0 (the attention kernel then
+        splits its keys into the same blocks as the trainer does: bitwise equal log-probs, rlrun.attention_kernel);
+        returns ([P, W, hidden] last hidden states, the prompts' K/V cache, the [P, W] prompt mask)."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
         mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], device=self.device)
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         cache = StaticKVCache(len(prompts), width, self.device)
         cache.columns = torch.arange(width, device=self.device)
-        if self.router_recorder is None:
-            return self._prefill_forward(ids, prefill_mask(mask), positions, cache, last), cache, mask
-        self._prefill_experts = self.router_recorder.prefill_buffer(ids.numel(), self.device)
-        with self.router_recorder.writing(self._prefill_experts):
-            return self._prefill_forward(ids, prefill_mask(mask), positions, cache, last), cache, mask
+        with bias_per_forward():
+            hidden = self.model.get_decoder()(
+                input_ids=ids,
+                attention_mask=prefill_mask(mask),
+                position_ids=positions,
+                use_cache=True,
+                **{self._decoder_cache_kwarg: cache},
+            ).last_hidden_state
+        return hidden, cache, mask
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
+        """Prefill distinct prompts once (:meth:`_prefill_hidden`), recording a MoE model's routing into
+        ``_prefill_experts``; returns (fp32 next-token logits per prompt, their cache, the [P, W] prompt mask).
+        The LM head sees only each prompt's last position (a right-padded batch has no common last column)."""
+        context: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.router_recorder is not None:
+            num_tokens = len(prompts) * max(len(p) for p in prompts)
+            self._prefill_experts = self.router_recorder.prefill_buffer(num_tokens, self.device)
+            context = self.router_recorder.writing(self._prefill_experts)
+        with context:
+            hidden, cache, mask = self._prefill_hidden(prompts)
+        rows = torch.arange(len(prompts), device=self.device)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        return self.model.get_output_embeddings()(hidden[rows, last][:, None])[:, -1].float(), cache, mask
 
     def _decode_step(self, batch: DecodeBatch, length: int) -> None:
         """One decode step on the batch's buffers only (the part that is captured as a CUDA graph), reading the

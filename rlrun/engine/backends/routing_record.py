@@ -40,7 +40,8 @@ class RouterRecorder:
         self.dtype = torch.uint8 if num_experts <= 256 else torch.int32
         """Buffer dtype: one byte per id when it fits (Qwen3-30B-A3B, 128 experts: a 64-row x 8k-token
         decode buffer of 48 layers x top-8 is 200 MB instead of 800 MB); encoded as int32 regardless."""
-        self._sink: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._sink: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        """Where the hooks write: (buffer, None) for a prefill, (buffer, (rows, columns)) for a decode step."""
         for layer, router in enumerate(routers):
             router.register_forward_hook(self._hook(layer))
 
@@ -57,13 +58,12 @@ class RouterRecorder:
         def write(_module, _args, output) -> None:
             if self._sink is None:
                 return
-            buffer, column = self._sink
+            buffer, at = self._sink
             indices = output[2].to(buffer.dtype)
-            if column is None:  # prefill: [tokens, topk] for the whole [rows * width] block
+            if at is None:  # prefill: [tokens, topk] for the whole [rows * width] block
                 buffer[:, layer].copy_(indices)
             else:  # decode: one token per row, at each row's column of the token being forwarded
-                rows = torch.arange(buffer.shape[0], device=buffer.device)
-                buffer[rows, column, layer] = indices
+                buffer[at[0], at[1], layer] = indices
 
         return write
 
@@ -78,8 +78,11 @@ class RouterRecorder:
         """Route the hooks' writes into ``buffer``: the prefill's (``step`` None) or a decode batch's,
         at each row's column ``step - 1`` (``step``: the batch's [B] counters of the next token to sample;
         clamped so the capture's warm-up runs, before the batch is loaded, write in bounds)."""
-        column = None if step is None else (step - 1).clamp(min=0)
-        self._sink = (buffer, column)
+        if step is None:
+            self._sink = (buffer, None)
+        else:  # the row index is built once per step, not once per layer
+            rows = torch.arange(buffer.shape[0], device=buffer.device)
+            self._sink = (buffer, (rows, (step - 1).clamp(min=0)))
         try:
             yield
         finally:

@@ -11,12 +11,11 @@ Example: examples/hooks/rewards.py.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 
 from rlrun.data.sample import Sample
 from rlrun.hooks import load_hook
+from rlrun.rollout.rewards.score import is_finite_reward
 
 SIGNATURE = "fn(samples: list[Sample]) -> list[float]"
 RewardPostProcess = Callable[[list[Sample]], list[float]]
@@ -37,7 +36,7 @@ def post_process_rewards(fn: RewardPostProcess, samples: list[Sample]) -> dict[s
             "sample's reward; fix the hook"
         )
     for sample, reward in zip(samples, rewards, strict=True):
-        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        if not is_finite_reward(reward):
             raise ValueError(
                 f"rollout.reward_post_process returned {reward!r} for prompt {sample.group_index}; it must "
                 "return finite floats because they train; fix the hook"

@@ -92,8 +92,14 @@ async def _call(fn: RewardFn, argument: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+def is_finite_reward(value: object) -> bool:
+    """Whether ``value`` can train as a reward: a finite real number other than a bool. The reward functions,
+    the post-process hook and a rollout_fn's samples are all held to it."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
 def _check_number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if not is_finite_reward(value):
         raise TypeError(f"reward function returned {value!r}; expected a finite float")
     return float(value)
 
