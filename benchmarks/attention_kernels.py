@@ -6,12 +6,16 @@ kernel decides its MFU. This compares, on the packed ``[T, heads, dim]`` layout 
 
 * ``efficient``: the memory-efficient kernel trainer and engine share (rlrun.attention_kernel.causal_varlen);
 * ``flash``: FlashAttention-2's varlen kernel (``aten._flash_attention_forward``);
-* ``cudnn``: cuDNN's fused attention with ``cu_seqlens`` (``aten._cudnn_attention_forward``).
+* ``cudnn_dense``: cuDNN's fused attention through SDPA, one call per sample (``model.packed_attention:
+  cudnn_per_sample``);
+* ``cudnn``: cuDNN's own varlen entry, ``aten._cudnn_attention_forward`` with ``cu_seqlens`` (on torch 2.11 an
+  illegal memory access at 32K tokens and garbage gradients at 16 x 1K: measured, not used).
 
 Each row: TFLOP/s (causal FLOPs: 2 matmuls of ``2 * s^2 / 2 * heads * dim`` per sample forward; backward 2.5x)
 and the largest difference of output and gradients from an fp32 reference on the same inputs.
 
-    python3 benchmarks/attention_kernels.py --out benchmarks/results/attention_kernels_h200.json
+    python3 benchmarks/attention_kernels.py --kernels efficient,flash,cudnn_dense \\
+        --out benchmarks/results/attention_kernels_h200.json
 """
 
 from __future__ import annotations
@@ -150,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_kernels.py measures CUDA kernels: run it on the GPU machine")
-    rows = [measure(name, SHAPES[name], args.iters, args.kernels.split(',')) for name in args.shapes.split(",")]
+    rows = [measure(name, SHAPES[name], args.iters, args.kernels.split(",")) for name in args.shapes.split(",")]
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
