@@ -939,6 +939,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _context_parallel_kernel(self) -> RunConfig:
+        kernel = self.model.packed_attention
+        if self.parallel.cp > 1 and kernel in ("flash_varlen", "cudnn_per_sample"):
+            raise ValueError(
+                f"model.packed_attention ({kernel}) would have no effect with parallel.cp ({self.parallel.cp}) "
+                "because context-parallel attention runs the memory-efficient kernel on its chunks "
+                "(rlrun/megatron/context_parallel.py); set model.packed_attention: auto or parallel.cp: 1"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sync_interval_fits(self) -> RunConfig:
         """``engine.sync_interval`` against the options that read the weights the engine holds."""
         algo, interval = self.algorithm, self.engine.sync_interval

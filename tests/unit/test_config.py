@@ -162,6 +162,15 @@ def test_more_updates_per_rollout_than_groups_is_refused_by_name(tmp_path):
     assert load_config(path, ["train.updates_per_rollout=2", "train.epochs_per_rollout=2"]).train.updates_per_step == 4
 
 
+def test_context_parallelism_refuses_a_kernel_it_would_not_run(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("parallel:\n  cp: 2\n")
+    for kernel in ("flash_varlen", "cudnn_per_sample"):
+        with pytest.raises(ConfigError, match=rf"model.packed_attention \({kernel}\) would have no effect"):
+            load_config(path, [f"model.packed_attention={kernel}"])
+    assert load_config(path, ["model.packed_attention=auto"]).parallel.cp == 2
+
+
 def test_sync_interval_refuses_an_old_actor_that_changes_nothing_and_a_gate_that_cannot_hold(tmp_path):
     path = write(tmp_path, "{}\n")
     with pytest.raises(ConfigError, match=r"keep_old_actor \(true\) has no effect with engine.sync_interval 1"):
