@@ -28,7 +28,7 @@ step() {
 }
 
 bench() {  # name new_tokens steps limit
-    local work=/tmp/step_memory_$1
+    local work=/tmp/step_memory  # the model and prompts are shared; each run copies its metrics out
     step "$1" "$4" "$PY" -m rlrun bench step --shape qwen3-4b --prompts 8 --samples 8 --new-tokens "$2" \
         --steps "$3" --micro-batch-samples 4 --recompute full --packed-attention cudnn_per_sample \
         --work "$work" --out "$OUT/bench_step_qwen3-4b_64x$2.json"
