@@ -28,8 +28,10 @@ that shards) and overhead, plus
   weights and KV cache together (unset: SGLang sizes it from the memory free when it starts; not counted).
 
 Measured constants (H200): the sleeping trainer keeps 1.4 GB with ``offload.teardown_nccl`` and 3.0 GB without
-(CUDA context and NCCL communicators; the awake trainer holds the 3.0 besides its tensors); a released engine
-keeps 0.8 GB (its CUDA context, benchmarks/results/offload_qwen3-0.6b_h200.json).
+(CUDA context and NCCL communicators; the awake trainer is assumed to hold the 3.0 besides its tensors); a
+released engine keeps 0.8 GB (its CUDA context, benchmarks/results/offload_qwen3-0.6b_h200.json). Not counted:
+the allocators' fragmentation, and what the trainer estimate leaves out (its docstring). Not yet checked
+against a measured colocated timeline: scripts/gpu/step_memory.sh records one.
 """
 
 from __future__ import annotations
