@@ -8,8 +8,9 @@ Three groups of checks, each a :class:`Check` with a status:
 * config: for each thing the config turns on, whether its requirement is met (model directory, the
   model's family and each architectural feature it needs, supported or refused, prompt file, engine
   backend, offload, TensorBoard/W&B packages, world size vs ``parallel.tp``, the checkpoint it would
-  resume from) and the trainer's estimated memory per rank against the GPU and the host
-  (rlrun/memory_estimate.py).
+  resume from), the trainer's estimated memory per rank against the GPU and the host
+  (rlrun/memory_estimate.py), and each phase of a step (rollout, logprobs, train, sync) with trainer and engine
+  together on one GPU (rlrun/phase_memory.py): a phase over the device is ``missing``, with the fields to change.
 
 ``missing`` means the run would fail; ``warn`` means it would run, but probably not as meant.
 """
@@ -81,11 +82,17 @@ def device_checks() -> list[Check]:
     return checks
 
 
-def config_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
-    """What ``cfg`` turns on, and whether this machine provides it (``num_gpus`` visible)."""
+def config_checks(cfg: RunConfig, num_gpus: int, device_gib: float | None = None) -> list[Check]:
+    """What ``cfg`` turns on, and whether this machine provides it (``num_gpus`` visible, the first one of
+    ``device_gib``)."""
     from rlrun.trainer.checkpoint import resolve_resume
 
-    checks = [_model_check(cfg), *_architecture_checks(cfg), *_memory_checks(cfg, num_gpus), _data_check(cfg)]
+    checks = [
+        _model_check(cfg),
+        *_architecture_checks(cfg),
+        *_memory_checks(cfg, num_gpus, device_gib),
+        _data_check(cfg),
+    ]
     traits = backend_traits(cfg.engine.backend)
     needs = [f"the {traits.package} package"] if traits.package else []
     needs += ["a GPU"] if traits.needs_gpu else []
@@ -179,9 +186,11 @@ def _architecture_checks(cfg: RunConfig) -> list[Check]:
     return checks
 
 
-def _memory_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
-    """The trainer's estimated memory per rank (rlrun/memory_estimate.py) against the first GPU and the host;
-    ``warn`` where it would not fit (the estimate is within a few GiB of the H200's measured peaks)."""
+def _memory_checks(cfg: RunConfig, num_gpus: int, device_gib: float | None) -> list[Check]:
+    """The trainer's estimated memory per rank (rlrun/memory_estimate.py) against the first GPU and the host
+    (``warn`` where it would not fit: the estimate is within a few GiB of the H200's measured peaks), then each
+    phase of a step, trainer and engine together on one GPU (rlrun/phase_memory.py; ``missing`` where a phase
+    exceeds the device, with the fields that lower it)."""
     from rlrun.megatron.hf_config import ModelArch
     from rlrun.memory_estimate import estimate
 
@@ -193,7 +202,8 @@ def _memory_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
     except ValueError:
         return []  # the architecture checks name the refusal
     model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
-    dp = max(int(os.environ.get("WORLD_SIZE", num_gpus or model_parallel)) // model_parallel, 1)
+    world = int(os.environ.get("WORLD_SIZE", num_gpus or model_parallel))
+    dp = max(world // model_parallel, 1)
     e = estimate(cfg, arch, dp)
     detail = (
         f"~{e.total_gib:.1f} GiB per rank at dp={dp}: weights {e.weights_gib:.1f}, grads {e.grads_gib:.1f}, "
@@ -203,12 +213,9 @@ def _memory_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
         f"LM head {e.lm_head_gib:.1f} (model.lm_head {cfg.model.lm_head})"
     )
     checks = []
-    if num_gpus == 0:
+    if device_gib is None:
         checks.append(Check("config", "memory: trainer", "info", detail))
     else:
-        import torch
-
-        device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         fits = e.total_gib <= device_gib
         fix = (
             ""
@@ -233,7 +240,54 @@ def _memory_checks(cfg: RunConfig, num_gpus: int) -> list[Check]:
                 + ("" if fits else "; lower optimizer.offload_fraction or shard over more data-parallel ranks"),
             )
         )
+    return checks + _phase_checks(cfg, arch, dp, world, device_gib)
+
+
+def _phase_checks(cfg: RunConfig, arch, dp: int, world: int, device_gib: float | None) -> list[Check]:
+    """One ``memory: <phase>`` row per placement of a step (rlrun/phase_memory.py), ``missing`` when it plus the
+    trainer region's margin (``offload.memory_margin_gb``, with offload.train) exceeds ``device_gib``."""
+    from rlrun.phase_memory import GB, phase_memory
+
+    prompt_tokens = _longest_prompt(cfg)
+    prompt_note = (
+        f"longest prompt {prompt_tokens} tokens"
+        if prompt_tokens is not None
+        else "prompt length unknown (no tokenizer in model.path or data.path unreadable): counted as 0 tokens"
+    )
+    margin = cfg.offload.memory_margin_gb * GB / 2**30 if cfg.offload.train else 0.0
+    checks = []
+    for phase in phase_memory(cfg, arch, dp, world, device_gib, prompt_tokens or 0):
+        parts = ", ".join(f"{name} {gib:.1f}" for name, gib in phase.parts.items())
+        detail = f"~{phase.total_gib:.1f} GiB per GPU: {parts}"
+        if phase.phase == "rollout":
+            detail += f" ({prompt_note})"
+        if device_gib is None:
+            checks.append(Check("config", f"memory: {phase.phase}", "info", detail))
+            continue
+        fits = phase.total_gib + margin <= device_gib
+        detail += f" of {device_gib:.0f} GiB" + (
+            f" ({margin:.1f} kept free by offload.memory_margin_gb)" if margin else ""
+        )
+        if not fits:
+            detail += f"; to fit: {'; '.join(phase.fixes)}"
+        checks.append(Check("config", f"memory: {phase.phase}", "ok" if fits else "missing", detail))
     return checks
+
+
+def _longest_prompt(cfg: RunConfig) -> int | None:
+    """Tokens of the longest prompt of ``data.path`` as the run tokenizes it (None: no tokenizer or no data)."""
+    from rlrun.data.prompt_files import PromptDataError
+    from rlrun.data.prompts import PromptDataset
+
+    if not (Path(cfg.model.path) / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        dataset = PromptDataset(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path))
+    except (PromptDataError, OSError, ValueError):
+        return None
+    return max((len(p.prompt_ids) for p in dataset.prompts), default=0)
 
 
 def _data_check(cfg: RunConfig) -> Check:
@@ -279,7 +333,9 @@ def run_doctor(cfg: RunConfig | None) -> list[Check]:
 
     checks = package_checks() + device_checks()
     if cfg is not None:
-        checks += config_checks(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if num_gpus else None
+        checks += config_checks(cfg, num_gpus, device_gib)
     return checks
 
 

@@ -142,3 +142,25 @@ def test_the_attention_bias_is_built_once_per_forward_not_per_layer(tiny_model_d
     assert len(built) == 1 + 5  # the prefill and five decode forwards
     assert all(mask.dtype == torch.bool for mask in built)
     assert static_cache._forward_state.last is None  # nothing held past a forward (a graph pool's memory)
+
+
+def test_dropping_a_warm_batch_frees_its_kv_cache_at_once(tiny_model_dirs):
+    """A release (``free_cache`` / ``offload_weights``) and an eviction drop the warm batch, then return the memory
+    with ``empty_cache``: the KV cache must be garbage by then, not kept by a reference cycle until a later
+    collection (issue 23: a 4B rollout's 78 GB KV cache stayed on the device while the trainer trained)."""
+    import gc
+    import weakref
+
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
+    engine.generate(PROMPTS, {"max_new_tokens": 4, "ignore_eos": True})
+    warm = engine._warm.last
+    assert warm is not None and warm.graphs  # a step was run through the graph table (eager on CPU)
+    kv, batch = weakref.ref(warm.batch.cache.keys[0]), weakref.ref(warm.batch)
+    del warm
+    gc.collect()
+    gc.disable()
+    try:
+        engine._warm.clear()  # what the CUDA release path runs before empty_cache
+        assert batch() is None and kv() is None
+    finally:
+        gc.enable()

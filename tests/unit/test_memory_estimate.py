@@ -8,7 +8,7 @@ import pytest
 from rlrun.bench.shapes import SHAPES
 from rlrun.config.schema import RunConfig
 from rlrun.doctor import config_checks
-from rlrun.memory_estimate import estimate
+from rlrun.memory_estimate import estimate, rank_params
 
 MEASURED_H200 = [("qwen3-0.6b", 32768, 84.3), ("qwen3-1.7b", 16384, 83.7), ("qwen3-4b", 8192, 117.7)]
 """Issue 23's table: ``rlrun bench train --layout packed --samples-per-micro-batch 1``, bf16, Megatron's output
@@ -105,3 +105,100 @@ def test_context_parallel_scope_and_share():
     one = estimate(config(32768, train={"recompute": "full"}), arch, 1)
     two = estimate(config(32768, train={"recompute": "full"}, parallel={"cp": 2}), arch, 1)
     assert two.activations_gib == pytest.approx(one.activations_gib / 2)
+
+
+BENCH_STEP_4B = {
+    "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 8192},
+    "train": {"recompute": "full", "max_tokens_per_micro_batch": 4 * (128 + 8192)},
+    "offload": {"train": True, "rollout": True},
+}
+"""The failed H200 run (benchmarks/results/logs/bench_step_qwen3-4b_64x8k_cudnn_oom_h200.log): ``rlrun bench step
+--shape qwen3-4b --prompts 8 --samples 8 --new-tokens 8192 --micro-batch-samples 4 --recompute full``, 128-token
+prompts, embedded engine, offload on, one rank."""
+
+
+def test_phase_memory_of_the_4b_64x8k_bench_step_by_hand():
+    """Each part against its formula written out with Qwen3-4B's numbers (36 layers, hidden 2560, 32 q / 8 kv heads
+    of 128, MLP 9728, tied vocabulary 151936): the rollout holds the engine's 73 GiB KV cache; the train phase
+    fits only because the engine has released it (what the reference cycle of issue 23 prevented)."""
+    from rlrun.phase_memory import phase_memory
+
+    cfg = RunConfig.model_validate({"model": {"dtype": "bfloat16"}, **BENCH_STEP_4B})
+    phases = {
+        p.phase: p for p in phase_memory(cfg, arch_of("qwen3-4b"), dp=1, world=1, device_gib=139.8, prompt_tokens=128)
+    }
+    gib = 2**30
+    params = 36 * (2560 * (32 + 2 * 8) * 128 + 32 * 128 * 2560 + 3 * 2560 * 9728) + 151936 * 2560
+    assert params == 4_022_272_000
+    kv_per_token = 36 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head dim x bf16
+    rollout = phases["rollout"].parts
+    assert rollout["engine weights"] == pytest.approx(params * 2 / gib)
+    assert rollout["engine KV cache (64 rows x 8320)"] == pytest.approx(64 * 8320 * kv_per_token / gib) == 73.125
+    assert rollout["engine decode buffers"] == pytest.approx(64 * 8320 * 13 / gib)  # int64 token, fp32 log-prob, mask
+    assert rollout["engine prefill K/V"] == pytest.approx(8 * 128 * kv_per_token / gib)
+    assert rollout["trainer asleep"] == pytest.approx(1.4e9 / gib)
+    assert phases["rollout"].total_gib == pytest.approx(82.81, abs=0.01)
+    train = phases["train"].parts
+    assert train["trainer static"] == pytest.approx(params * 18 / gib)  # bf16 weight, fp32 grad, main, Adam m + v
+    tokens, layer_none = 33280, 2 * 2560 + 2 * (4096 + 2048) + 2 * 4096 + 2 * 2560 + 5 * 9728
+    assert train["trainer activations"] == pytest.approx(tokens * (36 * 2560 + layer_none) * 2 / gib)
+    assert train["trainer optimizer-step temporary"] == pytest.approx(params * 4 / gib)
+    assert train["engine context"] == pytest.approx(0.8e9 / gib) and "engine weights" not in train
+    assert phases["train"].total_gib == pytest.approx(100.75, abs=0.01)
+    logprobs = phases["logprobs"].parts  # one train micro-batch at a time, no grad: one layer's activations
+    assert logprobs["trainer forward"] == pytest.approx(tokens * layer_none * 2 / gib)
+    assert phases["logprobs"].total_gib < phases["train"].total_gib
+    sync = phases["sync"].parts
+    assert sync["engine weights"] == rollout["engine weights"] and sync["sync bucket"] == 0.5
+    assert not any(name.startswith("engine KV") for name in sync)
+    # the engine kept resident: its KV cache stays through training, and the train phase no longer fits
+    resident = RunConfig.model_validate({"model": {"dtype": "bfloat16"}, **BENCH_STEP_4B, "offload": {"train": True}})
+    train = {p.phase: p for p in phase_memory(resident, arch_of("qwen3-4b"), 1, 1, 139.8, 128)}["train"]
+    awake_engine = phases["rollout"].total_gib - rollout["trainer asleep"]
+    assert train.total_gib == pytest.approx(phases["train"].total_gib - 0.8e9 / gib + awake_engine)
+    assert train.total_gib > 139.8
+    assert "set offload.rollout: true (the engine releases its memory)" in train.fixes
+
+
+def test_phase_memory_rows_caps_and_fraction_pool():
+    """Rows per engine: the round's prompts over ``world / engine.tp`` engines, capped by max_running_requests and
+    rounded to the decode batch's row bucket; top-p adds the kept sets; SGLang's pool is its fraction of the
+    device, weights included."""
+    from rlrun.phase_memory import engine_awake
+
+    arch = arch_of("qwen3-0.6b")
+    base = {"rollout": {"prompts_per_step": 6, "samples_per_prompt": 5, "max_new_tokens": 100}}
+    cfg = RunConfig.model_validate(base)
+    assert "engine KV cache (16 rows x 128)" in engine_awake(cfg, arch, world=2, device_gib=None, prompt_tokens=20)
+    capped = RunConfig.model_validate({**base, "engine": {"server_args": {"max_running_requests": 20}}})
+    assert "engine KV cache (32 rows x 256)" in engine_awake(capped, arch, 1, None, 30)  # 30 rows -> bucket 32
+    top_p = RunConfig.model_validate({"rollout": {**base["rollout"], "top_p": 0.9}})
+    plain, kept = engine_awake(cfg, arch, 1, None, 20), engine_awake(top_p, arch, 1, None, 20)
+    extra = kept["engine decode buffers"] - plain["engine decode buffers"]
+    assert extra == pytest.approx(32 * 128 * 512 * 8 / 2**30)  # int64 kept set of 512 per row and column
+    sglang = RunConfig.model_validate(
+        {"engine": {"backend": "sglang", "tp": 2, "server_args": {"mem_fraction_static": 0.3}}}
+    )
+    parts = engine_awake(sglang, arch, 2, device_gib=100.0, prompt_tokens=20)
+    assert parts["engine weights"] + parts["engine KV pool (mem_fraction_static 0.3 less weights)"] == 30.0
+    assert parts["engine weights"] == pytest.approx(rank_params(arch, 1, 1, 1) * 4 / 2 / 2**30)  # fp32 over tp 2
+
+
+def test_doctor_fails_a_phase_over_the_device_and_names_the_fields(tiny_model_dirs):
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": str(tiny_model_dirs["llama"])},
+            "data": {"path": "configs/data/addition_train.jsonl"},
+            "rollout": {"max_new_tokens": 64},
+        }
+    )
+    checks = {c.name: c for c in config_checks(cfg, num_gpus=1, device_gib=0.001)}
+    for phase in ("rollout", "logprobs", "train", "sync"):
+        assert checks[f"memory: {phase}"].status == "missing", phase
+    assert "set offload.train: true" in checks["memory: rollout"].detail
+    assert "longest prompt" in checks["memory: rollout"].detail
+    assert "lower train.max_tokens_per_micro_batch" in checks["memory: train"].detail
+    roomy = {c.name: c for c in config_checks(cfg, num_gpus=1, device_gib=1000.0)}
+    assert all(roomy[f"memory: {p}"].status == "ok" for p in ("rollout", "logprobs", "train", "sync"))
+    on_cpu = {c.name: c for c in config_checks(cfg, num_gpus=0)}
+    assert on_cpu["memory: train"].status == "info"

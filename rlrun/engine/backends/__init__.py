@@ -52,6 +52,9 @@ class BackendTraits:
     """The ``engine.server_args`` keys it reads, checked when the config loads (None: any, e.g. every
     ``sglang.Engine`` argument)."""
     needs_gpu: bool = False
+    kv_pool_fraction_arg: str | None = None
+    """The server argument that sizes its weights and KV cache together as a fraction of the device (``rlrun
+    doctor``'s per-phase estimate, rlrun/phase_memory.py); None: the KV cache is sized to each generate call."""
     package: str | None = None
     """The distribution it imports (``rlrun doctor`` checks it is installed)."""
 
@@ -73,6 +76,7 @@ BACKENDS: dict[str, BackendTraits] = {
         routed_experts_args={"enable_return_routed_experts": True},
         scores_any_temperature=False,
         needs_gpu=True,
+        kv_pool_fraction_arg="mem_fraction_static",
         package="sglang",
     ),
 }
