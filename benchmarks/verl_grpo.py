@@ -171,6 +171,37 @@ def hydra_args(values: dict[str, object]) -> list[str]:
     return [f"{key}={hydra_value(value)}" for key, value in values.items()]
 
 
+def check_config(args: list[str]) -> dict:
+    """verl's own checks of these overrides without a GPU: Hydra composes ppo_trainer.yaml with them (an unknown
+    key fails), ``validate_config`` runs as main_ppo runs it, and the actor, rollout and algorithm sections
+    become verl's typed configs, as its workers build them. Returns what the benchmark relies on."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=args)
+    reference, critic = need_reference_policy(config), need_critic(config)
+    validate_config(config=config, use_reference_policy=reference, use_critic=critic)
+    OmegaConf.resolve(config)
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    algorithm = omega_conf_to_dataclass(config.algorithm)
+    return {
+        "reference_model": reference,
+        "critic": critic,
+        "adv_estimator": algorithm.adv_estimator,
+        "old_log_probs_from_rollout": config.algorithm.rollout_correction.bypass_mode,
+        "actor_dynamic_bsz_tokens": actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+        "actor_offload": [actor.fsdp_config.param_offload, actor.fsdp_config.optimizer_offload],
+        "rollout": [rollout.name, rollout.n, rollout.response_length, rollout.ignore_eos, rollout.free_cache_engine],
+        "sglang_mem_fraction": rollout.gpu_memory_utilization,
+        "sglang_engine_kwargs": dict(rollout.engine_kwargs["sglang"]),
+        "attn_implementation": config.actor_rollout_ref.model.override_config.attn_implementation,
+    }
+
+
 def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
     """``python -m verl.trainer.main_ppo ARGS`` in its own session (Ray's processes with it, so a timeout
     kills them all and frees the device for the next run); returns the metrics file its ``file`` logger wrote."""
@@ -259,6 +290,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--offload", choices=("on", "off"), default="on")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help="Only compose and validate verl's config with these overrides (no GPU, no model needed); print it.",
+    )
     args = parser.parse_args(argv)
     settings = settings_from(args, "verl")
     if settings.prompts % settings.updates_per_rollout:
@@ -266,11 +302,15 @@ def main(argv: list[str] | None = None) -> dict:
             f"--updates-per-rollout ({settings.updates_per_rollout}) must divide --prompts ({settings.prompts}) "
             "because verl's ppo_mini_batch_size counts prompts"
         )
+    offload = args.offload == "on"
+    run_dir = args.work / ("verl" if offload else "verl_resident")
+    if args.check_config:
+        values = overrides(settings, args.work / "inputs", run_dir / "prompts.parquet", run_dir, offload)
+        print(json.dumps(check_config(hydra_args(values)), indent=2))
+        return {}
     import torch
 
-    offload = args.offload == "on"
     inputs_dir = prepare_inputs(settings, args.work, "bfloat16", "cuda")
-    run_dir = args.work / ("verl" if offload else "verl_resident")
     run_dir.mkdir(parents=True, exist_ok=True)
     values = overrides(settings, inputs_dir, write_dataset(inputs_dir, run_dir), run_dir, offload)
     metrics = run_verl(hydra_args(values), run_dir, args.timeout_s)

@@ -11,6 +11,12 @@ KV heads native), called once per layer with the bounds read off ``position_ids`
 ``flash_varlen`` packed attention calls (rlrun/megatron/attention.py). verl imports it through
 ``actor_rollout_ref.model.external_lib`` in each worker before the model is built.
 
+Prompt tokens. verl's agent loop tokenizes prompts with a "Continuous Token" builder picked by the
+config's ``model_type``; for ``qwen3`` it is the ChatML one, which needs ``<|im_end|>`` and a one-token
+newline in the tokenizer (it inserts that newline between turns). The benchmark's word tokenizer has
+neither, so ``qwen3`` is mapped to verl's generic builder, which renders the chat template and nothing
+else: for one user turn (single-turn GRPO) the two give the same ids, here the prompt's 128 words.
+
 Reward. ``compute_score`` is verl's custom reward hook; it gets the decoded response. The benchmark's
 tokenizer maps id ``i`` to the word ``w<i>`` (rlrun.bench.step.write_word_tokenizer), so the ids are read
 back from the words and scored with rlrun's ``even_fraction``, the reward rlrun and TRL use. verl decodes
@@ -82,6 +88,10 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION, flash_varlen_attention)
     # the mask FlashAttention gets: none for a packed row without padding
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, flash_attention_mask)
+
+    from verl.utils.tokenizer import continuous_token_wiring as wiring
+
+    wiring._MODEL_TYPE_TO_FAMILY["qwen3"] = wiring.ContinuousTokenModelFamily.DEFAULT
 
 
 def compute_score(data_source, solution_str: str, ground_truth, extra_info=None, **kwargs) -> float:
