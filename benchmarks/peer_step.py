@@ -179,6 +179,13 @@ def main() -> None:
     parser.add_argument("--trl-python", default=sys.executable)
     parser.add_argument("--verl", default="", help=f"verl variants to run: {', '.join(VERL_VARIANTS)}.")
     parser.add_argument("--verl-python", default=sys.executable)
+    parser.add_argument(
+        "--verl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Passed to every verl run as --set (a Hydra override of verl's config, benchmarks/verl_grpo.py).",
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL only (rlrun does not recompute).")
     parser.add_argument(
         "--reuse-trl",
@@ -217,6 +224,7 @@ def main() -> None:
             *flags,
             "--offload",
             VERL_VARIANTS[name],
+            *(arg for item in args.verl_set for arg in ("--set", item)),
             "--timeout-s",
             str(args.timeout_s),
             "--out",

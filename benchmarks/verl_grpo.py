@@ -155,8 +155,14 @@ def overrides(settings: StepSettings, inputs_dir: Path, data: Path, run_dir: Pat
     }
 
 
+class Raw(str):
+    """An override value given on the command line (``--set``), passed to Hydra as written."""
+
+
 def hydra_value(value: object) -> str:
     """One override's value in Hydra's grammar (strings quoted, so templates and paths pass unparsed)."""
+    if isinstance(value, Raw):
+        return value
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (int, float)):
@@ -169,6 +175,17 @@ def hydra_value(value: object) -> str:
 
 def hydra_args(values: dict[str, object]) -> list[str]:
     return [f"{key}={hydra_value(value)}" for key, value in values.items()]
+
+
+def with_sets(values: dict[str, object], sets: list[str]) -> dict[str, object]:
+    """``values`` with the ``--set KEY=VALUE`` overrides in place of (or after) the benchmark's own."""
+    out = dict(values)
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set ({item}) must be KEY=VALUE because it is one Hydra override of verl's config")
+        out["+" + key if "+" + key in out else key] = Raw(value)  # a key the benchmark adds keeps its "+"
+    return out
 
 
 def check_config(args: list[str]) -> dict:
@@ -291,6 +308,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--out", type=Path)
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A Hydra override of verl's config, replacing the benchmark's for that key (repeatable): e.g. "
+        "actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=flashinfer. The record lists them.",
+    )
+    parser.add_argument(
         "--check-config",
         action="store_true",
         help="Only compose and validate verl's config with these overrides (no GPU, no model needed); print it.",
@@ -306,20 +331,23 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = args.work / ("verl" if offload else "verl_resident")
     if args.check_config:
         values = overrides(settings, args.work / "inputs", run_dir / "prompts.parquet", run_dir, offload)
+        values = with_sets(values, args.set)
         print(json.dumps(check_config(hydra_args(values)), indent=2))
         return {}
     import torch
 
-    inputs_dir = prepare_inputs(settings, args.work, "bfloat16", "cuda")
+    on_gpu = torch.cuda.is_available()  # the inputs as trl_grpo.py writes them, so the two share one directory
+    inputs_dir = prepare_inputs(settings, args.work, "bfloat16" if on_gpu else "float32", "cuda" if on_gpu else "cpu")
     run_dir.mkdir(parents=True, exist_ok=True)
     values = overrides(settings, inputs_dir, write_dataset(inputs_dir, run_dir), run_dir, offload)
+    values = with_sets(values, args.set)
     metrics = run_verl(hydra_args(values), run_dir, args.timeout_s)
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     result = {
         "benchmark": "verl_grpo",
         "command": "python " + " ".join(sys.argv),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "hardware": torch.cuda.get_device_name(0) if on_gpu else "cpu",
         "versions": versions(),
         "settings": dataclasses.asdict(settings),
         "offload": offload,
