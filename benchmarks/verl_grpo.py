@@ -140,6 +140,8 @@ def overrides(settings: StepSettings, inputs_dir: Path, data: Path, run_dir: Pat
         **{f"+{rollout}engine_kwargs.sglang.{k}": v for k, v in sglang_args.items()},
         "reward.custom_reward_function.path": str(HERE / "verl_plugins.py"),
         "reward.custom_reward_function.name": "compute_score",
+        # TransferQueue's storage units hold a Ray CPU each (default 8, sized for clusters); 128 samples need few
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units": 2,
         "trainer.n_gpus_per_node": 1,
         "trainer.nnodes": 1,
         "trainer.total_training_steps": settings.steps,
