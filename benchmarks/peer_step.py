@@ -194,6 +194,11 @@ def main() -> None:
         "of running it again: for variant runs split over several device calls.",
     )
     parser.add_argument(
+        "--no-trl",
+        action="store_true",
+        help="Run no TRL (issue 28 compares rlrun with verl): the record has no TRL ratios.",
+    )
+    parser.add_argument(
         "--reuse-verl",
         default="",
         help="verl variants whose results come from --work/<variant>.json (earlier invocations, same settings) "
@@ -247,6 +252,10 @@ def main() -> None:
             str(args.timeout_s),
         ]
     results: dict[str, dict] = {}
+    if args.no_trl and args.reuse_trl:
+        raise SystemExit("--no-trl and --reuse-trl must not be given together because one drops TRL; drop one")
+    if args.no_trl:
+        del runs["trl"]
     if args.reuse_trl:
         results["trl"] = reused_result(args.work / "trl.json", settings, "--reuse-trl")
         del runs["trl"]
