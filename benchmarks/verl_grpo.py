@@ -230,6 +230,7 @@ def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH")])),
         "VERL_FILE_LOGGER_PATH": str(metrics),
+        "VERL_USE_EXTERNAL_MODULES": "verl_plugins",  # imported by every process that imports verl
         "HYDRA_FULL_ERROR": "1",
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",

@@ -1,4 +1,8 @@
-"""What benchmarks/verl_grpo.py loads into verl's processes: a packed-sequence attention and the benchmark's reward.
+"""What benchmarks/verl_grpo.py loads into verl's processes: a packed-sequence attention, a generic prompt
+builder, fixed-length SGLang responses and the benchmark's reward.
+
+verl_grpo.py names this module in ``VERL_USE_EXTERNAL_MODULES``, which makes ``import verl`` import it in every
+process verl starts (its Ray workers inherit the variable), and in ``actor_rollout_ref.model.external_lib``.
 
 Attention. verl's fast path for its FSDP trainer is ``use_remove_padding`` with ``flash_attention_2``: every
 micro-batch is one packed row, and FlashAttention's varlen kernel attends within each sample (transformers
@@ -8,14 +12,19 @@ the GPU machine's torch 2.11 / CUDA 13 (PyPI ships only its source), and SDPA on
 module registers ``torch_packed_varlen`` with transformers' attention interfaces: the same FlashAttention-2
 varlen kernel, as torch builds it in (``aten._flash_attention_forward``, with torch's flash backward; grouped
 KV heads native), called once per layer with the bounds read off ``position_ids``. It is what rlrun's
-``flash_varlen`` packed attention calls (rlrun/megatron/attention.py). verl imports it through
-``actor_rollout_ref.model.external_lib`` in each worker before the model is built.
+``flash_varlen`` packed attention calls (rlrun/megatron/attention.py).
 
 Prompt tokens. verl's agent loop tokenizes prompts with a "Continuous Token" builder picked by the
 config's ``model_type``; for ``qwen3`` it is the ChatML one, which needs ``<|im_end|>`` and a one-token
 newline in the tokenizer (it inserts that newline between turns). The benchmark's word tokenizer has
 neither, so ``qwen3`` is mapped to verl's generic builder, which renders the chat template and nothing
 else: for one user turn (single-turn GRPO) the two give the same ids, here the prompt's 128 words.
+
+Fixed length. verl's ``rollout.ignore_eos`` reaches its vLLM server's sampling parameters but not its SGLang
+server's (verl 0.9.1, ``SGLangHttpServer.generate``), so SGLang would stop a response at the EOS id (about
+once in 150k tokens of the random model: some steps would miss 512 x 128 tokens). The server class gets
+the same default as the vLLM one the moment its module is imported, through an import hook, since Ray
+re-imports the module in the server's own process.
 
 Reward. ``compute_score`` is verl's custom reward hook; it gets the decoded response. The benchmark's
 tokenizer maps id ``i`` to the word ``w<i>`` (rlrun.bench.step.write_word_tokenizer), so the ids are read
@@ -24,6 +33,10 @@ with ``skip_special_tokens``: sampled ids 0 and 1 (``<pad>``, ``<eos>``; 2 of 15
 """
 
 from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
 
 import torch
 
@@ -92,6 +105,46 @@ def _register() -> None:
     from verl.utils.tokenizer import continuous_token_wiring as wiring
 
     wiring._MODEL_TYPE_TO_FAMILY["qwen3"] = wiring.ContinuousTokenModelFamily.DEFAULT
+
+    if SGLANG_SERVER in sys.modules:
+        _pass_ignore_eos(sys.modules[SGLANG_SERVER])
+    elif not any(isinstance(finder, _PatchServerOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchServerOnImport())
+
+
+SGLANG_SERVER = "verl.workers.rollout.sglang_rollout.async_sglang_server"
+
+
+def _pass_ignore_eos(module) -> None:
+    """``SGLangHttpServer.generate`` with ``ignore_eos`` defaulting to ``rollout.ignore_eos``, as verl's vLLM
+    server sets it."""
+    server = module.SGLangHttpServer
+    generate = server.generate
+
+    async def generate_with_ignore_eos(self, prompt_ids, sampling_params, *args, **kwargs):
+        sampling_params = {"ignore_eos": self.config.get("ignore_eos", False), **sampling_params}
+        return await generate(self, prompt_ids, sampling_params, *args, **kwargs)
+
+    server.generate = generate_with_ignore_eos
+
+
+class _PatchServerOnImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`_pass_ignore_eos` on the SGLang server module right after it is executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name != SGLANG_SERVER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _pass_ignore_eos(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
 
 
 def compute_score(data_source, solution_str: str, ground_truth, extra_info=None, **kwargs) -> float:
