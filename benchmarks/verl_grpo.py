@@ -10,11 +10,13 @@ reference model, one optimizer step per rollout (``ppo_mini_batch_size`` = promp
 (benchmarks/verl_plugins.py). With one update per rollout the old-policy log-probs are the rollout's
 (``algorithm.rollout_correction.bypass_mode``), as rlrun's are; with more, verl recomputes them, as rlrun does.
 
-verl is configured as its performance guide recommends: ``use_remove_padding`` (packed rows), ``use_dynamic_bsz``
-with a token budget per micro-batch of ``micro_batch_samples`` full samples (rlrun's
-``train.max_tokens_per_micro_batch``), no gradient checkpointing (rlrun recomputes nothing either), the
-async SGLang server with CUDA graphs, PyTorch sampling and fa3 attention (what rlrun's SGLang engine runs),
-the FSDP trainer's fp32 master weights with bf16 compute. The packed rows attend through FlashAttention-2's
+verl is configured as its performance guide (docs/perf/perf_tuning.rst) recommends: FSDP2, ``use_remove_padding``
+(packed rows), ``use_dynamic_bsz`` with a token budget per micro-batch of ``micro_batch_samples`` full samples
+(rlrun's ``train.max_tokens_per_micro_batch``), no gradient checkpointing (rlrun recomputes nothing either),
+the async SGLang server with CUDA graphs, PyTorch sampling and fa3 attention (what rlrun's SGLang engine
+runs), the FSDP trainer's fp32 master weights with bf16 compute. Left at verl's defaults: torch.compile of
+its log-prob/entropy functions, the 2 GiB weight-sync buckets, 8 agent-loop workers. Not used: Liger
+kernels (not staged; the guide lists them for SFT), Ulysses (one GPU). The packed rows attend through FlashAttention-2's
 varlen kernel as torch builds it in (benchmarks/verl_plugins.py says why not the flash-attn package).
 
 ``--offload on``: the colocated hybrid engine frees SGLang's weights and KV cache during training
@@ -107,6 +109,7 @@ def overrides(settings: StepSettings, inputs_dir: Path, data: Path, run_dir: Pat
         model + "custom_chat_template": CHAT_TEMPLATE,
         model + "external_lib": "verl_plugins",
         "+" + model + "override_config.attn_implementation": "torch_packed_varlen",
+        actor + "strategy": "fsdp2",  # the guide's "Migrating to FSDP2": less memory, a little faster
         actor + "optim.lr": settings.lr,
         actor + "optim.weight_decay": 0.0,
         actor + "optim.betas": [0.9, 0.999],
