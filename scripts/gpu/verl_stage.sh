@@ -2,6 +2,7 @@
 # verl 0.9.1 and its dependencies for the GPU machine (no network there), as wheels in pieces under the 64 MiB
 # that one device call carries. Order of the calls: scripts/gpu/verl_session.md.
 #
+#   bash scripts/gpu/verl_stage.sh download         # here (PyPI): scripts/gpu/verl_wheels.txt -> $VERL_WHL
 #   bash scripts/gpu/verl_stage.sh split            # here: $VERL_WHL/*.whl -> .verl/p0, .verl/p1, ... (< LIMIT_MIB each)
 #   bash scripts/gpu/verl_stage.sh stage .verl/p0   # device: check one piece and copy it to $VERL_STAGE
 #   bash scripts/gpu/verl_stage.sh install          # device: join split wheels, install the staged wheels whose
@@ -25,6 +26,18 @@ python_for_device() {
   if [ -n "${VERL_PYTHON:-}" ]; then echo "$VERL_PYTHON"; return; fi
   if [ -f /root/sgl/env.sh ]; then (. /root/sgl/env.sh && command -v python); return; fi
   command -v python3
+}
+
+download() {  # binary wheels for the device's Python; the two sdist-only ones built here (pure Python)
+  mkdir -p "$VERL_WHL"
+  grep -v '^#' scripts/gpu/verl_wheels.txt | awk 'NF && $2 != "sdist" {print $1}' > "$VERL_WHL/specs.txt"
+  PIP_CONSTRAINT= python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform any -d "$VERL_WHL" -r "$VERL_WHL/specs.txt"
+  PIP_CONSTRAINT= python3 -m pip wheel -q --no-deps -w "$VERL_WHL" \
+    $(grep -v '^#' scripts/gpu/verl_wheels.txt | awk '$2 == "sdist" {print $1}')
+  rm "$VERL_WHL/specs.txt"
+  ls "$VERL_WHL"/*.whl | wc -l; du -sh "$VERL_WHL"
 }
 
 split() {
@@ -118,8 +131,9 @@ PY
 }
 
 case "${1:-}" in
+  download) download ;;
   split) split ;;
   stage) stage "$2" ;;
   install) install ;;
-  *) echo "usage: $0 split | stage .verl/pN | install" >&2; exit 2 ;;
+  *) echo "usage: $0 download | split | stage .verl/pN | install" >&2; exit 2 ;;
 esac
