@@ -266,7 +266,8 @@ def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
 
 
 def step_record(row: dict, settings: StepSettings) -> dict:
-    """One step of verl's metrics: its phases' seconds (step excluded), response length and peak memory."""
+    """One step of verl's metrics: its phases' seconds (step excluded), response length, the trainer's peak
+    memory and verl's MFU estimate for the actor update."""
     data = row["data"]
     phases = {k[len(PHASE_PREFIX) :]: v for k, v in data.items() if k.startswith(PHASE_PREFIX) and k != "timing_s/step"}
     tokens = round(data["response_length/mean"] * settings.prompts * settings.samples)
@@ -277,8 +278,10 @@ def step_record(row: dict, settings: StepSettings) -> dict:
         "completion_mean_length": data["response_length/mean"],
         "output_tokens": tokens,
         "tokens_per_s": tokens / data["timing_s/step"],
-        "max_allocated_gib": data.get("perf/max_memory_allocated_gb", 0.0),
-        "max_reserved_gib": data.get("perf/max_memory_reserved_gb", 0.0),
+        # the FSDP worker's own torch allocator (SGLang's memory is its server's process), as verl logs it
+        "max_allocated_gib": data.get("actor/perf/max_memory_allocated_gb", 0.0),
+        "max_reserved_gib": data.get("actor/perf/max_memory_reserved_gb", 0.0),
+        "actor_mfu": data.get("perf/mfu/actor"),
     }
 
 
