@@ -305,9 +305,15 @@ def summarise(settings: StepSettings, rows: list[dict]) -> dict:
     }
 
 
-def versions() -> dict[str, str]:
-    names = ("verl", "sglang", "torch", "transformers", "ray", "tensordict", "transferqueue")
-    return {name: importlib.metadata.version(name) for name in names}
+def versions() -> dict[str, str | None]:
+    """The versions of what ran (None: not installed in this interpreter)."""
+    out: dict[str, str | None] = {}
+    for name in ("verl", "sglang", "torch", "transformers", "ray", "tensordict", "transferqueue"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
