@@ -47,6 +47,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -224,9 +225,37 @@ def check_config(args: list[str]) -> dict:
     }
 
 
+def session_pids(sid: int) -> list[int]:
+    """The processes of session ``sid`` (``/proc/<pid>/stat``: ``pid (comm) state ppid pgrp session ...``)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[3]) == sid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def end_session(sid: int, wait_s: float = 30.0) -> None:
+    """SIGKILL every process of session ``sid`` and wait until none is left: Ray gives its workers process
+    groups of their own, which outlive a driver that exited or was killed (by ~20 s, holding their device
+    memory), so the session is what holds them all."""
+    deadline = time.monotonic() + wait_s
+    while (pids := session_pids(sid)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+
+
 def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
-    """``python -m verl.trainer.main_ppo ARGS`` in its own session (Ray's processes with it, so a timeout
-    kills them all and frees the device for the next run); returns the metrics file its ``file`` logger wrote."""
+    """``python -m verl.trainer.main_ppo ARGS`` in a session of its own, which is ended afterwards (a run that
+    timed out, and Ray's workers either way), so the next run gets a free device; returns the metrics file
+    its ``file`` logger wrote."""
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = {
@@ -253,10 +282,7 @@ def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
         except subprocess.TimeoutExpired:
             code = "timeout"
         finally:
-            try:
-                os.killpg(child.pid, signal.SIGKILL)  # Ray's workers outlive a driver that exited
-            except ProcessLookupError:
-                pass
+            end_session(child.pid)
     if code != 0 or not metrics.exists():
         raise RuntimeError(
             f"verl's main_ppo must exit 0 and write {metrics} but ended with {code}; its output ({log}) "
