@@ -43,11 +43,8 @@ import datetime
 import importlib.metadata
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,6 +52,7 @@ from trl_grpo import add_settings_args, settings_from  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlrun.bench.engines import SGLANG_SERVER_ARGS  # noqa: E402
+from rlrun.bench.logged import run_logged_session  # noqa: E402
 from rlrun.bench.step import RESIDENT_SGLANG_MEM_FRACTION, WARMUP_STEPS, StepSettings, prepare_inputs  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -225,37 +223,9 @@ def check_config(args: list[str]) -> dict:
     }
 
 
-def session_pids(sid: int) -> list[int]:
-    """The processes of session ``sid`` (``/proc/<pid>/stat``: ``pid (comm) state ppid pgrp session ...``)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[3]) == sid:
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-def end_session(sid: int, wait_s: float = 30.0) -> None:
-    """SIGKILL every process of session ``sid`` and wait until none is left: Ray gives its workers process
-    groups of their own, which outlive a driver that exited or was killed (by ~20 s, holding their device
-    memory), so the session is what holds them all."""
-    deadline = time.monotonic() + wait_s
-    while (pids := session_pids(sid)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.5)
-
-
 def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
-    """``python -m verl.trainer.main_ppo ARGS`` in a session of its own, which is ended afterwards (a run that
-    timed out, and Ray's workers either way), so the next run gets a free device; returns the metrics file
-    its ``file`` logger wrote."""
+    """``python -m verl.trainer.main_ppo ARGS`` in a session of its own, ended afterwards with Ray's workers
+    (rlrun.bench.logged.run_logged_session); returns the metrics file its ``file`` logger wrote."""
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = {
@@ -268,21 +238,7 @@ def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
         "TOKENIZERS_PARALLELISM": "false",
     }
     log = run_dir / "verl.log"
-    with log.open("w") as sink:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "verl.trainer.main_ppo", *args],
-            env=env,
-            cwd=run_dir,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            code = child.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-        finally:
-            end_session(child.pid)
+    code = run_logged_session([sys.executable, "-m", "verl.trainer.main_ppo", *args], log, timeout_s, env, run_dir)
     if code != 0 or not metrics.exists():
         raise RuntimeError(
             f"verl's main_ppo must exit 0 and write {metrics} but ended with {code}; its output ({log}) "
