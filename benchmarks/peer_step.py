@@ -1,23 +1,27 @@
-"""rlrun (each engine backend) vs TRL's GRPOTrainer, seconds per GRPO step, in one invocation (issue 10).
+"""rlrun (each engine backend) vs TRL's GRPOTrainer and verl, seconds per GRPO step, in one invocation
+(issues 10 and 28).
 
 Runs, one after another on the same device and the same inputs (one model directory and prompt file in
-``--work/inputs``, written by the first run): benchmarks/trl_grpo.py, then ``rlrun bench step --backend B``
-for every backend. Each run is its own process, so none sees another's memory. Writes one JSON with
-every result, the ratios (TRL median seconds per step / rlrun's: how many times faster rlrun is) and
-the issue's goals, and prints a table. A run that fails is recorded with its output's tail; the others
+``--work/inputs``, written by the first run): benchmarks/trl_grpo.py, then benchmarks/verl_grpo.py for every
+``--verl`` variant, then ``rlrun bench step --backend B`` for every backend. Each run is its own process, so
+none sees another's memory. Writes one JSON with every result, the ratios (a peer's median seconds per step
+/ rlrun's: how many times faster rlrun is; against verl, the verl run that offloads as the rlrun run does)
+and the issues' goals, and prints a table. A run that fails is recorded with its output's tail; the others
 still run.
 
 ``--backends`` lists rlrun variants, each ``BACKEND`` plus optional suffixes (the names
 ``rlrun.bench.step.Variant.label`` gives): ``_resident`` (``--offload off``: trainer and engine both stay
 on the device, as TRL's do), ``_keepnccl`` (``--teardown-nccl off``) and ``_varlen`` or ``_persample``
 (``--packed-attention flash_varlen`` / ``per_sample``; without either, ``auto``: varlen on CUDA in bf16).
-TRL runs once, first.
+TRL runs once, first. ``--verl`` lists verl variants: ``verl`` (offload on: SGLang freed during training,
+FSDP parameters and optimizer state on the host during rollout) and ``verl_resident`` (offload off).
 
     python benchmarks/peer_step.py --shape qwen3-0.6b --steps 5 \\
         --backends embedded,sglang,sglang_keepnccl,sglang_resident \\
         --work /tmp/peer_step --out benchmarks/results/peer_step_qwen3-0.6b_h200.json
 
-``--trl-python``: the interpreter that has trl (default: this one).
+``--trl-python`` / ``--verl-python``: the interpreters that have trl / verl (default: this one; verl needs
+SGLang in the same environment: scripts/gpu/verl_session.md).
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ from rlrun.config.schema import RecomputeMode  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"sglang": 4.0, "embedded": 2.5}
 """Issue 10: rlrun at least this many times faster than TRL per step."""
+GOALS_VS_VERL = {"sglang": 1.5}
+"""Issue 28: rlrun with SGLang at least this many times faster than verl per step."""
+VERL_VARIANTS = {"verl": "on", "verl_resident": "off"}
+"""``--verl`` names and the ``--offload`` each runs benchmarks/verl_grpo.py with."""
+PEERS = {"trl", *VERL_VARIANTS}
 
 
 def settings_flags(settings: StepSettings) -> list[str]:
@@ -114,22 +123,29 @@ def median_step_s(result: dict) -> float | None:
 
 
 def compare(results: dict[str, dict]) -> dict[str, dict]:
-    """Per backend: TRL s/step over rlrun s/step, and whether it meets the issue's goal (empty until TRL ran)."""
+    """Per rlrun run: TRL s/step over rlrun s/step and whether it meets issue 10's goal, and the same against
+    the verl run with the same offload (``verl_resident`` for a ``_resident`` run) for issue 28's; a run
+    gets the entries of the peers that ran."""
     trl = median_step_s(results["trl"]) if "trl" in results else None
     out = {}
     for backend, result in results.items():
         mine = median_step_s(result)
-        if backend == "trl" or mine is None or trl is None:
+        if backend in PEERS or mine is None:
             continue
-        speedup = trl / mine
-        goal = GOALS.get(backend.split("_")[0])
-        out[backend] = {
-            "rlrun_s_per_step": mine,
-            "trl_s_per_step": trl,
-            "speedup_vs_trl": speedup,
-            "goal": goal,
-            "meets_goal": speedup >= (goal or 0.0),
-        }
+        kind = backend.split("_")[0]
+        ratios: dict = {"rlrun_s_per_step": mine}
+        if trl is not None:
+            goal = GOALS.get(kind)
+            ratios |= {"trl_s_per_step": trl, "speedup_vs_trl": trl / mine, "goal": goal}
+            ratios["meets_goal"] = ratios["speedup_vs_trl"] >= (goal or 0.0)
+        peer = "verl_resident" if "resident" in backend.split("_") else "verl"
+        verl = median_step_s(results[peer]) if peer in results else None
+        if verl is not None:
+            goal = GOALS_VS_VERL.get(kind)
+            ratios |= {"verl_run": peer, "verl_s_per_step": verl, "speedup_vs_verl": verl / mine, "goal_vs_verl": goal}
+            ratios["meets_goal_vs_verl"] = ratios["speedup_vs_verl"] >= (goal or 0.0)
+        if len(ratios) > 1:
+            out[backend] = ratios
     return out
 
 
@@ -137,18 +153,22 @@ def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, di
     lines = [
         f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
         f"{settings.new_tokens}-token responses, {settings.steps} steps (median after {WARMUP_STEPS} warm-up steps)",
-        "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) |",
-        "|---|---|---|---|---|",
+        "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) | x faster than verl (goal) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, result in results.items():
         if "error" in result:
-            lines.append(f"| {name} | failed: {result['error']} | | | |")
+            lines.append(f"| {name} | failed: {result['error']} | | | | |")
             continue
         body = result["results"][0] if "results" in result else result
-        ratio = ratios.get(name)
-        vs = f"{ratio['speedup_vs_trl']:.2f} ({ratio['goal']})" if ratio else ""
+        ratio = ratios.get(name, {})
+        vs_trl = f"{ratio['speedup_vs_trl']:.2f} ({ratio['goal']})" if "speedup_vs_trl" in ratio else ""
+        vs_verl = f"{ratio['speedup_vs_verl']:.2f} ({ratio['goal_vs_verl']})" if "speedup_vs_verl" in ratio else ""
         phases = " ".join(f"{k} {v:.2f}" for k, v in body["median_phases_s"].items() if v >= 0.01)
-        lines.append(f"| {name} | {body['median_step_s']:.2f} | {phases} | {body['median_tokens_per_s']:.0f} | {vs} |")
+        lines.append(
+            f"| {name} | {body['median_step_s']:.2f} | {phases} | {body['median_tokens_per_s']:.0f} | {vs_trl} "
+            f"| {vs_verl} |"
+        )
     return "\n".join(lines)
 
 
@@ -157,12 +177,32 @@ def main() -> None:
     add_settings_args(parser)
     parser.add_argument("--backends", default="embedded,sglang")
     parser.add_argument("--trl-python", default=sys.executable)
+    parser.add_argument("--verl", default="", help=f"verl variants to run: {', '.join(VERL_VARIANTS)}.")
+    parser.add_argument("--verl-python", default=sys.executable)
+    parser.add_argument(
+        "--verl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Passed to every verl run as --set (a Hydra override of verl's config, benchmarks/verl_grpo.py).",
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL only (rlrun does not recompute).")
     parser.add_argument(
         "--reuse-trl",
         action="store_true",
         help="Take TRL's result from --work/trl.json (an earlier invocation, same settings) instead "
         "of running it again: for variant runs split over several device calls.",
+    )
+    parser.add_argument(
+        "--no-trl",
+        action="store_true",
+        help="Run no TRL (issue 28 compares rlrun with verl): the record has no TRL ratios.",
+    )
+    parser.add_argument(
+        "--reuse-verl",
+        default="",
+        help="verl variants whose results come from --work/<variant>.json (earlier invocations, same settings) "
+        "instead of running them: the record then holds every peer's row.",
     )
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="Per run.")
     parser.add_argument(
@@ -181,6 +221,20 @@ def main() -> None:
         "trl": [args.trl_python, str(REPO / "benchmarks" / "trl_grpo.py"), *flags, "--out", str(args.work / "trl.json")]
         + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
     }
+    verl = names(args.verl, "--verl")
+    for name in verl:
+        runs[name] = [
+            args.verl_python,
+            str(REPO / "benchmarks" / "verl_grpo.py"),
+            *flags,
+            "--offload",
+            VERL_VARIANTS[name],
+            *(arg for item in args.verl_set for arg in ("--set", item)),
+            "--timeout-s",
+            str(args.timeout_s),
+            "--out",
+            str(args.work / f"{name}.json"),
+        ]
     profile = [] if args.profile_step is None else ["--profile-step", str(args.profile_step)]
     for spec in [b.strip() for b in args.backends.split(",") if b.strip()]:
         runs[spec] = [
@@ -198,29 +252,47 @@ def main() -> None:
             str(args.timeout_s),
         ]
     results: dict[str, dict] = {}
-    if args.reuse_trl:
-        results["trl"] = reused_trl(args.work / "trl.json", settings)
+    if args.no_trl and args.reuse_trl:
+        raise SystemExit("--no-trl and --reuse-trl must not be given together because one drops TRL; drop one")
+    if args.no_trl:
         del runs["trl"]
+    if args.reuse_trl:
+        results["trl"] = reused_result(args.work / "trl.json", settings, "--reuse-trl")
+        del runs["trl"]
+    for name in names(args.reuse_verl, "--reuse-verl"):
+        if name in verl:
+            raise SystemExit(f"verl variant {name!r} must be in --verl or in --reuse-verl, not both; drop one")
+        results[name] = reused_result(args.work / f"{name}.json", settings, "--reuse-verl")
     for name, cmd in runs.items():
         results[name] = run_json(name, cmd, Path(cmd[cmd.index("--out") + 1]), args.timeout_s + 60)
         write_record(args.out, settings, results)  # after every run: a later timeout keeps what finished
     print(table(settings, results, compare(results)))
 
 
-def reused_trl(path: Path, settings: StepSettings) -> dict:
-    """An earlier invocation's TRL record, if it ran the same work (marked ``reused_from``)."""
+def names(spec: str, flag: str) -> list[str]:
+    """The verl variants a comma-separated ``flag`` value names."""
+    listed = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = sorted(set(listed) - set(VERL_VARIANTS))
+    if unknown:
+        raise SystemExit(f"{flag} ({spec}) must name verl variants from {sorted(VERL_VARIANTS)}; drop {unknown}")
+    return listed
+
+
+def reused_result(path: Path, settings: StepSettings, flag: str) -> dict:
+    """An earlier invocation's peer record (TRL's or a verl variant's), if it ran the same work (marked
+    ``reused_from``)."""
     if not path.exists():
         raise SystemExit(
-            f"--reuse-trl needs {path} because it takes TRL's figures from there; run without "
-            f"--reuse-trl first (same --work) or drop the flag"
+            f"{flag} needs {path} because it takes the peer's figures from there; run without "
+            f"{flag} first (same --work) or drop the flag"
         )
     record = json.loads(path.read_text())
     ran = {k: v for k, v in record.get("settings", {}).items() if k != "backend"}
     wanted = {k: v for k, v in dataclasses.asdict(settings).items() if k != "backend"}
     if ran != wanted:
         raise SystemExit(
-            f"--reuse-trl: {path} ran {ran}, this invocation wants {wanted}; they must match "
-            f"because the ratios compare the same work; drop --reuse-trl"
+            f"{flag}: {path} ran {ran}, this invocation wants {wanted}; they must match "
+            f"because the ratios compare the same work; drop {flag}"
         )
     return {**record, "reused_from": str(path)}
 

@@ -3,7 +3,10 @@ cause readable next to its results, and the benchmark decides whether that ends 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -19,3 +22,47 @@ def run_logged(
             ).returncode
         except subprocess.TimeoutExpired:
             return "timeout"
+
+
+def run_logged_session(
+    cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> int | str:
+    """:func:`run_logged` for a command that starts daemons (Ray): it runs in a session of its own, and every
+    process of that session is killed once it ends or times out. Ray gives its workers process groups of
+    their own, which outlive a driver that exited or was killed (by ~20 s, with their device memory), so the
+    session is what holds them all; the next run gets a free device."""
+    with log.open("w") as sink:
+        child = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return "timeout"
+        finally:
+            end_session(child.pid)
+            child.wait()
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (``/proc/<pid>/stat``: ``pid (comm) state ppid pgrp session
+    ...``); zombies, dead and waiting for their parent to reap them, are left out."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def end_session(sid: int, wait_s: float = 30.0) -> None:
+    """SIGKILL every process of session ``sid`` until none is left (or ``wait_s`` has passed)."""
+    deadline = time.monotonic() + wait_s
+    while (pids := session_pids(sid)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)

@@ -98,17 +98,17 @@ def test_reused_trl_result_must_have_run_the_same_work(tmp_path):
     import dataclasses
     import json
 
-    from peer_step import reused_trl
+    from peer_step import reused_result
 
     settings = StepSettings(shape="tiny", prompts=2)
     path = tmp_path / "trl.json"
     with pytest.raises(SystemExit, match="run without"):
-        reused_trl(path, settings)
+        reused_result(path, settings, "--reuse-trl")
     record = {"settings": {**dataclasses.asdict(settings), "backend": "trl"}, "median_step_s": 3.0}
     path.write_text(json.dumps(record))
-    assert reused_trl(path, settings) == {**record, "reused_from": str(path)}
+    assert reused_result(path, settings, "--reuse-trl") == {**record, "reused_from": str(path)}
     with pytest.raises(SystemExit, match="must match"):
-        reused_trl(path, dataclasses.replace(settings, prompts=4))
+        reused_result(path, dataclasses.replace(settings, prompts=4), "--reuse-trl")
 
 
 def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
@@ -149,3 +149,31 @@ def test_cli_refuses_prompts_that_ranks_cannot_share(tmp_path):
     text = " ".join(result.output.replace("│", " ").split())  # rich's error box, unwrapped
     assert result.exit_code == 2 and "prompts (3) must be a multiple of ranks (2)" in text, result.output
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_ratios_pair_each_rlrun_run_with_the_verl_run_that_offloads_alike():
+    from peer_step import compare
+
+    def peer(s):
+        return {"median_step_s": s}
+
+    def mine(s):
+        return {"results": [{"median_step_s": s}]}
+
+    results = {
+        "trl": peer(20.0),
+        "verl": peer(12.0),
+        "verl_resident": peer(6.0),
+        "sglang": mine(8.0),
+        "sglang_resident": mine(3.0),
+        "embedded": {"error": "exit 1"},
+    }
+    ratios = compare(results)
+    assert set(ratios) == {"sglang", "sglang_resident"}  # peers and failed runs get none
+    assert ratios["sglang"]["verl_run"] == "verl" and ratios["sglang"]["speedup_vs_verl"] == 1.5
+    assert ratios["sglang"]["meets_goal_vs_verl"] and ratios["sglang"]["speedup_vs_trl"] == 2.5
+    assert ratios["sglang_resident"]["verl_run"] == "verl_resident"
+    assert ratios["sglang_resident"]["speedup_vs_verl"] == 2.0 and ratios["sglang_resident"]["goal_vs_verl"] == 1.5
+    del results["verl_resident"], results["trl"]
+    assert "speedup_vs_verl" not in compare(results).get("sglang_resident", {})
+    assert "speedup_vs_trl" not in compare(results)["sglang"]
