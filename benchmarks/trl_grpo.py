@@ -229,21 +229,26 @@ def main(argv: list[str] | None = None) -> dict:
     clock = StepClock(on_gpu=on_gpu)
     trainer = make_trainer(settings, inputs_dir, args.work / "trl", clock, args.gradient_checkpointing)
     trainer.train()
+    extra = {"gradient_checkpointing": args.gradient_checkpointing, **summarise(settings, clock.records)}
+    return write_result("trl_grpo", settings, versions(), extra, args.out)
+
+
+def write_result(benchmark: str, settings: StepSettings, versions: dict, extra: dict, out: Path | None) -> dict:
+    """A peer run's JSON record (the fields ``peer_step.py`` reads), printed and written to ``out``."""
     result = {
-        "benchmark": "trl_grpo",
+        "benchmark": benchmark,
         "command": "python " + " ".join(sys.argv),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": torch.cuda.get_device_name(0) if on_gpu else "cpu",
-        "versions": versions(),
+        "hardware": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "versions": versions,
         "settings": dataclasses.asdict(settings),
-        "gradient_checkpointing": args.gradient_checkpointing,
-        **summarise(settings, clock.records),
+        **extra,
     }
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
     return result
 
 

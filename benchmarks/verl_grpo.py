@@ -38,8 +38,6 @@ Needs verl 0.9.1 with its Python dependencies next to SGLang 0.5.17 (scripts/gpu
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import importlib.metadata
 import json
 import os
@@ -48,7 +46,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_grpo import add_settings_args, settings_from  # noqa: E402
+from trl_grpo import add_settings_args, settings_from, write_result  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlrun.bench.engines import SGLANG_SERVER_ARGS  # noqa: E402
@@ -340,23 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
     values = with_sets(values, args.set)
     metrics = run_verl(hydra_args(values), run_dir, args.timeout_s)
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    result = {
-        "benchmark": "verl_grpo",
-        "command": "python " + " ".join(sys.argv),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": torch.cuda.get_device_name(0) if on_gpu else "cpu",
-        "versions": versions(),
-        "settings": dataclasses.asdict(settings),
-        "offload": offload,
-        "overrides": hydra_args(values),
-        **summarise(settings, rows),
-    }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return result
+    extra = {"offload": offload, "overrides": hydra_args(values), **summarise(settings, rows)}
+    return write_result("verl_grpo", settings, versions(), extra, args.out)
 
 
 if __name__ == "__main__":
