@@ -21,15 +21,10 @@ BACKENDS=${BACKENDS:-embedded}
 PY=${PY:-python}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 
-step() {
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "$name $?" >>"$OUT/steps.txt"
-}
+. "$(dirname "$0")/run_steps.sh"  # logged_step
 
 bench() {
-    step "bench_$1" 540 "$PY" -m rlrun bench rollout --shape "$1" --backends "$BACKENDS" --batch "${BATCH:-64,128}" \
+    logged_step "bench_$1" 540 "$PY" -m rlrun bench rollout --shape "$1" --backends "$BACKENDS" --batch "${BATCH:-64,128}" \
         --prompt-len 128 --new-tokens "${NEW_TOKENS:-256}" --long-tail --long-tail-max "${LONG_TAIL_MAX:-1024}" \
         --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_$1.json"
 }
@@ -37,7 +32,7 @@ bench() {
 for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
     for one in $name; do
         case $one in
-        tests) step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_decode_buckets_gpu.py \
+        tests) logged_step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_decode_buckets_gpu.py \
             tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py ;;
         bench_*) bench "${one#bench_}" ;;
         *) echo "unknown step $one" >&2; exit 2 ;;

@@ -10,3 +10,10 @@ run_steps() {
     tail -n 15 "$OUT/$step.log"
   done
 }
+
+logged_step() {  # NAME LIMIT CMD...: one command under a time limit, its output in $OUT/NAME.log, "NAME RC" in $OUT/steps.txt
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "$name $?" >>"$OUT/steps.txt"
+}

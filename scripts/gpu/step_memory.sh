@@ -20,16 +20,11 @@ set -uo pipefail
 PY=${PY:-python}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 
-step() {
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "$name $?" >>"$OUT/steps.txt"
-}
+. "$(dirname "$0")/run_steps.sh"  # logged_step
 
 bench() {  # name new_tokens steps limit
     local work=/tmp/step_memory  # the model and prompts are shared; each run copies its metrics out
-    step "$1" "$4" "$PY" -m rlrun bench step --shape qwen3-4b --prompts 8 --samples 8 --new-tokens "$2" \
+    logged_step "$1" "$4" "$PY" -m rlrun bench step --shape qwen3-4b --prompts 8 --samples 8 --new-tokens "$2" \
         --steps "$3" --micro-batch-samples 4 --recompute full --packed-attention cudnn_per_sample \
         --work "$work" --out "$OUT/bench_step_qwen3-4b_64x$2.json"
     local run=$work/embedded_cudnn_recompute-full
@@ -50,7 +45,7 @@ EOF
 
 for name in "${@:-tests quick}"; do
     case $name in
-    tests) step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_offload_gpu.py -rA ;;
+    tests) logged_step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_offload_gpu.py -rA ;;
     quick) bench quick 2048 2 400 ;;
     full) bench full 8192 1 590 ;;
     *) echo "unknown step $name" >>"$OUT/steps.txt" ;;
