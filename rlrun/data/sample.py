@@ -26,6 +26,16 @@ class Prompt:
     template; generate hooks read them to know which tools exist."""
 
 
+TENSOR_FIELDS = ("routed_experts", "kept_ids")
+""":class:`Sample`'s int32 tensor fields: nested lists in a saved rollout's JSON, tensors again when loaded."""
+
+
+def _int32_tensor(value) -> torch.Tensor:
+    import torch
+
+    return torch.as_tensor(value, dtype=torch.int32)
+
+
 @dataclass
 class Sample:
     """One response to a prompt.
@@ -81,11 +91,13 @@ class Sample:
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> Sample:
         """The inverse of ``dataclasses.asdict`` (a checkpoint's carried groups, a saved rollout's JSON lines):
-        the prompt and parts as objects again, weight spans as tuples."""
+        the prompt and parts as objects again, weight spans as tuples, the tensor fields as int32 tensors."""
         spans, parts = row.get("weight_spans"), row.get("parts")
+        tensors = {name: _int32_tensor(row[name]) for name in TENSOR_FIELDS if row.get(name) is not None}
         return cls(
             **{
                 **row,
+                **tensors,
                 "prompt": Prompt(**row["prompt"]),
                 "weight_spans": [(v, n) for v, n in spans] if spans else None,
                 "parts": [cls.from_dict(part) for part in parts] if parts else None,

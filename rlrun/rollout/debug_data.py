@@ -26,8 +26,15 @@ def save_rollout(directory: str | Path, step: int, samples: list[Sample]) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as out:
         for sample in samples:
-            out.write(json.dumps(dataclasses.asdict(sample), default=str) + "\n")
+            out.write(json.dumps(dataclasses.asdict(sample), default=_jsonable) + "\n")
     return path
+
+
+def _jsonable(value):
+    """Tensors (``Sample.TENSOR_FIELDS``) as nested lists, so they load back; anything else as its ``str``."""
+    import torch
+
+    return value.tolist() if isinstance(value, torch.Tensor) else str(value)
 
 
 def load_rollout(directory: str | Path, step: int) -> list[Sample]:

@@ -154,3 +154,15 @@ def test_saved_rollouts_keep_the_parts(tmp_path):
     save_rollout(tmp_path, 0, [trajectory])
     [loaded] = load_rollout(tmp_path, 0)
     assert loaded.parts == parts and loaded.response_ids == [4, 5]
+
+
+def test_saved_rollouts_keep_routed_experts_and_kept_sets(tmp_path):
+    """MoE routing replay and top-p replay read these tensors from a saved rollout (debug.load_rollout_data)."""
+    experts = torch.tensor([[[0, 3]], [[1, 2]], [[1, 2]]], dtype=torch.int32)  # [total_length, layers, topk]
+    kept = torch.tensor([[5, 7, -1], [2, -1, -1]], dtype=torch.int32)  # [response tokens, width]
+    saved = Sample(**{**vars(sample(0, [1], [2, 3])), "routed_experts": experts, "kept_ids": kept})
+    save_rollout(tmp_path, 0, [saved])
+    [loaded] = load_rollout(tmp_path, 0)
+    for name, want in (("routed_experts", experts), ("kept_ids", kept)):
+        got = getattr(loaded, name)
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.int32 and torch.equal(got, want), name
