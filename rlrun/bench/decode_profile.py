@@ -36,7 +36,9 @@ _PATTERNS = (
     ("gemm", re.compile(r"gemm|gemv|nvjet|cublas|cutlass|xmma|splitk|aten::(mm|addmm|bmm|matmul|linear)$", re.I)),
     (
         "sampling",
-        re.compile(r"softmax|sort|topk|radix|scan|cumsum|searchsorted|argmax|exp_kernel|log_kernel|aten::(exp|log)$", re.I),
+        re.compile(
+            r"softmax|sort|topk|radix|scan|cumsum|searchsorted|argmax|exp_kernel|log_kernel|aten::(exp|log)$", re.I
+        ),
     ),
 )
 """Checked in this order (the attention kernel's name also says cutlass). ``sampling`` is softmax, log-softmax,

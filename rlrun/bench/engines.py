@@ -231,6 +231,12 @@ def bench_rollout_backends(
                     tail_run = LongTailRun(
                         long_tail, len(tail[0]), caps, runs["long_tail"], runs["long_tail_in_batches"]
                     )
+                decode = None
+                if profile is not None:  # only the embedded backend runs with it
+                    table = profile_path(profile, batch, batches)
+                    decode = _profile_in_process(
+                        Path(model_dir), dtype, device, prompts, new_tokens, table, hbm_bytes_per_s
+                    )
                 results.append(
                     BackendRolloutResult(
                         backend=backend,
@@ -246,12 +252,7 @@ def bench_rollout_backends(
                         bound=bound,
                         fraction_of_bound=runs["greedy"].tokens_per_s / bound.tokens_per_s,
                         long_tail=tail_run,
-                        decode_profile=None
-                        if profile is None
-                        else _profile_in_process(
-                            Path(model_dir), dtype, device, prompts, new_tokens, profile_path(profile, batch, batches),
-                            hbm_bytes_per_s,
-                        ),
+                        decode_profile=decode,
                     )
                 )
     return results

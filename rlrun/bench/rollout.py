@@ -141,7 +141,9 @@ def bench_rollout(
         with timer(dev) as engine_s:
             engine_tokens = _engine_run(engine, prompt_lists, new_tokens, params)
         engine_tp[name] = Throughput.of(engine_s[0], engine_tokens)
-    decode = None if profile is None else profile_decode(engine, prompt_lists, SAMPLED, new_tokens, profile, hbm_bytes_per_s)
+    decode = (
+        None if profile is None else profile_decode(engine, prompt_lists, SAMPLED, new_tokens, profile, hbm_bytes_per_s)
+    )
     with timer(dev) as hf_s:
         hf_tokens = _hf_run(model, prompts_dev, new_tokens)
     nbytes = weight_bytes(model)

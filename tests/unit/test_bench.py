@@ -121,9 +121,7 @@ def test_kernel_categories_of_h200_kernel_and_cpu_op_names():
         "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
         "aten::addmm": "gemm",
-        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>": (
-            "sampling"
-        ),
+        "void at::native::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>": "sampling",
         "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)": "sampling",
         "void at::native::tensor_kernel_scan_innermost_dim<float, std::plus<float> >(...)": "sampling",
         "aten::exp": "sampling",

@@ -82,6 +82,7 @@ class DecodeRun:
             sample=sampling.sample,
             filter=sampling.filter,
             kept_width=min(KEPT_SET_WIDTH, engine.vocab_size) if sampling.sample and sampling.filter else 0,
+            unfiltered=sampling.unfiltered,
         )
         self.num_running = num_running
         self.warm = engine._batch_for(self.shape)

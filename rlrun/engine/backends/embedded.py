@@ -249,7 +249,9 @@ class EmbeddedEngine:
         return row_key(int(torch.randint(0, 2**62, (1,), generator=self._rng)))
 
     def _forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
-        """The one model call (prefill and decode): last position's logits in fp32, K/V into ``cache``."""
+        """The decode step's model call: last position's logits in the model's dtype (the sampler's temperature
+        division widens them to fp32 exactly; a ``.float()`` here wrote a [B, V] fp32 copy every step), K/V into
+        ``cache``."""
         with bias_per_forward():
             out = self.model(
                 input_ids=input_ids,
@@ -259,7 +261,7 @@ class EmbeddedEngine:
                 logits_to_keep=1,
                 **{self._cache_kwarg: cache},
             )
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]
 
     @torch.inference_mode()
     def score_tokens(
