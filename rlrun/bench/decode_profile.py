@@ -95,15 +95,11 @@ def _busy(prof, device: torch.device) -> tuple[dict[str, float], int]:
 
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     count = 0
+    kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
     for event in prof.events():
-        if device.type == "cuda":
-            if event.device_type != DeviceType.CUDA:
-                continue
-            micros = event.time_range.elapsed_us()
-        else:
-            if event.device_type != DeviceType.CPU or event.is_user_annotation:
-                continue
-            micros = event.self_cpu_time_total
+        if event.device_type != kind or event.is_user_annotation:  # annotations are ranges, not work
+            continue
+        micros = event.time_range.elapsed_us() if kind == DeviceType.CUDA else event.self_cpu_time_total
         seconds[category(event.name)] += micros / 1e6
         count += 1
     return seconds, count
