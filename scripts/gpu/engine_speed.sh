@@ -10,7 +10,8 @@
 #
 # Steps:
 #   tests       the GPU tests of the decode: read-length buckets bitwise vs the whole cache, graphs kept
-#               warm, routed experts in the captured step, engine-vs-trainer exactness (tests/gpu)
+#               warm, routed experts in the captured step, engine-vs-trainer exactness (tests/gpu), the
+#               sampler's shortcuts bitwise (bf16 logits, tabulated noise, no unread full-vocabulary draw)
 #   bench_qwen3-0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
 #   bench_qwen3-1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
 #   profile_<shape>   rlrun bench rollout --profile at batch 64 (in process, with HF generate): the kernel-time
@@ -52,7 +53,8 @@ for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
     for one in $name; do
         case $one in
         tests) step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_decode_buckets_gpu.py \
-            tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py ;;
+            tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py \
+            tests/unit/test_engine_sampling.py ;;
         bench_*) bench "${one#bench_}" ;;
         profile_*) profile "${one#profile_}" ;;
         *) echo "unknown step $one" >&2; exit 2 ;;
