@@ -81,10 +81,13 @@ class DecodeProfile:
     """``hbm_bytes_per_step / hbm_bytes_per_s``."""
     host_issue_s_per_step: float
     """Host time to issue one step (``DecodeRun.forward``: Python plus the graph launch), without waiting."""
+    wall_s_per_step: float
+    """Wall clock from the first step's issue to the device being done with the last, per step (no profiler)."""
     device_s_per_step: float | None
     """CUDA events around each replay (None on CPU, where the host runs the step itself)."""
     host_gap_s_per_step: float | None
-    """Device idle between the end of one step and the start of the next (None on CPU)."""
+    """Device idle between the end of one step and the start of the next, waiting for the host (None on CPU);
+    about ``wall_s_per_step - device_s_per_step``."""
     fraction_of_bound: float | None
     """``bound_step_s / device_s_per_step`` (None on CPU)."""
 
@@ -97,7 +100,7 @@ def _busy(prof, device: torch.device) -> tuple[dict[str, float], int]:
     count = 0
     kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
     for event in prof.events():
-        if event.device_type != kind or event.is_user_annotation:  # annotations are ranges, not work
+        if event.device_type != kind or getattr(event, "is_user_annotation", False):  # ranges, not work
             continue
         micros = event.time_range.elapsed_us() if kind == DeviceType.CUDA else event.self_cpu_time_total
         seconds[category(event.name)] += micros / 1e6
@@ -113,13 +116,14 @@ def _window_start(run, first: int, span: int) -> int:
     return first
 
 
-def _event_times(run, steps: int, device: torch.device) -> tuple[float, float | None, float | None]:
-    """(host seconds to issue a step, device seconds per step, device idle seconds between steps)."""
+def _event_times(run, steps: int, device: torch.device) -> tuple[float, float, float | None, float | None]:
+    """Per step: (host seconds to issue it, wall-clock seconds until the device is done, device seconds, device
+    idle seconds before the next step); the last two None on CPU."""
     if device.type != "cuda":
         with timer(device) as wall:
             for _ in range(steps):
                 run.forward()
-        return wall[0] / steps, None, None
+        return wall[0] / steps, wall[0] / steps, None, None
     marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -129,9 +133,10 @@ def _event_times(run, steps: int, device: torch.device) -> tuple[float, float | 
         after.record()
     issued = time.perf_counter() - start
     torch.cuda.synchronize(device)
+    wall = time.perf_counter() - start
     device_s = statistics.fmean(b.elapsed_time(a) for b, a in marks) / 1e3
     gaps = [marks[k][1].elapsed_time(marks[k + 1][0]) / 1e3 for k in range(steps - 1)]
-    return issued / steps, device_s, statistics.fmean(gaps) if gaps else 0.0
+    return issued / steps, wall / steps, device_s, statistics.fmean(gaps) if gaps else 0.0
 
 
 def profile_decode(
@@ -154,7 +159,7 @@ def profile_decode(
             wall.extend(seconds)
 
         prof = profiled(window)
-        host_issue_s, device_s, gap_s = _event_times(run, steps, device)
+        host_issue_s, wall_s, device_s, gap_s = _event_times(run, steps, device)
     write_kernel_table(prof, table)
     by_category, launches = _busy(prof, device)
     length = run.read_len_at(run.forwards)
@@ -179,6 +184,7 @@ def profile_decode(
         hbm_bytes_per_step=weights + kv_bytes,
         bound_step_s=bound_s,
         host_issue_s_per_step=host_issue_s,
+        wall_s_per_step=wall_s,
         device_s_per_step=device_s,
         host_gap_s_per_step=gap_s,
         fraction_of_bound=None if device_s is None else bound_s / device_s,
