@@ -72,6 +72,15 @@ def rollout(
     long_tail_median: Annotated[int, typer.Option(help="Median of the drawn max_new_tokens.")] = 128,
     long_tail_sigma: Annotated[float, typer.Option(help="Sigma of log(max_new_tokens).")] = 1.0,
     long_tail_max: Annotated[int, typer.Option(help="Cap of the drawn max_new_tokens.")] = 1024,
+    profile: Annotated[
+        Path | None,
+        typer.Option(
+            help=(
+                "Embedded engine only: profile decode steps of the sampled call, write the kernel-time table here "
+                "(<stem>_b<batch> for several batch sizes) and the step's breakdown into the JSON (decode_profile)."
+            )
+        ),
+    ] = None,
     out: OutFile = None,
 ) -> None:
     """Embedded engine vs transformers generate output tokens/s, and the memory-bandwidth bound."""
@@ -91,17 +100,21 @@ def rollout(
             if long_tail
             else None
         )
-        results = bench_rollout_backends(
-            names,
-            shape,
-            batches,
-            prompt_len,
-            new_tokens,
-            dtype,
-            run_dir,
-            hbm_bytes_per_s=hbm_gbps * 1e9,
-            long_tail=workload,
-        )
+        try:
+            results = bench_rollout_backends(
+                names,
+                shape,
+                batches,
+                prompt_len,
+                new_tokens,
+                dtype,
+                run_dir,
+                hbm_bytes_per_s=hbm_gbps * 1e9,
+                long_tail=workload,
+                profile=profile,
+            )
+        except ValueError as exc:  # options that cannot run together (--profile with SGLang)
+            raise typer.BadParameter(str(exc)) from None
         _emit("rollout", results, out)
         return
     if long_tail:
@@ -109,8 +122,20 @@ def rollout(
             "--long-tail needs --backends because it runs through the engine worker (max_running_requests); "
             "add --backends embedded"
         )
+    from rlrun.bench.rollout import profile_path
+
     results = [
-        bench_rollout(shape, b, prompt_len, new_tokens, device, dtype, hbm_bytes_per_s=hbm_gbps * 1e9) for b in batches
+        bench_rollout(
+            shape,
+            b,
+            prompt_len,
+            new_tokens,
+            device,
+            dtype,
+            hbm_bytes_per_s=hbm_gbps * 1e9,
+            profile=None if profile is None else profile_path(profile, b, batches),
+        )
+        for b in batches
     ]
     _emit("rollout", results, out)
 

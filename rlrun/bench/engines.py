@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from rlrun.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput
+from rlrun.bench.decode_profile import DecodeProfile, profile_decode
+from rlrun.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput, profile_path
 from rlrun.bench.shapes import get_shape, write_random_model
 from rlrun.bench.timing import hardware, timer
 from rlrun.engine.backends import BackendSpec
@@ -92,6 +93,9 @@ class BackendRolloutResult:
     bound: BandwidthBound
     fraction_of_bound: float
     long_tail: LongTailRun | None = None
+    decode_profile: DecodeProfile | None = None
+    """With ``--profile`` (embedded only): decode steps of the sampled call profiled in this process, on an engine
+    like the worker's (same model directory, seed and ``max_running_requests``), after the worker has stopped."""
 
 
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
@@ -191,9 +195,17 @@ def bench_rollout_backends(
     hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
     seed: int = 0,
     long_tail: LongTail | None = None,
+    profile: Path | None = None,
 ) -> list[BackendRolloutResult]:
     """Time each backend's worker on the same random model and prompts, one backend at a time, per batch size
-    (a fresh worker each, started with ``max_running_requests`` = the batch)."""
+    (a fresh worker each, started with ``max_running_requests`` = the batch); ``profile``: also profile the
+    embedded engine's decode steps (:func:`_profile_in_process`), tables at :func:`profile_path`."""
+    if profile is not None and set(backends) != {"embedded"}:
+        raise ValueError(
+            f"--profile ({profile}) must run with --backends embedded only because the profiler sees the kernels of "
+            f"this process, and SGLang decodes in its own scheduler process (backends: {','.join(backends)}); "
+            "drop the other backends or drop --profile"
+        )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     spec = get_shape(shape)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,6 +231,12 @@ def bench_rollout_backends(
                     tail_run = LongTailRun(
                         long_tail, len(tail[0]), caps, runs["long_tail"], runs["long_tail_in_batches"]
                     )
+                decode = None
+                if profile is not None:  # only the embedded backend runs with it
+                    table = profile_path(profile, batch, batches)
+                    decode = _profile_in_process(
+                        Path(model_dir), dtype, device, prompts, new_tokens, table, hbm_bytes_per_s
+                    )
                 results.append(
                     BackendRolloutResult(
                         backend=backend,
@@ -234,6 +252,26 @@ def bench_rollout_backends(
                         bound=bound,
                         fraction_of_bound=runs["greedy"].tokens_per_s / bound.tokens_per_s,
                         long_tail=tail_run,
+                        decode_profile=decode,
                     )
                 )
     return results
+
+
+def _profile_in_process(
+    model_dir: Path,
+    dtype: str,
+    device: torch.device,
+    prompts: list[list[int]],
+    new_tokens: int,
+    table: Path,
+    hbm_bytes_per_s: float,
+) -> DecodeProfile:
+    """The worker's engine (seed 0, ``max_running_requests`` = the batch) built in this process, profiled, freed."""
+    from rlrun.engine.backends.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(model_dir, seed=0, dtype=dtype, device=device, max_running_requests=len(prompts))
+    try:
+        return profile_decode(engine, prompts, SAMPLED, new_tokens, table, hbm_bytes_per_s)
+    finally:
+        engine.free_cache()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rlrun.bench.decode_profile import DecodeProfile, profile_decode
 from rlrun.bench.shapes import get_shape, weight_bytes, write_random_model
 from rlrun.bench.timing import hardware, timer
 
@@ -75,10 +76,17 @@ class RolloutResult:
     """engine tokens/s / HF generate tokens/s (goal >= 5)."""
     fraction_of_bound: float
     """engine tokens/s / bound tokens/s."""
+    decode_profile: DecodeProfile | None = None
+    """With ``--profile``: where a decode step of the sampled call spends its time (rlrun/bench/decode_profile.py)."""
 
 
 GREEDY = {"temperature": 0.0}
 SAMPLED = {"temperature": 1.0, "top_p": 0.95, "sampling_seed": 0}
+
+
+def profile_path(path: Path, batch: int, batches: list[int]) -> Path:
+    """Where batch ``batch``'s kernel-time table goes: ``path`` itself for one batch size, else ``<stem>_b<batch>``."""
+    return path if len(batches) == 1 else path.with_name(f"{path.stem}_b{batch}{path.suffix}")
 
 
 def _engine_run(engine, prompts: list[list[int]], new_tokens: int, params: dict) -> int:
@@ -108,8 +116,10 @@ def bench_rollout(
     dtype: str,
     hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
     seed: int = 0,
+    profile: Path | None = None,
 ) -> RolloutResult:
-    """Time one warm run of the embedded engine and of HF ``generate`` on the same weights in memory."""
+    """Time one warm run of the embedded engine and of HF ``generate`` on the same weights in memory; ``profile``:
+    also profile decode steps of the sampled call (its kernel-time table written there)."""
     from transformers import AutoModelForCausalLM
 
     from rlrun.engine.backends.embedded import DTYPES, EmbeddedEngine
@@ -131,6 +141,9 @@ def bench_rollout(
         with timer(dev) as engine_s:
             engine_tokens = _engine_run(engine, prompt_lists, new_tokens, params)
         engine_tp[name] = Throughput.of(engine_s[0], engine_tokens)
+    decode = (
+        None if profile is None else profile_decode(engine, prompt_lists, SAMPLED, new_tokens, profile, hbm_bytes_per_s)
+    )
     with timer(dev) as hf_s:
         hf_tokens = _hf_run(model, prompts_dev, new_tokens)
     nbytes = weight_bytes(model)
@@ -153,4 +166,5 @@ def bench_rollout(
         bound=bound,
         speedup_vs_hf=greedy.tokens_per_s / hf_tp.tokens_per_s,
         fraction_of_bound=greedy.tokens_per_s / bound.tokens_per_s,
+        decode_profile=decode,
     )

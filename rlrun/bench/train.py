@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from rlrun.bench.kernel_table import profiled, write_kernel_table
 from rlrun.bench.shapes import Shape, get_shape, write_random_model
 from rlrun.bench.timing import hardware, timer
 from rlrun.config.schema import LMHead, RecomputeMode
@@ -267,25 +268,11 @@ def _timed_steps(model, optimizer, batches: list, steps: int, profile: Path | No
         )
 
     step()
-    if profile is not None:
-        _write_profile(step, profile)
+    if profile is not None:  # one step's kernel-time table
+        write_kernel_table(profiled(step), profile)
     seconds = []
     for _ in range(steps):
         with timer(device) as elapsed:
             step()
         seconds.append(elapsed[0])
     return seconds
-
-
-def _write_profile(step, path: Path) -> None:
-    """The kernel-time table of one ``step()`` (top 40 by device time) as text at ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))

@@ -152,7 +152,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(keys: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """One uniform draw in [0, 1) per row, a pure function of (the row's 64-bit key, the step): a
     counter-based generator, so a row's draws do not depend on the rest of the batch, need no
-    per-row generator state, and the whole decode step can be replayed as one CUDA graph."""
+    per-row generator state, and the whole decode step can be replayed as one CUDA graph. Elementwise, so
+    ``keys[:, None]`` and ``steps[None]`` give a row's draws for every step at once (``DecodeBatch.noise``: the
+    hash is ~60 small integer kernels, too many to launch in every decode step)."""
     low, high = keys & _MASK32, (keys >> 32) & _MASK32
     hashed = _mix32(low ^ _mix32(high ^ _mix32(step & _MASK32)))
     return (hashed >> 8).to(torch.float32) / float(2**24)
@@ -186,6 +188,8 @@ class SamplingTensors:
     """Some row draws at random (else every row is greedy)."""
     filter: bool
     """Some drawing row uses top-k, top-p or min-p."""
+    unfiltered: bool = True
+    """Some drawing row uses none of them (draws over the whole vocabulary); False skips that draw."""
 
     @classmethod
     def of(
@@ -204,13 +208,16 @@ class SamplingTensors:
             keys=tensor(list(keys), torch.long),
             sample=any(not r.greedy for r in rows),
             filter=any(r.needs_filter for r in rows if not r.greedy),
+            unfiltered=any(not r.needs_filter for r in rows if not r.greedy),
         )
 
     @classmethod
-    def empty(cls, num_rows: int, sample: bool, filter: bool, device: torch.device) -> SamplingTensors:
+    def empty(
+        cls, num_rows: int, sample: bool, filter: bool, device: torch.device, unfiltered: bool = True
+    ) -> SamplingTensors:
         """Buffers for ``num_rows`` greedy rows with the given static choices (filled by :meth:`put`)."""
         greedy = cls.of([SamplingParams(top_k=1)] * num_rows, [0] * num_rows, 1, device)
-        return dataclasses.replace(greedy, sample=sample, filter=filter)
+        return dataclasses.replace(greedy, sample=sample, filter=filter, unfiltered=unfiltered)
 
     def take(self, rows: torch.Tensor) -> SamplingTensors:
         """The tensors of ``rows`` (copies), same static choices."""
@@ -219,7 +226,7 @@ class SamplingTensors:
     def put(self, rows: torch.Tensor, other: SamplingTensors) -> None:
         """Overwrite ``rows`` with ``other``'s (one per row) in place; ``other`` may only drop static choices
         these tensors make (a greedy row in a sampling batch), not add one (the captured step bakes them in)."""
-        assert (other.sample <= self.sample) and (other.filter <= self.filter)
+        assert (other.sample <= self.sample) and (other.filter <= self.filter) and (other.unfiltered <= self.unfiltered)
         for field in _ROW_FIELDS:
             getattr(self, field)[rows] = getattr(other, field)
 
@@ -270,11 +277,17 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor, t: SamplingTensors, step: torch.Tensor, kept_out: torch.Tensor | None = None
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    step: torch.Tensor,
+    kept_out: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (token ids [B], their log-probs [B], fp32).
 
-    ``logits`` is [B, V]. Row b draws with one uniform ``uniform_noise(keys[b], step)`` by inverse
+    ``logits`` is [B, V] in any float dtype: the temperature division computes in fp32 (bf16 logits are
+    widened exactly inside it, so no fp32 copy of the logits is written first). Row b draws with one uniform
+    ``uniform_noise(keys[b], step)`` (``noise``: those draws when the caller has them tabulated) by inverse
     CDF over its (filtered) probabilities, so its samples depend only on its key and the step, not
     on the batch: a row without a filter draws over the whole vocabulary in token order, a filtering row over
     its kept set in probability order, whatever the other rows do. Greedy rows take the first argmax, as
@@ -285,12 +298,14 @@ def sample_tokens(
     are then the sampling distribution's, renormalised over that set: ``log p(t) - log sum_{k kept} p(k)``.
     Without ``kept_out`` they are log_softmax(logits / T) before any filter (SGLang's).
     """
-    logprobs = torch.log_softmax(logits.float() / t.temperature[:, None], dim=-1)
+    logprobs = torch.log_softmax(torch.div(logits, t.temperature[:, None]), dim=-1)  # fp32 temperature: fp32
     tokens = logprobs.argmax(dim=-1)
     log_mass = None
     if t.sample:
-        probs, u = logprobs.exp(), uniform_noise(t.keys, step)
-        drawn = _inverse_cdf(probs, u)  # rows without a filter: the whole vocabulary, in token order
+        probs, u = logprobs.exp(), uniform_noise(t.keys, step) if noise is None else noise
+        # Rows without a filter draw over the whole vocabulary, in token order; with none such (every drawing
+        # row filters), ``drawn`` would only be read for greedy rows, which take ``tokens`` below.
+        drawn = _inverse_cdf(probs, u) if t.unfiltered else tokens
         if t.filter:
             # A filtering row keeps at most KEPT_SET_WIDTH tokens (its top-k is capped there), so the most
             # likely KEPT_SET_WIDTH, sorted, hold its whole kept set: a top-k instead of sorting the vocabulary.

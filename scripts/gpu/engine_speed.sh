@@ -6,12 +6,17 @@
 #   bash scripts/gpu/engine_speed.sh tests bench_qwen3-0.6b                       # call 1: embedded (~4 min)
 #   bash scripts/gpu/engine_speed.sh bench_qwen3-1.7b                             # call 2 (~5 min)
 #   BACKENDS=embedded,sglang bash scripts/gpu/engine_speed.sh bench_qwen3-0.6b    # with SGLang importable (~8 min)
+#   bash scripts/gpu/engine_speed.sh profile_qwen3-0.6b                           # where a decode step goes (~2 min)
 #
 # Steps:
 #   tests       the GPU tests of the decode: read-length buckets bitwise vs the whole cache, graphs kept
-#               warm, routed experts in the captured step, engine-vs-trainer exactness (tests/gpu)
+#               warm, routed experts in the captured step, engine-vs-trainer exactness (tests/gpu), the
+#               sampler's shortcuts bitwise (bf16 logits, tabulated noise, no unread full-vocabulary draw)
 #   bench_qwen3-0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
 #   bench_qwen3-1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
+#   profile_<shape>   rlrun bench rollout --profile at batch 64 (in process, with HF generate): the kernel-time
+#               table of decode steps of the sampled call -> $OUT/decode_profile_<shape>_b64.txt, the JSON (its
+#               decode_profile: busy fraction, time per step by category, host gap, HBM bound) -> .json; printed
 #
 # CPU rehearsal of the bench step (tiny shape, float32): OUT=/tmp/es BATCH=4,8 NEW_TOKENS=16 LONG_TAIL_MAX=64 \
 #   bash scripts/gpu/engine_speed.sh bench_tiny
@@ -29,12 +34,24 @@ bench() {
         --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_$1.json"
 }
 
+profile() {
+    local base="$OUT/decode_profile_$1_b64"
+    logged_step "profile_$1" 280 "$PY" -m rlrun bench rollout --shape "$1" --batch 64 --prompt-len 128 --new-tokens 256 \
+        --profile "$base.txt" --out "$base.json"
+    head -n 45 "$base.txt" | cut -c1-190
+    "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1]))["results"][0]
+print({k: round(r[k]["tokens_per_s"]) for k in ("engine", "engine_sampled", "hf_generate")})
+print(json.dumps(r["decode_profile"], indent=1))' "$base.json"
+}
+
 for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
     for one in $name; do
         case $one in
         tests) logged_step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_decode_buckets_gpu.py \
-            tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py ;;
+            tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py \
+            tests/unit/test_engine_sampling.py ;;
         bench_*) bench "${one#bench_}" ;;
+        profile_*) profile "${one#profile_}" ;;
         *) echo "unknown step $one" >&2; exit 2 ;;
         esac
     done

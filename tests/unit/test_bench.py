@@ -74,8 +74,11 @@ def test_bench_rollout_tiny_cpu(tmp_path):
         str(new_tokens),
         "--hbm-gbps",
         str(hbm_gbps),
+        "--profile",
+        str(tmp_path / "kernels.txt"),
     )
     r = record["results"][0]
+    _check_decode_profile(r["decode_profile"], tmp_path / "kernels.txt", SHAPES["tiny"], batch, 6, hbm_gbps)
     weight_bytes = expected_params(SHAPES["tiny"]) * 4  # float32 on CPU
     assert (r["num_params"], r["weight_bytes"], r["dtype"]) == (
         expected_params(SHAPES["tiny"]),
@@ -90,6 +93,54 @@ def test_bench_rollout_tiny_cpu(tmp_path):
     assert r["bound"]["tokens_per_s"] == pytest.approx(batch / step_s)
     assert r["speedup_vs_hf"] == pytest.approx(r["engine"]["tokens_per_s"] / r["hf_generate"]["tokens_per_s"])
     assert r["fraction_of_bound"] == pytest.approx(r["engine"]["tokens_per_s"] / (batch / step_s))
+
+
+def _check_decode_profile(p: dict, table, s: Shape, batch: int, prompt_len: int, hbm_gbps: float) -> None:
+    """The profile's fields on CPU: categories that sum to the busy time, the bytes a step reads from the shape."""
+    assert "Self CPU" in table.read_text() and p["table"] == str(table)
+    assert (p["num_slots"], p["read_len"], p["steps"]) == (batch, 128, 8)  # 6 + 5 tokens: one bucket of 128
+    assert set(p["category_s_per_step"]) == {"attention", "gemm", "sampling", "other"}
+    assert min(p["category_s_per_step"].values()) > 0  # on CPU each category has ops: SDPA, mm, softmax, copies
+    assert sum(p["category_s_per_step"].values()) == pytest.approx(p["busy_s_per_step"], rel=1e-9)
+    assert p["busy_fraction"] == pytest.approx(p["busy_s_per_step"] / p["mean_step_s"])
+    assert 0 < p["busy_fraction"] <= 1 and p["launches_per_step"] > 100
+    kv = s.layers * 2 * batch * s.kv_heads * p["read_len"] * s.head_dim * 4  # K and V, fp32
+    assert p["weight_bytes"] == expected_params(s) * 4 and p["kv_bytes_per_step"] == kv
+    assert p["hbm_bytes_per_step"] == p["weight_bytes"] + kv
+    assert p["bound_step_s"] == pytest.approx(p["hbm_bytes_per_step"] / (hbm_gbps * 1e9))
+    assert p["host_issue_s_per_step"] == p["wall_s_per_step"] > 0  # on CPU the host runs the step
+    assert p["device_s_per_step"] is p["host_gap_s_per_step"] is p["fraction_of_bound"] is None  # CUDA only
+
+
+def test_kernel_categories_of_h200_kernel_and_cpu_op_names():
+    from rlrun.bench.decode_profile import category
+
+    names = {
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)": "attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+        "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
+        "aten::addmm": "gemm",
+        "void at::native::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>": "sampling",
+        "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)": "sampling",
+        "void at::native::tensor_kernel_scan_innermost_dim<float, std::plus<float> >(...)": "sampling",
+        "aten::exp": "sampling",
+        "aten::expand": "other",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, ...>": "other",
+        "Memcpy DtoD (Device -> Device)": "other",
+    }
+    assert {name: category(name) for name in names} == names
+
+
+def test_bench_rollout_refuses_profile_with_sglang(tmp_path):
+    from typer.testing import CliRunner
+
+    from rlrun.bench.cli import bench_app
+
+    args = ["rollout", "--shape", "tiny", "--backends", "embedded,sglang", "--profile", str(tmp_path / "k.txt")]
+    result = CliRunner().invoke(bench_app, args, env={"COLUMNS": "400"})  # one line: the message is not wrapped
+    assert result.exit_code != 0 and "SGLang decodes in its own scheduler process" in result.output
+    assert not (tmp_path / "k.txt").exists()
 
 
 @pytest.mark.slow

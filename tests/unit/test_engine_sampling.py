@@ -3,6 +3,9 @@ follow softmax(logits / T) after top-k filtering, log-probs taken before filteri
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from rlrun.engine.sampling import SamplingParams, SamplingTensors, filter_probs, row_key, sample_tokens, uniform_noise
@@ -74,3 +77,25 @@ def test_a_row_draws_the_same_whatever_the_filters_of_the_other_rows():
     probs = torch.softmax(logits[1] / 0.8, -1)
     survivors = filter_probs(probs[None], [top_p])[0].nonzero().flatten()
     assert set(kept[0][kept[0] >= 0].tolist()) == set(survivors.tolist())  # top-k 700 is capped at 512
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_decode_steps_sampler_shortcuts_are_bitwise_the_paths_they_replace(device):
+    """bf16 logits straight into the temperature division against a ``.float()`` copy first, the tabulated noise
+    (``DecodeBatch.noise``) against hashing it per step, and no full-vocabulary draw (every drawing row filters)
+    against computing it: same tokens, log-probs and kept sets, bitwise."""
+    vocab, rows = 4096, 48
+    filtering = SamplingParams(temperature=1.0, top_p=0.95, sampling_seed=1)
+    params = [filtering if b % 3 else SamplingParams(top_k=1) for b in range(rows)]  # filtering and greedy rows
+    keys = torch.tensor([row_key(filtering.sample_seed([b], 0)) for b in range(rows)], device=device)
+    tensors = SamplingTensors.of(params, keys.tolist(), vocab, torch.device(device))
+    assert tensors.filter and not tensors.unfiltered
+    logits = (3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))).bfloat16().to(device)
+    step = torch.arange(rows, device=device) % 5
+    table = uniform_noise(keys[:, None], torch.arange(8, device=device)[None])
+    assert torch.equal(table[torch.arange(rows, device=device), step], uniform_noise(keys, step))
+    kept_new, kept_old = (torch.empty(rows, 512, dtype=torch.long, device=device) for _ in range(2))
+    new = sample_tokens(logits, tensors, step, kept_new, table[torch.arange(rows, device=device), step])
+    old = sample_tokens(logits.float(), dataclasses.replace(tensors, unfiltered=True), step, kept_old)
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1]) and torch.equal(kept_new, kept_old)
+    assert new[1].dtype == torch.float32 and len(set(new[0].tolist())) > 10  # draws, not one token

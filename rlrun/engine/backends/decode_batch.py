@@ -20,7 +20,7 @@ import enum
 import torch
 
 from rlrun.engine.backends.static_cache import StaticKVCache
-from rlrun.engine.sampling import SamplingTensors, sample_tokens
+from rlrun.engine.sampling import SamplingTensors, sample_tokens, uniform_noise
 
 
 class Finish(enum.IntEnum):
@@ -58,6 +58,8 @@ class BatchShape:
     kept_width: int = 0
     """Width of the kept-set buffer (top-p mask replay; ``sampling.KEPT_SET_WIDTH`` or the vocabulary if
     smaller) when some row filters, else 0."""
+    unfiltered: bool = True
+    """Some drawing row draws over the whole vocabulary (``SamplingTensors.unfiltered``)."""
 
 
 @dataclasses.dataclass
@@ -91,6 +93,9 @@ class DecodeBatch:
     """[B, max_len, layers, topk] (uint8 or int32, ``RouterRecorder.dtype``): the experts of the token each
     decode step forwarded (column ``step - 1`` of each row), written by the engine's router hooks (MoE models
     only; ``routing_record``)."""
+    noise: torch.Tensor | None = None
+    """[B, max_len] float32: ``uniform_noise(key, s)`` of each row for every step s, tabulated when the row is
+    loaded (the hash is ~60 small kernels a step otherwise); sampling batches only."""
 
     def __post_init__(self) -> None:
         self.all_rows = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)
@@ -116,8 +121,9 @@ class DecodeBatch:
             finish=zeros(rows),
             max_new=zeros(rows),
             stop_ids=zeros(rows, shape.stop_width) - 1,
-            sampling=SamplingTensors.empty(rows, shape.sample, shape.filter, device),
+            sampling=SamplingTensors.empty(rows, shape.sample, shape.filter, device, shape.unfiltered),
             kept_ids=zeros(rows, shape.max_len, shape.kept_width) - 1 if shape.kept_width else None,
+            noise=zeros(rows, shape.max_len, dtype=torch.float32) if shape.sample else None,
         )
 
     def load_rows(
@@ -152,6 +158,9 @@ class DecodeBatch:
             stop_ids, (0, self.stop_ids.shape[1] - stop_ids.shape[1]), value=-1
         )
         self.sampling.put(slots, sampling)
+        if self.noise is not None:
+            steps = torch.arange(self.noise.shape[1], device=self.noise.device)
+            self.noise[slots] = uniform_noise(sampling.keys[:, None], steps[None])
 
     def deactivate(self, slots: torch.Tensor) -> None:
         """Make ``slots`` inactive without a finish code (a row bucket's padding, a slot left empty)."""
@@ -161,24 +170,39 @@ class DecodeBatch:
         """Sample each row's next token (its ``step``-th) from ``logits`` ([B, V], or [len(slots), V] for just
         ``slots``: the first token of rows just loaded) and apply the device-side end conditions. A row's step
         advances only while it is active, so its k-th token always draws the noise of step k."""
+        whole = slots is None
         rows = self.all_rows if slots is None else slots
-        step, active = self.step[rows], self.active[rows]
+
+        def take(buffer: torch.Tensor) -> torch.Tensor:
+            """The rows' values: the buffer itself for the whole batch (a decode step: no gather kernel)."""
+            return buffer if whole else buffer[rows]
+
+        step, active = take(self.step), take(self.active)
         sampling = self.sampling if slots is None else self.sampling.take(slots)
-        kept = None if self.kept_ids is None else torch.empty_like(self.kept_ids[rows, 0])
-        token, logprob = sample_tokens(logits, sampling, step, kept)
+        kept = None if self.kept_ids is None else self.kept_ids.new_empty(len(rows), self.kept_ids.shape[-1])
+        noise = None if self.noise is None else self.noise[rows, step]
+        token, logprob = sample_tokens(logits, sampling, step, kept, noise)
         if kept is not None and self.kept_ids is not None:  # both or neither
             self.kept_ids[rows, step] = kept
         self.tokens[rows, step] = token
         self.logprobs[rows, step] = logprob
-        lengths = self.lengths[rows] + active
-        stopped = (token[:, None] == self.stop_ids[rows]).any(-1) & active
-        too_long = (lengths >= self.max_new[rows]) & active & ~stopped
-        finish = self.finish[rows].masked_fill(stopped, Finish.STOP_TOKEN).masked_fill(too_long, Finish.LENGTH)
-        self.lengths[rows] = lengths
-        self.finish[rows] = finish
-        self.active[rows] = active & ~(stopped | too_long)
-        self.input_ids[rows] = token[:, None]
-        self.step[rows] = step + active
+        lengths = take(self.lengths) + active
+        stopped = (token[:, None] == take(self.stop_ids)).any(-1) & active
+        too_long = (lengths >= take(self.max_new)) & active & ~stopped
+        finish = take(self.finish).masked_fill(stopped, Finish.STOP_TOKEN).masked_fill(too_long, Finish.LENGTH)
+        # Every new value is computed before any is written: ``step`` and ``active`` may be the buffers themselves.
+        updates = {
+            "lengths": lengths,
+            "finish": finish,
+            "active": active & ~(stopped | too_long),
+            "input_ids": token[:, None],
+            "step": step + active,
+        }
+        for name, value in updates.items():
+            if whole:
+                getattr(self, name).copy_(value)
+            else:
+                getattr(self, name)[rows] = value
 
     def advance(self) -> None:
         """After a decode forward: an active row's next one writes (and attends to) its next column; an
@@ -209,7 +233,7 @@ class DecodeBatch:
     def nbytes(self) -> int:
         """Device bytes of the buffers (the KV cache once loaded, the token and log-prob buffers)."""
         tensors = [*self.cache.keys, *self.cache.values, self.tokens, self.logprobs, self.mask]
-        tensors += [t for t in (self.kept_ids, self.routed_experts) if t is not None]
+        tensors += [t for t in (self.kept_ids, self.routed_experts, self.noise) if t is not None]
         return sum(t.nbytes for t in tensors)
 
     def cut(self, row: int, length: int) -> None:

@@ -82,6 +82,7 @@ class DecodeRun:
             sample=sampling.sample,
             filter=sampling.filter,
             kept_width=min(KEPT_SET_WIDTH, engine.vocab_size) if sampling.sample and sampling.filter else 0,
+            unfiltered=sampling.unfiltered,
         )
         self.num_running = num_running
         self.warm = engine._batch_for(self.shape)
@@ -113,14 +114,24 @@ class DecodeRun:
                     self.batch.end_rows(index, Finish.ABORT)
                 look_at = self.forwards
             if self.forwards >= look_at:
-                self._look(aborted)
+                self.look(aborted)
                 if early is not None:
                     early.deliver_done(self.done)
                 if not self.slots.occupied and not self.queue:
                     return [self.done[r] for r in range(len(self.rows))]
                 look_at = self._next_look()
-            self.forwards += 1  # this forward attends, in each held row, up to its prompt + tokens so far
-            self.warm.run(read_len(self.slots.filled(self.forwards), self.shape.max_len))
+            self.forward()
+
+    def forward(self) -> int:
+        """One decode forward of every slot (a captured step's replay on CUDA); returns the cache columns it read."""
+        self.forwards += 1  # this forward attends, in each held row, up to its prompt + tokens so far
+        length = self.read_len_at(self.forwards)
+        self.warm.run(length)
+        return length
+
+    def read_len_at(self, forward: int) -> int:
+        """The cache columns the ``forward``-th forward reads, for the rows held now."""
+        return read_len(self.slots.filled(forward), self.shape.max_len)
 
     def _next_look(self) -> int:
         """The forward after which to look next: every ``SYNC_EVERY``, and as soon as every held row must have
@@ -132,7 +143,7 @@ class DecodeRun:
             due.append(ends[min(len(ends), max(1, int(self.num_running * REFILL_FRACTION))) - 1])
         return min(_round_up(self.forwards + 1, SYNC_EVERY), max(min(due), self.forwards + 1))
 
-    def _look(self, aborted: list[bool]) -> None:
+    def look(self, aborted: list[bool]) -> None:
         """Stop strings, then the results of the rows that ended, then waiting rows into the free slots."""
         self.stop_strings.scan(self.batch)
         held = self.slots.occupied

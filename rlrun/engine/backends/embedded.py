@@ -196,16 +196,27 @@ class EmbeddedEngine:
         backend's merged calls) hands each part of the batch its results as soon as all its rows are
         done, at the host looks, while the rest decodes on; the return value still holds every row.
         """
+        control = control if control is not None else DecodeControl()
+        with control.running():
+            return self.decode_run(input_ids, sampling_params, return_logprob, rids, request).run(control, early)
+
+    def decode_run(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: Mapping[str, Any] | Sequence[Any],
+        return_logprob: bool = True,
+        rids: list[str] | None = None,
+        request: RequestHandle | None = None,
+    ) -> DecodeRun:
+        """One call's decode state, nothing run yet (:meth:`generate` runs it to the end; ``bench rollout
+        --profile`` steps it forward by forward). Call under ``torch.inference_mode``."""
         params = per_prompt_params(len(input_ids), sampling_params)
         self.check_prompts(input_ids, params)
         rids = rids if rids is not None else [uuid.uuid4().hex for _ in input_ids]
         if len(rids) != len(input_ids):
             raise ValueError(f"rids ({len(rids)} ids) must have one id per prompt ({len(input_ids)}); pass None or fix")
         request = request if request is not None else RequestHandle(row_rids(rids, params))
-        control = control if control is not None else DecodeControl()
-        with control.running():
-            run = DecodeRun(self, input_ids, params, request, return_logprob, self.max_running_requests)
-            return run.run(control, early)
+        return DecodeRun(self, input_ids, params, request, return_logprob, self.max_running_requests)
 
     @property
     def decode_step_captured(self) -> bool:
@@ -238,7 +249,9 @@ class EmbeddedEngine:
         return row_key(int(torch.randint(0, 2**62, (1,), generator=self._rng)))
 
     def _forward(self, input_ids, attention_mask, position_ids, cache: StaticKVCache) -> torch.Tensor:
-        """The one model call (prefill and decode): last position's logits in fp32, K/V into ``cache``."""
+        """The decode step's model call: last position's logits in the model's dtype (the sampler's temperature
+        division widens them to fp32 exactly; a ``.float()`` here wrote a [B, V] fp32 copy every step), K/V into
+        ``cache``."""
         with bias_per_forward():
             out = self.model(
                 input_ids=input_ids,
@@ -248,7 +261,7 @@ class EmbeddedEngine:
                 logits_to_keep=1,
                 **{self._cache_kwarg: cache},
             )
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]
 
     @torch.inference_mode()
     def score_tokens(
