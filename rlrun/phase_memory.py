@@ -21,8 +21,8 @@ that shards) and overhead, plus
   prompts one engine gets in a round (``rollout.over_sampling_prompts`` or ``prompts_per_step`` over the
   ``world / engine.tp`` engines, times ``samples_per_prompt``), capped by ``max_running_requests`` and rounded
   to the decode batch's row bucket; plus the decode buffers (token ids, log-probs, mask; the top-p/top-k kept
-  sets) and the prefill's K/V of the prompts (kept for the call). The batch stays warm after the call until the
-  engine is released; other warm shapes (eval, a short last round) may add up to
+  sets; the sampling noise) and the prefill's K/V of the prompts (kept for the call). The batch stays warm after
+  the call until the engine is released; other warm shapes (eval, a short last round) may add up to
   ``decode_graphs.WARM_BYTES``, not counted.
 * or a static pool (SGLang, ``BackendTraits.kv_pool_fraction_arg``): ``mem_fraction_static`` of the device for
   weights and KV cache together (unset: SGLang sizes it from the memory free when it starts; not counted).
@@ -56,6 +56,9 @@ ENGINE_CONTEXT_GIB = 0.8 * GB / GIB
 """A released engine: its CUDA context and kernels (memory/train/engine_gb, 0.797 GB on the H200)."""
 DECODE_BYTES_PER_COLUMN = 8 + 4 + 1
 """Per row and cache column: the sampled token (int64), its log-prob (fp32) and the attention mask (bool)."""
+NOISE_BYTES_PER_COLUMN = 4
+"""Per row and column of a sampling batch (not greedy, ``top_k != 1``): the tabulated sampling noise (fp32,
+``DecodeBatch.noise``)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,8 @@ def engine_awake(
     rows, prompts = engine_rows(cfg, world)
     columns = -(-(prompt_tokens + cfg.rollout.max_new_tokens) // LEN_ALIGN) * LEN_ALIGN
     filters = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
-    per_column = DECODE_BYTES_PER_COLUMN + (8 * min(KEPT_SET_WIDTH, arch.vocab_size) if filters else 0)
+    per_column = DECODE_BYTES_PER_COLUMN + (NOISE_BYTES_PER_COLUMN if cfg.rollout.top_k != 1 else 0)
+    per_column += 8 * min(KEPT_SET_WIDTH, arch.vocab_size) if filters else 0
     kv = kv_bytes_per_token(arch, elem)
     parts[f"engine KV cache ({rows} rows x {columns})"] = rows * columns * kv / GIB
     parts["engine decode buffers"] = rows * columns * per_column / GIB
