@@ -28,7 +28,7 @@ from rlrun.bench.decode_profile import DecodeProfile, profile_decode
 from rlrun.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput, profile_path
 from rlrun.bench.shapes import get_shape, write_random_model
 from rlrun.bench.timing import hardware, timer
-from rlrun.engine.backends import BackendSpec
+from rlrun.engine.backends import BackendSpec, backend_traits
 
 SGLANG_SERVER_ARGS: dict[str, Any] = {
     "mem_fraction_static": 0.3,
@@ -200,11 +200,12 @@ def bench_rollout_backends(
     """Time each backend's worker on the same random model and prompts, one backend at a time, per batch size
     (a fresh worker each, started with ``max_running_requests`` = the batch); ``profile``: also profile the
     embedded engine's decode steps (:func:`_profile_in_process`), tables at :func:`profile_path`."""
-    if profile is not None and set(backends) != {"embedded"}:
+    elsewhere = [name for name in backends if not backend_traits(name).profiles_in_process]
+    if profile is not None and elsewhere:
         raise ValueError(
-            f"--profile ({profile}) must run with --backends embedded only because the profiler sees the kernels of "
-            f"this process, and SGLang decodes in its own scheduler process (backends: {','.join(backends)}); "
-            "drop the other backends or drop --profile"
+            f"--profile ({profile}) must run without the backends {','.join(elsewhere)} because the profiler sees "
+            "the kernels of this process, and they decode in processes of their own (SGLang: its scheduler); "
+            "run them without --profile"
         )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     spec = get_shape(shape)

@@ -57,6 +57,9 @@ class BackendTraits:
     doctor``'s per-phase estimate, rlrun/phase_memory.py); None: the KV cache is sized to each generate call."""
     package: str | None = None
     """The distribution it imports (``rlrun doctor`` checks it is installed)."""
+    profiles_in_process: bool = False
+    """Its engine is rlrun's ``EmbeddedEngine``, which ``rlrun bench rollout --profile`` builds and steps in the
+    bench's own process (the profiler sees only that process's kernels; SGLang decodes in its scheduler's)."""
 
 
 BACKENDS: dict[str, BackendTraits] = {
@@ -67,6 +70,7 @@ BACKENDS: dict[str, BackendTraits] = {
         accepts_server_args=True,
         server_arg_names=("max_running_requests",),
         routed_experts_args={},
+        profiles_in_process=True,
     ),
     "sglang": BackendTraits(
         factory="rlrun.engine.backends.sglang:SglangBackend",
