@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -187,7 +188,8 @@ def test_payloads_are_judged_by_the_installed_versions_unpickler(monkeypatch):
 def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
     """``rlrun bench rollout|sync --backends embedded,sglang`` (issue 12, must-show 2) on CPU, the sglang
     worker over the 0.5.17 fake: one result per backend, full-length outputs, the bound's formula, the
-    sync's bytes equal to the tiny model's parameter bytes (a parameter-count formula, float32)."""
+    sync's bytes equal to the tiny model's parameter bytes (a parameter-count formula, float32), and its
+    median and GB/s the formulas of its own timings."""
     from rlrun.bench.shapes import SHAPES
 
     s = SHAPES["tiny"]
@@ -209,7 +211,7 @@ def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
             *("--batch", str(batch), "--prompt-len", "4", "--new-tokens", str(new_tokens), "--hbm-gbps", "1000"),
             *("--long-tail", "--long-tail-median", "3", "--long-tail-max", "6"),
         ],
-        "sync": ["--repeats", "1", "--bucket-mib", "1"],
+        "sync": ["--repeats", "2", "--bucket-mib", "1"],
     }.items():
         out = tmp_path / f"{kind}.json"
         subprocess.run(
@@ -249,3 +251,7 @@ def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
         ("embedded", weight_bytes),
         ("sglang", weight_bytes),
     ]
+    for r in records["sync"]:  # tied: the embedding is sent once; one 1 MiB bucket holds the tiny model
+        assert r["shape"] == "tiny" and r["num_buckets"] == 1 and len(r["seconds"]) == len(r["probe_s"]) == 2
+        assert r["median_s"] == pytest.approx(statistics.median(r["seconds"]))
+        assert r["gb_per_s"] == pytest.approx(weight_bytes / r["median_s"] / 1e9)
