@@ -54,6 +54,9 @@ class MoEConfig(Section):
 
 PackedAttention = Literal["auto", "per_sample", "efficient_varlen", "flash_varlen", "cudnn_per_sample"]
 """``model.packed_attention``'s values (rlrun/megatron/attention.py)."""
+BF16_KERNEL_ATTENTION = ("flash_varlen", "cudnn_per_sample")
+"""The ``model.packed_attention`` values with a kernel of their own (CUDA, bf16), instead of the shared
+memory-efficient kernel that context parallelism and multi-latent attention run."""
 LMHead = Literal["chunked", "logits"]
 """``model.lm_head``'s values (rlrun/megatron/lm_head.py)."""
 RecomputeMode = Literal["none", "selective", "full"]
@@ -941,7 +944,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _context_parallel_kernel(self) -> RunConfig:
         kernel = self.model.packed_attention
-        if self.parallel.cp > 1 and kernel in ("flash_varlen", "cudnn_per_sample"):
+        if self.parallel.cp > 1 and kernel in BF16_KERNEL_ATTENTION:
             raise ValueError(
                 f"model.packed_attention ({kernel}) would have no effect with parallel.cp ({self.parallel.cp}) "
                 "because context-parallel attention runs the memory-efficient kernel on its chunks "

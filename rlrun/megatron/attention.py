@@ -63,7 +63,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from rlrun import attention_kernel
-from rlrun.config.schema import PackedAttention
+from rlrun.config.schema import BF16_KERNEL_ATTENTION, PackedAttention
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -126,7 +126,7 @@ def layer_spec(
         # MLA's values are narrower than its queries and keys: FlashAttention's kernel refuses that, and the varlen
         # kernels are untested with it (rlrun.megatron.mla); SDPA per sample takes it.
         packed_attention = "per_sample"
-    if arch.mla is not None and packed_attention in ("flash_varlen", "cudnn_per_sample"):
+    if arch.mla is not None and packed_attention in BF16_KERNEL_ATTENTION:
         raise ValueError(
             f"model.packed_attention ({packed_attention}) cannot run multi-latent attention because its kernel "
             "needs values as wide as queries and keys; use auto or per_sample"
