@@ -40,6 +40,7 @@ from rlrun.engine.backends.decode_graphs import WarmBatch, WarmBatches
 from rlrun.engine.backends.decode_run import SYNC_EVERY, DecodeRun
 from rlrun.engine.backends.fused_experts import expert_slice
 from rlrun.engine.backends.fused_norm import fuse_rms_norms
+from rlrun.engine.backends.fused_rope import fuse_rotary
 from rlrun.engine.backends.routing_record import RouterRecorder
 from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, bias_per_forward, prefill_mask
 from rlrun.engine.sampling import SamplingParams, per_prompt_params, row_key, row_rids
@@ -129,6 +130,7 @@ class EmbeddedEngine:
             .requires_grad_(False)
         )
         fuse_rms_norms(self.model)
+        fuse_rotary(self.model)
         self.tokenizer = (
             AutoTokenizer.from_pretrained(model_path) if (model_path / "tokenizer_config.json").exists() else None
         )

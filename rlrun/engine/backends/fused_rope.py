@@ -1,0 +1,115 @@
+"""RoPE of a layer's queries and keys as one Triton kernel on CUDA, bit for bit transformers' formula.
+
+transformers' Llama-family ``apply_rotary_pos_emb`` computes ``x * cos + rotate_half(x) * sin`` for the queries
+and again for the keys: ten kernels a layer (four multiplies, two negations, two concatenations, two adds), 280 of
+the 942 a Qwen3-0.6B decode step launched on the H200, each a few microseconds however small its tensor
+(``bench rollout --profile``, benchmarks/results/decode_profile_qwen3-0.6b_b64_h200.txt). The kernel here does
+both tensors in one launch and rounds exactly where eager PyTorch rounds: each product to the tensor's dtype, then
+their sum (computed in fp32 from the rounded products, no fused multiply-add). So the rotated tensors are the same
+bits, the engine's log-probs stay the trainer's (docs/on_policy.md), and only the launch count changes.
+
+The function is swapped in the modeling module of each loaded model whose ``apply_rotary_pos_emb`` and
+``rotate_half`` are Llama's (same source, decorators aside): Qwen2/3, Mistral, Llama, Qwen MoE and others; a
+family with its own formula (partial rotary, interleaved pairs) keeps it. The swap is process-wide for that
+module, which is safe because the result is identical; any call the kernel does not cover (CPU tensors, mixed
+dtypes, a strided last dimension, other broadcast layouts) goes to the original function.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.models.llama import modeling_llama
+
+RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _source(fn: Any) -> str | None:
+    """``fn``'s source without decorator lines (transformers wraps some copies in a kernel-hub decorator)."""
+    try:
+        lines = inspect.getsource(fn).splitlines()
+    except (OSError, TypeError):
+        return None
+    return "\n".join(line for line in lines if not line.lstrip().startswith("@"))
+
+
+@functools.cache
+def _llama_sources() -> tuple[str | None, str | None]:
+    return _source(modeling_llama.apply_rotary_pos_emb), _source(modeling_llama.rotate_half)
+
+
+def has_llama_rope(module: Any) -> bool:
+    """Whether a modeling module's ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's formula."""
+    rope, rotate = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
+    if rope is None or rotate is None or getattr(rope, "_rlrun_original", None) is not None:
+        return False
+    return (_source(rope), _source(rotate)) == _llama_sources()
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fuse_rotary(model: torch.nn.Module) -> int:
+    """Give the modeling modules of ``model``'s classes the fused RoPE (CUDA with Triton only); returns how many
+    modules now have it (already fused ones included)."""
+    if not triton_available() or next(model.parameters()).device.type != "cuda":
+        return 0
+    names = {type(m).__module__ for m in model.modules()}
+    fused = 0
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        if has_llama_rope(module):
+            module.apply_rotary_pos_emb = _fused(module.apply_rotary_pos_emb)  # type: ignore[attr-defined]
+        fused += getattr(getattr(module, "apply_rotary_pos_emb", None), "_rlrun_original", None) is not None
+    return fused
+
+
+def _fused(original: RopeFn) -> RopeFn:
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", args[0] if args else 1)
+        if len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or not kernel_covers(q, k, cos, sin, unsqueeze_dim):
+            return original(q, k, cos, sin, *args, **kwargs)
+        return rope_qk(q, k, cos, sin)
+
+    apply_rotary_pos_emb._rlrun_original = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+def kernel_covers(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> bool:
+    """The layout the kernel reads: q, k [B, H, S, D] on CUDA, cos and sin [B, S, D] broadcast over heads
+    (``unsqueeze_dim`` 1), one dtype for all four, even D, unit stride along D."""
+    tensors = (q, k, cos, sin)
+    return (
+        unsqueeze_dim == 1
+        and q.is_cuda
+        and q.dim() == k.dim() == 4
+        and cos.dim() == sin.dim() == 3
+        and all(t.dtype == q.dtype and t.device == q.device and t.stride(-1) == 1 for t in tensors)
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and q.shape[-1] % 2 == 0
+        and k.shape[-1] == cos.shape[-1] == sin.shape[-1] == q.shape[-1]
+        and q.shape[0] == k.shape[0]
+        and q.shape[2] == k.shape[2]
+        and cos.shape == sin.shape == (q.shape[0], q.shape[2], q.shape[-1])
+    )
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary_pos_emb(q, k, cos, sin)`` in one launch; outputs laid out like their inputs."""
+    from rlrun.engine.backends import fused_rope_kernel
+
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    fused_rope_kernel.launch(q, k, cos, sin, q_out, k_out)
+    return q_out, k_out

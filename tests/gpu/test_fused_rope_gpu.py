@@ -1,0 +1,66 @@
+"""On a GPU, the fused RoPE kernel is transformers' ``apply_rotary_pos_emb`` bit for bit, and an engine with it
+generates the same tokens and log-probs as one without it.
+
+    OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_fused_rope_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    ("batch", "q_heads", "k_heads", "seq", "dim"),
+    [(64, 16, 8, 1, 128), (3, 32, 8, 137, 128), (5, 4, 4, 9, 64), (2, 6, 2, 33, 80)],
+)
+def test_kernel_is_transformers_rope_bit_for_bit(dtype, batch, q_heads, k_heads, seq, dim):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from rlrun.engine.backends.fused_rope import kernel_covers, rope_qk
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # As a decoder layer hands them over: [B, S, H, D] projections viewed as [B, H, S, D].
+    q = (3 * torch.randn(batch, seq, q_heads, dim, device="cuda", generator=g)).to(dtype).transpose(1, 2)
+    k = (3 * torch.randn(batch, seq, k_heads, dim, device="cuda", generator=g)).to(dtype).transpose(1, 2)
+    positions = torch.randint(0, 40000, (batch, seq), device="cuda", generator=g).float()
+    inv_freq = 1e6 ** -(torch.arange(0, dim, 2, device="cuda").float() / dim)
+    angles = positions[..., None] * inv_freq
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    assert kernel_covers(q, k, cos, sin, 1)
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = rope_qk(q, k, cos, sin)
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    assert got_q.stride() == q.stride() and got_k.stride() == k.stride()
+
+
+def test_engine_generates_the_same_with_and_without_the_fused_rope(tmp_path, monkeypatch):
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from rlrun.engine.backends import fused_rope
+    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("qwen3", tmp_path / "m", seed=3)
+    prompts = [list(range(3, 60)), [7, 8, 9]]
+    params = {"max_new_tokens": 200, "temperature": 1.0, "n": 2, "sampling_seed": 5, "ignore_eos": True}
+    fused = EmbeddedEngine(model, seed=0, dtype="bfloat16", device="cuda")
+    assert getattr(modeling_qwen3.apply_rotary_pos_emb, "_rlrun_original", None) is not None
+    with_kernel = fused.generate(prompts, params)
+    fused.free_cache()
+    original = modeling_qwen3.apply_rotary_pos_emb._rlrun_original
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", original)
+    monkeypatch.setattr(fused_rope, "triton_available", lambda: False)
+    eager = EmbeddedEngine(model, seed=0, dtype="bfloat16", device="cuda")
+    assert modeling_qwen3.apply_rotary_pos_emb is original
+    without = eager.generate(prompts, params)
+    for a, b in zip(with_kernel, without, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["output_logprobs"] == b["output_logprobs"]

@@ -1,0 +1,52 @@
+"""Which models get the fused RoPE, and that everything the kernel does not cover goes to transformers' own
+function. The kernel itself is CUDA-only (Triton): tests/gpu/test_fused_rope_gpu.py checks it bit for bit."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from rlrun.engine.backends import fused_rope
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.mark.parametrize(
+    ("family", "llama_formula"),
+    [("llama", True), ("qwen3", True), ("mistral", True), ("qwen3_moe", True), ("glm4_moe", False), ("phi3", False)],
+)
+def test_only_llama_formula_modules_are_fused(family, llama_formula):
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    assert fused_rope.has_llama_rope(module) is llama_formula
+
+
+def test_a_cpu_model_keeps_transformers_rope(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3 import modeling_qwen3
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model("qwen3", tmp_path / "m"))
+    before = modeling_qwen3.apply_rotary_pos_emb
+    assert fused_rope.fuse_rotary(model) == 0
+    assert modeling_qwen3.apply_rotary_pos_emb is before
+
+
+def test_calls_the_kernel_does_not_cover_go_to_the_original():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append(kwargs)
+        return apply_rotary_pos_emb(*args, **kwargs)
+
+    fused = fused_rope._fused(original)
+    q, k = torch.randn(2, 3, 4, 8).transpose(1, 2), torch.randn(2, 2, 3, 8)  # [B, H, S, D]
+    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    expected = apply_rotary_pos_emb(q, k, cos, sin)
+    for kwargs in ({}, {"unsqueeze_dim": 1}):  # CPU tensors
+        got = fused(q, k, cos, sin, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert len(calls) == 2
+    assert not fused_rope.kernel_covers(q, k, cos, sin, 1)  # on CPU
+    assert fused._rlrun_original is original
