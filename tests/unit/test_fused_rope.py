@@ -1,5 +1,5 @@
 """Which models get the fused RoPE, and that everything the kernel does not cover goes to transformers' own
-function. The kernel itself is CUDA-only (Triton): tests/gpu/test_fused_rope_gpu.py checks it bit for bit."""
+function. The kernel itself is CUDA-only (Triton): tests/gpu/test_triton_kernels_gpu.py checks it bit for bit."""
 
 from __future__ import annotations
 

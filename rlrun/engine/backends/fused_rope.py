@@ -108,8 +108,8 @@ def rope_qk(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rotary_pos_emb(q, k, cos, sin)`` in one launch; outputs laid out like their inputs."""
-    from rlrun.engine.backends import fused_rope_kernel
+    from rlrun.engine.backends import triton_kernels
 
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    fused_rope_kernel.launch(q, k, cos, sin, q_out, k_out)
+    triton_kernels.rope_qk(q, k, cos, sin, q_out, k_out)
     return q_out, k_out

@@ -1,7 +1,8 @@
-"""On a GPU, the fused RoPE kernel is transformers' ``apply_rotary_pos_emb`` bit for bit, and an engine with it
-generates the same tokens and log-probs as one without it.
+"""On a GPU, the engine's Triton kernels are the eager ops they replace bit for bit (the fused RoPE is
+transformers' ``apply_rotary_pos_emb``, the K/V column write is two ``scatter_``), and an engine with them
+generates the same tokens and log-probs as one without them.
 
-    OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_fused_rope_gpu.py
+    OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_triton_kernels_gpu.py
 """
 
 from __future__ import annotations
@@ -41,10 +42,31 @@ def test_kernel_is_transformers_rope_bit_for_bit(dtype, batch, q_heads, k_heads,
     assert got_q.stride() == q.stride() and got_k.stride() == k.stride()
 
 
-def test_engine_generates_the_same_with_and_without_the_fused_rope(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("rows", "k_heads", "v_heads", "k_dim", "v_dim"), [(64, 8, 8, 128, 128), (5, 2, 2, 64, 64), (3, 1, 1, 512, 64)]
+)
+def test_kv_column_write_is_the_two_scatters(rows, k_heads, v_heads, k_dim, v_dim):
+    from rlrun.engine.backends.triton_kernels import write_kv_columns
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    length = 300
+    key_cache = torch.randn(rows, k_heads, length, k_dim, device="cuda", generator=g).bfloat16()
+    value_cache = torch.randn(rows, v_heads, length, v_dim, device="cuda", generator=g).bfloat16()
+    # As the attention hands them over: [rows, 1, heads, dim] projections viewed as [rows, heads, 1, dim].
+    key = torch.randn(rows, 1, k_heads, k_dim, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    value = torch.randn(rows, 1, v_heads, v_dim, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    columns = torch.randint(0, length, (rows,), device="cuda", generator=g)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    expected_k.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, k_heads, 1, k_dim), key)
+    expected_v.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, v_heads, 1, v_dim), value)
+    write_kv_columns(key_cache, value_cache, key, value, columns)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+def test_engine_generates_the_same_with_and_without_its_triton_kernels(tmp_path, monkeypatch):
     from transformers.models.qwen3 import modeling_qwen3
 
-    from rlrun.engine.backends import fused_rope
+    from rlrun.engine.backends import fused_rope, static_cache
     from rlrun.engine.backends.embedded import EmbeddedEngine
     from tests.tiny_models import make_tiny_model
 
@@ -58,6 +80,7 @@ def test_engine_generates_the_same_with_and_without_the_fused_rope(tmp_path, mon
     original = modeling_qwen3.apply_rotary_pos_emb._rlrun_original
     monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", original)
     monkeypatch.setattr(fused_rope, "triton_available", lambda: False)
+    monkeypatch.setattr(static_cache, "triton_available", lambda: False)
     eager = EmbeddedEngine(model, seed=0, dtype="bfloat16", device="cuda")
     assert modeling_qwen3.apply_rotary_pos_emb is original
     without = eager.generate(prompts, params)
