@@ -27,7 +27,10 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$python" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q "uv==$UV_VERSION"
-uv=("$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python")
+# --compile-bytecode: every .pyc written once, here. uv writes none by default, and where PYTHONDONTWRITEBYTECODE=1
+# is set (this project's machines, many CI images) no import writes one either: every rank, engine worker and
+# torchrun of the test suite would compile torch, transformers and megatron from source again (README: Install).
+uv=("$VENV/bin/python" -m uv pip install --quiet --compile-bytecode --python "$VENV/bin/python")
 # The CPU lock's torch wheel: a local copy where the machine has one (fast), else PyTorch's CPU index.
 torch_source=()
 if [[ "$LOCK" == requirements/cpu.txt && -d /opt/wheels ]]; then torch_source=(--find-links /opt/wheels)

@@ -234,22 +234,20 @@ def test_two_ranks_share_one_engine_with_engine_tp_2(tiny_model_dirs, tmp_path):
     assert (tmp_path / "embedded/engine-0.restart1.log").exists()
 
 
-@pytest.mark.parametrize("kind,trainer_tp", [("qwen3", 1), ("qwen2", 2)])
-def test_cli_run_with_engine_tp_2(tiny_model_dirs, tmp_path, kind, trainer_tp):
-    """Trainer DP=2 (rank 1 trains on samples from rank 0's engine) and trainer TP=2 (rank 1 takes part
-    in every all-gather of the export it does not send). The TP=2 run is colocated with offload on, as
-    scripts/gpu/multi_gpu.sh's engine_tp2 step (which test_multi_rank_layouts.py leaves to this run), and
-    is also the suite's qwen2 TP=2 CLI run (test_train_loop.py)."""
+def test_cli_run_with_trainer_and_engine_tp_2(tiny_model_dirs, tmp_path):
+    """Trainer TP=2 (rank 1 takes part in every all-gather of the export it does not send), colocated with
+    offload on, as scripts/gpu/multi_gpu.sh's engine_tp2 step (which test_multi_rank_layouts.py leaves to this
+    run); also the suite's qwen2 TP=2 CLI run. The trainer DP=2 CLI run of an engine group (rank 1 trains on
+    samples from rank 0's engine) is test_train_loop.py::test_reward_rises_with_two_dp_ranks."""
     from test_train_loop import run_train
 
-    offload = ["offload.colocate=true"] if trainer_tp == 2 else []
     records = run_train(
-        tiny_model_dirs[kind],
+        tiny_model_dirs["qwen2"],
         tmp_path / "run",
         "train.num_steps=2",
         "engine.tp=2",
-        f"parallel.tp={trainer_tp}",
-        *offload,
+        "parallel.tp=2",
+        "offload.colocate=true",
     )
     assert [r["step"] for r in records] == [0, 1]
     for r in records:

@@ -8,7 +8,7 @@ trainer TP=2 run with engine.tp=2 (one engine for both ranks, the fake SGLang: t
 engine_tp2_sglang step) must serve the synced weights: its log-prob gap after each sync stays at fp32
 round-off. The reference is the baseline's own metrics.jsonl, read here; the script's summary must agree
 with it. The script's engine_tp2 step (the same with the embedded engine) is not run here: its CPU run is
-tests/integration/test_engine_group.py::test_cli_run_with_engine_tp_2[qwen2-2] (trainer TP=2, engine.tp=2,
+tests/integration/test_engine_group.py::test_cli_run_with_trainer_and_engine_tp_2 (trainer TP=2, engine.tp=2,
 colocated with offload on, one engine log, the gap checked after each sync).
 """
 

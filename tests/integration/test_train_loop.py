@@ -1,7 +1,7 @@
 """The whole loop through the real CLI under torchrun: 2 ranks, embedded engines over ZMQ, Megatron
 on gloo. Asserts on metrics.jsonl: every step logged, the engine and trainer agree on log-probs, and
 the reward rises on a task the tiny model can learn. A qwen2 TP=2 CLI run and its log-prob gap after each
-sync: tests/integration/test_engine_group.py::test_cli_run_with_engine_tp_2[qwen2-2]."""
+sync: tests/integration/test_engine_group.py::test_cli_run_with_trainer_and_engine_tp_2."""
 
 import json
 import math
@@ -53,11 +53,16 @@ def mean(values):
 
 
 def test_reward_rises_with_two_dp_ranks(tiny_model_dirs, tmp_path):
-    records = run_train(tiny_model_dirs["qwen3"], tmp_path / "run", "train.num_steps=16")
+    """Also the CLI run of an engine group (engine.tp=2: both DP ranks share rank 0's engine, so rank 1 trains
+    on samples from rank 0's engine; tests/integration/test_engine_group.py checks the group itself)."""
+    records = run_train(tiny_model_dirs["qwen3"], tmp_path / "run", "train.num_steps=16", "engine.tp=2")
     assert [r["step"] for r in records] == list(range(16))
     for r in records:
-        assert r["train/logprob_gap"] < 1e-4, r
+        assert r["train/logprob_gap"] < 1e-4, r  # rank 1's samples too, though they came from rank 0's engine
         assert r["time/rollout_s"] > 0 and r["time/sync_s"] > 0
+        # Each of the 4 prompts drawn came back as exactly one group: none lost (a second round), none twice.
+        assert (r["rollout/prompts_drawn"], r["rollout/sampling_rounds"], r["rollout/surplus_groups"]) == (4, 1, 0), r
+    assert sorted(p.name for p in (tmp_path / "run").glob("engine-*.log")) == ["engine-0.log"]
     rewards = [r["rollout/reward_mean"] for r in records]
     assert mean(rewards[-4:]) > mean(rewards[:4]) + 0.05, rewards
 
