@@ -15,7 +15,7 @@
 # Its own environment, not SGLang's (vLLM pins flashinfer 0.6.14, apache-tvm-ffi 0.1.10, compressed-tensors
 # 0.17.0; SGLang 0.5.17 others): `pip install --target $VLLM_SITE` of all the listed wheels (none is in the
 # image), and $VLLM_PYTHON, a launcher of the image's python3 (/opt/torch/.venv: torch 2.11.0+cu130,
-# transformers 5.17) with PYTHONPATH=$VLLM_SITE only, whatever the caller's PYTHONPATH (trl_peer.sh's holds
+# transformers 5.17) with PYTHONPATH=$VLLM_SITE and the repo only, whatever the caller's PYTHONPATH (trl_peer.sh's holds
 # SGLang's and rlrun's folders). A venv with --system-site-packages would not see the image's packages:
 # the image's python3 is itself a venv.
 set -euo pipefail
@@ -33,7 +33,7 @@ install() {
   cat > "$VLLM_PYTHON" <<LAUNCHER
 #!/bin/sh
 # The image's Python with vLLM's environment (scripts/gpu/vllm_stage.sh) and nothing of SGLang's.
-export PYTHONPATH=$VLLM_SITE NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$VLLM_SITE:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 exec $BASE_PYTHON "\$@"
 LAUNCHER
   chmod +x "$VLLM_PYTHON"
