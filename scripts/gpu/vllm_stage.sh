@@ -33,7 +33,10 @@ install() {
   cat > "$VLLM_PYTHON" <<LAUNCHER
 #!/bin/sh
 # The image's Python with vLLM's environment (scripts/gpu/vllm_stage.sh) and nothing of SGLang's.
-export PYTHONPATH=$VLLM_SITE:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# SGLang's env.sh activates its venv: the image's bin/ goes first, so tools vLLM starts are the image's.
+unset VIRTUAL_ENV
+export PATH=$(dirname "$BASE_PYTHON"):\$PATH PYTHONPATH=$VLLM_SITE:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 exec $BASE_PYTHON "\$@"
 LAUNCHER
   chmod +x "$VLLM_PYTHON"
