@@ -15,13 +15,17 @@ on the device, as TRL's do), ``_keepnccl`` (``--teardown-nccl off``) and ``_varl
 (``--packed-attention flash_varlen`` / ``per_sample``; without either, ``auto``: varlen on CUDA in bf16).
 TRL runs once, first. ``--verl`` lists verl variants: ``verl`` (offload on: SGLang freed during training,
 FSDP parameters and optimizer state on the host during rollout) and ``verl_resident`` (offload off).
+``--trl-vllm`` lists TRL-with-vLLM variants (benchmarks/trl_grpo.py ``--use-vllm``, colocate mode):
+``trl_vllm`` (vLLM's sleep mode on) and ``trl_vllm_resident`` (off); each rlrun run is paired with the
+one that offloads as it does, as with verl.
 
     python benchmarks/peer_step.py --shape qwen3-0.6b --steps 5 \\
         --backends embedded,sglang,sglang_keepnccl,sglang_resident \\
         --work /tmp/peer_step --out benchmarks/results/peer_step_qwen3-0.6b_h200.json
 
-``--trl-python`` / ``--verl-python``: the interpreters that have trl / verl (default: this one; verl needs
-SGLang in the same environment: scripts/gpu/verl_session.md).
+``--trl-python`` / ``--verl-python`` / ``--trl-vllm-python``: the interpreters that have trl / verl / vLLM
+and trl (default: this one; verl needs SGLang in the same environment: scripts/gpu/verl_session.md; vLLM
+its own: scripts/gpu/vllm_session.md).
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ GOALS_VS_VERL = {"sglang": 1.5}
 """Issue 28: rlrun with SGLang at least this many times faster than verl per step."""
 VERL_VARIANTS = {"verl": "on", "verl_resident": "off"}
 """``--verl`` names and the ``--offload`` each runs benchmarks/verl_grpo.py with."""
-PEERS = {"trl", *VERL_VARIANTS}
+TRL_VLLM_VARIANTS = {"trl_vllm": "on", "trl_vllm_resident": "off"}
+"""``--trl-vllm`` names and the ``--offload`` (vLLM sleep mode) each runs benchmarks/trl_grpo.py with."""
+PEERS = {"trl", *VERL_VARIANTS, *TRL_VLLM_VARIANTS}
 
 
 def settings_flags(settings: StepSettings) -> list[str]:
@@ -124,8 +130,9 @@ def median_step_s(result: dict) -> float | None:
 
 def compare(results: dict[str, dict]) -> dict[str, dict]:
     """Per rlrun run: TRL s/step over rlrun s/step and whether it meets issue 10's goal, and the same against
-    the verl run with the same offload (``verl_resident`` for a ``_resident`` run) for issue 28's; a run
-    gets the entries of the peers that ran."""
+    the verl run with the same offload (``verl_resident`` for a ``_resident`` run) for issue 28's, and
+    against the TRL-with-vLLM run with the same offload (no goal); a run gets the entries of the peers
+    that ran."""
     trl = median_step_s(results["trl"]) if "trl" in results else None
     out = {}
     for backend, result in results.items():
@@ -144,6 +151,10 @@ def compare(results: dict[str, dict]) -> dict[str, dict]:
             goal = GOALS_VS_VERL.get(kind)
             ratios |= {"verl_run": peer, "verl_s_per_step": verl, "speedup_vs_verl": verl / mine, "goal_vs_verl": goal}
             ratios["meets_goal_vs_verl"] = ratios["speedup_vs_verl"] >= (goal or 0.0)
+        peer = "trl_vllm_resident" if "resident" in backend.split("_") else "trl_vllm"
+        trl_vllm = median_step_s(results[peer]) if peer in results else None
+        if trl_vllm is not None:
+            ratios |= {"trl_vllm_run": peer, "trl_vllm_s_per_step": trl_vllm, "speedup_vs_trl_vllm": trl_vllm / mine}
         if len(ratios) > 1:
             out[backend] = ratios
     return out
@@ -153,21 +164,23 @@ def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, di
     lines = [
         f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
         f"{settings.new_tokens}-token responses, {settings.steps} steps (median after {WARMUP_STEPS} warm-up steps)",
-        "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) | x faster than verl (goal) |",
-        "|---|---|---|---|---|---|",
+        "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) | x faster than verl (goal) "
+        "| x faster than TRL+vLLM |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, result in results.items():
         if "error" in result:
-            lines.append(f"| {name} | failed: {result['error']} | | | | |")
+            lines.append(f"| {name} | failed: {result['error']} | | | | | |")
             continue
         body = result["results"][0] if "results" in result else result
         ratio = ratios.get(name, {})
         vs_trl = f"{ratio['speedup_vs_trl']:.2f} ({ratio['goal']})" if "speedup_vs_trl" in ratio else ""
         vs_verl = f"{ratio['speedup_vs_verl']:.2f} ({ratio['goal_vs_verl']})" if "speedup_vs_verl" in ratio else ""
+        vs_trl_vllm = f"{ratio['speedup_vs_trl_vllm']:.2f}" if "speedup_vs_trl_vllm" in ratio else ""
         phases = " ".join(f"{k} {v:.2f}" for k, v in body["median_phases_s"].items() if v >= 0.01)
         lines.append(
             f"| {name} | {body['median_step_s']:.2f} | {phases} | {body['median_tokens_per_s']:.0f} | {vs_trl} "
-            f"| {vs_verl} |"
+            f"| {vs_verl} | {vs_trl_vllm} |"
         )
     return "\n".join(lines)
 
@@ -185,6 +198,16 @@ def main() -> None:
         default=[],
         metavar="KEY=VALUE",
         help="Passed to every verl run as --set (a Hydra override of verl's config, benchmarks/verl_grpo.py).",
+    )
+    parser.add_argument(
+        "--trl-vllm", default="", help=f"TRL-with-vLLM variants to run: {', '.join(TRL_VLLM_VARIANTS)}."
+    )
+    parser.add_argument("--trl-vllm-python", default=sys.executable)
+    parser.add_argument(
+        "--reuse-trl-vllm",
+        default="",
+        help="TRL-with-vLLM variants whose results come from --work/<variant>.json (earlier invocations, same "
+        "settings) instead of running them.",
     )
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL only (rlrun does not recompute).")
     parser.add_argument(
@@ -235,6 +258,18 @@ def main() -> None:
             "--out",
             str(args.work / f"{name}.json"),
         ]
+    trl_vllm = names(args.trl_vllm, "--trl-vllm", TRL_VLLM_VARIANTS)
+    for name in trl_vllm:
+        runs[name] = [
+            args.trl_vllm_python,
+            str(REPO / "benchmarks" / "trl_grpo.py"),
+            *flags,
+            "--use-vllm",
+            "--offload",
+            TRL_VLLM_VARIANTS[name],
+            "--out",
+            str(args.work / f"{name}.json"),
+        ] + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
     profile = [] if args.profile_step is None else ["--profile-step", str(args.profile_step)]
     for spec in [b.strip() for b in args.backends.split(",") if b.strip()]:
         runs[spec] = [
@@ -263,18 +298,22 @@ def main() -> None:
         if name in verl:
             raise SystemExit(f"verl variant {name!r} must be in --verl or in --reuse-verl, not both; drop one")
         results[name] = reused_result(args.work / f"{name}.json", settings, "--reuse-verl")
+    for name in names(args.reuse_trl_vllm, "--reuse-trl-vllm", TRL_VLLM_VARIANTS):
+        if name in trl_vllm:
+            raise SystemExit(f"variant {name!r} must be in --trl-vllm or in --reuse-trl-vllm, not both; drop one")
+        results[name] = reused_result(args.work / f"{name}.json", settings, "--reuse-trl-vllm")
     for name, cmd in runs.items():
         results[name] = run_json(name, cmd, Path(cmd[cmd.index("--out") + 1]), args.timeout_s + 60)
         write_record(args.out, settings, results)  # after every run: a later timeout keeps what finished
     print(table(settings, results, compare(results)))
 
 
-def names(spec: str, flag: str) -> list[str]:
-    """The verl variants a comma-separated ``flag`` value names."""
+def names(spec: str, flag: str, variants: dict[str, str] = VERL_VARIANTS) -> list[str]:
+    """The peer variants (verl's by default) a comma-separated ``flag`` value names."""
     listed = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = sorted(set(listed) - set(VERL_VARIANTS))
+    unknown = sorted(set(listed) - set(variants))
     if unknown:
-        raise SystemExit(f"{flag} ({spec}) must name verl variants from {sorted(VERL_VARIANTS)}; drop {unknown}")
+        raise SystemExit(f"{flag} ({spec}) must name variants from {sorted(variants)}; drop {unknown}")
     return listed
 
 

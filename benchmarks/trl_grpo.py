@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer (transformers generate, no vLLM) on the inputs of ``rlrun bench step``: seconds per step.
+"""TRL's GRPOTrainer (transformers generate, or vLLM colocated) on the inputs of ``rlrun bench step``: seconds per step.
 
 Same model directory and prompts (``rlrun.bench.step.prepare_inputs``: a random-init model of the shape
 with a WordLevel tokenizer over its vocabulary, ``prompts`` rows of ``prompt_len`` words), same group size
@@ -12,15 +12,29 @@ recompute), so both sides do the same FLOPs. On GPU the model loads in bf16 and 
 directly, as TRL's recipes do; rlrun's Megatron optimizer keeps fp32 main weights (more memory, the same
 matmuls).
 
+``--use-vllm``: TRL generates with vLLM in colocate mode (``use_vllm=True, vllm_mode="colocate"``: an
+in-process ``vllm.LLM`` on the trainer's GPU, weights pushed from the training model before each step's
+rollout), its sampler held to the same work: ``min_tokens`` = new_tokens (vLLM's name for
+``min_new_tokens``), ``vllm_max_model_length`` = prompt + response. ``--offload on`` turns on vLLM's sleep
+mode (level 2: weights and KV cache freed after each rollout, weights re-pushed at the next), vLLM taking
+0.3 of the device; ``off`` keeps it resident at 0.15: the SGLang fractions of rlrun's two rows
+(rlrun.bench.step). TRL's default importance-sampling correction recomputes the old log-probs with the
+training model (an extra forward rlrun and the transformers mode do not run); it is off unless
+``--vllm-is-correction``, so all sides do the same work.
+
 Timing: a step is the optimizer step as the trainer's callbacks see it (``on_step_begin`` ..
 ``on_step_end``, CUDA synchronised); ``generate`` is ``_generate_single_turn`` (transformers generate),
 ``score`` is the rest of ``_generate_and_score_completions`` (decode, reward, advantages), ``train`` the
-remainder (forward/backward of every micro-batch and the optimizer). Medians leave out the warm-up steps
+remainder (forward/backward of every micro-batch and the optimizer). With vLLM, ``sync_weights`` (the push of
+the training weights into vLLM) and ``offload`` (vLLM's sleep and wake-ups) are phases of their own; every
+phase counts its own seconds, without those of the phases inside it. Medians leave out the warm-up steps
 (``rlrun.bench.step.WARMUP_STEPS``, as rlrun's runs do).
 
     python benchmarks/trl_grpo.py --work runs/bench_step --shape qwen3-0.6b --steps 5 --out trl.json
+    python benchmarks/trl_grpo.py --work runs/bench_step --shape qwen3-0.6b --steps 5 --use-vllm --offload on
 
-Needs trl 1.16 (and datasets); on the GPU machine they travel as wheels: scripts/gpu/trl_session.md.
+Needs trl 1.16 (and datasets); on the GPU machine they travel as wheels: scripts/gpu/trl_session.md, and
+with vLLM 0.26.0 in an environment of its own: scripts/gpu/vllm_session.md.
 """
 
 from __future__ import annotations
@@ -39,17 +53,28 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlrun.bench.step import WARMUP_STEPS, StepSettings, even_fraction, prepare_inputs  # noqa: E402
+from rlrun.bench.engines import SGLANG_SERVER_ARGS  # noqa: E402
+from rlrun.bench.step import (  # noqa: E402
+    RESIDENT_SGLANG_MEM_FRACTION,
+    WARMUP_STEPS,
+    StepSettings,
+    even_fraction,
+    prepare_inputs,
+)
 
 
 @dataclasses.dataclass
 class StepClock:
-    """Seconds of the current step's phases, and every finished step's record."""
+    """Seconds of the current step's phases, and every finished step's record. A phase counts its own
+    seconds: those of a phase inside it (vLLM's wake-up inside the weight push) go to the inner one."""
 
     on_gpu: bool
+    vllm: bool = False
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     records: list[dict] = dataclasses.field(default_factory=list)
     started: float = 0.0
+    inner: list[float] = dataclasses.field(default_factory=list)
+    """Per open phase, the seconds of the phases that ran inside it so far."""
 
     def now(self) -> float:
         if self.on_gpu:
@@ -59,61 +84,64 @@ class StepClock:
     @contextmanager
     def phase(self, name: str):
         start = self.now()
+        self.inner.append(0.0)
         try:
             yield
         finally:
-            self.phases[name] = self.phases.get(name, 0.0) + self.now() - start
+            total = self.now() - start
+            self.phases[name] = self.phases.get(name, 0.0) + total - self.inner.pop()
+            if self.inner:
+                self.inner[-1] += total
+
+    def timed(self, name: str, method):
+        """``method`` wrapped to run as phase ``name``."""
+
+        def run(*args, **kwargs):
+            with self.phase(name):
+                return method(*args, **kwargs)
+
+        return run
 
 
-def make_trainer(settings: StepSettings, inputs_dir: Path, out_dir: Path, clock: StepClock, checkpointing: bool):
-    """A GRPOTrainer whose generation and scoring report to ``clock`` (TRL 1.16 method names)."""
-    from datasets import load_dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+@dataclasses.dataclass(frozen=True)
+class VllmMode:
+    """How TRL's colocated vLLM runs (``--use-vllm``)."""
 
-    for name in ("_generate_single_turn", "_generate_and_score_completions"):
-        if not hasattr(GRPOTrainer, name):
-            raise RuntimeError(
-                f"trl {importlib.metadata.version('trl')} GRPOTrainer has no {name}, which this "
-                "script times; install trl 1.16 (scripts/gpu/trl_session.md)"
-            )
+    offload: bool
+    """vLLM's sleep mode: weights and KV cache freed between rollouts (rlrun's ``--offload on`` row)."""
+    is_correction: bool = False
+    """TRL's importance-sampling correction (an extra forward of the training model per rollout)."""
 
-    class TimedGRPOTrainer(GRPOTrainer):
-        def _generate_single_turn(self, *args, **kwargs):
-            with clock.phase("generate"):
-                return super()._generate_single_turn(*args, **kwargs)
 
-        def _generate_and_score_completions(self, *args, **kwargs):
-            with clock.phase("generate_and_score"):
-                return super()._generate_and_score_completions(*args, **kwargs)
+def vllm_config(settings: StepSettings, mode: VllmMode) -> dict:
+    """GRPOConfig's keys for vLLM in colocate mode (TRL 1.16 names), the device fraction as rlrun's SGLang
+    engine takes it in the row with the same offload."""
+    return {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_enable_sleep_mode": mode.offload,
+        "vllm_gpu_memory_utilization": (
+            SGLANG_SERVER_ARGS["mem_fraction_static"] if mode.offload else RESIDENT_SGLANG_MEM_FRACTION
+        ),
+        "vllm_max_model_length": settings.prompt_len + settings.new_tokens,
+        "vllm_importance_sampling_correction": mode.is_correction,
+        "generation_kwargs": {"min_tokens": settings.new_tokens},  # SamplingParams' name for min_new_tokens
+    }
 
-    class Steps(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            clock.phases = {}
-            if clock.on_gpu:
-                torch.cuda.reset_peak_memory_stats()
-            clock.started = clock.now()
 
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.records.append(step_record(clock, clock.now() - clock.started))
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs and clock.records:
-                clock.records[-1]["completion_mean_length"] = logs["completions/mean_length"]
-
-    def reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
-        return [even_fraction(ids) for ids in completion_ids]
+def grpo_config(settings: StepSettings, out_dir: Path, on_gpu: bool, checkpointing: bool, vllm: VllmMode | None):
+    """The GRPOConfig of the step: the same work with transformers generation or with vLLM."""
+    from trl import GRPOConfig
 
     batch = settings.prompts * settings.samples
-    on_gpu = clock.on_gpu
-    config = GRPOConfig(
+    generation = {"generation_kwargs": {"min_new_tokens": settings.new_tokens}}
+    return GRPOConfig(
         output_dir=str(out_dir),
         max_steps=settings.steps,
         per_device_train_batch_size=settings.micro_batch_samples,
         gradient_accumulation_steps=batch // settings.micro_batch_samples,
         num_generations=settings.samples,
         max_completion_length=settings.new_tokens,
-        generation_kwargs={"min_new_tokens": settings.new_tokens},
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -139,7 +167,66 @@ def make_trainer(settings: StepSettings, inputs_dir: Path, out_dir: Path, clock:
         log_completions=False,
         dataloader_num_workers=0,
         model_init_kwargs={"dtype": torch.bfloat16 if on_gpu else torch.float32, "attn_implementation": "sdpa"},
+        **(generation if vllm is None else vllm_config(settings, vllm)),
     )
+
+
+def make_trainer(
+    settings: StepSettings,
+    inputs_dir: Path,
+    out_dir: Path,
+    clock: StepClock,
+    checkpointing: bool,
+    vllm: VllmMode | None = None,
+):
+    """A GRPOTrainer whose generation and scoring (and with vLLM its weight push, sleep and wake-ups) report
+    to ``clock`` (TRL 1.16 method names)."""
+    from datasets import load_dataset
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    for name in ("_generate_single_turn", "_generate_and_score_completions"):
+        if not hasattr(GRPOTrainer, name):
+            raise RuntimeError(
+                f"trl {importlib.metadata.version('trl')} GRPOTrainer has no {name}, which this "
+                "script times; install trl 1.16 (scripts/gpu/trl_session.md)"
+            )
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.use_vllm:  # the first sleep (at start-up) is not a step's
+                generation = self.vllm_generation
+                generation.sync_weights = clock.timed("sync_weights", generation.sync_weights)
+                generation.llm.sleep = clock.timed("offload", generation.llm.sleep)
+                generation.llm.wake_up = clock.timed("offload", generation.llm.wake_up)
+
+        def _generate_single_turn(self, *args, **kwargs):
+            with clock.phase("generate"):
+                return super()._generate_single_turn(*args, **kwargs)
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            with clock.phase("generate_and_score"):
+                return super()._generate_and_score_completions(*args, **kwargs)
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock.phases = {}
+            if clock.on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+            clock.started = clock.now()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.records.append(step_record(clock, clock.now() - clock.started))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs and clock.records:
+                clock.records[-1]["completion_mean_length"] = logs["completions/mean_length"]
+
+    def reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+        return [even_fraction(ids) for ids in completion_ids]
+
+    config = grpo_config(settings, out_dir, clock.on_gpu, checkpointing, vllm)
     dataset = load_dataset("json", data_files=str(inputs_dir / "prompts.jsonl"), split="train")
     return TimedGRPOTrainer(
         model=str(inputs_dir / "model"), reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[Steps()]
@@ -148,12 +235,13 @@ def make_trainer(settings: StepSettings, inputs_dir: Path, out_dir: Path, clock:
 
 def step_record(clock: StepClock, step_s: float) -> dict:
     """One step's seconds by phase and peak memory (GiB, as torch.cuda reports it)."""
-    generate = clock.phases.get("generate", 0.0)
-    prepared = clock.phases.get("generate_and_score", 0.0)
+    phases = {"generate": clock.phases.get("generate", 0.0), "score": clock.phases.get("generate_and_score", 0.0)}
+    if clock.vllm:
+        phases |= {name: clock.phases.get(name, 0.0) for name in ("sync_weights", "offload")}
     gib = 2**30
     return {
         "step_s": step_s,
-        "phases_s": {"generate": generate, "score": prepared - generate, "train": step_s - prepared},
+        "phases_s": {**phases, "train": step_s - sum(phases.values())},
         "max_allocated_gib": torch.cuda.max_memory_allocated() / gib if clock.on_gpu else 0.0,
         "max_reserved_gib": torch.cuda.max_memory_reserved() / gib if clock.on_gpu else 0.0,
     }
@@ -179,10 +267,9 @@ def summarise(settings: StepSettings, records: list[dict]) -> dict:
     }
 
 
-def versions() -> dict[str, str]:
-    return {
-        name: importlib.metadata.version(name) for name in ("torch", "transformers", "trl", "accelerate", "datasets")
-    }
+def versions(vllm: bool = False) -> dict[str, str]:
+    names = ("torch", "transformers", "trl", "accelerate", "datasets") + (("vllm",) if vllm else ())
+    return {name: importlib.metadata.version(name) for name in names}
 
 
 def add_settings_args(parser: argparse.ArgumentParser) -> None:
@@ -217,20 +304,57 @@ def parse_args(argv: list[str] | None = None) -> tuple[StepSettings, argparse.Na
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_settings_args(parser)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--use-vllm", action="store_true", help="Generate with vLLM in colocate mode.")
+    parser.add_argument(
+        "--offload", choices=("on", "off"), help="With --use-vllm: vLLM's sleep mode on (default) or off."
+    )
+    parser.add_argument(
+        "--vllm-is-correction",
+        action="store_true",
+        help="With --use-vllm: TRL's importance-sampling correction (recomputes old log-probs; off by default).",
+    )
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help="Only build the GRPOConfig (CPU flags; no model, no vLLM) and print its generation keys.",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if not args.use_vllm and (args.offload is not None or args.vllm_is_correction):
+        raise SystemExit(
+            "--offload / --vllm-is-correction must come with --use-vllm because they configure TRL's vLLM; "
+            "add --use-vllm or drop them"
+        )
     return settings_from(args, "trl"), args
+
+
+def vllm_mode(args: argparse.Namespace) -> VllmMode | None:
+    if not args.use_vllm:
+        return None
+    return VllmMode(offload=args.offload != "off", is_correction=args.vllm_is_correction)
 
 
 def main(argv: list[str] | None = None) -> dict:
     settings, args = parse_args(argv)
+    vllm = vllm_mode(args)
+    run_dir = args.work / ("trl" if vllm is None else "trl_vllm" if vllm.offload else "trl_vllm_resident")
+    if args.check_config:
+        config = grpo_config(settings, run_dir, False, args.gradient_checkpointing, vllm)
+        keys = sorted(k for k in vars(config) if k.startswith("vllm") or k in ("use_vllm", "generation_kwargs"))
+        print(json.dumps({k: getattr(config, k) for k in keys}, indent=2, default=str))
+        return {}
     on_gpu = torch.cuda.is_available()
+    if vllm is not None and not on_gpu:
+        raise SystemExit("--use-vllm needs a CUDA device because vLLM's colocate mode runs on the GPU; drop it")
     inputs_dir = prepare_inputs(settings, args.work, "bfloat16" if on_gpu else "float32", "cuda" if on_gpu else "cpu")
-    clock = StepClock(on_gpu=on_gpu)
-    trainer = make_trainer(settings, inputs_dir, args.work / "trl", clock, args.gradient_checkpointing)
+    clock = StepClock(on_gpu=on_gpu, vllm=vllm is not None)
+    trainer = make_trainer(settings, inputs_dir, run_dir, clock, args.gradient_checkpointing, vllm)
     trainer.train()
     extra = {"gradient_checkpointing": args.gradient_checkpointing, **summarise(settings, clock.records)}
-    return write_result("trl_grpo", settings, versions(), extra, args.out)
+    if vllm is not None:
+        extra["vllm"] = dataclasses.asdict(vllm) | vllm_config(settings, vllm)
+    name = "trl_grpo" if vllm is None else "trl_grpo_vllm"
+    return write_result(name, settings, versions(vllm is not None), extra, args.out)
 
 
 def write_result(benchmark: str, settings: StepSettings, versions: dict, extra: dict, out: Path | None) -> dict:

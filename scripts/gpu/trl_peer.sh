@@ -10,6 +10,8 @@
 # _keepnccl (NCCL teardown off) and _varlen or _persample (packed attention; default auto), e.g.
 # sglang,sglang_keepnccl,sglang_resident_varlen (peer_step.py); `none` runs no rlrun variant.
 # VERL=verl,verl_resident runs benchmarks/verl_grpo.py with offload on / off (peer_step.py --verl).
+# TRL_VLLM=trl_vllm,trl_vllm_resident runs benchmarks/trl_grpo.py --use-vllm with vLLM's sleep mode on / off
+# (peer_step.py --trl-vllm) under $VLLM_PYTHON (scripts/gpu/vllm_stage.sh install writes it).
 # OUT_NAME=x names the JSON peer_step_<shape>_x.json (a second call on the same shape, e.g. with
 # PEER_ARGS="--reuse-trl", which takes TRL's figures from the first call's /tmp/peer_<shape>/trl.json).
 #
@@ -33,13 +35,15 @@ export PYTHONPATH=$PWD:/tmp/rlrun_site${PYTHONPATH:+:$PYTHONPATH}:/tmp/trl_site:
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 WORK=/tmp/peer_$SHAPE
 VERL=${VERL:-}
+TRL_VLLM=${TRL_VLLM:-}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
 timeout 560 python benchmarks/peer_step.py --shape "$SHAPE" --steps "$STEPS" --backends "$BACKENDS" \
-  --work "$WORK" --timeout-s 240 --verl "$VERL" --out "$OUT/peer_step_$SHAPE${OUT_NAME:+_$OUT_NAME}.json" \
+  --work "$WORK" --timeout-s 240 --verl "$VERL" --trl-vllm "$TRL_VLLM" \
+  --trl-vllm-python "${VLLM_PYTHON:-/root/vllm/python}" --out "$OUT/peer_step_$SHAPE${OUT_NAME:+_$OUT_NAME}.json" \
   ${PEER_ARGS:-}; rc=$?
 logs="$WORK/trl.log"
 for b in ${BACKENDS//,/ }; do logs="$logs $WORK/rlrun_$b.log"; done
-for v in ${VERL//,/ }; do logs="$logs $WORK/$v.log"; done
+for v in ${VERL//,/ } ${TRL_VLLM//,/ }; do logs="$logs $WORK/$v.log"; done
 for log in $logs; do
   [ -f "$log" ] && tail -c 20000 "$log" > "$OUT/$(basename "$log")"
 done

@@ -8,6 +8,8 @@
 #   bash scripts/gpu/verl_stage.sh install          # device: join split wheels, install the staged wheels whose
 #                                                   # distribution the Python lacks into $VERL_SITE, check
 #
+# download, split, stage and join also serve scripts/gpu/vllm_stage.sh: STAGE_LIST names the wheel list,
+# STAGE_PIECES the folder of the pieces, VERL_WHL / VERL_STAGE the wheel folders here and there.
 # A wheel larger than a piece (ray, 76 MiB) is cut into parts, each a file of its own with its own checksum;
 # WHEELS in every piece lists the whole wheels' sha256, so install verifies each joined wheel.
 # install never replaces what the interpreter has (sglang's venv pins transformers 5.12.1, which verl 0.9.1
@@ -21,6 +23,8 @@ LIMIT_MIB=${LIMIT_MIB:-52}
 VERL_WHL=${VERL_WHL:-.whl-verl}
 VERL_STAGE=${VERL_STAGE:-/root/verl_stage}
 VERL_SITE=${VERL_SITE:-/tmp/verl_site}
+STAGE_LIST=${STAGE_LIST:-scripts/gpu/verl_wheels.txt}
+STAGE_PIECES=${STAGE_PIECES:-.verl}
 
 python_for_device() {
   if [ -n "${VERL_PYTHON:-}" ]; then echo "$VERL_PYTHON"; return; fi
@@ -28,24 +32,25 @@ python_for_device() {
   command -v python3
 }
 
-download() {  # binary wheels for the device's Python; the two sdist-only ones built here (pure Python)
+download() {  # binary wheels for the device's Python (glibc 2.39); the sdist-only ones built here (pure Python)
   mkdir -p "$VERL_WHL"
-  grep -v '^#' scripts/gpu/verl_wheels.txt | awk 'NF && $2 != "sdist" {print $1}' > "$VERL_WHL/specs.txt"
+  grep -v '^#' "$STAGE_LIST" | awk 'NF && $2 != "sdist" {print $1}' > "$VERL_WHL/specs.txt"
   PIP_CONSTRAINT= python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --abi cp312 --abi abi3 --abi none --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform any -d "$VERL_WHL" -r "$VERL_WHL/specs.txt"
-  PIP_CONSTRAINT= python3 -m pip wheel -q --no-deps -w "$VERL_WHL" \
-    $(grep -v '^#' scripts/gpu/verl_wheels.txt | awk '$2 == "sdist" {print $1}')
+  sdists=$(grep -v '^#' "$STAGE_LIST" | awk '$2 == "sdist" {print $1}')
+  [ -z "$sdists" ] || PIP_CONSTRAINT= python3 -m pip wheel -q --no-deps -w "$VERL_WHL" $sdists
   rm "$VERL_WHL/specs.txt"
   ls "$VERL_WHL"/*.whl | wc -l; du -sh "$VERL_WHL"
 }
 
 split() {
-  rm -rf .verl/p[0-9]*
-  python3 - "$LIMIT_MIB" "$VERL_WHL"/*.whl <<'PY'
+  rm -rf "$STAGE_PIECES"/p[0-9]*
+  python3 - "$LIMIT_MIB" "$STAGE_PIECES" "$VERL_WHL"/*.whl <<'PY'
 import hashlib, os, sys
 limit = int(float(sys.argv[1]) * 2**20)
-wheels = sys.argv[2:]
+wheels = sys.argv[3:]
 sums = {w: hashlib.sha256(open(w, "rb").read()).hexdigest() for w in wheels}
 items = []  # (name, bytes): whole wheels, and the parts of those larger than a piece
 for wheel in wheels:
@@ -64,7 +69,7 @@ for name, data in sorted(items, key=lambda item: -len(item[1])):
     else:
         pieces.append([(name, data)])
 for k, piece in enumerate(pieces):
-    folder = f".verl/p{k}"
+    folder = f"{sys.argv[2]}/p{k}"
     os.makedirs(folder)
     for name, data in piece:
         open(f"{folder}/{name}", "wb").write(data)
@@ -80,7 +85,7 @@ PY
 stage() {
   (cd "$1" && sha256sum -c --quiet SHA256SUMS)
   mkdir -p "$VERL_STAGE" && cp "$1"/* "$VERL_STAGE"/
-  echo "staged $(($(wc -l < "$1"/SHA256SUMS))) files from $1; $VERL_STAGE holds $(($(ls "$VERL_STAGE" | wc -l) - 2)) (the $(($(wc -l < "$1"/WHEELS))) wheels, ray in parts)"
+  echo "staged $(($(wc -l < "$1"/SHA256SUMS))) files from $1; $VERL_STAGE holds $(($(ls "$VERL_STAGE" | wc -l) - 2)) (the $(($(wc -l < "$1"/WHEELS))) wheels, the large ones in parts)"
 }
 
 join_parts() {  # each split wheel from its parts; every wheel checked against WHEELS
@@ -89,7 +94,7 @@ join_parts() {  # each split wheel from its parts; every wheel checked against W
     cat "${first%.part00}".part[0-9][0-9] > "${first%.part00}"
   done
   (cd "$VERL_STAGE" && sha256sum -c --quiet WHEELS) || {
-    echo "verl_stage: a staged wheel is missing or corrupt (above); stage every .verl/pN first" >&2; exit 1; }
+    echo "verl_stage: a staged wheel is missing or corrupt (above); stage every $STAGE_PIECES/pN first" >&2; exit 1; }
 }
 
 install() {
@@ -135,5 +140,6 @@ case "${1:-}" in
   split) split ;;
   stage) stage "$2" ;;
   install) install ;;
-  *) echo "usage: $0 download | split | stage .verl/pN | install" >&2; exit 2 ;;
+  join) join_parts ;;
+  *) echo "usage: $0 download | split | stage .verl/pN | install | join" >&2; exit 2 ;;
 esac

@@ -177,3 +177,46 @@ def test_ratios_pair_each_rlrun_run_with_the_verl_run_that_offloads_alike():
     del results["verl_resident"], results["trl"]
     assert "speedup_vs_verl" not in compare(results).get("sglang_resident", {})
     assert "speedup_vs_trl" not in compare(results)["sglang"]
+
+
+def test_ratios_pair_each_rlrun_run_with_the_trl_vllm_run_that_offloads_alike():
+    from peer_step import compare
+
+    results = {
+        "trl_vllm": {"median_step_s": 10.0},
+        "trl_vllm_resident": {"median_step_s": 9.0},
+        "sglang": {"results": [{"median_step_s": 4.0}]},
+        "sglang_resident": {"results": [{"median_step_s": 3.0}]},
+    }
+    ratios = compare(results)
+    assert set(ratios) == {"sglang", "sglang_resident"}
+    assert ratios["sglang"]["trl_vllm_run"] == "trl_vllm" and ratios["sglang"]["speedup_vs_trl_vllm"] == 2.5
+    assert ratios["sglang_resident"]["trl_vllm_run"] == "trl_vllm_resident"
+    assert ratios["sglang_resident"]["speedup_vs_trl_vllm"] == 3.0
+    del results["trl_vllm_resident"]
+    assert "speedup_vs_trl_vllm" not in compare(results).get("sglang_resident", {})
+
+
+def test_trl_vllm_config_takes_the_sglang_fraction_of_the_row_it_pairs_with():
+    from trl_grpo import VllmMode, vllm_config
+
+    settings = StepSettings(prompt_len=128, new_tokens=512)
+    on, off = vllm_config(settings, VllmMode(offload=True)), vllm_config(settings, VllmMode(offload=False))
+    assert on["vllm_enable_sleep_mode"] and not off["vllm_enable_sleep_mode"]
+    assert on["vllm_gpu_memory_utilization"] == SGLANG_SERVER_ARGS["mem_fraction_static"]
+    assert off["vllm_gpu_memory_utilization"] == RESIDENT_SGLANG_MEM_FRACTION
+    assert on["vllm_max_model_length"] == 640 and on["generation_kwargs"] == {"min_tokens": 512}
+    assert not on["vllm_importance_sampling_correction"]
+
+
+def test_step_clock_counts_each_phase_without_the_phases_inside_it(monkeypatch):
+    from trl_grpo import StepClock
+
+    ticks = iter([0.0, 1.0, 3.0, 7.0, 8.0, 10.0])  # generate [0, 7] holds offload [1, 3]; offload again [8, 10]
+    clock = StepClock(on_gpu=False)
+    monkeypatch.setattr(clock, "now", lambda: next(ticks))
+    with clock.phase("generate"):
+        clock.timed("offload", lambda: None)()
+    with clock.phase("offload"):
+        pass
+    assert clock.phases == {"generate": 5.0, "offload": 4.0}
