@@ -42,6 +42,32 @@ def test_kernel_is_transformers_rope_bit_for_bit(dtype, batch, q_heads, k_heads,
     assert got_q.stride() == q.stride() and got_k.stride() == k.stride()
 
 
+def test_calls_the_kernel_would_get_wrong_go_to_transformers():
+    """Each layout ``kernel_covers`` refuses, one at a time from one it takes; a call that needs a gradient
+    gets transformers' function, and with it the gradient (the kernel has no backward)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from rlrun.engine.backends.fused_rope import _fused, kernel_covers
+
+    q, k = torch.randn(2, 5, 4, 8, device="cuda").transpose(1, 2), torch.randn(2, 2, 5, 8, device="cuda")
+    cos, sin = torch.randn(2, 5, 8, device="cuda"), torch.randn(2, 5, 8, device="cuda")
+    assert kernel_covers(q, k, cos, sin, 1)
+    assert not kernel_covers(q, k, cos, sin, 2)
+    assert not kernel_covers(q, k, cos[:1], sin[:1], 1)  # cos broadcast over the batch
+    assert not kernel_covers(q, k, cos.bfloat16(), sin.bfloat16(), 1)
+    assert not kernel_covers(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7], 1)  # odd D
+    assert not kernel_covers(q[..., ::2], k[..., ::2], cos[..., ::2], sin[..., ::2], 1)  # strided D
+    assert not kernel_covers(q, k[:, :, :4], cos, sin, 1)
+    leaf = q.detach().requires_grad_()
+    assert not kernel_covers(leaf, k, cos, sin, 1)
+    with torch.no_grad():
+        assert kernel_covers(leaf, k, cos, sin, 1)
+    fused_q, _ = _fused(apply_rotary_pos_emb)(leaf, k, cos, sin)
+    (grad,) = torch.autograd.grad(fused_q.sum(), leaf)
+    (expected,) = torch.autograd.grad(apply_rotary_pos_emb(leaf, k, cos, sin)[0].sum(), leaf)
+    assert torch.equal(grad, expected)
+
+
 @pytest.mark.parametrize(
     ("rows", "k_heads", "v_heads", "k_dim", "v_dim"), [(64, 8, 8, 128, 128), (5, 2, 2, 64, 64), (3, 1, 1, 512, 64)]
 )

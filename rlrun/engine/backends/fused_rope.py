@@ -12,7 +12,8 @@ The function is swapped in the modeling module of each loaded model whose ``appl
 ``rotate_half`` are Llama's (same source, decorators aside): Qwen2/3, Mistral, Llama, Qwen MoE and others; a
 family with its own formula (partial rotary, interleaved pairs) keeps it. The swap is process-wide for that
 module, which is safe because the result is identical; any call the kernel does not cover (CPU tensors, mixed
-dtypes, a strided last dimension, other broadcast layouts) goes to the original function.
+dtypes, a strided last dimension, other broadcast layouts, tensors that need a gradient) goes to the original
+function.
 """
 
 from __future__ import annotations
@@ -87,10 +88,13 @@ def _fused(original: RopeFn) -> RopeFn:
 
 def kernel_covers(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> bool:
     """The layout the kernel reads: q, k [B, H, S, D] on CUDA, cos and sin [B, S, D] broadcast over heads
-    (``unsqueeze_dim`` 1), one dtype for all four, even D, unit stride along D."""
+    (``unsqueeze_dim`` 1), one dtype for all four, even D, unit stride along D; and nothing to differentiate
+    (the kernel has no backward: the patch is process-wide, and a model trained in this process would
+    otherwise lose the gradient through its RoPE without an error)."""
     tensors = (q, k, cos, sin)
     return (
         unsqueeze_dim == 1
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and q.is_cuda
         and q.dim() == k.dim() == 4
         and cos.dim() == sin.dim() == 3
