@@ -50,3 +50,18 @@ def test_calls_the_kernel_does_not_cover_go_to_the_original():
     assert len(calls) == 2
     assert not fused_rope.kernel_covers(q, k, cos, sin, 1)  # on CPU
     assert fused._rlrun_original is original
+
+
+def test_the_wrapper_hands_kernel_covers_the_callers_unsqueeze_dim_and_keeps_other_calls(monkeypatch):
+    """The wrapper's own routing, with the layout check and the kernel (CUDA only) standing in: the caller's
+    ``unsqueeze_dim`` (positional or keyword) reaches ``kernel_covers``; any other argument means the original."""
+    seen = []
+    monkeypatch.setattr(fused_rope, "kernel_covers", lambda q, k, cos, sin, dim: seen.append(dim) or dim == 1)
+    monkeypatch.setattr(fused_rope, "rope_qk", lambda q, k, cos, sin: "kernel")
+    fused = fused_rope._fused(lambda *args, **kwargs: "original")
+    q = k = cos = sin = torch.zeros(1)
+    assert [fused(q, k, cos, sin), fused(q, k, cos, sin, 1), fused(q, k, cos, sin, unsqueeze_dim=1)] == ["kernel"] * 3
+    assert fused(q, k, cos, sin, 2) == fused(q, k, cos, sin, unsqueeze_dim=2) == "original"
+    assert seen == [1, 1, 1, 2, 2]
+    assert fused(q, k, cos, sin, 1, None) == fused(q, k, cos, sin, position_ids=None) == "original"
+    assert seen == [1, 1, 1, 2, 2]  # not even asked
