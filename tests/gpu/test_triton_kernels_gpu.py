@@ -89,26 +89,43 @@ def test_kv_column_write_is_the_two_scatters(rows, k_heads, v_heads, k_dim, v_di
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
-def test_engine_generates_the_same_with_and_without_its_triton_kernels(tmp_path, monkeypatch):
-    from transformers.models.qwen3 import modeling_qwen3
+@pytest.mark.parametrize(
+    ("kind", "overrides", "fused"),  # fused: the modeling module's apply_rotary_pos_emb is swapped
+    [
+        ("qwen3", {}, True),
+        ("llama", {}, True),
+        ("mistral", {}, True),
+        ("qwen3_moe", {}, True),
+        ("glm4_moe", {}, False),  # partial rotary: its own RoPE; the K/V write still runs
+        ("deepseek_v3", {}, True),  # swapped, but its interleaved RoPE is another function; K/V of two widths
+        ("deepseek_v3", {"rope_interleave": False}, True),  # Llama's RoPE on split, single-head MLA views
+    ],
+)
+def test_engine_generates_the_same_with_and_without_its_triton_kernels(tmp_path, monkeypatch, kind, overrides, fused):
+    import importlib
+
+    from transformers import AutoConfig
 
     from rlrun.engine.backends import fused_rope, static_cache
     from rlrun.engine.backends.embedded import EmbeddedEngine
     from tests.tiny_models import make_tiny_model
 
-    model = make_tiny_model("qwen3", tmp_path / "m", seed=3)
+    model = make_tiny_model(kind, tmp_path / "m", seed=3, config_overrides=overrides)
+    family = AutoConfig.from_pretrained(model).model_type
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     prompts = [list(range(3, 60)), [7, 8, 9]]
     params = {"max_new_tokens": 200, "temperature": 1.0, "n": 2, "sampling_seed": 5, "ignore_eos": True}
-    fused = EmbeddedEngine(model, seed=0, dtype="bfloat16", device="cuda")
-    assert getattr(modeling_qwen3.apply_rotary_pos_emb, "_rlrun_original", None) is not None
-    with_kernel = fused.generate(prompts, params)
-    fused.free_cache()
-    original = modeling_qwen3.apply_rotary_pos_emb._rlrun_original
-    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", original)
+    engine = EmbeddedEngine(model, seed=0, dtype="bfloat16", device="cuda")
+    original = getattr(modeling.apply_rotary_pos_emb, "_rlrun_original", None)
+    assert (original is not None) is fused
+    with_kernel = engine.generate(prompts, params)
+    engine.free_cache()
+    if fused:
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", original)
     monkeypatch.setattr(fused_rope, "triton_available", lambda: False)
     monkeypatch.setattr(static_cache, "triton_available", lambda: False)
     eager = EmbeddedEngine(model, seed=0, dtype="bfloat16", device="cuda")
-    assert modeling_qwen3.apply_rotary_pos_emb is original
+    assert getattr(modeling.apply_rotary_pos_emb, "_rlrun_original", None) is None
     without = eager.generate(prompts, params)
     for a, b in zip(with_kernel, without, strict=True):
         assert a["output_ids"] == b["output_ids"]
