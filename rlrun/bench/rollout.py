@@ -123,6 +123,7 @@ def bench_rollout(
     from transformers import AutoModelForCausalLM
 
     from rlrun.engine.backends.embedded import DTYPES, EmbeddedEngine
+    from rlrun.engine.backends.fused_rope import unfused
 
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
@@ -134,7 +135,8 @@ def bench_rollout(
     vocab = engine.vocab_size
     prompts = torch.randint(2, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
     prompt_lists, prompts_dev = prompts.tolist(), prompts.to(dev)
-    _hf_run(model, prompts_dev, WARMUP_NEW_TOKENS)
+    with unfused(model):  # stock transformers: not the engine's RoPE kernel, swapped in process-wide
+        _hf_run(model, prompts_dev, WARMUP_NEW_TOKENS)
     engine_tp = {}
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
         _engine_run(engine, prompt_lists, new_tokens, params)  # warm-up of the same shape: captures the step
@@ -144,7 +146,7 @@ def bench_rollout(
     decode = (
         None if profile is None else profile_decode(engine, prompt_lists, SAMPLED, new_tokens, profile, hbm_bytes_per_s)
     )
-    with timer(dev) as hf_s:
+    with unfused(model), timer(dev) as hf_s:
         hf_tokens = _hf_run(model, prompts_dev, new_tokens)
     nbytes = weight_bytes(model)
     hf_tp = Throughput.of(hf_s[0], hf_tokens)

@@ -31,6 +31,19 @@ def test_a_cpu_model_keeps_transformers_rope(tmp_path):
     assert modeling_qwen3.apply_rotary_pos_emb is before
 
 
+def test_unfused_gives_a_model_transformers_rope_back_while_inside(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3 import modeling_qwen3
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model("qwen3", tmp_path / "m"))
+    original = modeling_qwen3.apply_rotary_pos_emb
+    swapped = fused_rope._fused(original)  # as fuse_rotary leaves it on CUDA
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", swapped)
+    with fused_rope.unfused(model):
+        assert modeling_qwen3.apply_rotary_pos_emb is original
+    assert modeling_qwen3.apply_rotary_pos_emb is swapped
+
+
 def test_calls_the_kernel_does_not_cover_go_to_the_original():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

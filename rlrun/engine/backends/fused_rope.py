@@ -13,16 +13,18 @@ The function is swapped in the modeling module of each loaded model whose ``appl
 family with its own formula (partial rotary, interleaved pairs) keeps it. The swap is process-wide for that
 module, which is safe because the result is identical; any call the kernel does not cover (CPU tensors, mixed
 dtypes, a strided last dimension, other broadcast layouts, tensors that need a gradient) goes to the original
-function.
+function. It is also faster for any other model of that family in the process; :func:`unfused` undoes it for a
+run that must be stock transformers (``rlrun bench rollout``'s ``generate`` baseline).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,21 +59,42 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _modules(model: torch.nn.Module) -> list[Any]:
+    """The loaded modules that define ``model``'s classes."""
+    names = sorted({type(m).__module__ for m in model.modules()})
+    return [sys.modules[name] for name in names if name in sys.modules]
+
+
 def fuse_rotary(model: torch.nn.Module) -> int:
     """Give the modeling modules of ``model``'s classes the fused RoPE (CUDA with Triton only); returns how many
     modules now have it (already fused ones included)."""
     if not triton_available() or next(model.parameters()).device.type != "cuda":
         return 0
-    names = {type(m).__module__ for m in model.modules()}
     fused = 0
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if module is None:
-            continue
+    for module in _modules(model):
         if has_llama_rope(module):
-            module.apply_rotary_pos_emb = _fused(module.apply_rotary_pos_emb)  # type: ignore[attr-defined]
-        fused += getattr(getattr(module, "apply_rotary_pos_emb", None), "_rlrun_original", None) is not None
+            module.apply_rotary_pos_emb = _fused(module.apply_rotary_pos_emb)
+        fused += _is_fused(module)
     return fused
+
+
+def _is_fused(module: Any) -> bool:
+    return getattr(getattr(module, "apply_rotary_pos_emb", None), "_rlrun_original", None) is not None
+
+
+@contextlib.contextmanager
+def unfused(model: torch.nn.Module) -> Iterator[None]:
+    """transformers' own RoPE in the modeling modules of ``model``'s classes while inside: for a stock
+    transformers run in a process that also holds an engine (``rlrun bench rollout``'s ``generate`` baseline),
+    which the process-wide swap would otherwise speed up too."""
+    swapped = [(module, module.apply_rotary_pos_emb) for module in _modules(model) if _is_fused(module)]
+    for module, fn in swapped:
+        module.apply_rotary_pos_emb = fn._rlrun_original
+    try:
+        yield
+    finally:
+        for module, fn in swapped:
+            module.apply_rotary_pos_emb = fn
 
 
 def _fused(original: RopeFn) -> RopeFn:
