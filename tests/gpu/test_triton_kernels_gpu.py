@@ -130,3 +130,31 @@ def test_engine_generates_the_same_with_and_without_its_triton_kernels(tmp_path,
     for a, b in zip(with_kernel, without, strict=True):
         assert a["output_ids"] == b["output_ids"]
         assert a["output_logprobs"] == b["output_logprobs"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_kernels_run_on_their_tensors_device_not_the_current_one():
+    """Tensors on cuda:1 while the current device is cuda:0 (the embedded backend's decode thread of rank 1's
+    engine): Triton would launch on cuda:0 and its stream; the results must still be the eager ones."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from rlrun.engine.backends.fused_rope import rope_qk
+    from rlrun.engine.backends.triton_kernels import write_kv_columns
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    q, k = torch.randn(4, 9, 8, 64, device=dev).bfloat16().transpose(1, 2), torch.randn(4, 2, 9, 64, device=dev)
+    k = k.bfloat16()
+    cos, sin = torch.randn(4, 9, 64, device=dev).bfloat16(), torch.randn(4, 9, 64, device=dev).bfloat16()
+    got, expected = rope_qk(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    cache_k, cache_v = torch.zeros(4, 2, 16, 64, device=dev), torch.zeros(4, 2, 16, 32, device=dev)
+    key, value = torch.randn(4, 2, 1, 64, device=dev), torch.randn(4, 2, 1, 32, device=dev)
+    columns = torch.tensor([0, 5, 15, 3], device=dev)
+    want_k, want_v = cache_k.clone(), cache_v.clone()
+    want_k.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, 2, 1, 64), key)
+    want_v.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, 2, 1, 32), value)
+    write_kv_columns(cache_k, cache_v, key, value, columns)
+    torch.cuda.synchronize(dev)
+    assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
+    assert torch.cuda.current_device() == 0

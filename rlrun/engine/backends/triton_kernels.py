@@ -8,6 +8,11 @@ took several, each the same bits.
   the product's rounding in fp32).
 * :func:`write_kv_columns`, behind ``StaticKVCache.update`` in a decode step: each row's new key and value go to
   that row's own cache column in one launch instead of two ``scatter_`` calls (a copy: nothing is computed).
+
+LAUNCH_DEVICE: Triton launches on the current CUDA device and that device's current stream, not on its tensors'
+device, and the current device is per host thread: the embedded backend decodes on a thread of its own, where it
+is cuda:0 unless set, while rank 1's engine holds its tensors on cuda:1. Each launch therefore runs under
+``torch.cuda.device`` of its tensors (a no-op where they agree), as PyTorch's own ops do.
 """
 
 from __future__ import annotations
@@ -69,12 +74,13 @@ def rope_qk(
     rows = n_q_rows + batch * k_heads * seq
     if rows == 0:
         return
-    _rope_qk[(rows,)](
-        q, k, cos, sin, q_out, k_out, n_q_rows, q_heads, k_heads, seq,
-        *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
-        *q_out.stride()[:3], *k_out.stride()[:3],
-        HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), enable_fp_fusion=False,
-    )  # fmt: skip
+    with torch.cuda.device(q.device):  # Triton launches on the current device and its stream (LAUNCH_DEVICE)
+        _rope_qk[(rows,)](
+            q, k, cos, sin, q_out, k_out, n_q_rows, q_heads, k_heads, seq,
+            *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
+            *q_out.stride()[:3], *k_out.stride()[:3],
+            HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), enable_fp_fusion=False,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -111,9 +117,10 @@ def write_kv_columns(
     n_key_rows = rows * k_heads
     if rows == 0:
         return
-    _write_kv[(n_key_rows + rows * v_heads,)](
-        key, value, key_cache, value_cache, columns, n_key_rows, k_heads, v_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-        DK=k_dim, DV=v_dim, BK=triton.next_power_of_2(k_dim), BV=triton.next_power_of_2(v_dim),
-    )  # fmt: skip
+    with torch.cuda.device(key.device):  # LAUNCH_DEVICE
+        _write_kv[(n_key_rows + rows * v_heads,)](
+            key, value, key_cache, value_cache, columns, n_key_rows, k_heads, v_heads,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1), *key_cache.stride()[:3],
+            *value_cache.stride()[:3],
+            DK=k_dim, DV=v_dim, BK=triton.next_power_of_2(k_dim), BV=triton.next_power_of_2(v_dim),
+        )  # fmt: skip
