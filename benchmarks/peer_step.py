@@ -294,14 +294,15 @@ def main() -> None:
     if args.reuse_trl:
         results["trl"] = reused_result(args.work / "trl.json", settings, "--reuse-trl")
         del runs["trl"]
-    for name in names(args.reuse_verl, "--reuse-verl"):
-        if name in verl:
-            raise SystemExit(f"verl variant {name!r} must be in --verl or in --reuse-verl, not both; drop one")
-        results[name] = reused_result(args.work / f"{name}.json", settings, "--reuse-verl")
-    for name in names(args.reuse_trl_vllm, "--reuse-trl-vllm", TRL_VLLM_VARIANTS):
-        if name in trl_vllm:
-            raise SystemExit(f"variant {name!r} must be in --trl-vllm or in --reuse-trl-vllm, not both; drop one")
-        results[name] = reused_result(args.work / f"{name}.json", settings, "--reuse-trl-vllm")
+    reuses = (
+        (args.reuse_verl, "--reuse-verl", "--verl", VERL_VARIANTS, verl),
+        (args.reuse_trl_vllm, "--reuse-trl-vllm", "--trl-vllm", TRL_VLLM_VARIANTS, trl_vllm),
+    )
+    for spec, flag, run_flag, variants, running in reuses:
+        for name in names(spec, flag, variants):
+            if name in running:
+                raise SystemExit(f"{name!r} must be in {run_flag} or in {flag}, not both; drop one")
+            results[name] = reused_result(args.work / f"{name}.json", settings, flag)
     for name, cmd in runs.items():
         results[name] = run_json(name, cmd, Path(cmd[cmd.index("--out") + 1]), args.timeout_s + 60)
         write_record(args.out, settings, results)  # after every run: a later timeout keeps what finished

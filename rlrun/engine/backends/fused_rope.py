@@ -50,7 +50,7 @@ def _llama_sources() -> tuple[str | None, str | None]:
 def has_llama_rope(module: Any) -> bool:
     """Whether a modeling module's ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's formula."""
     rope, rotate = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
-    if rope is None or rotate is None or getattr(rope, "_rlrun_original", None) is not None:
+    if rope is None or rotate is None or _is_fused(module):
         return False
     return (_source(rope), _source(rotate)) == _llama_sources()
 

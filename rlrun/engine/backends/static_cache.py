@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import AttentionInterface
@@ -51,8 +51,12 @@ class StaticKVCache:
         self.columns = torch.zeros(num_rows if per_row else 1, dtype=torch.long, device=device)
         """Cache columns the next forward writes (set or advanced in place): one per query position, shared
         by all rows; or, ``per_row`` (decode, one query position), one per row."""
-        self._write_kernel = per_row and device.type == "cuda" and triton_available()
+        self._write_kv: Callable[..., None] | None = None
         """A decode step writes its K/V in one Triton launch (``triton_kernels.write_kv_columns``), not two scatters."""
+        if per_row and device.type == "cuda" and triton_available():
+            from rlrun.engine.backends.triton_kernels import write_kv_columns
+
+            self._write_kv = write_kv_columns
         self.read_len: int | None = None
         """Columns ``update`` hands to attention (a host int, fixed per captured step; None: all). Every column a
         row attends to must lie below it; the columns beyond are masked anyway, so leaving them out changes
@@ -63,10 +67,8 @@ class StaticKVCache:
         columns (views: a captured step reads the same memory)."""
         if layer_idx == len(self.keys):  # first forward: allocate from the model's own shapes
             self._allocate(key, value)
-        if self.per_row and self._write_kernel and key.stride(-1) == value.stride(-1) == 1:
-            from rlrun.engine.backends import triton_kernels
-
-            triton_kernels.write_kv_columns(self.keys[layer_idx], self.values[layer_idx], key, value, self.columns)
+        if self._write_kv is not None and key.stride(-1) == value.stride(-1) == 1:
+            self._write_kv(self.keys[layer_idx], self.values[layer_idx], key, value, self.columns)
         elif self.per_row:
             index = self.columns.view(-1, 1, 1, 1).expand(-1, key.shape[1], 1, key.shape[-1])
             self.keys[layer_idx].scatter_(2, index, key)
