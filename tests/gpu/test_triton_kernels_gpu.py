@@ -68,6 +68,12 @@ def test_calls_the_kernel_would_get_wrong_go_to_transformers():
     assert torch.equal(grad, expected)
 
 
+def scattered(cache: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The eager write the kernel replaces (StaticKVCache.update's ``scatter_``), on a copy of ``cache``."""
+    index = columns.view(-1, 1, 1, 1).expand(-1, new.shape[1], 1, new.shape[-1])
+    return cache.clone().scatter_(2, index, new)
+
+
 @pytest.mark.parametrize(
     ("rows", "k_heads", "v_heads", "k_dim", "v_dim"), [(64, 8, 8, 128, 128), (5, 2, 2, 64, 64), (3, 1, 1, 512, 64)]
 )
@@ -82,9 +88,7 @@ def test_kv_column_write_is_the_two_scatters(rows, k_heads, v_heads, k_dim, v_di
     key = torch.randn(rows, 1, k_heads, k_dim, device="cuda", generator=g).bfloat16().transpose(1, 2)
     value = torch.randn(rows, 1, v_heads, v_dim, device="cuda", generator=g).bfloat16().transpose(1, 2)
     columns = torch.randint(0, length, (rows,), device="cuda", generator=g)
-    expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    expected_k.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, k_heads, 1, k_dim), key)
-    expected_v.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, v_heads, 1, v_dim), value)
+    expected_k, expected_v = scattered(key_cache, key, columns), scattered(value_cache, value, columns)
     write_kv_columns(key_cache, value_cache, key, value, columns)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
@@ -151,9 +155,7 @@ def test_kernels_run_on_their_tensors_device_not_the_current_one():
     cache_k, cache_v = torch.zeros(4, 2, 16, 64, device=dev), torch.zeros(4, 2, 16, 32, device=dev)
     key, value = torch.randn(4, 2, 1, 64, device=dev), torch.randn(4, 2, 1, 32, device=dev)
     columns = torch.tensor([0, 5, 15, 3], device=dev)
-    want_k, want_v = cache_k.clone(), cache_v.clone()
-    want_k.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, 2, 1, 64), key)
-    want_v.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, 2, 1, 32), value)
+    want_k, want_v = scattered(cache_k, key, columns), scattered(cache_v, value, columns)
     write_kv_columns(cache_k, cache_v, key, value, columns)
     torch.cuda.synchronize(dev)
     assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
