@@ -108,12 +108,18 @@ def test_kv_column_write_is_the_two_scatters(rows, k_heads, v_heads, k_dim, v_di
 def test_engine_generates_the_same_with_and_without_its_triton_kernels(tmp_path, monkeypatch, kind, overrides, fused):
     import importlib
 
+    import transformers
+    from packaging.version import Version
     from transformers import AutoConfig
 
     from rlrun.engine.backends import fused_rope, static_cache
     from rlrun.engine.backends.embedded import EmbeddedEngine
     from tests.tiny_models import make_tiny_model
 
+    if kind in ("glm4_moe", "deepseek_v3") and Version(transformers.__version__) < Version("5.17"):
+        pytest.skip(
+            f"their routers return only logits in transformers {transformers.__version__} (SGLang's pin): refused"
+        )
     model = make_tiny_model(kind, tmp_path / "m", seed=3, config_overrides=overrides)
     family = AutoConfig.from_pretrained(model).model_type
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")

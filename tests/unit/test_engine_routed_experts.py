@@ -93,3 +93,25 @@ def test_sglang_adapter_reads_meta_info_routed_experts():
     result = to_gen_result({"output_ids": [1, 2, 3], "meta_info": meta}, "r", False, routed_topk=2)
     assert torch.equal(decode(result["routed_experts"], 6), experts)
     assert "routed_experts" not in to_gen_result({"output_ids": [1, 2, 3], "meta_info": meta}, "r", False)
+
+
+def test_routers_of_an_older_transformers_are_refused_with_the_reason(tmp_path):
+    """transformers 5.12.1's GLM-4 MoE and DeepSeek-V3 routers return only their logits (and DeepSeek's has no
+    top_k): the engine says so instead of recording the wrong tensor (seen on the H200 under SGLang's pin)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlrun.engine.backends.routing_record import RouterContractError, RouterRecorder
+
+    model_dir = make_tiny_model("glm4_moe", tmp_path / "glm4_moe", seed=3)
+    engine = EmbeddedEngine(model_dir, seed=0)
+    for module in engine.model.modules():
+        if type(module).__name__.endswith("TopkRouter"):
+            module.forward = lambda hidden, weight=module.weight: hidden.view(-1, weight.shape[1]) @ weight.T
+    with pytest.raises(RouterContractError, match=r"Glm4MoeTopkRouter \(transformers .*\) returns no \(logits"):
+        engine.generate([[5, 17, 99]], {"max_new_tokens": 2, "ignore_eos": True})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for module in model.modules():
+        if type(module).__name__.endswith("TopkRouter"):
+            del module.top_k
+    with pytest.raises(RouterContractError, match="has no top_k, so the embedded engine cannot record"):
+        RouterRecorder.attach(model)

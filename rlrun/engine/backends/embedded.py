@@ -40,6 +40,7 @@ from rlrun.engine.backends.decode_graphs import WarmBatch, WarmBatches
 from rlrun.engine.backends.decode_run import SYNC_EVERY, DecodeRun
 from rlrun.engine.backends.fused_experts import expert_slice
 from rlrun.engine.backends.fused_norm import fuse_rms_norms
+from rlrun.engine.backends.fused_projections import fuse_projections
 from rlrun.engine.backends.fused_rope import fuse_rotary
 from rlrun.engine.backends.routing_record import RouterRecorder
 from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, bias_per_forward, prefill_mask
@@ -131,6 +132,8 @@ class EmbeddedEngine:
         )
         fuse_rms_norms(self.model)
         fuse_rotary(self.model)
+        self._slices = fuse_projections(self.model)
+        """Checkpoint names of the q/k/v and gate/up weights -> their rows of the fused parameters."""
         self.tokenizer = (
             AutoTokenizer.from_pretrained(model_path) if (model_path / "tokenizer_config.json").exists() else None
         )
@@ -386,15 +389,17 @@ class EmbeddedEngine:
                     f"weight {name} must not be sent because it is tied to {self._aliases[name]} in this "
                     f"model; send only {self._aliases[name]} (SGLang ignores it too)"
                 )
-            # MoE experts arrive under checkpoint names and fill slices of fused parameters.
+            # Fused projections and MoE experts arrive under checkpoint names and fill slices of fused parameters.
             target = self._params.get(name, self._saved_buffers.get(name))
+            if target is None:
+                target = self._projection_slice(name)
             if target is None:
                 target = expert_slice(self._params, name)
             if target is None:
                 raise ValueError(
                     f"weight {name} must be a parameter of {type(self.model).__name__} because the "
                     "engine loads HF-named full tensors; expected names like "
-                    f"{', '.join(list(self._params)[:3])}"
+                    f"{', '.join(list(self.named_parameters())[:3])}"
                 )
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
@@ -405,9 +410,19 @@ class EmbeddedEngine:
         # One fused call instead of a Python-level copy_ per tensor (hundreds per bucket for an 8B model).
         torch._foreach_copy_(targets, [t for _, t in named_tensors])
 
+    def _projection_slice(self, name: str) -> torch.Tensor | None:
+        """The rows of a fused projection parameter that checkpoint weight ``name`` is (a view, taken now: offload
+        replaces the parameter's storage), or None."""
+        where = self._slices.get(name)
+        return None if where is None else self._params[where.fused][where.start : where.stop]
+
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """The model's parameters by HF name (tied aliases excluded), for checksums."""
-        return dict(self._params)
+        """The model's parameters by HF name (tied aliases excluded; fused projections as their checkpoint
+        weights), for checksums."""
+        fused = {where.fused for where in self._slices.values()}
+        named = {name: t for name, t in self._params.items() if name not in fused}
+        named.update((name, self._projection_slice(name)) for name in self._slices)
+        return named
 
     def offload_weights(self) -> None:
         """Move the weights (parameters and buffers) to host memory and return the GPU memory to the

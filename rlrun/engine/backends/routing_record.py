@@ -26,6 +26,22 @@ import torch
 
 from rlrun.engine.types import RoutedExperts
 
+
+class RouterContractError(ValueError):
+    """A router from a transformers version whose routers do not choose their experts themselves."""
+
+
+def _old_router(router: torch.nn.Module, what: str) -> str:
+    import transformers
+
+    return (
+        f"{type(router).__name__} (transformers {transformers.__version__}) {what}, so the embedded engine "
+        "cannot record its expert choices: it needs transformers' routers that return (logits, weights, "
+        "indices), as DeepSeek-V3's and GLM-4 MoE's do in transformers 5.17 and not in 5.12.1; install a "
+        "newer transformers"
+    )
+
+
 ROUTER_SUFFIX = "topkrouter"
 """transformers 5 names its MoE routers ``<Family>TopKRouter`` (Qwen3-MoE, Qwen2-MoE, Mixtral...) or
 ``<Family>TopkRouter`` (GLM-4.5 MoE, DeepSeek-V3); matched case-insensitively."""
@@ -52,6 +68,8 @@ class RouterRecorder:
         if not routers:
             return None
         first: Any = routers[0]  # a transformers router: top_k and weight are plain attributes
+        if not hasattr(first, "top_k"):
+            raise RouterContractError(_old_router(first, "has no top_k"))
         return cls(routers, int(first.top_k), int(first.weight.shape[0]))
 
     def _hook(self, layer: int):
@@ -59,6 +77,8 @@ class RouterRecorder:
             if self._sink is None:
                 return
             buffer, at = self._sink
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise RouterContractError(_old_router(_module, "returns no (logits, weights, indices)"))
             indices = output[2].to(buffer.dtype)
             if at is None:  # prefill: [tokens, topk] for the whole [rows * width] block
                 buffer[:, layer].copy_(indices)
