@@ -33,6 +33,7 @@ def test_a_part_called_out_of_turn_computes_its_own_rows():
     x, y = torch.randn(5, 6), torch.randn(5, 6)
     fused = FusedProjection(parts)
     q, k, v = (ProjectionPart(fused, i) for i in range(3))
+    assert torch.equal(k.weight, parts[1].weight) and torch.equal(v.bias, parts[2].bias)  # views, for readers
     with torch.no_grad():
         torch.testing.assert_close(q(x), parts[0](x))
         torch.testing.assert_close(k(y), parts[1](y))  # another input: not x's fused output

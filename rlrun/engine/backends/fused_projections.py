@@ -88,6 +88,16 @@ class ProjectionPart(torch.nn.Module):
         self.in_features = fused.weight.shape[1]
         self.out_features = fused.bounds[index + 1] - fused.bounds[index]
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """This part's rows of the fused weight (a view), for code that reads ``q_proj.weight`` (its dtype, say)."""
+        return self.fused.weight[self.fused.bounds[self.index] : self.fused.bounds[self.index + 1]]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.fused.bias
+        return None if bias is None else bias[self.fused.bounds[self.index] : self.fused.bounds[self.index + 1]]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused.columns(self.index, x)
 
