@@ -414,7 +414,7 @@ class EmbeddedEngine:
         """The rows of a fused projection parameter that checkpoint weight ``name`` is (a view, taken now: offload
         replaces the parameter's storage), or None."""
         where = self._slices.get(name)
-        return None if where is None else self._params[where.fused][where.start : where.stop]
+        return None if where is None else self._params[where.fused][where.rows]
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters by HF name (tied aliases excluded; fused projections as their checkpoint

@@ -33,11 +33,10 @@ GROUPS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_
 
 @dataclass(frozen=True)
 class WeightSlice:
-    """Checkpoint tensor ``<module>.<part>.<weight|bias>`` is rows ``start:stop`` of parameter ``fused``."""
+    """Checkpoint tensor ``<module>.<part>.<weight|bias>`` is ``rows`` of parameter ``fused``."""
 
     fused: str
-    start: int
-    stop: int
+    rows: slice
 
 
 class FusedProjection(torch.nn.Module):
@@ -61,15 +60,19 @@ class FusedProjection(torch.nn.Module):
         self._output: torch.Tensor | None = None
         self._unserved: set[int] = set()
 
+    def rows(self, index: int) -> slice:
+        """Part ``index``'s rows of the fused weight and bias (its columns of the fused output)."""
+        return slice(self.bounds[index], self.bounds[index + 1])
+
     def columns(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Part ``index``'s projection of ``x``."""
-        start, stop = self.bounds[index], self.bounds[index + 1]
+        rows = self.rows(index)
         if x is not self._input:  # a new input: one GEMM for every part
             self._input, self._output = x, F.linear(x, self.weight, self.bias)
             self._unserved = set(range(len(self.bounds) - 1))
         elif index not in self._unserved:  # this part again on the same input: its own rows alone
-            return F.linear(x, self.weight[start:stop], None if self.bias is None else self.bias[start:stop])
-        out = self._output[..., start:stop]  # type: ignore[index]  # set together with _input above
+            return F.linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])
+        out = self._output[..., rows]  # type: ignore[index]  # set together with _input above
         self._unserved.discard(index)
         if not self._unserved:
             self._input = self._output = None
@@ -91,12 +94,12 @@ class ProjectionPart(torch.nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """This part's rows of the fused weight (a view), for code that reads ``q_proj.weight`` (its dtype, say)."""
-        return self.fused.weight[self.fused.bounds[self.index] : self.fused.bounds[self.index + 1]]
+        return self.fused.weight[self.fused.rows(self.index)]
 
     @property
     def bias(self) -> torch.Tensor | None:
         bias = self.fused.bias
-        return None if bias is None else bias[self.fused.bounds[self.index] : self.fused.bounds[self.index + 1]]
+        return None if bias is None else bias[self.fused.rows(self.index)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused.columns(self.index, x)
@@ -130,9 +133,9 @@ def fuse_projections(model: torch.nn.Module) -> dict[str, WeightSlice]:
             path = f"{prefix}.{fused_name}" if prefix else fused_name
             for index, name in enumerate(names):
                 setattr(module, name, ProjectionPart(fused, index))
-                start, stop = fused.bounds[index], fused.bounds[index + 1]
+                rows = fused.rows(index)
                 part = f"{prefix}.{name}" if prefix else name
-                slices[f"{part}.weight"] = WeightSlice(f"{path}.weight", start, stop)
+                slices[f"{part}.weight"] = WeightSlice(f"{path}.weight", rows)
                 if fused.bias is not None:
-                    slices[f"{part}.bias"] = WeightSlice(f"{path}.bias", start, stop)
+                    slices[f"{part}.bias"] = WeightSlice(f"{path}.bias", rows)
     return slices
