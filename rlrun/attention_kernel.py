@@ -35,9 +35,24 @@ BIAS_ALIGN = 16
 """The kernel reads the bias in rows aligned to this many elements (what SDPA's own ``pad_bias`` does)."""
 
 
-def uses_shared_kernel(tensor: torch.Tensor) -> bool:
-    """True where the shared kernel runs (CUDA); elsewhere callers use plain SDPA."""
-    return tensor.is_cuda
+KERNEL_ALIGN_BYTES = 16
+"""The kernel's head widths (query/key and value) must be whole multiples of 16 bytes on the GPUs it is built for
+(sm80 and newer: 8 bf16/fp16 or 4 fp32 elements); for others it has no kernel ("cutlassF: no kernel found to
+launch"). SDPA checks the same (its ``minimum_gemm_alignment``) and picks another kernel."""
+
+
+def kernel_has_head_dims(dtype: torch.dtype, *widths: int) -> bool:
+    """True when the kernel takes heads of these widths in ``dtype``: real models' 64, 128, 192, ... always;
+    tiny test models (DeepSeek-V3's 20-wide queries, 10-wide values) not always."""
+    align = KERNEL_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    return all(width % align == 0 for width in widths)
+
+
+def uses_shared_kernel(query: torch.Tensor, value: torch.Tensor | None = None) -> bool:
+    """True where the shared kernel runs: CUDA, heads it has a kernel for. Elsewhere callers use plain SDPA.
+    The answer reads only the tensors' device, dtype and widths, so the trainer and the engine fall back alike."""
+    widths = (query.shape[-1],) if value is None else (query.shape[-1], value.shape[-1])
+    return query.is_cuda and kernel_has_head_dims(query.dtype, *widths)
 
 
 def _scale(query: torch.Tensor, scale: float | None) -> float:
@@ -64,6 +79,12 @@ def causal_varlen(
 ) -> torch.Tensor:
     """Causal attention within each sample of a packed row: ``[T, heads, dim]`` in and out, samples
     bounded by ``cu_seqlens`` (int32, on the device). Differentiable (torch's efficient-attention backward)."""
+    if not kernel_has_head_dims(query.dtype, query.shape[-1], value.shape[-1]):
+        raise ValueError(
+            f"model.packed_attention efficient_varlen: the memory-efficient kernel has no {query.dtype} kernel for "
+            f"heads {query.shape[-1]} (query) and {value.shape[-1]} (value) wide (it needs multiples of "
+            f"{KERNEL_ALIGN_BYTES} bytes); use model.packed_attention: per_sample"
+        )
     heads = query.shape[1]
     key, value = (_repeat_heads(t, heads, 1) for t in (key, value))
     out = torch.ops.aten._efficient_attention_forward(
@@ -93,7 +114,7 @@ def causal(
 ) -> torch.Tensor:
     """Causal attention over ``[B, heads, S, dim]`` (key/value may have fewer, grouped heads); ``bottom_right``
     (CUDA only): fewer queries than keys, the queries being the last positions."""
-    if not uses_shared_kernel(query):
+    if not uses_shared_kernel(query, value):
         return F.scaled_dot_product_attention(
             query,
             key,
@@ -145,7 +166,7 @@ def masked(
     ``[B, heads, q_len, k_len]`` (True = attend); key/value may have fewer, grouped heads. No autograd.
     ``bias``: ``mask_bias(mask, query.dtype)`` when the caller already has it (every layer of one forward
     attends under the same mask)."""
-    if not uses_shared_kernel(query):
+    if not uses_shared_kernel(query, value):
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
         )

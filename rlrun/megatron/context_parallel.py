@@ -125,7 +125,7 @@ def attention(query, key, value, scale: float | None, dropout_p: float) -> torch
 
 def _bottom_right_causal(q, k, v, scale, dropout_p) -> torch.Tensor:
     """Queries that are the last ``q_len`` of ``k_len`` positions: query i sees keys ``<= k_len - q_len + i``."""
-    if attention_kernel.uses_shared_kernel(q):
+    if attention_kernel.uses_shared_kernel(q, v):
         return attention_kernel.causal(q, k, v, scale, dropout_p, bottom_right=True)
     q_len, k_len = q.shape[2], k.shape[2]
     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)

@@ -66,3 +66,34 @@ def test_bf16_kernels_match_per_sample_attention_packed_and_unpacked(kernel):
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"{kernel} {name} differs")
             # a different kernel: equal to bf16 rounding, not bitwise (so this compares two computations)
         assert not torch.equal(result[0], reference[0]), f"{kernel} ran the reference's kernel"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("qk_dim", "v_dim"), [(128, 128), (192, 128), (20, 10), (12, 12), (16, 8), (24, 20)])
+def test_the_shared_kernel_runs_exactly_on_the_head_widths_it_is_said_to_take(dtype, qk_dim, v_dim):
+    """rlrun.attention_kernel.kernel_has_head_dims against the kernel itself, in a process of its own (for some
+    widths the kernel fails on the device and leaves the CUDA context unusable): where it says no, the kernel
+    does not run (so the trainer and the engine fall back to SDPA alike); where it says yes, the kernel runs and
+    agrees with SDPA's math, and so does the engine's masked call."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
+    from attention_kernel_widths import in_own_process
+
+    from rlrun import attention_kernel
+
+    case = in_own_process((dtype, qk_dim, v_dim))
+    assert case["kernel"] in ("ok", "error"), case
+    assert (case["kernel"] == "ok") is case["kernel_has_head_dims"], case
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    q, k = (torch.randn(2, 4, 9, qk_dim, device="cuda", dtype=torch_dtype) for _ in range(2))
+    v = torch.randn(2, 4, 9, v_dim, device="cuda", dtype=torch_dtype)
+    assert attention_kernel.uses_shared_kernel(q, v) is case["kernel_has_head_dims"]
+    if case["kernel"] == "error":
+        return
+    tolerance = 2e-2 if dtype == "bf16" else 1e-5
+    assert case["max_abs_diff"] <= tolerance, case
+    mask = torch.ones(9, 9, dtype=torch.bool, device="cuda").tril()
+    reference = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    torch.testing.assert_close(attention_kernel.masked(q, k, v, mask).double(), reference, rtol=0, atol=tolerance)

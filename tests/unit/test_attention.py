@@ -165,3 +165,33 @@ def test_varlen_call_fits_the_kernel_schema_and_its_autograd(kind):
             None,
             packed_seq_params=PackedRows(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=640),
         )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "widths", "takes"),
+    [
+        (torch.bfloat16, (128, 128), True),
+        (torch.bfloat16, (192, 128), True),  # DeepSeek-V3's MLA
+        (torch.bfloat16, (20, 10), False),  # the tiny DeepSeek-V3 of tests/tiny_models.py
+        (torch.float16, (16, 12), False),
+        (torch.float32, (20, 12), True),
+        (torch.float32, (20, 10), False),
+    ],
+)
+def test_the_shared_kernel_takes_head_widths_of_whole_16_byte_multiples(dtype, widths, takes):
+    from rlrun import attention_kernel
+
+    assert attention_kernel.kernel_has_head_dims(dtype, *widths) is takes
+    query = torch.zeros(1, 1, 1, widths[0], dtype=dtype)
+    assert not attention_kernel.uses_shared_kernel(query, torch.zeros(1, 1, 1, widths[1], dtype=dtype))  # CPU: SDPA
+
+
+def test_efficient_varlen_refuses_heads_the_kernel_has_none_for():
+    from rlrun import attention_kernel
+
+    q = torch.zeros(8, 2, 20, dtype=torch.bfloat16)
+    v = torch.zeros(8, 2, 10, dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError, match="heads 20 .query. and 10 .value. wide.*use model.packed_attention: per_sample"
+    ):
+        attention_kernel.causal_varlen(q, q, v, torch.tensor([0, 8], dtype=torch.int32), 8)

@@ -137,7 +137,7 @@ def static_cache_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    bias = _layer_shared_bias(attention_mask, query)
+    bias = _layer_shared_bias(attention_mask, query, value)
     if q_len != 1:
         return masked(query, key, value, attention_mask, scale=scaling, bias=bias).transpose(1, 2), None
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
@@ -164,10 +164,10 @@ def bias_per_forward() -> Iterator[None]:
         _forward_state.active = False
 
 
-def _layer_shared_bias(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor | None:
-    """The additive bias of ``mask`` on CUDA (inside :func:`bias_per_forward`: built at the first layer, reused by
-    the others); None on CPU, where SDPA takes the boolean mask itself."""
-    if not uses_shared_kernel(query):
+def _layer_shared_bias(mask: torch.Tensor, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+    """The additive bias of ``mask`` where the shared kernel runs (inside :func:`bias_per_forward`: built at the
+    first layer, reused by the others); None elsewhere, where SDPA takes the boolean mask itself."""
+    if not uses_shared_kernel(query, value):
         return None
     if not getattr(_forward_state, "active", False):
         return mask_bias(mask, query.dtype)
