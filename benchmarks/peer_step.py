@@ -178,8 +178,9 @@ def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, di
         vs_verl = f"{ratio['speedup_vs_verl']:.2f} ({ratio['goal_vs_verl']})" if "speedup_vs_verl" in ratio else ""
         vs_trl_vllm = f"{ratio['speedup_vs_trl_vllm']:.2f}" if "speedup_vs_trl_vllm" in ratio else ""
         phases = " ".join(f"{k} {v:.2f}" for k, v in body["median_phases_s"].items() if v >= 0.01)
+        label = f"{name} (stopped early, {body['stopped_early']})" if "stopped_early" in body else name
         lines.append(
-            f"| {name} | {body['median_step_s']:.2f} | {phases} | {body['median_tokens_per_s']:.0f} | {vs_trl} "
+            f"| {label} | {body['median_step_s']:.2f} | {phases} | {body['median_tokens_per_s']:.0f} | {vs_trl} "
             f"| {vs_verl} | {vs_trl_vllm} |"
         )
     return "\n".join(lines)

@@ -221,9 +221,12 @@ def check_config(args: list[str]) -> dict:
     }
 
 
-def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
+def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> tuple[Path, str | None]:
     """``python -m verl.trainer.main_ppo ARGS`` in a session of its own, ended afterwards with Ray's workers
-    (rlrun.bench.logged.run_logged_session); returns the metrics file its ``file`` logger wrote."""
+    (rlrun.bench.logged.run_logged_session); returns the metrics file its ``file`` logger wrote, and why the run
+    stopped early (None when it finished). A run that reaches ``timeout_s`` after more than the warm-up steps
+    keeps the steps it logged (verl's start-up alone took ~5 minutes on the H200, so a limit that falls during
+    the last step should not lose the others)."""
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = {
@@ -237,12 +240,21 @@ def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> Path:
     }
     log = run_dir / "verl.log"
     code = run_logged_session([sys.executable, "-m", "verl.trainer.main_ppo", *args], log, timeout_s, env, run_dir)
+    if code == "timeout" and len(logged_rows(metrics)) > WARMUP_STEPS:
+        return metrics, f"timeout after {timeout_s:.0f} s"
     if code != 0 or not metrics.exists():
         raise RuntimeError(
             f"verl's main_ppo must exit 0 and write {metrics} but ended with {code}; its output ({log}) "
             f"ends with:\n{log.read_text()[-3000:]}"
         )
-    return metrics
+    return metrics, None
+
+
+def logged_rows(metrics: Path) -> list[dict]:
+    """The steps verl's ``file`` logger wrote (one JSON line each); none when it wrote no file."""
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
 def step_record(row: dict, settings: StepSettings) -> dict:
@@ -265,9 +277,10 @@ def step_record(row: dict, settings: StepSettings) -> dict:
     }
 
 
-def summarise(settings: StepSettings, rows: list[dict]) -> dict:
-    """Per-step records and medians after the warm-up steps (the keys trl_grpo.py writes)."""
-    if len(rows) != settings.steps:
+def summarise(settings: StepSettings, rows: list[dict], stopped: str | None = None) -> dict:
+    """Per-step records and medians after the warm-up steps (the keys trl_grpo.py writes); a run ``stopped``
+    early has fewer steps, and says so in ``stopped_early``."""
+    if len(rows) != settings.steps and (stopped is None or len(rows) > settings.steps):
         raise RuntimeError(f"verl logged {len(rows)} steps but the run was set to {settings.steps}")
     records = [step_record(row, settings) for row in rows]
     warmup = WARMUP_STEPS if len(records) > WARMUP_STEPS else 0
@@ -282,7 +295,7 @@ def summarise(settings: StepSettings, rows: list[dict]) -> dict:
         "max_allocated_gib": max(r["max_allocated_gib"] for r in records),
         "max_reserved_gib": max(r["max_reserved_gib"] for r in records),
         "steps": records,
-    }
+    } | ({"stopped_early": f"{stopped}: {len(rows)} of {settings.steps} steps"} if stopped else {})
 
 
 def versions() -> dict[str, str | None]:
@@ -336,9 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     values = overrides(settings, inputs_dir, write_dataset(inputs_dir, run_dir), run_dir, offload)
     values = with_sets(values, args.set)
-    metrics = run_verl(hydra_args(values), run_dir, args.timeout_s)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    extra = {"offload": offload, "overrides": hydra_args(values), **summarise(settings, rows)}
+    metrics, stopped = run_verl(hydra_args(values), run_dir, args.timeout_s)
+    extra = {"offload": offload, "overrides": hydra_args(values), **summarise(settings, logged_rows(metrics), stopped)}
     return write_result("verl_grpo", settings, versions(), extra, args.out)
 
 
