@@ -6,7 +6,8 @@ transformers 5.12.1 as on the device, no sglang). Each check prints one line and
     echo /work/main/.venv/lib/python3.11/site-packages > /tmp/verlvenv/lib/python3.11/site-packages/zz.pth
     /tmp/verlvenv/bin/pip install --no-deps .whl-verl/verl-0.9.1-py3-none-any.whl transformers==5.12.1 \\
         tokenizers==0.22.2 transferqueue==0.1.11 msgspec && /tmp/verlvenv/bin/pip install ray hydra-core \\
-        "tensordict<=0.10.0" torchdata peft datasets pandas cachetools aiohttp uvicorn fastapi prometheus_client
+        "tensordict<=0.10.0" torchdata peft datasets pandas cachetools aiohttp uvicorn fastapi prometheus_client \\
+        codetiming pylatexenc
     PYTHONPATH=$PWD:$PWD/benchmarks /tmp/verlvenv/bin/python scripts/gpu/verl_cpu_check.py
 
 1. verl's Hydra config with the benchmark's overrides composes and validates, offload on and off.
@@ -15,6 +16,7 @@ transformers 5.12.1 as on the device, no sglang). Each check prints one line and
    per-sample SDPA), and refuses a padded batch.
 4. The SGLang ignore_eos pass-through: the import hook patches a module right after it executes; the patched
    generate defaults ignore_eos to the config's.
+5. verl's log-prob entry point reaches the replacement of its per-token loop and gives the label's log-softmax.
 """
 
 from __future__ import annotations
@@ -146,9 +148,26 @@ def check_ignore_eos() -> None:
     print("4. ignore_eos: the hook patches on import; generate defaults it to rollout.ignore_eos")
 
 
+def check_logprobs() -> None:
+    """verl's own entry point (the one its FSDP engine calls) reaches the replacement, not the per-token loop,
+    and gives each label's log-softmax."""
+    from verl.utils import torch_functional
+
+    assert not torch_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE, "flash-attn is installed: nothing to replace"
+    assert torch_functional.logprobs_from_logits_v2 is verl_plugins.logprobs_of_labels
+    logits = torch.randn(640, 1000, dtype=torch.bfloat16)
+    labels = torch.randint(0, 1000, (640,))
+    got = torch_functional.logprobs_from_logits(logits, labels)
+    want = logits.double().log_softmax(-1).gather(-1, labels[:, None])[:, 0]
+    gap = (got.double() - want).abs().max().item()
+    assert got.dtype == torch.float32 and gap < 1e-5, gap
+    print(f"5. log-probs: verl's logprobs_from_logits runs the replacement; max |gap| to float64 {gap:.1e}")
+
+
 if __name__ == "__main__":
     check_config()
     with tempfile.TemporaryDirectory() as work:
         check_prompt_ids(Path(work))
     check_attention()
     check_ignore_eos()
+    check_logprobs()
