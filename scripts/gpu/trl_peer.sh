@@ -22,6 +22,8 @@
 # The sglang venv's Python runs everything (rlrun's extras from /tmp/rlrun_site, TRL from /tmp/trl_site, verl
 # from /tmp/verl_site, all after the venv's own packages). The whole script stays under the 600 s a call may take, so the
 # logs always come back; peer_step.py rewrites its JSON after every run, so a run cut short keeps the others.
+# PEER_TIMEOUT_S (default 560) is that limit; under scripts/gpu/background.sh, which outlives a call, set it to the
+# whole invocation's budget (verl_session.md, "One invocation").
 set -uo pipefail
 SHAPE=${1:?usage: trl_peer.sh SHAPE [STEPS] [BACKENDS]}
 STEPS=${2:-4}
@@ -37,7 +39,7 @@ WORK=/tmp/peer_$SHAPE
 VERL=${VERL:-}
 TRL_VLLM=${TRL_VLLM:-}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
-timeout 560 python benchmarks/peer_step.py --shape "$SHAPE" --steps "$STEPS" --backends "$BACKENDS" \
+timeout "${PEER_TIMEOUT_S:-560}" python benchmarks/peer_step.py --shape "$SHAPE" --steps "$STEPS" --backends "$BACKENDS" \
   --work "$WORK" --timeout-s 240 --verl "$VERL" --trl-vllm "$TRL_VLLM" \
   --trl-vllm-python "${VLLM_PYTHON:-/root/vllm/python}" --out "$OUT/peer_step_$SHAPE${OUT_NAME:+_$OUT_NAME}.json" \
   ${PEER_ARGS:-}; rc=$?
