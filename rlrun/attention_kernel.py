@@ -44,7 +44,7 @@ launch"). SDPA checks the same (its ``minimum_gemm_alignment``) and picks anothe
 def kernel_has_head_dims(dtype: torch.dtype, *widths: int) -> bool:
     """True when the kernel takes heads of these widths in ``dtype``: real models' 64, 128, 192, ... always;
     tiny test models (DeepSeek-V3's 20-wide queries, 10-wide values) not always."""
-    align = KERNEL_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    align = KERNEL_ALIGN_BYTES // dtype.itemsize
     return all(width % align == 0 for width in widths)
 
 
