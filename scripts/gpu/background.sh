@@ -3,8 +3,8 @@
 # run of a shape) is one invocation of benchmarks/peer_step.py. `start` launches it in a process session of its
 # own, which the device tool leaves running after the call returns, as long as the machine stays warm; `wait`
 # blocks in a later call (issue it at once: the machine goes back after 30 s idle) until the command ends or
-# SECONDS pass, prints what its log gained, and once it has ended puts its output in $OUT (the JSON files, and
-# one archive of its output folder and log).
+# SECONDS pass, prints what its log gained, and puts what it has written so far in $OUT (the JSON files, and one
+# archive of its output folder and log).
 #
 #   bash scripts/gpu/background.sh start NAME -- CMD [ARGS...]   # CMD sees OUT=/tmp/bg/NAME/out
 #   bash scripts/gpu/background.sh wait NAME SECONDS              # exit 0: ended (its rc in NAME.rc); 3: still running
@@ -34,10 +34,11 @@ wait_for() {
   [ -f "$dir/shown" ] && shown=$(cat "$dir/shown")
   while [ ! -f "$dir/rc" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
   tail -c +$((shown + 1)) "$dir/log"; stat -c %s "$dir/log" > "$dir/shown"
-  if [ ! -f "$dir/rc" ]; then echo "[background] $name still running after ${seconds} s more"; exit 3; fi
-  # the device tool returns at most 8 files: the JSON as they are, everything else (logs) in one archive
-  mkdir -p "$OUT"; cp "$dir"/out/*.json "$OUT/" 2>/dev/null; cp "$dir/rc" "$OUT/$name.rc"
-  tar -C "$dir" -czf "$OUT/${name}_files.tgz" out log
+  # what it has written so far, finished or not (a machine taken back during a later wait returns nothing); the
+  # device tool returns at most 8 files: the JSON as they are, everything else (logs) in one archive
+  mkdir -p "$OUT"; cp "$dir"/out/*.json "$OUT/" 2>/dev/null; tar -C "$dir" -czf "$OUT/${name}_files.tgz" out log
+  if [ ! -f "$dir/rc" ]; then echo "[background] $name still running after ${seconds} s more; \$OUT has its files so far"; exit 3; fi
+  cp "$dir/rc" "$OUT/$name.rc"
   echo "[background] $name ended with rc $(cat "$dir/rc"); \$OUT has its JSON and ${name}_files.tgz (out/, log)"
 }
 
