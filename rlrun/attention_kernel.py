@@ -48,11 +48,10 @@ def kernel_has_head_dims(dtype: torch.dtype, *widths: int) -> bool:
     return all(width % align == 0 for width in widths)
 
 
-def uses_shared_kernel(query: torch.Tensor, value: torch.Tensor | None = None) -> bool:
+def uses_shared_kernel(query: torch.Tensor, value: torch.Tensor) -> bool:
     """True where the shared kernel runs: CUDA, heads it has a kernel for. Elsewhere callers use plain SDPA.
     The answer reads only the tensors' device, dtype and widths, so the trainer and the engine fall back alike."""
-    widths = (query.shape[-1],) if value is None else (query.shape[-1], value.shape[-1])
-    return query.is_cuda and kernel_has_head_dims(query.dtype, *widths)
+    return query.is_cuda and kernel_has_head_dims(query.dtype, query.shape[-1], value.shape[-1])
 
 
 def _scale(query: torch.Tensor, scale: float | None) -> float:

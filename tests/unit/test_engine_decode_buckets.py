@@ -134,7 +134,7 @@ def test_the_attention_bias_is_built_once_per_forward_not_per_layer(tiny_model_d
     from rlrun.engine.backends import static_cache
 
     built = []
-    monkeypatch.setattr(static_cache, "uses_shared_kernel", lambda query, value=None: True)
+    monkeypatch.setattr(static_cache, "uses_shared_kernel", lambda query, value: True)
     monkeypatch.setattr(static_cache, "mask_bias", lambda mask, dtype: built.append(mask) or mask)
     engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
     assert engine.model.config.num_hidden_layers == 2
