@@ -144,13 +144,13 @@ def compare(results: dict[str, dict]) -> dict[str, dict]:
         if trl is not None:
             goal = GOALS.get(kind)
             ratios |= {"trl_s_per_step": trl, "speedup_vs_trl": trl / mine, "goal": goal}
-            ratios["meets_goal"] = ratios["speedup_vs_trl"] >= (goal or 0.0)
+            ratios["meets_goal"] = None if goal is None else ratios["speedup_vs_trl"] >= goal
         peer = "verl_resident" if "resident" in backend.split("_") else "verl"
         verl = median_step_s(results[peer]) if peer in results else None
         if verl is not None:
             goal = GOALS_VS_VERL.get(kind)
             ratios |= {"verl_run": peer, "verl_s_per_step": verl, "speedup_vs_verl": verl / mine, "goal_vs_verl": goal}
-            ratios["meets_goal_vs_verl"] = ratios["speedup_vs_verl"] >= (goal or 0.0)
+            ratios["meets_goal_vs_verl"] = None if goal is None else ratios["speedup_vs_verl"] >= goal
         peer = "trl_vllm_resident" if "resident" in backend.split("_") else "trl_vllm"
         trl_vllm = median_step_s(results[peer]) if peer in results else None
         if trl_vllm is not None:
@@ -158,6 +158,13 @@ def compare(results: dict[str, dict]) -> dict[str, dict]:
         if len(ratios) > 1:
             out[backend] = ratios
     return out
+
+
+def with_goal(speedup: float | None, goal: float | None) -> str:
+    """A table cell: the speedup and its goal, if the run has one."""
+    if speedup is None:
+        return ""
+    return f"{speedup:.2f}" + ("" if goal is None else f" ({goal})")
 
 
 def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, dict]) -> str:
@@ -174,8 +181,8 @@ def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, di
             continue
         body = result["results"][0] if "results" in result else result
         ratio = ratios.get(name, {})
-        vs_trl = f"{ratio['speedup_vs_trl']:.2f} ({ratio['goal']})" if "speedup_vs_trl" in ratio else ""
-        vs_verl = f"{ratio['speedup_vs_verl']:.2f} ({ratio['goal_vs_verl']})" if "speedup_vs_verl" in ratio else ""
+        vs_trl = with_goal(ratio.get("speedup_vs_trl"), ratio.get("goal"))
+        vs_verl = with_goal(ratio.get("speedup_vs_verl"), ratio.get("goal_vs_verl"))
         vs_trl_vllm = f"{ratio['speedup_vs_trl_vllm']:.2f}" if "speedup_vs_trl_vllm" in ratio else ""
         phases = " ".join(f"{k} {v:.2f}" for k, v in body["median_phases_s"].items() if v >= 0.01)
         label = f"{name} (stopped early, {body['stopped_early']})" if "stopped_early" in body else name
@@ -199,6 +206,13 @@ def main() -> None:
         default=[],
         metavar="KEY=VALUE",
         help="Passed to every verl run as --set (a Hydra override of verl's config, benchmarks/verl_grpo.py).",
+    )
+    parser.add_argument(
+        "--verl-replay-poll-s",
+        type=float,
+        default=None,
+        help="Passed to every verl run as --replay-poll-s (its trainer's wait for a rollout; verl_grpo.py's default "
+        "when not given).",
     )
     parser.add_argument(
         "--trl-vllm", default="", help=f"TRL-with-vLLM variants to run: {', '.join(TRL_VLLM_VARIANTS)}."
@@ -254,6 +268,7 @@ def main() -> None:
             "--offload",
             VERL_VARIANTS[name],
             *(arg for item in args.verl_set for arg in ("--set", item)),
+            *([] if args.verl_replay_poll_s is None else ["--replay-poll-s", str(args.verl_replay_poll_s)]),
             "--timeout-s",
             str(args.timeout_s),
             "--out",

@@ -15,9 +15,13 @@ verl is configured as its performance guide (docs/perf/perf_tuning.rst) recommen
 (rlrun's ``train.max_tokens_per_micro_batch``), no gradient checkpointing (rlrun recomputes nothing either),
 the async SGLang server with CUDA graphs, PyTorch sampling and fa3 attention (what rlrun's SGLang engine
 runs), the FSDP trainer's fp32 master weights with bf16 compute. Left at verl's defaults: torch.compile of
-its log-prob/entropy functions, the 2 GiB weight-sync buckets, 8 agent-loop workers. Not used: Liger
-kernels (not staged; the guide lists them for SFT), Ulysses (one GPU). The packed rows attend through FlashAttention-2's
-varlen kernel as torch builds it in (benchmarks/verl_plugins.py says why not the flash-attn package).
+its log-prob/entropy functions, the 2 GiB weight-sync buckets, 8 agent-loop workers. Not used: Liger kernels (not
+staged; the guide lists them for SFT), Ulysses (one GPU). The packed rows attend through FlashAttention-2's varlen
+kernel as torch builds it in (benchmarks/verl_plugins.py says why not the flash-attn package).
+
+One change to verl's own behaviour: its sync trainer notices that a rollout is done by polling every 2 s (a
+constructor default that no config key reaches), so up to 2 s of each step would be sleep; the benchmark polls
+every ``--replay-poll-s`` (0.1 s; ``2`` for verl's own; benchmarks/verl_plugins.py).
 
 ``--offload on``: the colocated hybrid engine frees SGLang's weights and KV cache during training
 (``free_cache_engine``) and FSDP moves parameters and optimizer state to host memory during rollout
@@ -57,6 +61,11 @@ HERE = Path(__file__).resolve().parent
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 """The prompt's words as they are: the tokenizer has no template, and rlrun and TRL tokenize the bare text."""
 PHASE_PREFIX = "timing_s/"
+REPLAY_POLL_S = 0.1
+"""Seconds between the sync trainer's looks for a finished rollout (verl's own: 2.0)."""
+REPLAY_POLL_ENV = "VERL_BENCH_REPLAY_POLL_S"
+"""How the interval reaches verl's trainer process: verl_plugins.py reads it under the same name (it cannot import
+this module, which needs rlrun, in verl's processes)."""
 
 
 def write_dataset(inputs_dir: Path, run_dir: Path) -> Path:
@@ -221,7 +230,7 @@ def check_config(args: list[str]) -> dict:
     }
 
 
-def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> tuple[Path, str | None]:
+def run_verl(args: list[str], run_dir: Path, timeout_s: float, replay_poll_s: float) -> tuple[Path, str | None]:
     """``python -m verl.trainer.main_ppo ARGS`` in a session of its own, ended afterwards with Ray's workers
     (rlrun.bench.logged.run_logged_session); returns the metrics file its ``file`` logger wrote, and why the run
     stopped early (None when it finished). A run that reaches ``timeout_s`` after more than the warm-up steps
@@ -234,6 +243,7 @@ def run_verl(args: list[str], run_dir: Path, timeout_s: float) -> tuple[Path, st
         "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH")])),
         "VERL_FILE_LOGGER_PATH": str(metrics),
         "VERL_USE_EXTERNAL_MODULES": "verl_plugins",  # imported by every process that imports verl
+        REPLAY_POLL_ENV: str(replay_poll_s),
         "HYDRA_FULL_ERROR": "1",
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -316,6 +326,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--out", type=Path)
     parser.add_argument(
+        "--replay-poll-s",
+        type=float,
+        default=REPLAY_POLL_S,
+        help="Seconds between the sync trainer's looks for a finished rollout (verl's own: 2).",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -335,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"--updates-per-rollout ({settings.updates_per_rollout}) must divide --prompts ({settings.prompts}) "
             "because verl's ppo_mini_batch_size counts prompts"
         )
+    if args.replay_poll_s <= 0:
+        raise SystemExit(f"--replay-poll-s ({args.replay_poll_s}) must be positive because it is a sleep between looks")
     offload = args.offload == "on"
     run_dir = args.work / ("verl" if offload else "verl_resident")
     if args.check_config:
@@ -349,8 +367,13 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     values = overrides(settings, inputs_dir, write_dataset(inputs_dir, run_dir), run_dir, offload)
     values = with_sets(values, args.set)
-    metrics, stopped = run_verl(hydra_args(values), run_dir, args.timeout_s)
-    extra = {"offload": offload, "overrides": hydra_args(values), **summarise(settings, logged_rows(metrics), stopped)}
+    metrics, stopped = run_verl(hydra_args(values), run_dir, args.timeout_s, args.replay_poll_s)
+    extra = {
+        "offload": offload,
+        "overrides": hydra_args(values),
+        "replay_poll_s": args.replay_poll_s,
+        **summarise(settings, logged_rows(metrics), stopped),
+    }
     return write_result("verl_grpo", settings, versions(), extra, args.out)
 
 

@@ -34,6 +34,13 @@ once in 150k tokens of the random model: some steps would miss 512 x 128 tokens)
 the same default as the vLLM one the moment its module is imported, through an import hook, since Ray
 re-imports the module in the server's own process.
 
+Rollout wait. verl's sync trainer (v1, its default) starts a rollout and then polls its replay buffer until
+every trajectory is in, sleeping ``poll_interval`` between looks: 2 s, a constructor default that no config key
+reaches. So its ``gen`` phase is a whole number of polls (4.02 s in every timed step of the first H200 run,
+2026-12-02, for a rollout that rlrun's SGLang engine does in 2.2 s): up to 2 s of each step is sleep, the same at
+any model size. ``VERL_BENCH_REPLAY_POLL_S`` (verl_grpo.py's ``--replay-poll-s``) sets the interval of every
+replay buffer the trainer builds; unset, verl's own.
+
 Reward. ``compute_score`` is verl's custom reward hook; it gets the decoded response. The benchmark's
 tokenizer maps id ``i`` to the word ``w<i>`` (rlrun.bench.step.write_word_tokenizer), so the ids are read
 back from the words and scored with rlrun's ``even_fraction``, the reward rlrun and TRL use. verl decodes
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 import torch
@@ -126,13 +134,31 @@ def _register() -> None:
     if not torch_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE:  # logprobs_from_logits looks the name up per call
         torch_functional.logprobs_from_logits_v2 = logprobs_of_labels
 
-    if SGLANG_SERVER in sys.modules:
-        _pass_ignore_eos(sys.modules[SGLANG_SERVER])
-    elif not any(isinstance(finder, _PatchServerOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchServerOnImport())
+    for name, patch in AFTER_IMPORT.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
 
 
-SGLANG_SERVER = "verl.workers.rollout.sglang_rollout.async_sglang_server"
+REPLAY_POLL_ENV = "VERL_BENCH_REPLAY_POLL_S"
+"""Set by verl_grpo.py (its REPLAY_POLL_ENV, the same name): the seconds between the replay buffer's looks."""
+
+
+def _poll_replay_buffer(module) -> None:
+    """Every ``ReplayBuffer`` (and subclass) built afterwards polls every ``$VERL_BENCH_REPLAY_POLL_S`` seconds,
+    read when it is built; unset, verl's interval stays."""
+    buffer = module.ReplayBuffer
+    init = buffer.__init__
+
+    def init_with_poll(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seconds = os.environ.get(REPLAY_POLL_ENV)
+        if seconds is not None:
+            print(f"[verl_plugins] {type(self).__name__} polls every {seconds} s (verl's: {self.poll_interval} s)")
+            self.poll_interval = float(seconds)
+
+    buffer.__init__ = init_with_poll
 
 
 def _pass_ignore_eos(module) -> None:
@@ -148,11 +174,18 @@ def _pass_ignore_eos(module) -> None:
     server.generate = generate_with_ignore_eos
 
 
-class _PatchServerOnImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_pass_ignore_eos` on the SGLang server module right after it is executed."""
+SGLANG_SERVER = "verl.workers.rollout.sglang_rollout.async_sglang_server"
+REPLAY_BUFFER = "verl.trainer.ppo.v1.replay_buffer"
+AFTER_IMPORT = {SGLANG_SERVER: _pass_ignore_eos, REPLAY_BUFFER: _poll_replay_buffer}
+"""verl's modules this file patches, each with its patch, run right after the module executes (Ray re-imports
+them in each worker process)."""
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs a module's patch from :data:`AFTER_IMPORT` right after the module is executed."""
 
     def find_spec(self, name, path, target=None):
-        if name != SGLANG_SERVER:
+        if name not in AFTER_IMPORT:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -161,7 +194,7 @@ class _PatchServerOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _pass_ignore_eos(module)
+            AFTER_IMPORT[name](module)
 
         spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec

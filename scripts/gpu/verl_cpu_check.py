@@ -17,6 +17,7 @@ transformers 5.12.1 as on the device, no sglang). Each check prints one line and
 4. The SGLang ignore_eos pass-through: the import hook patches a module right after it executes; the patched
    generate defaults ignore_eos to the config's.
 5. verl's log-prob entry point reaches the replacement of its per-token loop and gives the label's log-softmax.
+6. The sync trainer's replay buffer polls at ``VERL_BENCH_REPLAY_POLL_S`` when it is set, at verl's 2 s when not.
 """
 
 from __future__ import annotations
@@ -126,14 +127,14 @@ def check_attention() -> None:
 
 def check_ignore_eos() -> None:
     patched = []
-    target, patch = verl_plugins.SGLANG_SERVER, verl_plugins._pass_ignore_eos
-    verl_plugins.SGLANG_SERVER, verl_plugins._pass_ignore_eos = "wave", lambda m: patched.append(hasattr(m, "open"))
+    verl_plugins.AFTER_IMPORT["wave"] = lambda module: patched.append(hasattr(module, "open"))
     try:
         assert "wave" not in sys.modules
         import wave  # noqa: F401  any module not imported yet: the finder must patch it after it executes
     finally:
-        verl_plugins.SGLANG_SERVER, verl_plugins._pass_ignore_eos = target, patch
+        del verl_plugins.AFTER_IMPORT["wave"]
     assert patched == [True], patched
+    patch = verl_plugins.AFTER_IMPORT[verl_plugins.SGLANG_SERVER]
 
     class SGLangHttpServer:  # the method's shape in verl 0.9.1
         def __init__(self, ignore_eos):
@@ -164,6 +165,27 @@ def check_logprobs() -> None:
     print(f"5. log-probs: verl's logprobs_from_logits runs the replacement; max |gap| to float64 {gap:.1e}")
 
 
+def check_replay_poll() -> None:
+    """The sync trainer's replay buffer polls at the benchmark's interval, and verl's wait sleeps on it."""
+    import inspect
+    import os
+
+    from verl.trainer.ppo.v1 import replay_buffer
+
+    def built():
+        return replay_buffer.ReplayBuffer("sync", {}, None, "drop", {}, train_batch_size=16, gen_batch_size=16)
+
+    assert "time.sleep(self.poll_interval)" in inspect.getsource(replay_buffer.ReplayBuffer._wait_for_next_poll)
+    default = built().poll_interval
+    os.environ[verl_plugins.REPLAY_POLL_ENV] = "0.05"
+    try:
+        polled = built().poll_interval
+    finally:
+        del os.environ[verl_plugins.REPLAY_POLL_ENV]
+    assert (default, polled) == (2.0, 0.05), (default, polled)
+    print(f"6. replay buffer: polls every {default} s by default, {polled} s with {verl_plugins.REPLAY_POLL_ENV}")
+
+
 if __name__ == "__main__":
     check_config()
     with tempfile.TemporaryDirectory() as work:
@@ -171,3 +193,4 @@ if __name__ == "__main__":
     check_attention()
     check_ignore_eos()
     check_logprobs()
+    check_replay_poll()

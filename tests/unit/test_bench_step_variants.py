@@ -166,10 +166,13 @@ def test_ratios_pair_each_rlrun_run_with_the_verl_run_that_offloads_alike():
         "verl_resident": peer(6.0),
         "sglang": mine(8.0),
         "sglang_resident": mine(3.0),
-        "embedded": {"error": "exit 1"},
+        "embedded": mine(10.0),
+        "embedded_resident": {"error": "exit 1"},
     }
     ratios = compare(results)
-    assert set(ratios) == {"sglang", "sglang_resident"}  # peers and failed runs get none
+    assert set(ratios) == {"sglang", "sglang_resident", "embedded"}  # peers and failed runs get none
+    # the embedded engine has no goal against verl: a speedup, and no verdict (1.2 is short of SGLang's 1.5)
+    assert ratios["embedded"]["speedup_vs_verl"] == 1.2 and ratios["embedded"]["meets_goal_vs_verl"] is None
     assert ratios["sglang"]["verl_run"] == "verl" and ratios["sglang"]["speedup_vs_verl"] == 1.5
     assert ratios["sglang"]["meets_goal_vs_verl"] and ratios["sglang"]["speedup_vs_trl"] == 2.5
     assert ratios["sglang_resident"]["verl_run"] == "verl_resident"

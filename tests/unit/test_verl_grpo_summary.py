@@ -7,6 +7,7 @@ rlrun.bench.logged.run_logged_session returns."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -63,8 +64,24 @@ def test_a_run_that_times_out_keeps_its_steps_only_past_the_warm_up(tmp_path, mo
     monkeypatch.setattr(verl_grpo, "run_logged_session", verl_stopped_by_its_limit)
     if not kept:
         with pytest.raises(RuntimeError, match="ended with timeout"):
-            verl_grpo.run_verl([], tmp_path, 480.0)
+            verl_grpo.run_verl([], tmp_path, 480.0, 0.1)
         return
-    metrics, stopped = verl_grpo.run_verl([], tmp_path, 480.0)
+    metrics, stopped = verl_grpo.run_verl([], tmp_path, 480.0, 0.1)
     assert stopped == "timeout after 480 s"
     assert [r["step"] for r in verl_grpo.logged_rows(metrics)] == [1, 2, 3, 4]
+
+
+def test_the_replay_poll_interval_reaches_verl_under_the_name_its_plugin_reads(tmp_path, monkeypatch):
+    plugins = ast.parse((Path(verl_grpo.__file__).parent / "verl_plugins.py").read_text())
+    assigned = {node.targets[0].id: node.value for node in plugins.body if isinstance(node, ast.Assign)}
+    envs = []
+
+    def verl_finishing(cmd, log, timeout_s, env, cwd):
+        envs.append(env)
+        Path(env["VERL_FILE_LOGGER_PATH"]).write_text(json.dumps(row(1, 10.0)) + "\n")
+        return 0
+
+    monkeypatch.setattr(verl_grpo, "run_logged_session", verl_finishing)
+    verl_grpo.run_verl([], tmp_path, 480.0, 0.25)
+    assert ast.literal_eval(assigned["REPLAY_POLL_ENV"]) == verl_grpo.REPLAY_POLL_ENV
+    assert envs[0][verl_grpo.REPLAY_POLL_ENV] == "0.25"
