@@ -1,9 +1,12 @@
 """Decode forwards of a long-tailed call with and without refills, counted on CPU (the tiny bench shape).
 
 The same requests as ``rlrun bench rollout --long-tail`` draws them (``LongTail``), through an embedded engine
-capped at ``--slots`` running requests: once as one call (ended slots refilled at the host looks) and once as
+capped at ``--slots`` running requests: once as one call (ended slots refilled at the host looks; its tail in
+smaller batches, ``DecodeRun.shrink``), once as that call with the tail kept in the whole batch, and once as
 consecutive calls of ``--slots`` requests (each runs until its longest request ends). Prints JSON: forwards,
-prefill calls and tokens of each, and the slot utilisation (tokens / (forwards x slots)).
+row-forwards (the rows of the batch each forward ran: the decode work paid, as a step's cost grows with its
+rows), prefill calls and tokens of each, the slot utilisation (tokens / (forwards x slots)) and the row
+utilisation (tokens / row-forwards).
 
     PYTHONPATH=. python scripts/engine_refill_steps.py --slots 16 --requests-per-slot 4
 """
@@ -19,6 +22,7 @@ import torch
 
 from rlrun.bench.engines import LongTail
 from rlrun.bench.shapes import get_shape, write_random_model
+from rlrun.engine.backends import decode_run
 from rlrun.engine.backends.decode_graphs import WarmBatch
 from rlrun.engine.backends.embedded import EmbeddedEngine
 
@@ -37,11 +41,12 @@ def main() -> None:
     params = [
         {"max_new_tokens": n, "temperature": 1.0, "sampling_seed": k, "ignore_eos": True} for k, n in enumerate(lengths)
     ]
-    counts = {"forwards": 0, "prefills": 0}
+    counts = {"forwards": 0, "row_forwards": 0, "prefills": 0}
     run = WarmBatch.run
 
     def counting(warm, length):
         counts["forwards"] += 1
+        counts["row_forwards"] += warm.batch.num_rows
         run(warm, length)
 
     WarmBatch.run = counting  # type: ignore[method-assign]
@@ -57,13 +62,21 @@ def main() -> None:
 
         engine._prefill = counting_prefill  # type: ignore[method-assign]
         report = {"slots": args.slots, "requests": num_requests, "max_new_tokens_sum": sum(lengths)}
-        for name, calls in (
-            ("refilled", [slice(0, num_requests)]),
-            ("in_batches", [slice(s, s + args.slots) for s in range(0, num_requests, args.slots)]),
+        shrink_min_rows = decode_run.SHRINK_MIN_ROWS
+        for name, calls, min_rows in (
+            ("refilled", [slice(0, num_requests)], shrink_min_rows),
+            ("refilled_whole_tail", [slice(0, num_requests)], num_requests + 1),
+            ("in_batches", [slice(s, s + args.slots) for s in range(0, num_requests, args.slots)], num_requests + 1),
         ):
-            counts.update(forwards=0, prefills=0)
+            decode_run.SHRINK_MIN_ROWS = min_rows
+            counts.update(forwards=0, row_forwards=0, prefills=0)
             tokens = sum(r["completion_tokens"] for c in calls for r in engine.generate(prompts[c], params[c]))
-            report[name] = {**counts, "tokens": tokens, "slot_utilisation": tokens / (counts["forwards"] * args.slots)}
+            report[name] = {
+                **counts,
+                "tokens": tokens,
+                "slot_utilisation": tokens / (counts["forwards"] * args.slots),
+                "row_utilisation": tokens / counts["row_forwards"],
+            }
     print(json.dumps(report, indent=2))
 
 

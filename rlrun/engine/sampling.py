@@ -223,6 +223,10 @@ class SamplingTensors:
         """The tensors of ``rows`` (copies), same static choices."""
         return dataclasses.replace(self, **{field: getattr(self, field)[rows] for field in _ROW_FIELDS})
 
+    def head(self, rows: int) -> SamplingTensors:
+        """The first ``rows`` rows (views: writes through them reach these tensors), same static choices."""
+        return dataclasses.replace(self, **{field: getattr(self, field)[:rows] for field in _ROW_FIELDS})
+
     def put(self, rows: torch.Tensor, other: SamplingTensors) -> None:
         """Overwrite ``rows`` with ``other``'s (one per row) in place; ``other`` may only drop static choices
         these tensors make (a greedy row in a sampling batch), not add one (the captured step bakes them in)."""

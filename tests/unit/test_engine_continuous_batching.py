@@ -86,3 +86,58 @@ def test_max_running_requests_is_refused_where_it_cannot_act(tiny_moe_dir, tiny_
         ValueError, match=r"max_running_requests \(0\) must be unset for a MoE model and an integer >= 1"
     ):
         EmbeddedEngine(tiny_model_dirs["qwen3"], max_running_requests=0)
+
+
+TAIL = [3, 9, 20, 26, 53]  # the longest rows are in the last slots: the tail moves them into the first ones
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}], ids=["plain", "top_p"])
+def test_a_long_tail_goes_on_in_smaller_batches_and_samples_as_in_the_whole_one(tiny_model_dirs, monkeypatch, sampling):
+    """10 rows in a bucket of 16: at the look after 16 forwards 6 rows are left (two of them in slots 8 and 9, moved
+    into free first slots), a batch of 8 goes on, then one of 2 for the last two rows after 32, and one of 1 after
+    48, when a stop string has ended one of them. Tokens, finish reasons, kept sets and log-probs are those of the
+    whole batch; a second call reuses the smaller batches."""
+    monkeypatch.setattr(decode_run, "num_slots", lambda n, device: row_bucket(n))  # padding rows as on CUDA
+    monkeypatch.setattr(decode_run, "SHRINK_MIN_FORWARDS", 1)
+    engine = EmbeddedEngine(tiny_model_dirs["qwen2"], seed=0)
+    params = [
+        {"max_new_tokens": n, "n": 2, "sampling_seed": 11 + k, "ignore_eos": True, **sampling}
+        for k, n in enumerate(TAIL)
+    ]
+    monkeypatch.setattr(decode_run, "SHRINK_MIN_ROWS", 10**6)  # the whole batch to the end
+    longest = engine.generate(PROMPTS, params)[8]["output_ids"]
+    decode = engine.tokenizer.decode
+    head = decode(longest[:40])  # a stop string that the 40th token completes, after the second shrink
+    params[4]["stop"] = next(head[-n:] for n in range(1, len(head) + 1) if head[-n:] not in decode(longest[:39]))
+    want = engine.generate(PROMPTS, params)
+    assert want[8]["finish_reason"] == {"type": "stop", "matched": params[4]["stop"]}
+    assert len(want[8]["output_ids"]) == 40
+
+    monkeypatch.setattr(decode_run, "SHRINK_MIN_ROWS", 1)
+    rows: list[int] = []
+    run = WarmBatch.run
+    monkeypatch.setattr(WarmBatch, "run", lambda warm, n: (rows.append(warm.batch.num_rows), run(warm, n)))
+    got = engine.generate(PROMPTS, params)
+    assert sorted(set(rows), reverse=True) == [16, 8, 2, 1] and rows[-1] == 1
+    assert [rows.index(n) for n in (8, 2, 1)] == [16, 32, 48]  # shrunk at the looks after 16, 32 and 48 forwards
+    _assert_same(got, want)
+    heads = engine._warm.last.heads
+    assert sorted(heads) == [1, 2, 8]
+    made = dict(heads)
+    _assert_same(engine.generate(PROMPTS, params), want)
+    assert engine._warm.last.heads == made  # the same smaller batches, their steps kept
+
+
+def test_a_tail_that_ends_soon_or_is_not_small_enough_keeps_its_batch(tiny_model_dirs, monkeypatch):
+    monkeypatch.setattr(decode_run, "num_slots", lambda n, device: row_bucket(n))
+    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
+    params = [{"max_new_tokens": n, "n": 2, "temperature": 0, "ignore_eos": True} for n in TAIL]
+    rows: list[int] = []
+    run = WarmBatch.run
+    monkeypatch.setattr(WarmBatch, "run", lambda warm, n: (rows.append(warm.batch.num_rows), run(warm, n)))
+    engine.generate(PROMPTS, params)  # the defaults: never under 16 rows
+    assert set(rows) == {16}
+    rows.clear()
+    monkeypatch.setattr(decode_run, "SHRINK_MIN_ROWS", 1)
+    engine.generate(PROMPTS, params)  # the last two rows have 21 forwards left at the look after 32: not worth it
+    assert sorted(set(rows), reverse=True) == [16, 8]

@@ -162,6 +162,28 @@ class DecodeBatch:
             steps = torch.arange(self.noise.shape[1], device=self.noise.device)
             self.noise[slots] = uniform_noise(sampling.keys[:, None], steps[None])
 
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def _row_tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer with a row per slot along its first dimension, by field name (cache and sampling aside)."""
+        return {f.name: t for f in dataclasses.fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)}
+
+    def head(self, rows: int) -> DecodeBatch:
+        """The first ``rows`` rows as a batch of their own: views of these buffers, so a step over it (captured
+        apart) reads and writes those rows here, and costs ``rows`` rows, not all of them."""
+        views = {name: t[:rows] for name, t in self._row_tensors().items()}
+        return dataclasses.replace(self, cache=self.cache.head(rows), sampling=self.sampling.head(rows), **views)
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
+        """The rows ``src`` into the slots ``dst`` (disjoint), all their state; of the KV cache only the first
+        ``width`` columns (the ones attended to before a row writes again)."""
+        for t in self._row_tensors().values():
+            t[dst] = t[src]
+        self.cache.move_rows(src, dst, width)
+        self.sampling.put(dst, self.sampling.take(src))
+
     def deactivate(self, slots: torch.Tensor) -> None:
         """Make ``slots`` inactive without a finish code (a row bucket's padding, a slot left empty)."""
         self.active[slots] = False

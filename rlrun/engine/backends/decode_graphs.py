@@ -38,13 +38,27 @@ def read_len(filled: int, max_len: int) -> int:
 class WarmBatch:
     """One shape's decode buffers and its captured steps by read length (captured on first use)."""
 
-    def __init__(self, batch: DecodeBatch, step: Callable[[DecodeBatch, int], None], device: torch.device) -> None:
+    def __init__(
+        self, batch: DecodeBatch, step: Callable[[DecodeBatch, int], None], device: torch.device, pool=None
+    ) -> None:
         self.batch = batch
         self.step = step
         """``step(batch, read_len)``: one decode step on the batch's buffers."""
         self.device = device
         self.graphs: dict[int, StepGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
+        self.heads: dict[int, WarmBatch] = {}
+        """Smaller batches over this one's first rows (:meth:`head`), with their own captured steps."""
+
+    def head(self, rows: int) -> WarmBatch:
+        """The first ``rows`` rows as a warm batch of their own (views of these buffers, steps captured apart
+        into the same pool: one step runs at a time), made on first use and kept with this one."""
+        if rows == self.batch.num_rows:
+            return self
+        head = self.heads.get(rows)
+        if head is None:
+            head = self.heads[rows] = WarmBatch(self.batch.head(rows), self.step, self.device, self.pool)
+        return head
 
     def run(self, length: int) -> None:
         """One step reading ``length`` columns. A capture mid-call runs the step for real (warm-up) on the

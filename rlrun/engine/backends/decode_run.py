@@ -39,6 +39,12 @@ REFILL_FRACTION = 1 / 8
 """With rows waiting, the host looks as soon as this share of the slots (at least one) must have ended, so
 ended rows are replaced in groups: each refill is one prefill forward (not a captured graph), and refilling
 every slot the moment it ends made one prefill per step on long-tailed lengths."""
+SHRINK_MIN_ROWS = 16
+"""A batch's tail (no row waiting, few held) moves into a smaller batch, but never one under this many rows: a
+step costs little less below it, and cuBLAS may pick other kernels (GEMV) at a handful of rows."""
+SHRINK_MIN_FORWARDS = 2 * SYNC_EVERY
+"""...and only when a held row may still run this many forwards: moving rows and capturing the smaller batch's
+steps cost a few steps."""
 ABORTED: FinishReason = {"type": "abort", "message": "Aborted"}
 
 
@@ -85,7 +91,9 @@ class DecodeRun:
             unfiltered=sampling.unfiltered,
         )
         self.num_running = num_running
-        self.warm = engine._batch_for(self.shape)
+        self.root = engine._batch_for(self.shape)
+        """The call's warm batch; :attr:`warm` is it or, in a shrunk tail, one of its heads."""
+        self.warm = self.root
         self.batch: DecodeBatch = self.warm.batch
         self.batch.deactivate(self.batch.all_rows)
         self.slots = SlotTable(self.shape.num_rows)
@@ -119,6 +127,7 @@ class DecodeRun:
                     early.deliver_done(self.done)
                 if not self.slots.occupied and not self.queue:
                     return [self.done[r] for r in range(len(self.rows))]
+                self.shrink()
                 look_at = self._next_look()
             self.forward()
 
@@ -161,6 +170,31 @@ class DecodeRun:
         free = self.slots.free[: min(self.num_running - len(self.slots.occupied), len(self.queue))]
         if free:
             self._admit(free, [self.queue.popleft() for _ in free], aborted)
+
+    def shrink(self) -> None:
+        """With no row waiting and at most half the slots held, move the held rows into the first slots and go on
+        with a batch of that many rows (a row bucket; views of the same buffers, with steps captured apart):
+        the last rows of a long tail then run a small batch's steps, not every slot's (SGLang's batch shrinks as
+        its requests end). Halving at least bounds the smaller batches a call captures; a row's draws do not
+        depend on its slot (per-row noise), and a row bucket is a batch size any call can have."""
+        held = self.slots.occupied
+        rows = max(SHRINK_MIN_ROWS, num_slots(len(held), self.engine.device))
+        if self.queue or 2 * rows > self.batch.num_rows:
+            return
+        if max(self.slots.last_forward(s) for s in held) - self.forwards < SHRINK_MIN_FORWARDS:
+            return
+        moving = [s for s in held if s >= rows]
+        free = [s for s in range(rows) if self.slots.row[s] < 0][: len(moving)]
+        if moving:
+            device = self.engine.device
+            width = self.read_len_at(self.forwards + 1)  # every column a held row attends to before it writes
+            self.batch.move_rows(torch.tensor(moving, device=device), torch.tensor(free, device=device), width)
+            for src, dst in zip(moving, free, strict=True):
+                self.slots.move(src, dst)
+                self.stop_strings.move(src, dst)
+        self.slots.shrink(rows)
+        self.warm = self.root.head(rows)
+        self.batch = self.warm.batch
 
     def _admit(self, slots: list[int], rows: list[int], aborted: list[bool]) -> None:
         """Load ``rows`` into ``slots``: the rows whose prompt the last admission prefilled reuse its K/V (a group

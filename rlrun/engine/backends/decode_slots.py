@@ -37,6 +37,17 @@ class SlotTable:
         self.row[slot] = -1
         self._held.discard(slot)
 
+    def move(self, src: int, dst: int) -> None:
+        """The row in slot ``src`` now lives in the free slot ``dst``."""
+        self.occupy(dst, self.row[src], self.prompt_len[src], self.start[src], self.max_new[src])
+        self.release(src)
+
+    def shrink(self, num_slots: int) -> None:
+        """Keep the first ``num_slots`` slots (the others must be empty)."""
+        assert all(s < num_slots for s in self._held), "rows are moved into the first slots before a shrink"
+        for table in (self.row, self.prompt_len, self.start, self.max_new):
+            del table[num_slots:]
+
     @property
     def occupied(self) -> list[int]:
         return sorted(self._held)
@@ -93,6 +104,12 @@ class StopStringSlots:
             self.matchers[slot] = _StopStrings(self.tokenizer, stops)
             self.outputs[slot] = []
 
+    def move(self, src: int, dst: int) -> None:
+        """The row in slot ``src`` now lives in the free slot ``dst``."""
+        _move_key(self.matchers, src, dst)
+        _move_key(self.outputs, src, dst)
+        _move_key(self.matched, src, dst)
+
     def scan(self, batch: DecodeBatch) -> None:
         """Match the tokens not scanned yet of every open slot (one host read of those rows)."""
         if not self.matchers:
@@ -114,3 +131,10 @@ class StopStringSlots:
                     break
             if code != Finish.RUNNING:
                 del self.matchers[b], self.outputs[b]
+
+
+def _move_key(table: dict, src: int, dst: int) -> None:
+    """``table[src]`` (if any) becomes ``table[dst]``, and whatever ``dst`` held is gone."""
+    table.pop(dst, None)
+    if src in table:
+        table[dst] = table.pop(src)

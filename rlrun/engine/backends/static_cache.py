@@ -92,6 +92,24 @@ class StaticKVCache:
         this when they are missing)."""
         return self.max_len
 
+    def head(self, rows: int) -> StaticKVCache:
+        """The first ``rows`` rows as a cache of their own: views of these buffers (allocated already), and of
+        the per-row columns, so a decode step over it writes these rows."""
+        assert self.per_row and self.keys, "a head is taken of a decode cache whose rows were loaded"
+        head = StaticKVCache(rows, self.max_len, self.columns.device, per_row=True)
+        head.keys = [k[:rows] for k in self.keys]
+        head.values = [v[:rows] for v in self.values]
+        head.columns = self.columns[:rows]
+        return head
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
+        """Rows ``src`` into rows ``dst`` (disjoint): the first ``width`` columns of their K/V (the ones any row
+        attends to before writing again) and their write columns."""
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[dst, :, :width] = buffer[src, :, :width]
+        self.columns[dst] = self.columns[src]
+
     def load_prefix(self, prefill: StaticKVCache, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy ``prefill``'s columns into the first columns of rows ``slots`` (slot ``slots[k]`` takes prefill
         row ``rows[k]``: the samples of one prompt share its prefill), allocating buffers if needed."""
