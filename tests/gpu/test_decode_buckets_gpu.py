@@ -36,3 +36,35 @@ def test_bucketed_decode_is_bitwise_the_whole_cache_decode_and_stays_warm(tmp_pa
     for a, b, c in zip(whole, filled, again, strict=True):
         assert a["output_ids"] == b["output_ids"] == c["output_ids"]
         assert a["output_logprobs"] == b["output_logprobs"] == c["output_logprobs"]
+
+
+def test_a_long_tail_goes_on_in_a_smaller_captured_batch_with_the_whole_batchs_tokens(tmp_path, monkeypatch):
+    """32 rows, 8 of them long: at the look after 32 forwards the 8 long rows move into the first slots of a batch of
+    16 (views of the same buffers, its own captured steps) and run to the end there. In fp32 the tokens are the whole
+    batch's, and the log-probs agree to GEMM rounding (cuBLAS may tile 16 rows and 32 rows differently); a second
+    call replays the same smaller batch's graphs."""
+    from rlrun.engine.backends import decode_run
+    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from tests.tiny_models import make_tiny_model
+
+    engine = EmbeddedEngine(make_tiny_model("qwen3", tmp_path / "m", seed=2), seed=0, dtype="float32", device="cuda")
+    prompts = [list(range(3 + k, 40 + 3 * k)) for k in range(8)]
+    params = [
+        {"max_new_tokens": 200 if k >= 6 else 20, "temperature": 1.0, "n": 4, "sampling_seed": k, "ignore_eos": True}
+        for k in range(8)
+    ]
+    monkeypatch.setattr(decode_run, "SHRINK_MIN_ROWS", 10**6)
+    whole = engine.generate(prompts, params)
+    monkeypatch.setattr(decode_run, "SHRINK_MIN_ROWS", 16)
+    shrunk = engine.generate(prompts, params)
+    warm = engine._warm.last
+    assert sorted(warm.heads) == [16] and warm.heads[16].captured
+    graphs = dict(warm.heads[16].graphs)
+    again = engine.generate(prompts, params)
+    assert warm.heads[16].graphs == graphs  # replayed, none captured anew
+    for a, b, c in zip(whole, shrunk, again, strict=True):
+        assert a["output_ids"] == b["output_ids"] == c["output_ids"]
+        assert b["output_logprobs"] == c["output_logprobs"]
+        torch.testing.assert_close(
+            torch.tensor(a["output_logprobs"]), torch.tensor(b["output_logprobs"]), rtol=0, atol=1e-4
+        )
