@@ -7,6 +7,7 @@
 #   bash scripts/gpu/engine_speed.sh bench_qwen3-1.7b                             # call 2 (~5 min)
 #   BACKENDS=embedded,sglang bash scripts/gpu/engine_speed.sh bench_qwen3-0.6b    # with SGLang importable (~8 min)
 #   bash scripts/gpu/engine_speed.sh profile_qwen3-0.6b                           # where a decode step goes (~2 min)
+#   bash scripts/gpu/engine_speed.sh tail_qwen3-0.6b                              # the long tail, shrunk vs whole
 #
 # Steps:
 #   tests       the GPU tests of the decode: read-length buckets bitwise vs the whole cache, graphs kept
@@ -14,10 +15,13 @@
 #               sampler's shortcuts bitwise (bf16 logits, tabulated noise, no unread full-vocabulary draw)
 #   bench_qwen3-0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
 #   bench_qwen3-1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
+#   tail_<shape>  scripts/engine_refill_steps.py at batch 64 and 128 (the bench's long-tail call, in process, embedded
+#               only): counted and timed with the tail in smaller batches and kept whole -> $OUT/tail_<shape>_b<batch>.json
 #   profile_<shape>   rlrun bench rollout --profile at batch 64 (in process, with HF generate): the kernel-time
 #               table of decode steps of the sampled call -> $OUT/decode_profile_<shape>_b64.txt, the JSON (its
 #               decode_profile: busy fraction, time per step by category, host gap, HBM bound) -> .json; printed
 #
+# CPU rehearsal of the tail step: OUT=/tmp/es DEVICE=cpu BATCH=16 LONG_TAIL_MAX=64 bash scripts/gpu/engine_speed.sh tail_tiny
 # CPU rehearsal of the bench step (tiny shape, float32): OUT=/tmp/es BATCH=4,8 NEW_TOKENS=16 LONG_TAIL_MAX=64 \
 #   bash scripts/gpu/engine_speed.sh bench_tiny
 set -uo pipefail
@@ -44,6 +48,15 @@ print({k: round(r[k]["tokens_per_s"]) for k in ("engine", "engine_sampled", "hf_
 print(json.dumps(r["decode_profile"], indent=1))' "$base.json"
 }
 
+tail_ab() {
+    local batch
+    for batch in ${BATCH//,/ }; do
+        logged_step "tail_$1_b$batch" 280 "$PY" scripts/engine_refill_steps.py --shape "$1" --device "${DEVICE:-cuda}" \
+            --prompt-len 128 --slots "$batch" --median 128 --max-new-tokens "${LONG_TAIL_MAX:-1024}" \
+            --out "$OUT/tail_$1_b$batch.json"
+    done
+}
+
 for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
     for one in $name; do
         case $one in
@@ -51,6 +64,7 @@ for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
             tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py \
             tests/unit/test_engine_sampling.py ;;
         bench_*) bench "${one#bench_}" ;;
+        tail_*) BATCH=${BATCH:-64,128} tail_ab "${one#tail_}" ;;
         profile_*) profile "${one#profile_}" ;;
         *) echo "unknown step $one" >&2; exit 2 ;;
         esac
