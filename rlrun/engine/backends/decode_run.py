@@ -42,9 +42,10 @@ every slot the moment it ends made one prefill per step on long-tailed lengths."
 SHRINK_MIN_ROWS = 16
 """A batch's tail (no row waiting, few held) moves into a smaller batch, but never one under this many rows: a
 step costs little less below it, and cuBLAS may pick other kernels (GEMV) at a handful of rows."""
-SHRINK_MIN_FORWARDS = 2 * SYNC_EVERY
-"""...and only when a held row may still run this many forwards: moving rows and capturing the smaller batch's
-steps cost a few steps."""
+SHRINK_MIN_FORWARDS = 4 * SYNC_EVERY
+"""...and only when a held row may still run this many forwards: moving rows costs about a step, and capturing the
+smaller batch's steps (where a release dropped them: every colocated rollout) a few eager steps per read length,
+which the smaller steps must win back."""
 ABORTED: FinishReason = {"type": "abort", "message": "Aborted"}
 
 
