@@ -1,5 +1,6 @@
 """What benchmarks/verl_grpo.py loads into verl's processes: a packed-sequence attention, a vectorised
-log-prob, a generic prompt builder, fixed-length SGLang responses and the benchmark's reward.
+log-prob, a generic prompt builder, fixed-length SGLang responses, a shorter wait for the rollout and the
+benchmark's reward.
 
 verl_grpo.py names this module in ``VERL_USE_EXTERNAL_MODULES``, which makes ``import verl`` import it in every
 process verl starts (its Ray workers inherit the variable), and in ``actor_rollout_ref.model.external_lib``.
