@@ -183,7 +183,7 @@ def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, di
         ratio = ratios.get(name, {})
         vs_trl = with_goal(ratio.get("speedup_vs_trl"), ratio.get("goal"))
         vs_verl = with_goal(ratio.get("speedup_vs_verl"), ratio.get("goal_vs_verl"))
-        vs_trl_vllm = f"{ratio['speedup_vs_trl_vllm']:.2f}" if "speedup_vs_trl_vllm" in ratio else ""
+        vs_trl_vllm = with_goal(ratio.get("speedup_vs_trl_vllm"), None)
         phases = " ".join(f"{k} {v:.2f}" for k, v in body["median_phases_s"].items() if v >= 0.01)
         label = f"{name} (stopped early, {body['stopped_early']})" if "stopped_early" in body else name
         lines.append(

@@ -78,11 +78,11 @@ def main() -> None:
             "requests": num_requests,
             "max_new_tokens_sum": sum(lengths),
         }
-        shrink_min_rows = decode_run.SHRINK_MIN_ROWS
+        shrink, whole = decode_run.SHRINK_MIN_ROWS, num_requests + 1  # SHRINK_MIN_ROWS: the default, or never
         for name, calls, min_rows in (
-            ("refilled", [slice(0, num_requests)], shrink_min_rows),
-            ("refilled_whole_tail", [slice(0, num_requests)], num_requests + 1),
-            ("in_batches", [slice(s, s + args.slots) for s in range(0, num_requests, args.slots)], num_requests + 1),
+            ("refilled", [slice(0, num_requests)], shrink),
+            ("refilled_whole_tail", [slice(0, num_requests)], whole),
+            ("in_batches", [slice(s, s + args.slots) for s in range(0, num_requests, args.slots)], whole),
         ):
             decode_run.SHRINK_MIN_ROWS = min_rows
             for _ in range(2):  # the first run captures; the second is counted and timed

@@ -50,7 +50,8 @@ print(json.dumps(r["decode_profile"], indent=1))' "$base.json"
 
 tail_ab() {
     local batch
-    for batch in ${BATCH//,/ }; do
+    local batches=${BATCH:-64,128}
+    for batch in ${batches//,/ }; do
         logged_step "tail_$1_b$batch" 280 "$PY" scripts/engine_refill_steps.py --shape "$1" --device "${DEVICE:-cuda}" \
             --prompt-len 128 --slots "$batch" --median 128 --max-new-tokens "${LONG_TAIL_MAX:-1024}" \
             --out "$OUT/tail_$1_b$batch.json"
@@ -64,7 +65,7 @@ for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
             tests/gpu/test_routing_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py \
             tests/unit/test_engine_sampling.py ;;
         bench_*) bench "${one#bench_}" ;;
-        tail_*) BATCH=${BATCH:-64,128} tail_ab "${one#tail_}" ;;
+        tail_*) tail_ab "${one#tail_}" ;;
         profile_*) profile "${one#profile_}" ;;
         *) echo "unknown step $one" >&2; exit 2 ;;
         esac

@@ -31,6 +31,14 @@ def _kept_sets(result: dict) -> list[set[int]] | None:
     return [set(row[row >= 0].tolist()) for row in kept]
 
 
+def _rows_per_forward(monkeypatch) -> list[int]:
+    """The rows of the batch each decode forward runs, appended from now on."""
+    rows: list[int] = []
+    run = WarmBatch.run
+    monkeypatch.setattr(WarmBatch, "run", lambda warm, n: (rows.append(warm.batch.num_rows), run(warm, n)))
+    return rows
+
+
 def _assert_same(got: list, want: list) -> None:
     for a, b in zip(got, want, strict=True):
         assert a["output_ids"] == b["output_ids"] and a["finish_reason"] == b["finish_reason"]
@@ -48,9 +56,7 @@ def test_waiting_samples_take_ended_slots_and_sample_as_alone(tiny_model_dirs, m
     monkeypatch.setattr(decode_run, "num_slots", lambda n, device: row_bucket(n))  # padding rows as on CUDA
     model = tiny_model_dirs["qwen3"]
     uncapped, capped = EmbeddedEngine(model, seed=0), EmbeddedEngine(model, seed=0, max_running_requests=3)
-    shapes = []
-    run = WarmBatch.run
-    monkeypatch.setattr(WarmBatch, "run", lambda warm, n: (shapes.append(warm.batch.tokens.shape[0]), run(warm, n)))
+    shapes = _rows_per_forward(monkeypatch)
     params = _params(sampling)
     want = uncapped.generate(PROMPTS, params)
     assert set(shapes) == {16}
@@ -114,9 +120,7 @@ def test_a_long_tail_goes_on_in_smaller_batches_and_samples_as_in_the_whole_one(
     assert len(want[8]["output_ids"]) == 40
 
     monkeypatch.setattr(decode_run, "SHRINK_MIN_ROWS", 1)
-    rows: list[int] = []
-    run = WarmBatch.run
-    monkeypatch.setattr(WarmBatch, "run", lambda warm, n: (rows.append(warm.batch.num_rows), run(warm, n)))
+    rows = _rows_per_forward(monkeypatch)
     got = engine.generate(PROMPTS, params)
     assert sorted(set(rows), reverse=True) == [16, 8, 2, 1] and rows[-1] == 1
     assert [rows.index(n) for n in (8, 2, 1)] == [16, 32, 48]  # shrunk at the looks after 16, 32 and 48 forwards
@@ -133,9 +137,7 @@ def test_a_tail_that_ends_soon_or_is_not_small_enough_keeps_its_batch(tiny_model
     engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
     lengths = [*TAIL[:-1], 90]
     params = [{"max_new_tokens": n, "n": 2, "temperature": 0, "ignore_eos": True} for n in lengths]
-    rows: list[int] = []
-    run = WarmBatch.run
-    monkeypatch.setattr(WarmBatch, "run", lambda warm, n: (rows.append(warm.batch.num_rows), run(warm, n)))
+    rows = _rows_per_forward(monkeypatch)
     engine.generate(PROMPTS, params)  # the defaults: never under 16 rows
     assert set(rows) == {16}
     rows.clear()

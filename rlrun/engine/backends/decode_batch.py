@@ -98,7 +98,7 @@ class DecodeBatch:
     loaded (the hash is ~60 small kernels a step otherwise); sampling batches only."""
 
     def __post_init__(self) -> None:
-        self.all_rows = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)
+        self.all_rows = torch.arange(self.num_rows, device=self.input_ids.device)
         """[B] every row's index (a decode step's ``record`` over all rows)."""
 
     @classmethod

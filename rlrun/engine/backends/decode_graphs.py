@@ -46,7 +46,9 @@ class WarmBatch:
         """``step(batch, read_len)``: one decode step on the batch's buffers."""
         self.device = device
         self.graphs: dict[int, StepGraph] = {}
-        self.pool = pool if pool is not None or device.type != "cuda" else torch.cuda.graph_pool_handle()
+        if pool is None and device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+        self.pool = pool
         self.heads: dict[int, WarmBatch] = {}
         """Smaller batches over this one's first rows (:meth:`head`), with their own captured steps."""
 
