@@ -172,7 +172,8 @@ class StepRecord:
     offload: dict[str, float]
     """The step's ``offload/*`` metrics without the prefix (rlrun/trainer/offload.py: ``trainer_{sleep,wake}_{s,gb}``,
     ``trainer_{gc,pause,resume,empty_cache}_s``, ``nccl_{destroy,rebuild}_s``, ``nccl_groups_{destroyed,rebuilt}``,
-    ``engine_{release,resume_weights,resume_kv}_s``); on CPU only the engine's."""
+    ``nccl_one_rank_groups_with_communicator``, ``engine_{release,resume_weights,resume_kv}_s``); on CPU only the
+    engine's."""
     profiled: bool = False
     """Recorded by the torch profiler (slower): left out of the medians."""
 

@@ -14,8 +14,9 @@ cache blocks to the host at every sleep. Megatron sets the saver's hook mode whe
 the saver is first touched here, after ``rlrun.runtime.dist``.
 
 With ``offload.teardown_nccl`` the sleeping trainer also destroys the NCCL communicators of Megatron's
-groups (~0.4 GB of device memory each, outside every pool) and rebuilds them at wake, before any
-collective runs; ``init_distributed`` made those groups reloadable (rlrun/runtime/reloadable_groups.py).
+groups of more than one rank (~0.4 GB of device memory each, outside every pool) and rebuilds them at wake,
+before any collective runs; ``init_distributed`` made those groups reloadable, and its one-rank groups answer
+their collectives without ever getting a communicator (rlrun/runtime/reloadable_groups.py).
 """
 
 from __future__ import annotations
@@ -249,6 +250,8 @@ class Offloader:
         if self.cfg.teardown_nccl:  # after the device sync in _timed: no kernel still uses them
             with self._seconds("offload/nccl_destroy_s"):
                 self.metrics["offload/nccl_groups_destroyed"] = reloadable_groups.destroy_all()
+            kept = reloadable_groups.one_rank_groups_with_communicator()
+            self.metrics["offload/nccl_one_rank_groups_with_communicator"] = kept
         with self._seconds("offload/trainer_empty_cache_s"):
             torch.cuda.empty_cache()
         with self._seconds("offload/trainer_pause_s"):
