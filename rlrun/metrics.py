@@ -19,6 +19,7 @@ from typing import Any, Iterator, Protocol
 from torch.profiler import record_function
 
 from rlrun.config.schema import RunConfig
+from rlrun.step_times import STEP_SECONDS, WALL_STEP_SECONDS
 
 
 class PhaseListener(Protocol):
@@ -46,7 +47,7 @@ class PhaseTimer:
 
     def as_metrics(self) -> dict[str, float]:
         out = {f"time/{phase}_s": round(s, 4) for phase, s in self.seconds.items()}
-        out["time/step_s"] = round(sum(self.seconds.values()), 4)
+        out[STEP_SECONDS] = round(sum(self.seconds.values()), 4)
         return out
 
 
@@ -178,11 +179,13 @@ class MetricsLogger:
         self.console: ConsoleProgress | None = None
         self.step = 0
         """The step in progress (for the phase display)."""
+        self._last_record_at = time.perf_counter()
 
     def start(self, step: int) -> None:
         """Open the sinks for a run that starts (or resumes) at ``step``."""
         log = self.cfg.logging
         self.step = step
+        self._last_record_at = time.perf_counter()
         self.sinks.append(JsonlSink(self.run_dir / "metrics.jsonl", step))
         if log.tensorboard:
             self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard", step))
@@ -196,7 +199,10 @@ class MetricsLogger:
             self.console.phase(self.step, phase)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        now = time.perf_counter()
         record = {k: float(v) for k, v in metrics.items()}
+        record[WALL_STEP_SECONDS] = round(now - self._last_record_at, 4)
+        self._last_record_at = now
         for sink in self.sinks:
             sink.write(step, record)
         if self.console is not None:

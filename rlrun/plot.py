@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 
+from rlrun.step_times import STEP_TOTALS
+
 SMOOTH_MIN_POINTS = 10
 
 
@@ -31,7 +33,7 @@ class Panel:
 
     def keys(self, records: list[dict]) -> list[str]:
         names = sorted({k for r in records for k in r if k != "step"})
-        return [k for k in names if any(fnmatch(k, p) for p in self.patterns) and k != "time/step_s"]
+        return [k for k in names if any(fnmatch(k, p) for p in self.patterns) and k not in STEP_TOTALS]
 
 
 PANELS = (

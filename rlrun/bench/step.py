@@ -49,6 +49,7 @@ from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
 from rlrun.config.schema import PackedAttention, RecomputeMode
 from rlrun.engine.backends import backend_traits
+from rlrun.step_times import STEP_SECONDS, STEP_TOTALS, WALL_STEP_SECONDS
 
 TORCHRUN_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -158,6 +159,9 @@ class StepRecord:
 
     step: int
     step_s: float
+    wall_s: float
+    """``time/wall_step_s``: rank 0's wall clock from the previous step's record to this one, which the phases
+    (``step_s``) should nearly cover."""
     phases_s: dict[str, float]
     """``time/<phase>_s`` of the step; they add up to ``step_s`` (the loop's PhaseTimer sums them)."""
     output_tokens: int
@@ -196,6 +200,8 @@ class StepResult:
     """Every response of every step had exactly ``new_tokens`` tokens."""
     warmup_steps: int
     median_step_s: float
+    median_wall_s: float
+    """The median of the same steps' ``wall_s``."""
     median_phases_s: dict[str, float]
     median_tokens_per_s: float
     median_offload: dict[str, float]
@@ -374,16 +380,17 @@ def step_record(row: dict, settings: StepSettings, profile_step: int | None = No
     phases = {
         key[len("time/") : -len("_s")]: value
         for key, value in row.items()
-        if key.startswith("time/") and key.endswith("_s") and key != "time/step_s"
+        if key.startswith("time/") and key.endswith("_s") and key not in STEP_TOTALS
     }
     tokens = round(row["rollout/response_len_mean"] * settings.prompts * settings.samples)
     device_gb = [v for k, v in row.items() if k.startswith("memory/") and k.endswith("/device_gb")]
     return StepRecord(
         step=row["step"],
-        step_s=row["time/step_s"],
+        step_s=row[STEP_SECONDS],
+        wall_s=row[WALL_STEP_SECONDS],
         phases_s=phases,
         output_tokens=tokens,
-        tokens_per_s=tokens / row["time/step_s"],
+        tokens_per_s=tokens / row[STEP_SECONDS],
         rollout_tokens_per_s=tokens / phases["rollout"],
         peak_device_gb=max(device_gb, default=0.0),
         trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0),
@@ -428,6 +435,7 @@ def summarise(
         fixed_length=all(r.output_tokens == expected for r in records),
         warmup_steps=warmup,
         median_step_s=statistics.median(r.step_s for r in timed),
+        median_wall_s=statistics.median(r.wall_s for r in timed),
         median_phases_s={p: statistics.median(r.phases_s.get(p, 0.0) for r in timed) for p in phases},
         median_tokens_per_s=statistics.median(r.tokens_per_s for r in timed),
         median_offload={k: statistics.median(r.offload[k] for r in timed if k in r.offload) for k in offload_keys},

@@ -98,6 +98,7 @@ def test_bench_step_json_matches_the_loop_metrics(one_rank):
         assert set(step["phases_s"]) == PHASES
         assert sum(step["phases_s"].values()) == pytest.approx(step["step_s"], abs=1e-3)
         assert step["step_s"] == row["time/step_s"] and step["phases_s"]["train"] == row["time/train_s"]
+        assert step["wall_s"] == row["time/wall_step_s"] >= step["step_s"] - 1e-3  # the phases lie inside the wall
         assert step["tokens_per_s"] == pytest.approx(step["output_tokens"] / step["step_s"])
         assert step["rollout_tokens_per_s"] == pytest.approx(step["output_tokens"] / row["time/rollout_s"])
         # the offload breakdown: on CPU the engine's release/resume RPCs (the trainer has nothing to move)

@@ -121,6 +121,7 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
         {
             "step": i,
             "time/step_s": s,
+            "time/wall_step_s": s + 0.25,
             "time/rollout_s": s / 2,
             "time/train_s": s / 2,
             "rollout/response_len_mean": 6.0,
@@ -133,6 +134,7 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
     assert WARMUP_STEPS == 2 and result.warmup_steps == 2
     assert [r.profiled for r in result.steps] == [False] * 4 + [True, False]
     assert result.median_step_s == 4.0  # median of 3, 5 and 4
+    assert result.median_wall_s == 4.25
     assert result.median_offload == {"trainer_sleep_s": 0.4}
     assert result.median_phases_s == {"rollout": 2.0, "train": 2.0}
 

@@ -4,6 +4,7 @@ reader (purged on resume), the console summary, and phase notifications."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -49,9 +50,12 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
 def test_logger_writes_jsonl_and_prints_one_summary_line_per_step(tmp_path, capsys):
     logger = MetricsLogger(config(tmp_path))
     logger.start(0)
+    time.sleep(0.2)
     logger.log(0, {"rollout/reward_mean": 0.25, "train/policy_loss": -0.5, "time/step_s": 1.5})
     logger.close()
-    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert 0.2 <= record.pop("time/wall_step_s") < 5  # the wall clock since start(), whatever the phases said
+    assert record == {
         "step": 0,
         "rollout/reward_mean": 0.25,
         "train/policy_loss": -0.5,

@@ -30,6 +30,7 @@ def write_run(run_dir: Path, num_steps: int) -> None:
             "time/rollout_s": 1.0,
             "time/train_s": 2.0,
             "time/step_s": 3.0,
+            "time/wall_step_s": 3.1,
         }
         if step % 2:  # a metric some steps do not log
             record["train/entropy"] = 1.0 / (step + 1)
@@ -60,7 +61,7 @@ def test_plot_writes_one_png_per_panel_with_data_and_an_overview(tmp_path):
     assert matplotlib.image.imread(written[-1]).shape[0] > 3 * height  # 4 rows of panels
 
 
-def test_panels_pick_metrics_by_pattern_and_leave_out_the_step_total(tmp_path):
+def test_panels_pick_metrics_by_pattern_and_leave_out_the_step_totals(tmp_path):
     write_run(tmp_path / "run", 3)
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     by_name = {panel.name: panel.keys(records) for panel in PANELS}
