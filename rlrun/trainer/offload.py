@@ -112,9 +112,13 @@ def _nvml() -> ModuleType | None:
     return pynvml
 
 
-def default_pool_gb() -> tuple[float, float]:
+def default_pool_gb(device: torch.device, other_pools: bool) -> tuple[float, float]:
     """(allocated, reserved) GB of torch's default pool, i.e. outside every torch_memory_saver region:
-    what a sleeping trainer cannot give back, split from the CUDA context and NCCL/cuBLAS buffers."""
+    what a sleeping trainer cannot give back, split from the CUDA context and NCCL/cuBLAS buffers. Without
+    ``other_pools`` (no trainer region) that is all of torch's allocator, read from its counters instead of
+    the snapshot that walks every block (three times a step)."""
+    if not other_pools:
+        return round(torch.cuda.memory_allocated(device) / GB, 3), round(torch.cuda.memory_reserved(device) / GB, 3)
     segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
     allocated = sum(s["allocated_size"] for s in segments)
     reserved = sum(s["total_size"] for s in segments)
@@ -134,6 +138,7 @@ class Offloader:
         self._saver = None
         self._trainer_asleep = False
         self._engine_kv_released = False
+        self._engine_tree: tuple[int, list[int]] | None = None
         if cfg.train and self.on_gpu:
             import megatron.core  # noqa: F401  (sets the saver's hook mode; must come before the saver)
             from torch_memory_saver import torch_memory_saver
@@ -305,13 +310,20 @@ class Offloader:
         groups = {"trainer": [os.getpid()]}  # not its tree: that holds the engine worker
         if self.engine.process is not None:  # members of an engine group (engine.tp > 1) have no engine
             # SGLang's memory belongs to the scheduler processes below the worker (seen on the H200)
-            groups["engine"] = process_tree(self.engine.process.pid)
+            groups["engine"] = self._engine_processes(self.engine.process.pid)
         for name, gb in process_gpu_gb(groups).items():
             self.metrics[f"memory/{phase}/{name}_gb"] = gb
         self.metrics[f"memory/{phase}/device_gb"] = round(self.device_used_gb(), 3)
-        allocated, reserved = default_pool_gb()
+        allocated, reserved = default_pool_gb(self.device, other_pools=self._saver is not None)
         self.metrics[f"memory/{phase}/trainer_default_pool_allocated_gb"] = allocated
         self.metrics[f"memory/{phase}/trainer_default_pool_reserved_gb"] = reserved
+
+    def _engine_processes(self, worker_pid: int) -> list[int]:
+        """The engine worker's process tree, walked once per worker (/proc, every thread of every process):
+        the engine starts its processes before it reports ready, and a restarted engine is a new worker."""
+        if self._engine_tree is None or self._engine_tree[0] != worker_pid:
+            self._engine_tree = (worker_pid, process_tree(worker_pid))
+        return self._engine_tree[1]
 
     def step_metrics(self) -> dict[str, float]:
         """This step's timeline and sleep/wake figures (on CPU only the engine's release/resume seconds),

@@ -102,3 +102,14 @@ def test_embedded_engine_on_a_second_gpu_captures_its_decode_step_there(tmp_path
         torch.cuda.set_device(0)
     first, second = outputs.values()
     assert first == second
+
+
+def test_default_pool_counters_equal_the_snapshot_without_a_region():
+    """Without a trainer region the allocator's counters are the default pool, as its snapshot (which the
+    offloader reads only where a region exists) says."""
+    from rlrun.trainer.offload import default_pool_gb
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    kept = [torch.empty(n, device=device) for n in (1 << 20, 3 << 18, 12345)]
+    del kept[1]  # a freed block: reserved stays above allocated
+    assert default_pool_gb(device, other_pools=False) == default_pool_gb(device, other_pools=True)
