@@ -34,19 +34,17 @@ def _worker() -> dict:
     init_distributed(tp=1, pp=1, seed=0, reloadable_backends=("nccl",))
     wrapped, plain = dist.new_group([0]), reloadable_groups._original_new_group([0])
     source = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
-    start = _used_bytes()
-    summed = source.clone()
-    dist.all_reduce(summed, group=wrapped)
+    summed, reference, gathered = source.clone(), source.clone(), torch.empty_like(source)
     buckets = [source.clone(), 2 * source]
+    start = _used_bytes()  # every tensor exists: what follows can only add NCCL's memory
+    dist.all_reduce(summed, group=wrapped)
     with _coalescing_manager(wrapped, async_ops=True) as cm:
         for bucket in buckets:
             dist.all_reduce(bucket, group=wrapped, async_op=True)
     cm.wait()
-    gathered = torch.empty_like(source)
     dist.all_gather_into_tensor(gathered, source, group=wrapped)
     dist.barrier(group=wrapped)
     after_wrapped = _used_bytes()
-    reference = source.clone()
     dist.all_reduce(reference, group=plain)
     after_plain = _used_bytes()
     out = {
