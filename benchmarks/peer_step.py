@@ -167,6 +167,13 @@ def with_goal(speedup: float | None, goal: float | None) -> str:
     return f"{speedup:.2f}" + ("" if goal is None else f" ({goal})")
 
 
+def step_cell(body: dict) -> str:
+    """The s/step cell; for rlrun (whose s/step sums its phases) also rank 0's wall clock between steps, which shows
+    whether the phases cover the step (the peers' figures are their own whole-step timers)."""
+    step = f"{body['median_step_s']:.2f}"
+    return step + (f" (wall {body['median_wall_s']:.2f})" if "median_wall_s" in body else "")
+
+
 def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, dict]) -> str:
     lines = [
         f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
@@ -187,7 +194,7 @@ def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, di
         phases = " ".join(f"{k} {v:.2f}" for k, v in body["median_phases_s"].items() if v >= 0.01)
         label = f"{name} (stopped early, {body['stopped_early']})" if "stopped_early" in body else name
         lines.append(
-            f"| {label} | {body['median_step_s']:.2f} | {phases} | {body['median_tokens_per_s']:.0f} | {vs_trl} "
+            f"| {label} | {step_cell(body)} | {phases} | {body['median_tokens_per_s']:.0f} | {vs_trl} "
             f"| {vs_verl} | {vs_trl_vllm} |"
         )
     return "\n".join(lines)

@@ -225,3 +225,10 @@ def test_step_clock_counts_each_phase_without_the_phases_inside_it(monkeypatch):
     with clock.phase("offload"):
         pass
     assert clock.phases == {"generate": 5.0, "offload": 4.0}
+
+
+def test_the_step_cell_shows_rlruns_wall_clock_next_to_its_phases():
+    from peer_step import step_cell
+
+    assert step_cell({"median_step_s": 3.712, "median_wall_s": 3.7251}) == "3.71 (wall 3.73)"
+    assert step_cell({"median_step_s": 5.4086}) == "5.41"  # a peer's own whole-step timer
