@@ -86,7 +86,9 @@ def _train_worker(
         optimizer = make_optimizer(model, **OPTIM)
         micro_batches = _cut(local, plan)
         stats = train_step(model, optimizer, micro_batches, pg_loss, num_global_tokens, TEMPERATURE)
-        results.append({"stats": stats, "weights": {k: v.cpu() for k, v in export_hf_weights(model)}})
+        adam = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        fused = all(g["fused"] and not g["foreach"] for a in adam for g in a.param_groups)
+        results.append({"stats": stats, "weights": {k: v.cpu() for k, v in export_hf_weights(model)}, "fused": fused})
     destroy_distributed()
     return results
 
@@ -138,6 +140,7 @@ def test_step_matches_hf_and_torch_adamw(single_rank, llama_dir, batch):
     ).step()
 
     got = single_rank[0]
+    assert got["fused"]  # rlrun steps torch's fused Adam kernel (fuse_adam); the reference is torch's default
     assert grad_norm > OPTIM["clip_grad"]  # clipping is active, so its scale is tested too
     assert got["stats"]["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-5)
     assert got["stats"]["loss"] == pytest.approx((loss_sum / num_tokens).item(), rel=1e-5)
