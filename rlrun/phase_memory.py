@@ -7,9 +7,11 @@ fits (rlrun/trainer/offload.py; GiB per device, the trainer's terms from rlrun/m
     logprobs  trainer: context + static + one micro-batch's no-grad forward (one layer's activations and the LM
               head over ``train.max_tokens_per_micro_batch`` tokens: the pass runs the train micro-batches one at
               a time, rlrun/trainer/roles.py ``_fill``)  + engine released (offload.rollout) or awake
-    train     trainer: context + the trainer estimate (+ with offload.train the optimizer step's fp32 temporary,
-              which lives in the trainer's region and so cannot reuse the activations' freed blocks of torch's
-              default pool, where it fits without offload)  + engine released or awake
+    train     trainer: context + the trainer estimate (+ with offload.train and optimizer.cpu_offload the device
+              Adam's fp32 temporary: Megatron's host-offload optimizer steps its device part with torch's foreach
+              Adam, whose square root of the second moments lives in the trainer's region and so cannot reuse the
+              activations' freed blocks of torch's default pool; every other Adam steps fused, in place,
+              rlrun.megatron.train.fuse_adam)  + engine released or awake
     sync      the trainer as in train (its cached blocks stay until it sleeps) + one ``engine.bucket_bytes``
               bucket + the engine's weights (and its KV cache without offload.rollout)
 
@@ -142,7 +144,7 @@ def phase_memory(
         "trainer activations": e.activations_gib,
         "trainer LM head": e.lm_head_gib,
     }
-    if off.train:  # torch's foreach Adam: one fp32 temporary (sqrt of the second moments) of the params it steps
+    if off.train and cfg.optimizer.cpu_offload:  # foreach Adam on the device part: sqrt of the second moments
         trainer["trainer optimizer-step temporary"] = params * 4 * (1 - offloaded) / shard / GIB
     tokens = train.max_tokens_per_micro_batch / cfg.parallel.cp
     forward = tokens * layer_elements_per_token(arch, cfg.parallel.tp, "none") * elem / GIB
