@@ -102,31 +102,45 @@ def sample_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -> MicroBatch:
     """Pack ``samples`` into one row (``[1, S]`` tensors, module docstring); ``advantages[i]`` applies to
-    every token of sample i that its ``loss_mask`` keeps (all response tokens when it has none)."""
-    total = sum(s.total_length for s in samples)
+    every token of sample i that its ``loss_mask`` keeps (all response tokens when it has none).
+
+    Built from whole-row lists and index tensors, not sample by sample: a step's 128 samples of 640 tokens took
+    ~0.04 s of small tensor operations per step, on the trainer's critical path."""
+    for s in samples:
+        _check_per_response_token(s)
+    prompt_lens = torch.tensor([len(s.prompt.prompt_ids) for s in samples])
+    resp_lens = torch.tensor([len(s.response_ids) for s in samples])
+    lengths = prompt_lens + resp_lens
+    total = int(lengths.sum())
     seq_len = -(-total // ROW_MULTIPLE) * ROW_MULTIPLE
+    starts = lengths.cumsum(0) - lengths
+    ids: list[int] = []
+    for s in samples:
+        ids += s.prompt.prompt_ids
+        ids += s.response_ids
     tokens = torch.full((1, seq_len), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros(1, seq_len, dtype=torch.long)
+    tokens[0, :total] = torch.tensor(ids, dtype=torch.long)
+    position_ids = torch.empty(1, seq_len, dtype=torch.long)
+    position_ids[0, :total] = _ranges(torch.zeros_like(lengths), lengths)
+    last_start = total - int(lengths[-1])
+    position_ids[0, total:] = torch.arange(total - last_start, seq_len - last_start)  # padding: the last sample's
+    # prediction positions of the response tokens: response token j of a sample at offset o sits at o + P - 1 + j
+    predicts = _ranges(starts + prompt_lens - 1, resp_lens)
+    if all(s.loss_mask is None for s in samples):
+        mask = torch.ones(len(predicts))
+    else:
+        mask = torch.tensor(_joined(s.loss_mask or [1.0] * len(s.response_ids) for s in samples), dtype=torch.float32)
     loss_mask, adv, rollout_lp = (torch.zeros(1, seq_len - 1) for _ in range(3))
+    loss_mask[0, predicts] = mask
+    adv[0, predicts] = torch.tensor(advantages, dtype=torch.float32).repeat_interleave(resp_lens) * mask
+    rollout_lp[0, predicts] = torch.tensor(_joined(s.rollout_logprobs for s in samples)) * mask
     # The teacher engine's scores (prediction positions, as rollout_logprobs; 0 elsewhere), when it scored.
-    teacher_lp = None if all(s.teacher_logprobs is None for s in samples) else torch.zeros(1, seq_len - 1)
-    offset = 0
-    for sample, advantage in zip(samples, advantages, strict=False):
-        prompt_len, resp_len = len(sample.prompt.prompt_ids), len(sample.response_ids)
-        length = prompt_len + resp_len
-        tokens[0, offset : offset + length] = torch.tensor(sample.prompt.prompt_ids + sample.response_ids)
-        position_ids[0, offset : offset + length] = torch.arange(length)
-        span = slice(offset + prompt_len - 1, offset + length - 1)
-        mask = torch.ones(resp_len) if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float32)
-        loss_mask[0, span] = mask
-        adv[0, span] = advantage * mask
-        rollout_lp[0, span] = torch.tensor(sample.rollout_logprobs) * mask
-        if teacher_lp is not None:
-            assert sample.teacher_logprobs is not None, "the teacher engine scores every sample of a step"
-            teacher_lp[0, span] = torch.tensor(sample.teacher_logprobs)
-        offset += length
-    last_start = offset - samples[-1].total_length
-    position_ids[0, offset:] = torch.arange(offset - last_start, seq_len - last_start)
+    teacher_lp = None
+    if any(s.teacher_logprobs is not None for s in samples):
+        if any(s.teacher_logprobs is None for s in samples):
+            raise ValueError("Sample.teacher_logprobs: the teacher engine scores every sample of a step or none")
+        teacher_lp = torch.zeros(1, seq_len - 1)
+        teacher_lp[0, predicts] = torch.tensor(_joined(s.teacher_logprobs for s in samples))  # type: ignore[misc]
     return MicroBatch(
         tokens,
         position_ids,
@@ -137,6 +151,33 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
         routed_experts=_packed_experts(samples, seq_len),
         kept_ids=_packed_kept_ids(samples, seq_len),
     )
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``cat([arange(start, start + count) for start, count in zip(starts, counts)])``, without the loop."""
+    ends = counts.cumsum(0)
+    return torch.arange(int(ends[-1]) if len(ends) else 0) + (starts - (ends - counts)).repeat_interleave(counts)
+
+
+def _joined(lists) -> list:
+    """The lists one after the other, as one list."""
+    out: list = []
+    for values in lists:
+        out += values
+    return out
+
+
+def _check_per_response_token(sample: Sample) -> None:
+    """The per-response-token lists must match the response, or the packed row would shift them onto the next
+    sample's positions."""
+    expected = len(sample.response_ids)
+    for name in ("rollout_logprobs", "loss_mask", "teacher_logprobs"):
+        values = getattr(sample, name)
+        if values is not None and len(values) != expected:
+            raise ValueError(
+                f"Sample.{name} has {len(values)} entries but the response has {expected} tokens "
+                f"(prompt {sample.prompt.index}); it needs one per response token, see Sample"
+            )
 
 
 def _packed_kept_ids(samples: list[Sample], seq_len: int) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
 """Micro-batch collation, packing under a token budget, and DP balancing."""
 
+import pytest
 import torch
 
 from rlrun.data.batch import balance_across_ranks, collate, pack_micro_batches, schedule_micro_batches
@@ -46,6 +47,57 @@ def test_collate_places_teacher_logprobs_at_the_response_predictions():
     assert teacher is not None and teacher.shape == (1, 15)
     want = [0.0] * 2 + [-1.0, -1.25] + [0.0] * 2 + [-2.0, -2.25, -2.5, -2.75] + [0.0] * 5
     assert teacher[0].tolist() == want
+
+
+def _collate_sample_by_sample(samples, advantages, pad_token_id):
+    """The packed row written out one sample at a time: the reference for ``collate``'s whole-row indexing."""
+    total = sum(s.total_length for s in samples)
+    seq_len = -(-total // 8) * 8
+    tokens = torch.full((1, seq_len), pad_token_id, dtype=torch.long)
+    positions = torch.zeros(1, seq_len, dtype=torch.long)
+    loss_mask, adv, rollout, teacher = (torch.zeros(1, seq_len - 1) for _ in range(4))
+    offset = 0
+    for s, a in zip(samples, advantages, strict=True):
+        p, r = len(s.prompt.prompt_ids), len(s.response_ids)
+        tokens[0, offset : offset + p + r] = torch.tensor(s.prompt.prompt_ids + s.response_ids)
+        positions[0, offset : offset + p + r] = torch.arange(p + r)
+        span = slice(offset + p - 1, offset + p + r - 1)
+        mask = torch.ones(r) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+        loss_mask[0, span], adv[0, span] = mask, a * mask
+        rollout[0, span] = torch.tensor(s.rollout_logprobs) * mask
+        teacher[0, span] = torch.tensor(s.teacher_logprobs)
+        offset += p + r
+    last = samples[-1].total_length
+    positions[0, offset:] = torch.arange(last, last + seq_len - offset)
+    return tokens, positions, loss_mask, adv, rollout, teacher
+
+
+def test_collate_matches_packing_sample_by_sample():
+    """Random prompts, responses (one empty), loss masks on some samples, teacher scores: bitwise the row that
+    writing each sample's slices in turn gives."""
+    gen = torch.Generator().manual_seed(3)
+    samples = []
+    for i, (p, r) in enumerate([(5, 7), (1, 13), (9, 0), (3, 4), (12, 21)]):
+        s = make_sample(p, r, index=i)
+        s.rollout_logprobs = (-torch.rand(r, generator=gen)).tolist()
+        s.teacher_logprobs = (-torch.rand(r, generator=gen)).tolist()
+        if i % 2:
+            s.loss_mask = (torch.rand(r, generator=gen) < 0.6).int().tolist()
+        samples.append(s)
+    advantages = torch.randn(len(samples), generator=gen).tolist()
+    mb = collate(samples, advantages, pad_token_id=3)
+    want = _collate_sample_by_sample(samples, advantages, pad_token_id=3)
+    got = (mb.tokens, mb.position_ids, mb.loss_mask, mb.advantages, mb.rollout_logprobs, mb.teacher_logprobs)
+    names = ("tokens", "positions", "loss_mask", "advantages", "rollout", "teacher")
+    for name, g, w in zip(names, got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=name)
+
+
+def test_collate_refuses_per_token_lists_that_do_not_match_the_response():
+    sample = make_sample(3, 4)
+    sample.rollout_logprobs = sample.rollout_logprobs[:3]
+    with pytest.raises(ValueError, match="rollout_logprobs has 3 entries but the response has 4 tokens"):
+        collate([make_sample(2, 2), sample], [1.0, 1.0], pad_token_id=0)
 
 
 def test_pack_respects_budget_and_keeps_every_item():
