@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlrun.megatron.model import MegatronModel
+from rlrun.megatron.train import adam_step, optimizer_parts
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -227,13 +228,15 @@ def load_weights(model: MegatronModel, directory: Path) -> None:
 def _init_adam_state(optimizer: MegatronOptimizer) -> None:
     """Give a fresh distributed optimizer the Adam state it creates at its first step (zero moments, step 0):
     without Apex or TE its ``state_dict``, which loading goes through, needs one step count to exist."""
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for part in optimizer_parts(optimizer):
         for group in part.optimizer.param_groups:
             for param in group["params"]:
                 state = part.optimizer.state[param]
                 if not state:
                     state.update(
-                        exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param), step=torch.tensor(0.0)
+                        exp_avg=torch.zeros_like(param),
+                        exp_avg_sq=torch.zeros_like(param),
+                        step=adam_step(0, param, group),
                     )
 
 
@@ -249,9 +252,11 @@ def _restore_adam_steps(optimizer: MegatronOptimizer, saved: dict[str, Any], dir
             f"parameter was updated together; found {sorted(steps)}: the checkpoint is corrupt"
         )
     step = float(steps.pop())
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in part.optimizer.state.values():
-            state["step"] = torch.tensor(step)
+    for part in optimizer_parts(optimizer):
+        for group in part.optimizer.param_groups:
+            for param in group["params"]:
+                if param in part.optimizer.state:
+                    part.optimizer.state[param]["step"] = adam_step(step, param, group)
 
 
 def _rng_object(model: MegatronModel) -> Any:

@@ -103,14 +103,24 @@ def fuse_adam(optimizer: MegatronOptimizer) -> None:
     chunk. torch reads ``foreach``/``fused`` from the param groups at every step and checks each parameter's
     device and dtype at the first. The host Adam of ``optimizer.cpu_offload`` (Megatron's own class) is left as
     it is."""
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    for megatron_optimizer in inner:
-        adam = getattr(megatron_optimizer, "optimizer", None)
+    for part in optimizer_parts(optimizer):
+        adam = getattr(part, "optimizer", None)
         if type(adam) not in (torch.optim.Adam, torch.optim.AdamW):
             continue
         for group in adam.param_groups:
             group.update(foreach=False, fused=True)
         adam.defaults.update(foreach=False, fused=True)
+
+
+def optimizer_parts(optimizer: MegatronOptimizer) -> list:
+    """The Megatron optimizers inside ``optimizer``: a ChainedOptimizer's parts, else ``optimizer`` itself."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def adam_step(count: float, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """An Adam step count as torch keeps it for ``param`` of ``group``: on the parameter's device for the fused
+    kernel (:func:`fuse_adam`), which reads it there, on the host otherwise."""
+    return torch.tensor(float(count), device=param.device if group.get("fused") else "cpu")
 
 
 def optimizer_config(

@@ -129,12 +129,13 @@ def _bf16_state(hf_dir: str, parallel, lora, batch: MicroBatch) -> dict[str, int
     """Element counts of what a bf16 LoRA model allocates for training, after one step: adapters, base,
     DDP gradient buffers, the optimizer's fp32 main weights and its Adam moments."""
     from rlrun.megatron import build_model, make_optimizer, train_step
+    from rlrun.megatron.train import optimizer_parts
 
     model = build_model(hf_dir, parallel, dtype="bfloat16", lora=lora, seed=5)
     optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
     train_step(model, optimizer, [batch], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE)
     params = list(model.module.parameters())
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = optimizer_parts(optimizer)
     mains = [p for part in parts for group in part.fp32_from_float16_groups for p in group]
     moments = [t for part in parts for s in part.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return {

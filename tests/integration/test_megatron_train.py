@@ -74,6 +74,7 @@ def _train_worker(
     """For each entry of ``micro_batch_plans`` (see ``_cut``): a fresh model, one train_step over this DP
     rank's rows cut into micro-batches that way, then the exported weights."""
     from rlrun.megatron import build_model, export_hf_weights, make_optimizer, train_step
+    from rlrun.megatron.train import optimizer_parts
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
     parallel = init_distributed(tp=tp, pp=pp, seed=0)
@@ -86,7 +87,7 @@ def _train_worker(
         optimizer = make_optimizer(model, **OPTIM)
         micro_batches = _cut(local, plan)
         stats = train_step(model, optimizer, micro_batches, pg_loss, num_global_tokens, TEMPERATURE)
-        adam = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        adam = [o.optimizer for o in optimizer_parts(optimizer)]
         fused = all(g["fused"] and not g["foreach"] for a in adam for g in a.param_groups)
         results.append({"stats": stats, "weights": {k: v.cpu() for k, v in export_hf_weights(model)}, "fused": fused})
     destroy_distributed()
