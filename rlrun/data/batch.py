@@ -14,6 +14,7 @@ token ``j`` of a sample starting at offset ``o`` with prompt length ``P`` sits a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -114,12 +115,9 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
     total = int(lengths.sum())
     seq_len = -(-total // ROW_MULTIPLE) * ROW_MULTIPLE
     starts = lengths.cumsum(0) - lengths
-    ids: list[int] = []
-    for s in samples:
-        ids += s.prompt.prompt_ids
-        ids += s.response_ids
+    ids = chain.from_iterable(part for s in samples for part in (s.prompt.prompt_ids, s.response_ids))
     tokens = torch.full((1, seq_len), pad_token_id, dtype=torch.long)
-    tokens[0, :total] = torch.tensor(ids, dtype=torch.long)
+    tokens[0, :total] = torch.tensor(list(ids), dtype=torch.long)
     position_ids = torch.empty(1, seq_len, dtype=torch.long)
     position_ids[0, :total] = _ranges(torch.zeros_like(lengths), lengths)
     last_start = total - int(lengths[-1])
@@ -129,18 +127,19 @@ def collate(samples: list[Sample], advantages: list[float], pad_token_id: int) -
     if all(s.loss_mask is None for s in samples):
         mask = torch.ones(len(predicts))
     else:
-        mask = torch.tensor(_joined(s.loss_mask or [1.0] * len(s.response_ids) for s in samples), dtype=torch.float32)
+        masks = (s.loss_mask or [1.0] * len(s.response_ids) for s in samples)
+        mask = torch.tensor(list(chain.from_iterable(masks)), dtype=torch.float32)
     loss_mask, adv, rollout_lp = (torch.zeros(1, seq_len - 1) for _ in range(3))
     loss_mask[0, predicts] = mask
     adv[0, predicts] = torch.tensor(advantages, dtype=torch.float32).repeat_interleave(resp_lens) * mask
-    rollout_lp[0, predicts] = torch.tensor(_joined(s.rollout_logprobs for s in samples)) * mask
+    rollout_lp[0, predicts] = torch.tensor(list(chain.from_iterable(s.rollout_logprobs for s in samples))) * mask
     # The teacher engine's scores (prediction positions, as rollout_logprobs; 0 elsewhere), when it scored.
     teacher_lp = None
     if any(s.teacher_logprobs is not None for s in samples):
         if any(s.teacher_logprobs is None for s in samples):
             raise ValueError("Sample.teacher_logprobs: the teacher engine scores every sample of a step or none")
         teacher_lp = torch.zeros(1, seq_len - 1)
-        teacher_lp[0, predicts] = torch.tensor(_joined(s.teacher_logprobs for s in samples))  # type: ignore[misc]
+        teacher_lp[0, predicts] = torch.tensor(list(chain.from_iterable(s.teacher_logprobs or [] for s in samples)))
     return MicroBatch(
         tokens,
         position_ids,
@@ -157,14 +156,6 @@ def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``cat([arange(start, start + count) for start, count in zip(starts, counts)])``, without the loop."""
     ends = counts.cumsum(0)
     return torch.arange(int(ends[-1]) if len(ends) else 0) + (starts - (ends - counts)).repeat_interleave(counts)
-
-
-def _joined(lists) -> list:
-    """The lists one after the other, as one list."""
-    out: list = []
-    for values in lists:
-        out += values
-    return out
 
 
 def _check_per_response_token(sample: Sample) -> None:
