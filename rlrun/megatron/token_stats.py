@@ -25,6 +25,8 @@ no ``[tokens, V]`` tensor exists at all (``model.lm_head: chunked``, rlrun/megat
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -87,47 +89,108 @@ def _targets(targets: torch.Tensor, vocab_start: int, valid: int) -> tuple[torch
 
 
 def _forward_stats(chunk_logits: ChunkLogits, pieces, t, owned, temperature: float, group):
-    """Per-token ``(log p(t), entropy, log normaliser)`` over ``[rows, tokens]``, one piece of logits at a time.
-
-    Each pass over a chunk reads the bf16 logits straight into fp32 arithmetic (``torch.add`` with
-    ``alpha = 1 / temperature`` does the cast, the scaling and the shift in one kernel) and reuses its
-    buffers in place: HBM traffic, not FLOPs, is what these loops cost."""
+    """Per-token ``(log p(t), entropy, log normaliser)`` over ``[rows, tokens]``, one piece of logits at a time
+    (:func:`_piece_sums` reduces each piece once its max is known on every TP rank)."""
     stats = torch.zeros(4, *t.shape, dtype=torch.float32, device=t.device)  # m, S, z_t - m, sum e (z - m)
     for row, start, stop in pieces:
         u = chunk_logits(row, start, stop)
         m = u.amax(dim=-1).float() / temperature
         all_reduce(m, group, op=dist.ReduceOp.MAX)
-        z = torch.add(-m.unsqueeze(-1), u, alpha=1.0 / temperature)  # z - m, fp32; the logits stay as they are
-        e = z.exp()
         piece = stats[:, row, start:stop]
-        piece[0], piece[1] = m, e.sum(dim=-1)
-        piece[2] = z.gather(-1, t[row, start:stop].unsqueeze(-1)).squeeze(-1) * owned[row, start:stop]
-        piece[3] = (e.unsqueeze(-2) @ z.unsqueeze(-1)).reshape(-1)  # sum_v e_v (z_v - m), without an e * z buffer
+        piece[0] = m
+        _piece_sums(u, m, t[row, start:stop], owned[row, start:stop], 1.0 / temperature, piece[1:])
     all_reduce(stats[1:], group)  # S, the owner's z_t - m and sum e (z - m) over the vocabulary
     log_sum = stats[1].log()
     return stats[2] - log_sum, log_sum - stats[3] / stats[1], stats[0] + log_sum
 
 
-def _backward_grads(chunk_logits: ChunkLogits, pieces, saved, grad_logprobs, grad_entropy, temperature: float):
-    """Yield ``(row, span, dlogits)`` per piece, fp32 ``[stop - start, valid]``:
+def _piece_sums(u: torch.Tensor, m: torch.Tensor, t: torch.Tensor, owned: torch.Tensor, inv_t: float, out) -> None:
+    """``out [3, n]`` = this rank's ``S = sum_v e_v``, the owned target's ``z_t - m`` and ``sum_v e_v (z_v - m)``
+    of one piece's logits ``u [n, V]``, with ``z - m = u / T - m`` and ``e = exp(z - m)``: one Triton pass on
+    CUDA (rlrun.megatron.token_stats_triton), else :func:`_torch_piece_sums`."""
+    if _triton_covers(u):
+        from rlrun.megatron.token_stats_triton import piece_sums
+
+        piece_sums(u, m, t, owned, inv_t, out)
+    else:
+        _torch_piece_sums(u, m, t, owned, inv_t, out)
+
+
+def _torch_piece_sums(u: torch.Tensor, m: torch.Tensor, t: torch.Tensor, owned: torch.Tensor, inv_t: float, out):
+    """:func:`_piece_sums` in eager PyTorch: ``torch.add`` with ``alpha = 1 / T`` reads the model-dtype logits
+    straight into fp32 (cast, scale and shift in one kernel), and ``e @ z`` sums ``e * z`` without a buffer."""
+    z = torch.add(-m.unsqueeze(-1), u, alpha=inv_t)  # z - m, fp32; the logits stay as they are
+    e = z.exp()
+    out[0] = e.sum(dim=-1)
+    out[1] = z.gather(-1, t.unsqueeze(-1)).squeeze(-1) * owned
+    out[2] = (e.unsqueeze(-2) @ z.unsqueeze(-1)).reshape(-1)
+
+
+def _backward_grads(
+    chunk_logits: ChunkLogits, pieces, saved, grad_logprobs, grad_entropy, temperature: float, destination
+):
+    """Write each piece's ``dlogits`` into ``destination(row, start, stop)`` (a ``[stop - start, valid]`` tensor
+    of the logits' dtype) and yield ``(row, span, dlogits)``:
     ``(g_lp * onehot(t) - p * (g_lp + g_ent * (log p + entropy))) / temperature``, with the per-token factors
-    folded into ``A * log p + B`` so each chunk takes one fused multiply-add."""
+    folded into ``exp(log p) * (A * log p + B)`` plus the target's term (:func:`_piece_grad`)."""
     t, owned, log_normalizer, entropy = saved
     inv_t = 1.0 / temperature
     g_lp = torch.zeros_like(log_normalizer) if grad_logprobs is None else grad_logprobs.reshape(log_normalizer.shape)
     b = -inv_t * g_lp
+    a = None
     if grad_entropy is not None:
         g_ent = grad_entropy.reshape(log_normalizer.shape)
         a, b = -inv_t * g_ent, b - inv_t * g_ent * entropy
+    target_add = inv_t * g_lp * owned
     for row, start, stop in pieces:
         span = slice(start, stop)
-        log_p = torch.add(-log_normalizer[row, span].unsqueeze(-1), chunk_logits(row, start, stop), alpha=inv_t)
-        coef = b[row, span].unsqueeze(-1)
-        if grad_entropy is not None:
-            coef = torch.addcmul(coef, log_p, a[row, span].unsqueeze(-1))
-        dz = log_p.exp_().mul_(coef)
-        dz.scatter_add_(-1, t[row, span].unsqueeze(-1), (inv_t * g_lp[row, span] * owned[row, span]).unsqueeze(-1))
-        yield row, span, dz
+        out = destination(row, start, stop)
+        _piece_grad(
+            chunk_logits(row, start, stop),
+            log_normalizer[row, span],
+            None if a is None else a[row, span],
+            b[row, span],
+            t[row, span],
+            target_add[row, span],
+            inv_t,
+            out,
+        )
+        yield row, span, out
+
+
+def _piece_grad(u, log_normalizer, a, b, t, target_add, inv_t: float, out: torch.Tensor) -> None:
+    """``out`` = ``exp(log p) * (a * log p + b)`` (``b`` alone when ``a`` is None) plus ``target_add`` at each
+    token's target column, ``log p = u / T - log_normalizer``: one Triton pass on CUDA, else
+    :func:`_torch_piece_grad`."""
+    if _triton_covers(u) and out.stride(-1) == 1:
+        from rlrun.megatron.token_stats_triton import piece_grad
+
+        piece_grad(u, log_normalizer, a, b, t, target_add, inv_t, out)
+    else:
+        _torch_piece_grad(u, log_normalizer, a, b, t, target_add, inv_t, out)
+
+
+def _torch_piece_grad(u, log_normalizer, a, b, t, target_add, inv_t: float, out: torch.Tensor) -> None:
+    """:func:`_piece_grad` in eager PyTorch, in fp32 and rounded to ``out``'s dtype once at the end."""
+    log_p = torch.add(-log_normalizer.unsqueeze(-1), u, alpha=inv_t)
+    coef = b.unsqueeze(-1)
+    if a is not None:
+        coef = torch.addcmul(coef, log_p, a.unsqueeze(-1))
+    dz = log_p.exp_().mul_(coef)
+    dz.scatter_add_(-1, t.unsqueeze(-1), target_add.unsqueeze(-1))
+    out.copy_(dz)
+
+
+def _triton_covers(u: torch.Tensor) -> bool:
+    """Whether the Triton passes take this piece (CUDA, unit column stride) and Triton is installed."""
+    if not (u.is_cuda and u.dim() == 2 and u.stride(-1) == 1):
+        return False
+    return _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class _TokenStats(torch.autograd.Function):
@@ -159,8 +222,11 @@ class _TokenStats(torch.autograd.Function):
         def chunk(row: int, start: int, stop: int) -> torch.Tensor:
             return x[row, start:stop, :valid]
 
-        for row, span, dz in _backward_grads(chunk, pieces, saved, grad_logprobs, grad_entropy, ctx.temperature):
-            grad[row, span, :valid] = dz
+        def into_grad(row: int, start: int, stop: int) -> torch.Tensor:
+            return grad[row, start:stop, :valid]
+
+        for _ in _backward_grads(chunk, pieces, saved, grad_logprobs, grad_entropy, ctx.temperature, into_grad):
+            pass  # each piece's gradient is written into ``grad`` itself
         return grad.reshape(logits.shape), None, None, None, None, None
 
 
@@ -195,8 +261,12 @@ class _HeadTokenStats(torch.autograd.Function):
         def chunk(row: int, start: int, stop: int) -> torch.Tensor:
             return h[row, start:stop] @ w.t()
 
-        for row, span, dz in _backward_grads(chunk, pieces, saved, grad_logprobs, grad_entropy, ctx.temperature):
-            dz = dz.to(weight.dtype)  # the dtype the logits' gradient has on the unchunked path
+        def buffer(row: int, start: int, stop: int) -> torch.Tensor:  # the logits' gradient dtype when unchunked
+            return torch.empty(stop - start, ctx.valid, dtype=weight.dtype, device=weight.device)
+
+        for row, span, dz in _backward_grads(
+            chunk, pieces, saved, grad_logprobs, grad_entropy, ctx.temperature, buffer
+        ):
             grad_hidden[row, span] = dz @ w
             grad_weight[: ctx.valid] += dz.t() @ h[row, span]
         all_reduce(grad_hidden, ctx.group)  # each TP rank holds d/dh of its vocabulary slice only
