@@ -30,7 +30,10 @@ activate() {  # the sglang venv, then rlrun (repo) and the extras it lacks; fail
 }
 
 step_install() {
-  bash .sgl/tools/stage.sh .sgl/c05 && bash .sgl/tools/install.sh || return 1
+  # the last pieces, when this call carries them (the earlier calls staged the others)
+  pieces=$(ls -d .sgl/c[0-9][0-9] 2>/dev/null || true)
+  [ -z "$pieces" ] || bash .sgl/tools/stage.sh $pieces || return 1
+  bash .sgl/tools/install.sh || return 1
   . $VENV/env.sh
   # only wheels whose distribution the venv (or the image under it) lacks: never shadow sglang's pins
   wheels=$(ls .whl/*.whl 2>/dev/null || ls /root/rlrun_whl/*.whl)  # /root/rlrun_whl: staged by an earlier call
