@@ -7,7 +7,9 @@ exists: the bf16 optimizer copies its fp32 master weights from the parameters wh
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,6 +68,7 @@ def build_model(
     seed: int = 0,
     recompute: Recompute | None = None,
     lm_head: str = "chunked",
+    grad_buffer_region: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> MegatronModel:
     """The GPTModel of ``hf_dir`` (dropout off), loaded with this rank's TP shards of its pipeline stage's
     layers (and, for MoE models, its EP rank's experts in ETP shards), in Megatron DDP.
@@ -75,7 +78,8 @@ def build_model(
     ``train.recompute`` (rlrun/megatron/recompute.py); ``lm_head``: ``model.lm_head`` (``chunked``: the model
     returns hidden states and the log-prob code projects them chunk by chunk, rlrun/megatron/lm_head.py);
     ``lora``: freeze the base and add LoRA branches initialised from ``seed`` (rlrun/megatron/lora.py) before
-    the DDP wrap, so only they get gradient buffers and optimizer state."""
+    the DDP wrap, so only they get gradient buffers and optimizer state; ``grad_buffer_region``: where the gradient
+    buffers are allocated (:func:`wrap_ddp`)."""
     gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options, packed_attention, recompute)
     deferred = lm_head == "chunked" and parallel.is_last_stage
     if deferred:
@@ -91,7 +95,7 @@ def build_model(
         from rlrun.megatron.lora import attach_lora
 
         adapters = attach_lora(gpt, arch, lora, parallel, seed)
-    model = wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer)
+    model = wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer, grad_buffer_region)
     model.lora = adapters
     model.deferred_head = deferred
     return model
@@ -161,15 +165,22 @@ def wrap_ddp(
     parallel: Parallel,
     dtype: str,
     distributed_optimizer: bool = False,
+    grad_buffer_region: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> MegatronModel:
     """``gpt`` in Megatron DDP (fp32 grad buffers); ``distributed_optimizer``: make_optimizer builds
-    Megatron's distributed optimizer over these buffers."""
+    Megatron's distributed optimizer over these buffers.
+
+    ``grad_buffer_region``: a context for DDP's constructor, which allocates the gradient buffers, where their
+    contents need not outlive a trainer sleep (``Offloader.scratch_region``: every step zeroes them before its
+    first backward, so a sleep need not copy them out and back: 4 bytes a parameter). Not for the distributed
+    optimizer, whose constructor call also allocates the bf16 parameter buffer that holds the weights."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    with contextlib.nullcontext() if distributed_optimizer else grad_buffer_region():
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     return MegatronModel(ddp=ddp, arch=arch, parallel=parallel, dtype=dtype)
 
 

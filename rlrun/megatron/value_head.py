@@ -20,6 +20,7 @@ noise rather than the rewards (0 or ~1, rare), and the PPO quickstart's actor ba
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -52,9 +53,15 @@ class ValueHead(torch.nn.Module):
 
 
 def build_critic_model(
-    hf_dir: str, parallel: Parallel, dtype: str, seed: int, packed_attention: str = "auto"
+    hf_dir: str,
+    parallel: Parallel,
+    dtype: str,
+    seed: int,
+    packed_attention: str = "auto",
+    grad_buffer_region: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> MegatronModel:
-    """The critic of ``hf_dir`` on this rank (TP shards of the trunk, the whole head), in Megatron DDP."""
+    """The critic of ``hf_dir`` on this rank (TP shards of the trunk, the whole head), in Megatron DDP (gradient
+    buffers allocated in ``grad_buffer_region``, as ``build_model``'s)."""
     # the actor's trunk (its LM head is dropped)
     gpt, arch, config = build_gpt(hf_dir, parallel, dtype, packed_attention=packed_attention)
     # Every stage drops the tie, so no stage all-reduces embedding gradients with a head that is gone.
@@ -62,7 +69,7 @@ def build_critic_model(
     if parallel.is_last_stage:
         gpt.output_layer = ValueHead(arch.hidden_size, config.params_dtype, parallel.device)
         init_value_head(gpt.output_layer, HFCheckpoint(hf_dir), 1.0 / (arch.hidden_size + 1), seed)
-    return wrap_ddp(gpt, arch, config, parallel, dtype)
+    return wrap_ddp(gpt, arch, config, parallel, dtype, grad_buffer_region=grad_buffer_region)
 
 
 @torch.no_grad()

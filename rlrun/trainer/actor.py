@@ -85,7 +85,8 @@ class Actor:
     @classmethod
     def build(cls, cfg: RunConfig, parallel: Parallel, offloader: Offloader) -> Actor:
         """Model, optimizer and schedule (and the critic's) inside the offloader's trainer region, so their
-        state can sleep; then the role weights (CPU backups) and the hooks."""
+        state can sleep (the gradient buffers in its scratch region: they need no copy); then the role weights
+        (CPU backups) and the hooks."""
         from rlrun.megatron import build_model, make_optimizer_and_scheduler
         from rlrun.megatron.moe import MoEOptions
         from rlrun.megatron.recompute import Recompute
@@ -103,11 +104,12 @@ class Actor:
                 seed=cfg.train.seed,
                 recompute=Recompute(cfg.train.recompute, cfg.train.recompute_num_layers),
                 lm_head=cfg.model.lm_head,
+                grad_buffer_region=offloader.scratch_region,
             )
             optimizer, scheduler = make_optimizer_and_scheduler(
                 model, opt, cfg.train.num_steps * cfg.train.updates_per_step
             )
-            critic = Critic.build(cfg, parallel)
+            critic = Critic.build(cfg, parallel, offloader.scratch_region)
         for trained in [optimizer] + ([critic.optimizer] if critic else []):
             offloader.keep_optimizer_state_in_region(trained)
         roles = ModelRoles.create(cfg.algorithm, model, num_optimizer_steps=cfg.train.updates_per_step)

@@ -18,6 +18,8 @@ Logged as ``critic/*`` (defined in docs/metrics.md).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,8 +48,14 @@ class Critic:
     scheduler: OptimizerParamScheduler  # the critic's LR schedule (its optimizer settings)
 
     @classmethod
-    def build(cls, cfg: RunConfig, parallel: Parallel) -> Critic | None:
-        """The critic of ``cfg.critic.config`` (None when the run has none)."""
+    def build(
+        cls,
+        cfg: RunConfig,
+        parallel: Parallel,
+        grad_buffer_region: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> Critic | None:
+        """The critic of ``cfg.critic.config`` (None when the run has none); ``grad_buffer_region`` as
+        ``build_model``'s."""
         if not cfg.uses_critic:
             return None
         from rlrun.config.critic import load_critic_config
@@ -61,6 +69,7 @@ class Critic:
             dtype=spec.model.dtype,
             seed=cfg.train.seed,
             packed_attention=spec.model.packed_attention,
+            grad_buffer_region=grad_buffer_region,
         )
         optimizer, scheduler = make_optimizer_and_scheduler(
             model, spec.optimizer, cfg.train.num_steps * cfg.train.updates_per_step

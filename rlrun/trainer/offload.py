@@ -4,14 +4,14 @@ The call sites are the same on every device so the loop reads the same everywher
 no device memory to give back, so the trainer's sleep/wake do nothing and the engine's
 release/resume only run the contract's bookkeeping (which still catches ordering mistakes).
 
-On CUDA with ``offload.train`` the trainer's *state* (weights, gradient buffers, fp32 main weights and
-Adam moments) lives in one torch_memory_saver region with a pinned CPU backup:
-:meth:`Offloader.trainer_region` wraps model/optimizer construction and
-:meth:`Offloader.keep_optimizer_state_in_region` routes the optimizer step there too, because Adam
-allocates its moments lazily at the first step. Activations and logits stay in torch's default pool
-and go back to the driver at sleep (``empty_cache``): backing them up would copy gigabytes of freed
-cache blocks to the host at every sleep. Megatron sets the saver's hook mode when it is imported, so
-the saver is first touched here, after ``rlrun.runtime.dist``.
+On CUDA with ``offload.train`` the trainer's *state* (weights, fp32 main weights and Adam moments) lives in
+one torch_memory_saver region with a pinned CPU backup: :meth:`Offloader.trainer_region` wraps model/optimizer
+construction and :meth:`Offloader.keep_optimizer_state_in_region` routes the optimizer step there too, because
+Adam allocates its moments lazily at the first step. The fp32 gradient buffers, which every step zeroes before
+its first backward, are paused with it but without a backup (:meth:`Offloader.scratch_region`). Activations
+and logits stay in torch's default pool and go back to the driver at sleep (``empty_cache``): backing them up
+would copy gigabytes of freed cache blocks to the host at every sleep. Megatron sets the saver's hook mode when
+it is imported, so the saver is first touched here, after ``rlrun.runtime.dist``.
 
 With ``offload.teardown_nccl`` the sleeping trainer also destroys the NCCL communicators of Megatron's
 groups of more than one rank (~0.4 GB of device memory each, outside every pool) and rebuilds them at wake,
@@ -165,6 +165,17 @@ class Offloader:
             yield
             return
         with self._saver.region(tag=TRAINER_TAG, enable_cpu_backup=True):
+            yield
+
+    @contextlib.contextmanager
+    def scratch_region(self) -> Iterator[None]:
+        """Like :meth:`trainer_region`, but what is allocated inside comes back from a sleep without its contents
+        (no host copy either way): for long-lived buffers every step overwrites before reading, the gradient
+        buffers (``build_model``'s ``grad_buffer_region``). A no-op without trainer offload."""
+        if self._saver is None:
+            yield
+            return
+        with self._saver.region(tag=TRAINER_TAG, enable_cpu_backup=False):
             yield
 
     @property

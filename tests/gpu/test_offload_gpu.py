@@ -6,6 +6,7 @@ References are independent of the code under test: the driver's free-memory coun
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -144,8 +145,8 @@ def _state_volume_worker(hf_dir: str) -> dict:
 
     parallel = init_distributed(tp=1, pp=1, seed=0)
     offloader = Offloader(OffloadConfig(train=True, teardown_nccl=False), _NoEngine(), parallel.device)
-    with offloader.trainer_region():
-        model = build_model(hf_dir, parallel, dtype="bfloat16")
+    with offloader.trainer_region():  # as Actor.build
+        model = build_model(hf_dir, parallel, dtype="bfloat16", grad_buffer_region=offloader.scratch_region)
         optimizer = make_optimizer(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
     offloader.keep_optimizer_state_in_region(optimizer)
     rows, seq = 8, 256
@@ -159,10 +160,19 @@ def _state_volume_worker(hf_dir: str) -> dict:
     for _ in range(2):
         train_step(model, optimizer, [batch], _policy_loss, rows * (seq - 1), temperature=1.0)
     offloader.trainer_sleep()
+    saver = offloader._saver
+    weight = next(model.ddp.parameters())
+    backed_up = {
+        "weight": saver.get_cpu_backup(weight.data) is not None,
+        "grad_buffers": [saver.get_cpu_backup(b.grad_data) is not None for b in model.ddp.buffers],
+    }
     offloader.trainer_wake()
     params = sum(p.numel() for p in model.ddp.parameters())
     # bf16 weight 2 + fp32 gradient buffer 4 + fp32 main weight 4 + Adam's two fp32 moments 8 bytes a parameter
-    return {"wake_gb": offloader.step_metrics()["offload/trainer_wake_gb"], "state_gb": params * 18 / 1e9}
+    # come back (the gradient buffers' pages without their contents)
+    wake_gb = offloader.step_metrics()["offload/trainer_wake_gb"]
+    loss_after_wake = train_step(model, optimizer, [batch], _policy_loss, rows * (seq - 1), temperature=1.0)["loss"]
+    return {"wake_gb": wake_gb, "state_gb": params * 18 / 1e9, "backed_up": backed_up, "loss": loss_after_wake}
 
 
 def test_the_trainer_region_holds_the_state_and_nothing_more(tmp_path):
@@ -176,3 +186,7 @@ def test_the_trainer_region_holds_the_state_and_nothing_more(tmp_path):
     out = run_distributed(_state_volume_worker, 1, str(model_dir))
     assert out["state_gb"] > 10, out
     assert out["state_gb"] * 0.95 <= out["wake_gb"] <= out["state_gb"] * 1.08 + 0.2, out
+    # the state has a host copy, the gradient buffers (zeroed by every step first) none, and a step after the wake
+    # still trains on finite gradients
+    assert out["backed_up"]["weight"] and not any(out["backed_up"]["grad_buffers"]), out
+    assert out["backed_up"]["grad_buffers"] and math.isfinite(out["loss"]), out

@@ -195,3 +195,64 @@ def test_bf16_step_tracks_fp32(single_rank, llama_dir, batch):
             fp32_step = (tensor - initial[name]).flatten()
             bf16_step = (bf16["weights"][name].float() - initial[name].bfloat16().float()).flatten()
             assert torch.cosine_similarity(fp32_step, bf16_step, dim=0) > 0.95, name
+
+
+def _grad_buffer_worker(hf_dir: str, distributed_optimizer: bool) -> dict:
+    """Build the model with a ``grad_buffer_region`` that records what torch allocates inside it: which of DDP's
+    gradient buffers (and parameter buffers) were allocated there, and whether a step still trains."""
+    import contextlib
+
+    from rlrun.megatron import build_model, make_optimizer, train_step
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+
+    allocated: list[int] = []
+    entered = []
+
+    @contextlib.contextmanager
+    def recording_region():
+        entered.append(True)
+        zeros, empty = torch.zeros, torch.empty
+
+        def record(fn):
+            def alloc(*args, **kwargs):
+                out = fn(*args, **kwargs)
+                allocated.append(out.data_ptr())
+                return out
+
+            return alloc
+
+        torch.zeros, torch.empty = record(zeros), record(empty)
+        try:
+            yield
+        finally:
+            torch.zeros, torch.empty = zeros, empty
+
+    parallel = init_distributed(tp=1, pp=1, seed=0)
+    model = build_model(
+        hf_dir,
+        parallel,
+        dtype="float32",
+        distributed_optimizer=distributed_optimizer,
+        grad_buffer_region=recording_region,
+    )
+    buffers = model.ddp.buffers
+    grads_inside = [b.grad_data.data_ptr() in allocated for b in buffers]
+    params_inside = [b.param_data is not None and b.param_data.data_ptr() in allocated for b in buffers]
+    optimizer = make_optimizer(model, **OPTIM)
+    batch = make_batch(model.arch.vocab_size)
+    stats = train_step(model, optimizer, [batch], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE)
+    destroy_distributed()
+    return {"entered": len(entered), "grads_inside": grads_inside, "params_inside": params_inside, "stats": stats}
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_gradient_buffers_go_to_the_region_given(llama_dir, distributed_optimizer):
+    """The gradient buffers are allocated in ``grad_buffer_region`` (the offloader's region without a host copy),
+    except with the distributed optimizer, whose buffer constructor also allocates the weights' bf16 copy."""
+    out = run_distributed(_grad_buffer_worker, 1, llama_dir, distributed_optimizer)
+    assert out["grads_inside"], out
+    if distributed_optimizer:
+        assert out["entered"] == 0 and not any(out["grads_inside"]), out
+    else:
+        assert out["entered"] == 1 and all(out["grads_inside"]) and not any(out["params_inside"]), out
+    assert out["stats"]["grad_norm"] > 0
