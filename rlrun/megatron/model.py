@@ -21,6 +21,7 @@ from rlrun.megatron.lora import is_lora_param
 from rlrun.megatron.mla import patch_mla_without_te
 from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
 from rlrun.megatron.recompute import Recompute
+from rlrun.megatron.rope_apply import patch_rope
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
 
@@ -121,6 +122,7 @@ def build_gpt(
             f"parallel.cp ({parallel.cp_size}) must be 1 for {hf_dir} because context parallelism is implemented for "
             "dense models with standard attention only (not MoE routing or multi-latent attention); set parallel.cp: 1"
         )
+    patch_rope()  # Megatron's RoPE without its per-layer repeats (rlrun/megatron/rope_apply.py)
     if arch.moe is not None:
         patch_router_without_te()
     if arch.mla is not None:
