@@ -17,6 +17,9 @@ dimension narrower than the head (a real pass-through part), context parallelism
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 _cos_sin_cache: dict[str, tuple] = {}
@@ -34,7 +37,9 @@ def patch_rope() -> None:
     def rotate_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
         if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
             return megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-        cos, sin = _cos_sin(freqs, mscale, t.dtype)
+        cos, sin, halves_equal = _cos_sin(freqs, mscale, t.dtype)
+        if halves_equal and not rotary_interleaved and _kernel_covers(t, cos):
+            return _Rotate.apply(t, cos, sin)
         return (t * cos) + (rope_utils._rotate_half(t, rotary_interleaved) * sin)
 
     def rotate_thd(
@@ -52,16 +57,73 @@ def patch_rope() -> None:
     rope_utils._apply_rotary_pos_emb_thd = rotate_thd
 
 
-def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and the same for ``sin``, once per frequency tensor."""
+def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and the same for ``sin``, once per frequency tensor; and, on
+    CUDA, whether the two halves of the last dimension are equal (Megatron's non-interleaved ``cat((f, f))``),
+    which the kernel's backward relies on (one host sync per frequency tensor)."""
     key = (mscale, dtype)
     hit = _cos_sin_cache.get("last")
     if hit is not None and hit[0] is freqs and hit[1] == key:
-        return hit[2], hit[3]
+        return hit[2], hit[3], hit[4]
     cos = (torch.cos(freqs) * mscale).to(dtype)
     sin = (torch.sin(freqs) * mscale).to(dtype)
-    _cos_sin_cache["last"] = (freqs, key, cos, sin)
-    return cos, sin
+    half = freqs.shape[-1] // 2
+    halves_equal = freqs.is_cuda and torch.equal(freqs[..., :half], freqs[..., half : 2 * half])
+    _cos_sin_cache["last"] = (freqs, key, cos, sin, halves_equal)
+    return cos, sin, halves_equal
+
+
+def _kernel_covers(t: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the Triton rotation (rlrun/rope_kernel.py) takes ``t [S, B, H, D]`` under ``cos [S, 1, 1, D]``:
+    CUDA with Triton installed, even D, unit stride along D, one dtype."""
+    return (
+        t.is_cuda
+        and t.dim() == 4
+        and cos.shape == (t.shape[0], 1, 1, t.shape[-1])
+        and t.shape[-1] % 2 == 0
+        and t.stride(-1) == 1
+        and cos.dtype == t.dtype
+        and _triton_installed()
+    )
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _rotate_with_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` of ``x [S, B, H, D]`` by the shared kernel, which reads ``[B, H, S, D]``
+    views and ``[B, S, D]`` cos/sin (broadcast over the batch: stride 0)."""
+    from rlrun.rope_kernel import rope_qk
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    seq, batch, _, dim = x.shape
+    as_bhsd = lambda y: y.permute(1, 2, 0, 3)  # noqa: E731
+    cos_bsd = cos.view(seq, 1, dim).permute(1, 0, 2).expand(batch, seq, dim)
+    sin_bsd = sin.view(seq, 1, dim).permute(1, 0, 2).expand(batch, seq, dim)
+    none = as_bhsd(x)[:, :0]  # no key rows: one tensor a call, as Megatron rotates them
+    rope_qk(as_bhsd(x), none, cos_bsd, sin_bsd, as_bhsd(out), none)
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    """Megatron's rotation by the kernel, forward and backward. The gradient of ``x * cos + rotate_half(x) * sin``
+    is ``g * cos + rotate_half^T(g * sin)``, and ``rotate_half^T(v) = cat(v2, -v1)``; with equal halves of
+    ``sin`` that is the rotation of ``g`` under ``-sin``, rounded where autograd's eager backward rounds (each
+    product, then their sum), so the gradient is eager Megatron's bit for bit too."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate_with_kernel(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate_with_kernel(grad, cos, -sin), None, None
 
 
 def _packed_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -135,8 +135,8 @@ def rope_qk(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rotary_pos_emb(q, k, cos, sin)`` in one launch; outputs laid out like their inputs."""
-    from rlrun.engine.backends import triton_kernels
+    from rlrun import rope_kernel
 
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    triton_kernels.rope_qk(q, k, cos, sin, q_out, k_out)
+    rope_kernel.rope_qk(q, k, cos, sin, q_out, k_out)
     return q_out, k_out
