@@ -17,10 +17,9 @@ dimension narrower than the head (a real pass-through part), context parallelism
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
+
+from rlrun.triton_support import triton_available
 
 _cos_sin_cache: dict[str, tuple] = {}
 _positions_cache: dict[str, tuple] = {}
@@ -83,13 +82,8 @@ def _kernel_covers(t: torch.Tensor, cos: torch.Tensor) -> bool:
         and t.shape[-1] % 2 == 0
         and t.stride(-1) == 1
         and cos.dtype == t.dtype
-        and _triton_installed()
+        and triton_available()
     )
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def _rotate_with_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

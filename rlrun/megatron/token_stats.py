@@ -25,14 +25,13 @@ no ``[tokens, V]`` tensor exists at all (``model.lm_head: chunked``, rlrun/megat
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from rlrun.runtime.dist import all_reduce
+from rlrun.triton_support import triton_available
 
 CHUNK_BYTES = 1 << 30
 """fp32 bytes of one chunk's ``[tokens, V_local]`` slice: two such buffers live at a time."""
@@ -185,12 +184,7 @@ def _triton_covers(u: torch.Tensor) -> bool:
     """Whether the Triton passes take this piece (CUDA, unit column stride) and Triton is installed."""
     if not (u.is_cuda and u.dim() == 2 and u.stride(-1) == 1):
         return False
-    return _triton_installed()
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return triton_available()
 
 
 class _TokenStats(torch.autograd.Function):

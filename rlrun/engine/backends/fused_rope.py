@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -29,6 +28,8 @@ from typing import Any
 
 import torch
 from transformers.models.llama import modeling_llama
+
+from rlrun.triton_support import triton_available
 
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -53,10 +54,6 @@ def has_llama_rope(module: Any) -> bool:
     if rope is None or rotate is None or _is_fused(module):
         return False
     return (_source(rope), _source(rotate)) == _llama_sources()
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def _modules(model: torch.nn.Module) -> list[Any]:
