@@ -36,9 +36,9 @@ def patch_rope() -> None:
     def rotate_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
         if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
             return megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-        cos, sin, halves_equal = _cos_sin(freqs, mscale, t.dtype)
-        if halves_equal and not rotary_interleaved and _kernel_covers(t, cos):
-            return _Rotate.apply(t, cos, sin)
+        cos, sin, neg_sin = _cos_sin(freqs, mscale, t.dtype)
+        if neg_sin is not None and not rotary_interleaved and _kernel_covers(t, cos):
+            return _Rotate.apply(t, cos, sin, neg_sin)
         return (t * cos) + (rope_utils._rotate_half(t, rotary_interleaved) * sin)
 
     def rotate_thd(
@@ -56,20 +56,23 @@ def patch_rope() -> None:
     rope_utils._apply_rotary_pos_emb_thd = rotate_thd
 
 
-def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _cos_sin(
+    freqs: torch.Tensor, mscale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and the same for ``sin``, once per frequency tensor; and, on
-    CUDA, whether the two halves of the last dimension are equal (Megatron's non-interleaved ``cat((f, f))``),
-    which the kernel's backward relies on (one host sync per frequency tensor)."""
+    CUDA where the two halves of the last dimension are equal (Megatron's non-interleaved ``cat((f, f))``, which
+    the kernel's backward relies on; one host sync per frequency tensor), ``-sin`` for that backward, else None."""
     key = (mscale, dtype)
     hit = _cos_sin_cache.get("last")
     if hit is not None and hit[0] is freqs and hit[1] == key:
-        return hit[2], hit[3], hit[4]
+        return hit[2]
     cos = (torch.cos(freqs) * mscale).to(dtype)
     sin = (torch.sin(freqs) * mscale).to(dtype)
     half = freqs.shape[-1] // 2
     halves_equal = freqs.is_cuda and torch.equal(freqs[..., :half], freqs[..., half : 2 * half])
-    _cos_sin_cache["last"] = (freqs, key, cos, sin, halves_equal)
-    return cos, sin, halves_equal
+    trig = (cos, sin, -sin if halves_equal else None)
+    _cos_sin_cache["last"] = (freqs, key, trig)
+    return trig
 
 
 def _kernel_covers(t: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -110,14 +113,14 @@ class _Rotate(torch.autograd.Function):
     product, then their sum), so the gradient is eager Megatron's bit for bit too."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
+    def forward(ctx, x, cos, sin, neg_sin):
+        ctx.save_for_backward(cos, neg_sin)
         return _rotate_with_kernel(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _rotate_with_kernel(grad, cos, -sin), None, None
+        cos, neg_sin = ctx.saved_tensors
+        return _rotate_with_kernel(grad, cos, neg_sin), None, None, None
 
 
 def _packed_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:

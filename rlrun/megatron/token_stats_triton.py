@@ -80,11 +80,6 @@ def _grad(
         tl.store(dst + cols, dz.to(dst.dtype.element_ty), mask=keep)
 
 
-def covers(logits: torch.Tensor) -> bool:
-    """Whether the kernels take these chunk logits: ``[tokens, V]`` on CUDA with unit column stride."""
-    return logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1
-
-
 def piece_sums(
     logits: torch.Tensor, m: torch.Tensor, target: torch.Tensor, owned: torch.Tensor, inv_t: float, out: torch.Tensor
 ) -> None:

@@ -157,26 +157,21 @@ class Offloader:
             if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
                 torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
 
-    @contextlib.contextmanager
-    def trainer_region(self) -> Iterator[None]:
+    def trainer_region(self) -> contextlib.AbstractContextManager:
         """Allocations made inside (this thread) are paused by :meth:`trainer_sleep` and restored with
         their contents; a no-op without trainer offload. Only long-lived state belongs here."""
-        if self._saver is None:
-            yield
-            return
-        with self._saver.region(tag=TRAINER_TAG, enable_cpu_backup=True):
-            yield
+        return self._region(cpu_backup=True)
 
-    @contextlib.contextmanager
-    def scratch_region(self) -> Iterator[None]:
+    def scratch_region(self) -> contextlib.AbstractContextManager:
         """Like :meth:`trainer_region`, but what is allocated inside comes back from a sleep without its contents
         (no host copy either way): for long-lived buffers every step overwrites before reading, the gradient
         buffers (``build_model``'s ``grad_buffer_region``). A no-op without trainer offload."""
+        return self._region(cpu_backup=False)
+
+    def _region(self, cpu_backup: bool) -> contextlib.AbstractContextManager:
         if self._saver is None:
-            yield
-            return
-        with self._saver.region(tag=TRAINER_TAG, enable_cpu_backup=False):
-            yield
+            return contextlib.nullcontext()
+        return self._saver.region(tag=TRAINER_TAG, enable_cpu_backup=cpu_backup)
 
     @property
     def needs_hard_exit(self) -> bool:
