@@ -212,7 +212,9 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="Passed to every verl run as --set (a Hydra override of verl's config, benchmarks/verl_grpo.py).",
+        help="Passed to verl runs as --set (a Hydra override of verl's config, benchmarks/verl_grpo.py): to every "
+        "one, or to one variant as VARIANT:KEY=VALUE (e.g. verl_resident:actor_rollout_ref.actor."
+        "ppo_max_token_len_per_gpu=10240, where the resident run alone runs out of memory).",
     )
     parser.add_argument(
         "--verl-replay-poll-s",
@@ -274,7 +276,7 @@ def main() -> None:
             *flags,
             "--offload",
             VERL_VARIANTS[name],
-            *(arg for item in args.verl_set for arg in ("--set", item)),
+            *(arg for item in verl_overrides(args.verl_set, name) for arg in ("--set", item)),
             *([] if args.verl_replay_poll_s is None else ["--replay-poll-s", str(args.verl_replay_poll_s)]),
             "--timeout-s",
             str(args.timeout_s),
@@ -339,6 +341,22 @@ def names(spec: str, flag: str, variants: dict[str, str] = VERL_VARIANTS) -> lis
     if unknown:
         raise SystemExit(f"{flag} ({spec}) must name variants from {sorted(variants)}; drop {unknown}")
     return listed
+
+
+def verl_overrides(items: list[str], variant: str) -> list[str]:
+    """The ``--verl-set`` items for one verl variant: the unprefixed ones and those prefixed ``variant:``. A prefix
+    that names no variant is refused (a typo would otherwise drop the override silently)."""
+    chosen = []
+    for item in items:
+        prefix, sep, rest = item.partition(":")
+        if sep and "=" not in prefix:
+            if prefix not in VERL_VARIANTS:
+                raise SystemExit(f"--verl-set {item}: {prefix!r} is not a verl variant ({sorted(VERL_VARIANTS)})")
+            if prefix == variant:
+                chosen.append(rest)
+        else:
+            chosen.append(item)
+    return chosen
 
 
 def reused_result(path: Path, settings: StepSettings, flag: str) -> dict:

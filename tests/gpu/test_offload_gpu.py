@@ -151,11 +151,11 @@ def _state_volume_worker(hf_dir: str) -> dict:
     offloader.keep_optimizer_state_in_region(optimizer)
     rows, seq = 8, 256
     gen = torch.Generator().manual_seed(0)
-    batch = _Rows(
-        torch.randint(0, 1000, (rows, seq), generator=gen),
-        torch.arange(seq).expand(rows, seq),
-        torch.ones(rows, seq - 1),
-        torch.randn(rows, 1, generator=gen).expand(rows, seq - 1).contiguous(),
+    batch = _Rows(  # on the device, as the actor's micro-batches reach train_step
+        torch.randint(0, 1000, (rows, seq), generator=gen).to(parallel.device),
+        torch.arange(seq, device=parallel.device).expand(rows, seq),
+        torch.ones(rows, seq - 1, device=parallel.device),
+        torch.randn(rows, 1, generator=gen).expand(rows, seq - 1).contiguous().to(parallel.device),
     )
     for _ in range(2):
         train_step(model, optimizer, [batch], _policy_loss, rows * (seq - 1), temperature=1.0)

@@ -232,3 +232,13 @@ def test_the_step_cell_shows_rlruns_wall_clock_next_to_its_phases():
 
     assert step_cell({"median_step_s": 3.712, "median_wall_s": 3.7251}) == "3.71 (wall 3.73)"
     assert step_cell({"median_step_s": 5.4086}) == "5.41"  # a peer's own whole-step timer
+
+
+def test_verl_overrides_go_to_every_run_or_to_the_variant_named():
+    from peer_step import verl_overrides
+
+    items = ["a.b=1", "verl_resident:actor.len=10240", "verl:c=x:y", "path=/tmp/x:y"]
+    assert verl_overrides(items, "verl_resident") == ["a.b=1", "actor.len=10240", "path=/tmp/x:y"]
+    assert verl_overrides(items, "verl") == ["a.b=1", "c=x:y", "path=/tmp/x:y"]
+    with pytest.raises(SystemExit, match="'verl_resdent' is not a verl variant"):
+        verl_overrides(["verl_resdent:actor.len=1"], "verl")
