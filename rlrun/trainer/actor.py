@@ -91,8 +91,8 @@ class Actor:
         from rlrun.megatron.moe import MoEOptions
         from rlrun.megatron.recompute import Recompute
 
+        opt = cfg.optimizer
         with offloader.trainer_region():
-            opt = cfg.optimizer
             model = build_model(
                 cfg.model.path,
                 parallel,
@@ -106,12 +106,12 @@ class Actor:
                 lm_head=cfg.model.lm_head,
                 grad_buffer_region=offloader.scratch_region,
             )
+        with offloader.optimizer_region(opt.cpu_offload):
             optimizer, scheduler = make_optimizer_and_scheduler(
                 model, opt, cfg.train.num_steps * cfg.train.updates_per_step
             )
-            critic = Critic.build(cfg, parallel, offloader.scratch_region)
-        for trained in [optimizer] + ([critic.optimizer] if critic else []):
-            offloader.keep_optimizer_state_in_region(trained)
+        offloader.offload_optimizer_state(optimizer, model.ddp.parameters())
+        critic = Critic.build(cfg, parallel, offloader)
         roles = ModelRoles.create(cfg.algorithm, model, num_optimizer_steps=cfg.train.updates_per_step)
         return cls(cfg, parallel, model, optimizer, scheduler, roles, critic, TrainerHooks.load(cfg.algorithm))
 

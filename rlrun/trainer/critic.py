@@ -9,17 +9,14 @@ Per step (rlrun/trainer/actor.py calls these in this order; slime PR #1856's dat
 
 The critic has its own model (rlrun/megatron/value_head.py), optimizer and checkpoint shard; its
 settings are the actor's with the overrides of ``critic.config`` (rlrun/config/critic.py). It shares the
-actor's ranks and parallel layout, so the values never leave the process. Offload: on CPU there is
-nothing to release; on GPU, actor and critic taking turns on device memory needs per-model sleep/wake in
-rlrun/trainer/offload.py, which rejects ``offload.train`` on GPU until trainer sleep exists.
+actor's ranks and parallel layout, so the values never leave the process. With ``offload.train`` it sleeps and
+wakes with the actor, placed as the actor is (rlrun/trainer/offload.py).
 
 Logged as ``critic/*`` (defined in docs/metrics.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +33,7 @@ if TYPE_CHECKING:
     from rlrun.data.batch import MicroBatch
     from rlrun.megatron.model import MegatronModel
     from rlrun.runtime.dist import Parallel
+    from rlrun.trainer.offload import Offloader
 
 
 @dataclass
@@ -48,14 +46,9 @@ class Critic:
     scheduler: OptimizerParamScheduler  # the critic's LR schedule (its optimizer settings)
 
     @classmethod
-    def build(
-        cls,
-        cfg: RunConfig,
-        parallel: Parallel,
-        grad_buffer_region: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    ) -> Critic | None:
-        """The critic of ``cfg.critic.config`` (None when the run has none); ``grad_buffer_region`` as
-        ``build_model``'s."""
+    def build(cls, cfg: RunConfig, parallel: Parallel, offloader: Offloader) -> Critic | None:
+        """The critic of ``cfg.critic.config`` (None when the run has none), placed for ``offloader``'s sleeps as the
+        actor is (``Actor.build``)."""
         if not cfg.uses_critic:
             return None
         from rlrun.config.critic import load_critic_config
@@ -63,17 +56,20 @@ class Critic:
         from rlrun.megatron.value_head import build_critic_model
 
         spec = load_critic_config(cfg)
-        model = build_critic_model(
-            spec.model.path,
-            parallel,
-            dtype=spec.model.dtype,
-            seed=cfg.train.seed,
-            packed_attention=spec.model.packed_attention,
-            grad_buffer_region=grad_buffer_region,
-        )
-        optimizer, scheduler = make_optimizer_and_scheduler(
-            model, spec.optimizer, cfg.train.num_steps * cfg.train.updates_per_step
-        )
+        with offloader.trainer_region():
+            model = build_critic_model(
+                spec.model.path,
+                parallel,
+                dtype=spec.model.dtype,
+                seed=cfg.train.seed,
+                packed_attention=spec.model.packed_attention,
+                grad_buffer_region=offloader.scratch_region,
+            )
+        with offloader.optimizer_region(spec.optimizer.cpu_offload):
+            optimizer, scheduler = make_optimizer_and_scheduler(
+                model, spec.optimizer, cfg.train.num_steps * cfg.train.updates_per_step
+            )
+        offloader.offload_optimizer_state(optimizer, model.ddp.parameters())
         return cls(settings=cfg.critic, model=model, optimizer=optimizer, scheduler=scheduler)
 
     def actor_trains(self, step: int) -> bool:

@@ -4,11 +4,13 @@ The call sites are the same on every device so the loop reads the same everywher
 no device memory to give back, so the trainer's sleep/wake do nothing and the engine's
 release/resume only run the contract's bookkeeping (which still catches ordering mistakes).
 
-On CUDA with ``offload.train`` the trainer's *state* (weights, fp32 main weights and Adam moments) lives in
-one torch_memory_saver region with a pinned CPU backup: :meth:`Offloader.trainer_region` wraps model/optimizer
-construction and :meth:`Offloader.keep_optimizer_state_in_region` routes the optimizer step there too, because
-Adam allocates its moments lazily at the first step. The fp32 gradient buffers, which every step zeroes before
-its first backward, are paused with it but without a backup (:meth:`Offloader.scratch_region`). Activations
+On CUDA with ``offload.train`` the trainer's weights live in one torch_memory_saver region with a pinned CPU
+backup (:meth:`Offloader.trainer_region` wraps model construction). The optimizer's state (fp32 main weights and
+Adam moments) is built outside it and held in buffers of the scratch region by
+:class:`~rlrun.trainer.optimizer_state.FlatOptimizerState` (:meth:`Offloader.offload_optimizer_state`), which
+copies it to the host at sleep and back on a side stream at wake, behind the forward pass that does not read it.
+The fp32 gradient buffers, which every step zeroes before its first backward, are paused without any copy
+(:meth:`Offloader.scratch_region`). Activations
 and logits stay in torch's default pool and go back to the driver at sleep (``empty_cache``): backing them up
 would copy gigabytes of freed cache blocks to the host at every sleep. Megatron sets the saver's hook mode when
 it is imported, so the saver is first touched here, after ``rlrun.runtime.dist``.
@@ -27,7 +29,7 @@ import gc
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal, ParamSpec, TypeVar
 
@@ -37,6 +39,7 @@ from rlrun.config.schema import OffloadConfig
 from rlrun.metrics import PhaseTimer
 from rlrun.runtime import reloadable_groups
 from rlrun.runtime.processes import process_tree
+from rlrun.trainer.optimizer_state import FlatOptimizerState, streams_state
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -139,6 +142,7 @@ class Offloader:
         self._trainer_asleep = False
         self._engine_kv_released = False
         self._engine_tree: tuple[int, list[int]] | None = None
+        self._optimizer_states: list[FlatOptimizerState] = []
         if cfg.train and self.on_gpu:
             import megatron.core  # noqa: F401  (sets the saver's hook mode; must come before the saver)
             from torch_memory_saver import torch_memory_saver
@@ -197,12 +201,29 @@ class Offloader:
         else:
             self.engine_wake_for_sync()
 
-    def keep_optimizer_state_in_region(self, optimizer: MegatronOptimizer) -> None:
-        """Run every ``optimizer.step()`` inside :meth:`trainer_region`, where the Adam moments it
-        creates on its first call must live (a no-op without trainer offload)."""
+    def optimizer_region(self, host_adam: bool) -> contextlib.AbstractContextManager:
+        """Where an optimizer is built: outside every region when :meth:`offload_optimizer_state` will hold its state
+        (what it builds there and later copies into its buffers goes back to the driver at the first sleep), in
+        :meth:`trainer_region` for Megatron's host Adam (``optimizer.cpu_offload``), whose device state the saver
+        copies."""
+        return self.trainer_region() if host_adam else contextlib.nullcontext()
+
+    def offload_optimizer_state(self, optimizer: MegatronOptimizer, model_params: Iterable[torch.Tensor]) -> None:
+        """Take ``optimizer`` (built in :meth:`optimizer_region`) into the sleeps and wakes; a no-op without trainer
+        offload. torch's Adam: its state is created now, in a :class:`FlatOptimizerState`'s buffers, saved to the host
+        at every sleep and copied back behind the forward pass at every wake, every method that reads it waiting
+        for that copy first. Otherwise every ``optimizer.step()`` runs inside :meth:`trainer_region`, where the
+        moments it creates on its first call must live."""
         if self._saver is None:
             return
-        optimizer.step = self._in_region(optimizer.step)
+        if not streams_state(optimizer):
+            optimizer.step = self._in_region(optimizer.step)
+            return
+        state = FlatOptimizerState(optimizer, model_params, self.scratch_region)
+        for name in ("step", "state_dict", "sharded_state_dict", "load_state_dict", "reload_model_params"):
+            if hasattr(optimizer, name):
+                setattr(optimizer, name, state.waiting_first(getattr(optimizer, name)))
+        self._optimizer_states.append(state)
 
     def _in_region(self, fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
@@ -263,6 +284,9 @@ class Offloader:
                 self.metrics["offload/nccl_groups_destroyed"] = reloadable_groups.destroy_all()
             kept = reloadable_groups.one_rank_groups_with_communicator()
             self.metrics["offload/nccl_one_rank_groups_with_communicator"] = kept
+        with self._seconds("offload/optimizer_state_save_s"):
+            for state in self._optimizer_states:
+                state.save_to_host()
         with self._seconds("offload/trainer_empty_cache_s"):
             torch.cuda.empty_cache()
         with self._seconds("offload/trainer_pause_s"):
@@ -274,6 +298,10 @@ class Offloader:
         if self._saver is None or not self._trainer_asleep:
             return
         self._timed("wake", self._restore_trainer)
+        # after the timed part, which synchronises the device: the copy runs behind the forward pass, and the
+        # optimizer's methods wait for it (offload_optimizer_state)
+        for state in self._optimizer_states:
+            state.load_from_host()
         self._trainer_asleep = False
 
     def _restore_trainer(self) -> None:

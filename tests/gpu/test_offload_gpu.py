@@ -147,8 +147,10 @@ def _state_volume_worker(hf_dir: str) -> dict:
     offloader = Offloader(OffloadConfig(train=True, teardown_nccl=False), _NoEngine(), parallel.device)
     with offloader.trainer_region():  # as Actor.build
         model = build_model(hf_dir, parallel, dtype="bfloat16", grad_buffer_region=offloader.scratch_region)
+    with offloader.optimizer_region(host_adam=False):
         optimizer = make_optimizer(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
-    offloader.keep_optimizer_state_in_region(optimizer)
+    offloader.offload_optimizer_state(optimizer, model.ddp.parameters())
+    (state,) = offloader._optimizer_states
     rows, seq = 8, 256
     gen = torch.Generator().manual_seed(0)
     batch = _Rows(  # on the device, as the actor's micro-batches reach train_step
@@ -159,26 +161,42 @@ def _state_volume_worker(hf_dir: str) -> dict:
     )
     for _ in range(2):
         train_step(model, optimizer, [batch], _policy_loss, rows * (seq - 1), temperature=1.0)
+    before = [t.cpu() for t in state.tensors()]
     offloader.trainer_sleep()
+    offloader.trainer_wake()
+    copying = state._ready is not None  # the copy back was queued on the side stream, not done by the saver
+    # asked once awake: the saver exits the process when asked for the host copy of paused memory that has none
     saver = offloader._saver
     weight = next(model.ddp.parameters())
     backed_up = {
-        "weight": saver.get_cpu_backup(weight.data) is not None,
+        "weight": saver.get_cpu_backup(weight.data) is not None,  # kept between sleeps (retain_cpu_backup)
         "grad_buffers": [saver.get_cpu_backup(b.grad_data) is not None for b in model.ddp.buffers],
+        "optimizer_state": saver.get_cpu_backup(state.tensors()[0]) is not None,
     }
-    offloader.trainer_wake()
+    state.wait()
+    restored = [torch.equal(t.cpu(), b) for t, b in zip(state.tensors(), before, strict=True)]
     params = sum(p.numel() for p in model.ddp.parameters())
     # bf16 weight 2 + fp32 gradient buffer 4 + fp32 main weight 4 + Adam's two fp32 moments 8 bytes a parameter
     # come back (the gradient buffers' pages without their contents)
     wake_gb = offloader.step_metrics()["offload/trainer_wake_gb"]
     loss_after_wake = train_step(model, optimizer, [batch], _policy_loss, rows * (seq - 1), temperature=1.0)["loss"]
-    return {"wake_gb": wake_gb, "state_gb": params * 18 / 1e9, "backed_up": backed_up, "loss": loss_after_wake}
+    return {
+        "wake_gb": wake_gb,
+        "state_gb": params * 18 / 1e9,
+        "state_nbytes": state.nbytes,
+        "params": params,
+        "backed_up": backed_up,
+        "copying": copying,
+        "restored": restored,
+        "loss": loss_after_wake,
+    }
 
 
 def test_the_trainer_region_holds_the_state_and_nothing_more(tmp_path):
-    """What a wake copies back is the trainer's state: no optimizer temporaries left in the region (torch's
-    foreach Adam left a square root of the second moments there, 4 bytes a parameter: 13.4 GB moved for the 10.7
-    GB state of a 0.6B model; rlrun.megatron.train.fuse_adam)."""
+    """What a wake maps back is the trainer's state: no optimizer temporaries left in a region (torch's foreach
+    Adam left a square root of the second moments there, 4 bytes a parameter: 13.4 GB moved for the 10.7 GB state
+    of a 0.6B model; rlrun.megatron.train.fuse_adam), and the optimizer's part of it comes back through its own
+    host copy, bit for bit."""
     from rlrun.bench.shapes import get_shape, write_random_model
 
     model_dir = write_random_model(get_shape("qwen3-0.6b"), tmp_path / "m", torch.bfloat16, "cuda")
@@ -186,7 +204,10 @@ def test_the_trainer_region_holds_the_state_and_nothing_more(tmp_path):
     out = run_distributed(_state_volume_worker, 1, str(model_dir))
     assert out["state_gb"] > 10, out
     assert out["state_gb"] * 0.95 <= out["wake_gb"] <= out["state_gb"] * 1.08 + 0.2, out
-    # the state has a host copy, the gradient buffers (zeroed by every step first) none, and a step after the wake
-    # still trains on finite gradients
+    # the weights have the saver's host copy, the gradient buffers (zeroed by every step first) none, the optimizer's
+    # main weights and moments (12 bytes a parameter) the FlatOptimizerState's own, copied back on its side stream
+    # and equal to what went to sleep, and a step after the wake still trains on finite gradients
     assert out["backed_up"]["weight"] and not any(out["backed_up"]["grad_buffers"]), out
+    assert not out["backed_up"]["optimizer_state"] and out["state_nbytes"] == 12 * out["params"], out
+    assert out["copying"] and out["restored"] and all(out["restored"]), out
     assert out["backed_up"]["grad_buffers"] and math.isfinite(out["loss"]), out

@@ -256,3 +256,66 @@ def test_gradient_buffers_go_to_the_region_given(llama_dir, distributed_optimize
     else:
         assert out["entered"] == 1 and all(out["grads_inside"]) and not any(out["params_inside"]), out
     assert out["stats"]["grad_norm"] > 0
+
+
+def _flat_state_worker(hf_dir: str, dtype: str, distributed_optimizer: bool) -> dict:
+    """Three steps with the optimizer's state in a FlatOptimizerState whose buffers are poisoned (NaN) after each
+    save to the host, as a paused scratch region comes back, and reloaded; one moment replaced by a new tensor
+    between steps (as a checkpoint load does); against the same three steps without it."""
+    import contextlib
+
+    from rlrun.megatron import build_model, export_hf_weights, make_optimizer, train_step
+    from rlrun.megatron.train import optimizer_parts
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.optimizer_state import FlatOptimizerState
+
+    parallel = init_distributed(tp=1, pp=1, seed=0)
+    out = {}
+    for flat in (False, True):
+        model = build_model(hf_dir, parallel, dtype=dtype, distributed_optimizer=distributed_optimizer)
+        model_ptrs = [p.data_ptr() for p in model.ddp.parameters()]
+        optimizer = make_optimizer(model, **OPTIM)
+        batch = make_batch(model.arch.vocab_size)
+        state = None
+        if flat:
+            state = FlatOptimizerState(optimizer, model.ddp.parameters(), contextlib.nullcontext)
+        stats = []
+        for step in range(3):
+            stats.append(train_step(model, optimizer, [batch], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE))
+            if state is None:
+                continue
+            if step == 1:
+                inner = optimizer_parts(optimizer)[0].optimizer
+                param = inner.param_groups[0]["params"][0]
+                inner.state[param]["exp_avg"] = inner.state[param]["exp_avg"].clone()
+            state.save_to_host()
+            for tensor in state.tensors():
+                tensor.fill_(float("nan"))
+            state.load_from_host()
+            state.wait()
+        numel = sum(p.numel() for p in model.ddp.parameters())
+        out[flat] = {
+            "stats": stats,
+            "weights": {k: v.cpu() for k, v in export_hf_weights(model)},
+            "nbytes": state.nbytes if state else None,
+            "numel": numel,
+            "model_params_kept": model_ptrs == [p.data_ptr() for p in model.ddp.parameters()],
+        }
+    destroy_distributed()
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype,distributed_optimizer", [("bfloat16", False), ("float32", False), ("bfloat16", True), ("float32", True)]
+)
+def test_flat_optimizer_state_survives_sleeps_bit_for_bit(llama_dir, dtype, distributed_optimizer):
+    """The offloader's FlatOptimizerState holds the fp32 main weights (bf16 models) and both Adam moments, 4 + 8
+    bytes a parameter (8 for fp32 models, whose optimizer steps the model's own weights, left in place), and three
+    steps through its host copy, with its device buffers wiped at every sleep, equal three plain steps."""
+    out = run_distributed(_flat_state_worker, 1, llama_dir, dtype, distributed_optimizer)
+    plain, flat = out[False], out[True]
+    assert flat["nbytes"] == flat["numel"] * (12 if dtype == "bfloat16" else 8), flat
+    assert flat["model_params_kept"]
+    assert flat["stats"] == plain["stats"]
+    for name, tensor in plain["weights"].items():
+        assert torch.equal(flat["weights"][name], tensor), name
