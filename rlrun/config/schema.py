@@ -880,6 +880,12 @@ class OffloadConfig(Section):
     """Device memory (GB) that allocations in the trainer's offload region must leave free: one that
     would leave less fails as out-of-memory instead of taking what the engine needs to resume
     (torch_memory_saver's margin). 0 turns the check off."""
+    release_cache: Literal["when_needed", "always"] = "when_needed"
+    """With ``train`` on CUDA, what the sleeping trainer does with the blocks torch's allocator keeps cached for its
+    activations (tens of GB): ``when_needed`` keeps them when the device, with the trainer's state paused, has room
+    for what the engine took during the previous rollout (its KV cache, graphs and temporaries, a tenth over, plus
+    ``memory_margin_gb``), so the next train phase does not map them again; ``always`` returns them to the driver
+    at every sleep. The first sleeps, before a rollout was measured, always return them. No-op on CPU."""
     teardown_nccl: bool = True
     """With ``train`` on CUDA: destroy the NCCL communicator of each of Megatron's groups of more than one
     rank (~0.4 GB each) while the trainer sleeps and rebuild them at wake, keeping the group objects; its

@@ -11,8 +11,10 @@ Adam moments) is built outside it and held in buffers of the scratch region by
 copies it to the host at sleep and back on a side stream at wake, behind the forward pass that does not read it.
 The fp32 gradient buffers, which every step zeroes before its first backward, are paused without any copy
 (:meth:`Offloader.scratch_region`). Activations
-and logits stay in torch's default pool and go back to the driver at sleep (``empty_cache``): backing them up
-would copy gigabytes of freed cache blocks to the host at every sleep. Megatron sets the saver's hook mode when
+and logits stay in torch's default pool (backing them up would copy gigabytes of freed cache blocks to the host at
+every sleep); its cached blocks go back to the driver at sleep (``empty_cache``) unless the device has room for what
+the engine took during the last measured rollout (``offload.release_cache``, :func:`keeps_cache`), in which case the
+next train phase finds them mapped. Megatron sets the saver's hook mode when
 it is imported, so the saver is first touched here, after ``rlrun.runtime.dist``.
 
 With ``offload.teardown_nccl`` the sleeping trainer also destroys the NCCL communicators of Megatron's
@@ -128,6 +130,13 @@ def default_pool_gb(device: torch.device, other_pools: bool) -> tuple[float, flo
     return round(allocated / GB, 3), round(reserved / GB, 3)
 
 
+def keeps_cache(free_gb: float, engine_growth_gb: float | None, margin_gb: float) -> bool:
+    """Whether a sleeping trainer may keep torch's cached blocks (``offload.release_cache: when_needed``): only once
+    a rollout was measured, and when the device's free memory, the trainer's state paused, covers what the device
+    took on during that rollout with a tenth to spare, plus the margin."""
+    return engine_growth_gb is not None and free_gb >= engine_growth_gb * 1.1 + margin_gb
+
+
 class Offloader:
     """Sleep/wake for one rank's trainer and its engine, in the order of docs/architecture.md, and the per-phase
     memory timeline (``memory/<phase>/{trainer,engine,device}_gb``) on CUDA."""
@@ -143,6 +152,8 @@ class Offloader:
         self._engine_kv_released = False
         self._engine_tree: tuple[int, list[int]] | None = None
         self._optimizer_states: list[FlatOptimizerState] = []
+        self._used_after_sleep: float | None = None  # device GB once the trainer slept, before the engine woke
+        self._engine_growth_gb: float | None = None  # the most the device took on from there to a rollout's end
         if cfg.train and self.on_gpu:
             import megatron.core  # noqa: F401  (sets the saver's hook mode; must come before the saver)
             from torch_memory_saver import torch_memory_saver
@@ -196,6 +207,7 @@ class Offloader:
             self.trainer_sleep()
             self.engine_wake_for_rollout()
         elif placement == "train":
+            self._note_engine_growth()
             self.engine_sleep()
             self.trainer_wake()
         else:
@@ -266,12 +278,26 @@ class Offloader:
 
     def trainer_sleep(self) -> None:
         """Pause the trainer's region (after the weight sync has read the weights) and return the
-        transient blocks outside it (activations, sync buckets the engine has let go of) to the driver.
-        Nothing to release on CPU."""
+        transient blocks outside it (activations, sync buckets the engine has let go of) to the driver, unless the
+        engine fits beside them (``offload.release_cache``). Nothing to release on CPU."""
         if self._saver is None or self._trainer_asleep:
             return
         self._timed("sleep", self._release_trainer)
         self._trainer_asleep = True
+        # measured only where the engine's KV cache comes back in this rollout (or is never released): a rollout
+        # whose engine held it throughout (the first) would understate what a later one takes on
+        if not self.cfg.rollout or self._engine_kv_released:
+            self._used_after_sleep = self.device_used_gb()
+
+    def _note_engine_growth(self) -> None:
+        """At a rollout's end: what the device took on since the trainer slept (the engine's KV cache and graphs
+        coming back, its temporaries), the most seen so far, for :func:`keeps_cache`."""
+        if self._used_after_sleep is None:
+            return
+        grown = max(self.device_used_gb() - self._used_after_sleep, 0.0)
+        self._engine_growth_gb = max(grown, self._engine_growth_gb or 0.0)
+        self.metrics["offload/engine_growth_gb"] = round(grown, 3)
+        self._used_after_sleep = None
 
     def _release_trainer(self) -> None:
         assert self._saver is not None
@@ -287,10 +313,16 @@ class Offloader:
         with self._seconds("offload/optimizer_state_save_s"):
             for state in self._optimizer_states:
                 state.save_to_host()
-        with self._seconds("offload/trainer_empty_cache_s"):
-            torch.cuda.empty_cache()
         with self._seconds("offload/trainer_pause_s"):
             self._saver.pause(TRAINER_TAG)
+        free_gb = torch.cuda.mem_get_info(self.device)[0] / GB
+        keep = self.cfg.release_cache == "when_needed" and keeps_cache(
+            free_gb, self._engine_growth_gb, self.cfg.memory_margin_gb
+        )
+        self.metrics["offload/trainer_cache_kept"] = float(keep)
+        with self._seconds("offload/trainer_empty_cache_s"):
+            if not keep:
+                torch.cuda.empty_cache()
 
     def trainer_wake(self) -> None:
         """Counterpart of :meth:`trainer_sleep`: the region comes back with its contents, and the NCCL
