@@ -11,9 +11,12 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 import typer
+
+if TYPE_CHECKING:
+    from rlrun.config.schema import ReleaseCache
 
 bench_app = typer.Typer(
     no_args_is_help=True, help="GPU benchmarks: rollout throughput, weight sync and training throughput."
@@ -266,6 +269,9 @@ def step(
         str, typer.Option(help="on: trainer and engine take turns on the device; off: both resident (as TRL).")
     ] = "on",
     teardown_nccl: Annotated[str, typer.Option(help="on|off: offload.teardown_nccl (only with --offload on).")] = "on",
+    release_cache: Annotated[
+        str, typer.Option(help="when_needed|always: offload.release_cache (only with --offload on).")
+    ] = "when_needed",
     packed_attention: Annotated[
         str,
         typer.Option(
@@ -313,6 +319,7 @@ def step(
     variant = Variant(
         offload=_on_off("--offload", offload),
         teardown_nccl=_on_off("--teardown-nccl", teardown_nccl),
+        release_cache=_release_cache(release_cache),
         packed_attention=packed_attention,
         lora_rank=lora_rank,
         recompute=_memory_options(recompute, None, "chunked", False).recompute,
@@ -323,6 +330,17 @@ def step(
     except ValueError as exc:  # settings that cannot run (prompts not divisible by ranks, profile step out of range)
         raise typer.BadParameter(str(exc)) from None
     _emit("step", [result], out)
+
+
+def _release_cache(value: str) -> ReleaseCache:
+    from rlrun.config.schema import ReleaseCache
+
+    choices = get_args(ReleaseCache)
+    if value not in choices:
+        raise typer.BadParameter(
+            f"--release-cache ({value}) must be one of {list(choices)} because those are offload.release_cache's values"
+        )
+    return value  # type: ignore[return-value]  # checked against the Literal's values above
 
 
 def _on_off(flag: str, value: str) -> bool:

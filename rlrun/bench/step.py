@@ -15,9 +15,9 @@ Responses are forced to ``new_tokens`` tokens by ``rollout.ignore_eos``; the eng
 to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
 The reward (``even_token_reward``) has spread within a group so GRPO's advantages are not all zero.
 
-Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl``, ``--packed-attention`` and ``--lora-rank``)
-change how rlrun runs the same work: offload off keeps trainer and engine resident (what TRL does), with a
-smaller SGLang memory fraction so both fit; ``--lora-rank`` trains LoRA adapters on the frozen base. Every
+Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl``, ``--release-cache``, ``--packed-attention`` and
+``--lora-rank``) change how rlrun runs the same work: offload off keeps trainer and engine resident (what TRL
+does), with a smaller SGLang memory fraction so both fit; ``--lora-rank`` trains LoRA adapters on the frozen base. Every
 step also carries the offloader's ``offload/*`` figures (trainer sleep/wake seconds and GB and their parts,
 NCCL teardown/rebuild, the engine's release/resume seconds), so a slow ``offload`` phase says where its
 seconds went. ``--profile-step K`` records step K with the torch profiler and puts
@@ -47,7 +47,7 @@ from rlrun.bench.engines import BENCH_SERVER_ARGS, SGLANG_SERVER_ARGS
 from rlrun.bench.logged import run_logged
 from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
-from rlrun.config.schema import PackedAttention, RecomputeMode
+from rlrun.config.schema import PackedAttention, RecomputeMode, ReleaseCache
 from rlrun.engine.backends import backend_traits
 from rlrun.step_times import STEP_SECONDS, STEP_TOTALS, WALL_STEP_SECONDS
 
@@ -125,6 +125,9 @@ class Variant:
     lora_rank: int | None = None
     """``model.lora`` with this rank (alpha = 2 x rank, every projection; rlrun/megatron/lora.py): the base
     frozen, only the adapters hold gradients and Adam state, merged weights synced. None: full fine-tuning."""
+    release_cache: ReleaseCache = "when_needed"
+    """``offload.release_cache``: whether the sleeping trainer keeps its cached activation blocks when the engine
+    fits beside them (only with offload)."""
 
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
@@ -132,6 +135,7 @@ class Variant:
             base
             + ("" if self.offload else "_resident")
             + ("" if self.teardown_nccl else "_keepnccl")
+            + ("" if self.release_cache == "when_needed" else "_releasecache")
             + ATTENTION_SUFFIX[self.packed_attention]
             + ("" if self.lora_rank is None else f"_lora{self.lora_rank}")
             + ("" if self.recompute == "none" else f"_recompute-{self.recompute}")
@@ -322,7 +326,12 @@ def run_config(
             "ignore_eos": True,
         },
         "engine": engine,
-        "offload": {"train": variant.offload, "rollout": variant.offload, "teardown_nccl": variant.teardown_nccl},
+        "offload": {
+            "train": variant.offload,
+            "rollout": variant.offload,
+            "teardown_nccl": variant.teardown_nccl,
+            "release_cache": variant.release_cache,
+        },
         "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2, "skip_tied_groups": False},
         "optimizer": {
             "lr": settings.lr,

@@ -33,6 +33,7 @@ class Section(BaseModel):
 LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
 """``model.moe.load_balancing``'s values (rlrun/megatron/moe.py)."""
 Dispatcher = Literal["auto", "alltoall", "allgather"]
+ReleaseCache = Literal["when_needed", "always"]
 """``model.moe.token_dispatcher``'s values (rlrun/megatron/moe.py)."""
 
 
@@ -880,7 +881,7 @@ class OffloadConfig(Section):
     """Device memory (GB) that allocations in the trainer's offload region must leave free: one that
     would leave less fails as out-of-memory instead of taking what the engine needs to resume
     (torch_memory_saver's margin). 0 turns the check off."""
-    release_cache: Literal["when_needed", "always"] = "when_needed"
+    release_cache: ReleaseCache = "when_needed"
     """With ``train`` on CUDA, what the sleeping trainer does with the blocks torch's allocator keeps cached for its
     activations (tens of GB): ``when_needed`` keeps them when the device, with the trainer's state paused, has room
     for what the engine took during the previous rollout (its KV cache, graphs and temporaries, a tenth over, plus
