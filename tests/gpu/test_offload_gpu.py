@@ -50,6 +50,44 @@ def test_trainer_sleep_frees_region_and_wake_restores_contents():
     assert metrics["offload/trainer_wake_s"] > 0
 
 
+@pytest.mark.parametrize("release_cache", ["when_needed", "always"])
+def test_a_sleep_keeps_the_activation_cache_where_the_last_rollout_fits(release_cache):
+    """``offload.release_cache``: the first sleep, before any rollout was measured, returns torch's cached blocks;
+    once a rollout took 1 GiB on the device (the engine's part, here an allocation of this process), the next sleep
+    keeps them with ``when_needed`` (the device has room for 1.1 GiB + the margin) and returns them with
+    ``always``; the region's contents come back either way."""
+    from rlrun.config.schema import OffloadConfig
+    from rlrun.trainer.offload import Offloader, default_pool_gb
+
+    device = torch.device("cuda", 0)
+    cfg = OffloadConfig(train=True, rollout=False, release_cache=release_cache)
+    offloader = Offloader(cfg, _NoEngine(), device)
+    with offloader.trainer_region():
+        weights = torch.randn(GIB // 4, device="cuda")
+    reference = weights.cpu()
+
+    def train_then_sleep() -> tuple[float, dict[str, float]]:
+        activations = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+        del activations  # cached in the default pool, as a train phase leaves them
+        offloader.enter("rollout")
+        return default_pool_gb(device, other_pools=True)[1], offloader.step_metrics()
+
+    cached_first, first = train_then_sleep()
+    engine = torch.empty(GIB, dtype=torch.uint8, device="cuda")  # what the rollout takes on
+    offloader.enter("train")
+    growth = offloader.step_metrics()["offload/engine_growth_gb"]
+    del engine
+    cached_second, second = train_then_sleep()
+    offloader.enter("train")
+    assert torch.equal(weights.cpu(), reference)
+    assert first["offload/trainer_cache_kept"] == 0 and cached_first < 0.5, (cached_first, first)
+    assert 0.9 * GIB / 1e9 <= growth <= 1.2 * GIB / 1e9, growth
+    if release_cache == "when_needed":
+        assert second["offload/trainer_cache_kept"] == 1 and cached_second >= 2 * GIB / 1e9, (cached_second, second)
+    else:
+        assert second["offload/trainer_cache_kept"] == 0 and cached_second < 0.5, (cached_second, second)
+
+
 def test_embedded_engine_release_returns_weights_and_cache(tmp_path):
     from rlrun.bench.shapes import get_shape, write_random_model
     from rlrun.engine.backends.embedded import EmbeddedEngine
