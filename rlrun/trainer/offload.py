@@ -222,17 +222,18 @@ class Offloader:
 
     def offload_optimizer_state(self, optimizer: MegatronOptimizer, model_params: Iterable[torch.Tensor]) -> None:
         """Take ``optimizer`` (built in :meth:`optimizer_region`) into the sleeps and wakes; a no-op without trainer
-        offload. torch's Adam: its state is created now, in a :class:`FlatOptimizerState`'s buffers, saved to the host
-        at every sleep and copied back behind the forward pass at every wake, every method that reads it waiting
-        for that copy first. Otherwise every ``optimizer.step()`` runs inside :meth:`trainer_region`, where the
-        moments it creates on its first call must live."""
+        offload. torch's Adam: its state is held in a :class:`FlatOptimizerState`'s buffers (the moments created there
+        at the first step), saved to the host at every sleep and copied back behind the forward pass at every wake,
+        every method that reads it waiting for that copy first. Otherwise every ``optimizer.step()`` runs inside
+        :meth:`trainer_region`, where the moments it creates on its first call must live."""
         if self._saver is None:
             return
         if not streams_state(optimizer):
             optimizer.step = self._in_region(optimizer.step)
             return
         state = FlatOptimizerState(optimizer, model_params, self.scratch_region)
-        for name in ("step", "state_dict", "sharded_state_dict", "load_state_dict", "reload_model_params"):
+        optimizer.step = state.stepping(optimizer.step)
+        for name in ("state_dict", "sharded_state_dict", "load_state_dict", "reload_model_params"):
             if hasattr(optimizer, name):
                 setattr(optimizer, name, state.waiting_first(getattr(optimizer, name)))
         self._optimizer_states.append(state)

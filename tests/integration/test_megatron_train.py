@@ -279,11 +279,15 @@ def _flat_state_worker(hf_dir: str, dtype: str, distributed_optimizer: bool) -> 
         state = None
         if flat:
             state = FlatOptimizerState(optimizer, model.ddp.parameters(), contextlib.nullcontext)
+            optimizer.step = state.stepping(optimizer.step)  # as the offloader wraps it
+            built_nbytes = state.nbytes
         stats = []
         for step in range(3):
             stats.append(train_step(model, optimizer, [batch], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE))
             if state is None:
                 continue
+            if step == 0:
+                first_step_nbytes = state.nbytes  # the moments placed by the step itself, before any save
             if step == 1:
                 inner = optimizer_parts(optimizer)[0].optimizer
                 param = inner.param_groups[0]["params"][0]
@@ -298,6 +302,8 @@ def _flat_state_worker(hf_dir: str, dtype: str, distributed_optimizer: bool) -> 
             "stats": stats,
             "weights": {k: v.cpu() for k, v in export_hf_weights(model)},
             "nbytes": state.nbytes if state else None,
+            "built_nbytes": built_nbytes if state else None,
+            "first_step_nbytes": first_step_nbytes if state else None,
             "numel": numel,
             "model_params_kept": model_ptrs == [p.data_ptr() for p in model.ddp.parameters()],
         }
@@ -309,12 +315,15 @@ def _flat_state_worker(hf_dir: str, dtype: str, distributed_optimizer: bool) -> 
     "dtype,distributed_optimizer", [("bfloat16", False), ("float32", False), ("bfloat16", True), ("float32", True)]
 )
 def test_flat_optimizer_state_survives_sleeps_bit_for_bit(llama_dir, dtype, distributed_optimizer):
-    """The offloader's FlatOptimizerState holds the fp32 main weights (bf16 models) and both Adam moments, 4 + 8
-    bytes a parameter (8 for fp32 models, whose optimizer steps the model's own weights, left in place), and three
+    """The offloader's FlatOptimizerState holds the fp32 main weights (bf16 models) from the start and both Adam
+    moments from the first step, 4 + 8 bytes a parameter (8 for fp32 models, whose optimizer steps the model's own
+    weights, left in place), and three
     steps through its host copy, with its device buffers wiped at every sleep, equal three plain steps."""
     out = run_distributed(_flat_state_worker, 1, llama_dir, dtype, distributed_optimizer)
     plain, flat = out[False], out[True]
     assert flat["nbytes"] == flat["numel"] * (12 if dtype == "bfloat16" else 8), flat
+    assert flat["built_nbytes"] == flat["numel"] * (4 if dtype == "bfloat16" else 0), flat  # moments at the first step
+    assert flat["first_step_nbytes"] == flat["nbytes"], flat
     assert flat["model_params_kept"]
     assert flat["stats"] == plain["stats"]
     for name, tensor in plain["weights"].items():
