@@ -72,10 +72,12 @@ def parse_variant(spec: str) -> tuple[str, Variant]:
     backend, *suffixes = spec.split("_")
     attention = {suffix[1:]: name for name, suffix in ATTENTION_SUFFIX.items() if suffix}
     recompute = {f"recompute-{mode}": mode for mode in get_args(RecomputeMode) if mode != "none"}
-    unknown = set(suffixes) - {"resident", "keepnccl", "releasecache", "optoffload", *attention, *recompute}
+    flags = {"resident", "keepnccl", "releasecache", "copywithweights", "optoffload"}
+    unknown = set(suffixes) - {*flags, *attention, *recompute}
     if unknown:
         raise SystemExit(
-            f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl, _releasecache, one of "
+            f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl, _releasecache, "
+            f"_copywithweights, one of "
             f"{sorted('_' + s for s in attention)}, one of {sorted('_' + s for s in recompute)} and/or "
             f"_optoffload because those are the variants bench step runs; drop {sorted(unknown)}"
         )
@@ -83,6 +85,7 @@ def parse_variant(spec: str) -> tuple[str, Variant]:
         offload="resident" not in suffixes,
         teardown_nccl="keepnccl" not in suffixes,
         release_cache="always" if "releasecache" in suffixes else "when_needed",
+        optimizer_copy="with_weights" if "copywithweights" in suffixes else "overlapped",
         packed_attention=next((attention[s] for s in suffixes if s in attention), "auto"),
         recompute=next((recompute[s] for s in suffixes if s in recompute), "none"),
         optimizer_offload="optoffload" in suffixes,
@@ -105,6 +108,8 @@ def variant_flags(backend: str, variant: Variant) -> list[str]:
         "on" if variant.teardown_nccl else "off",
         "--release-cache",
         variant.release_cache,
+        "--optimizer-copy",
+        variant.optimizer_copy,
         "--packed-attention",
         variant.packed_attention,
         "--recompute",

@@ -11,12 +11,9 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, get_args
+from typing import Annotated, Any, get_args
 
 import typer
-
-if TYPE_CHECKING:
-    from rlrun.config.schema import ReleaseCache
 
 bench_app = typer.Typer(
     no_args_is_help=True, help="GPU benchmarks: rollout throughput, weight sync and training throughput."
@@ -272,6 +269,9 @@ def step(
     release_cache: Annotated[
         str, typer.Option(help="when_needed|always: offload.release_cache (only with --offload on).")
     ] = "when_needed",
+    optimizer_copy: Annotated[
+        str, typer.Option(help="overlapped|with_weights: offload.optimizer_copy (only with --offload on).")
+    ] = "overlapped",
     packed_attention: Annotated[
         str,
         typer.Option(
@@ -319,7 +319,8 @@ def step(
     variant = Variant(
         offload=_on_off("--offload", offload),
         teardown_nccl=_on_off("--teardown-nccl", teardown_nccl),
-        release_cache=_release_cache(release_cache),
+        release_cache=_choice("--release-cache", release_cache, "release_cache"),
+        optimizer_copy=_choice("--optimizer-copy", optimizer_copy, "optimizer_copy"),
         packed_attention=packed_attention,
         lora_rank=lora_rank,
         recompute=_memory_options(recompute, None, "chunked", False).recompute,
@@ -332,15 +333,16 @@ def step(
     _emit("step", [result], out)
 
 
-def _release_cache(value: str) -> ReleaseCache:
-    from rlrun.config.schema import ReleaseCache
+def _choice(flag: str, value: str, field: str) -> Any:
+    """``value`` if it is one of ``offload.<field>``'s values, else the CLI's error naming them."""
+    from rlrun.config.schema import OffloadConfig
 
-    choices = get_args(ReleaseCache)
+    choices = get_args(OffloadConfig.model_fields[field].annotation)
     if value not in choices:
         raise typer.BadParameter(
-            f"--release-cache ({value}) must be one of {list(choices)} because those are offload.release_cache's values"
+            f"{flag} ({value}) must be one of {list(choices)} because those are offload.{field}'s values"
         )
-    return value  # type: ignore[return-value]  # checked against the Literal's values above
+    return value
 
 
 def _on_off(flag: str, value: str) -> bool:

@@ -15,13 +15,13 @@ Responses are forced to ``new_tokens`` tokens by ``rollout.ignore_eos``; the eng
 to both backends (embedded: no stop ids; sglang: ``ignore_eos``).
 The reward (``even_token_reward``) has spread within a group so GRPO's advantages are not all zero.
 
-Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl``, ``--release-cache``, ``--packed-attention`` and
-``--lora-rank``) change how rlrun runs the same work: offload off keeps trainer and engine resident (what TRL
-does), with a smaller SGLang memory fraction so both fit; ``--lora-rank`` trains LoRA adapters on the frozen base. Every
-step also carries the offloader's ``offload/*`` figures (trainer sleep/wake seconds and GB and their parts,
-NCCL teardown/rebuild, the engine's release/resume seconds), so a slow ``offload`` phase says where its
-seconds went. ``--profile-step K`` records step K with the torch profiler and puts
-the train phase's top ops into the JSON (rlrun/bench/trace_ops.py); that step is left out of the medians.
+Variants (:class:`Variant`, ``--offload``, ``--teardown-nccl``, ``--release-cache``, ``--optimizer-copy``,
+``--packed-attention`` and ``--lora-rank``) change how rlrun runs the same work: offload off keeps trainer and
+engine resident (what TRL does), with a smaller SGLang memory fraction so both fit; ``--lora-rank`` trains LoRA
+adapters on the frozen base. Every step also carries the offloader's ``offload/*`` figures (trainer sleep/wake
+seconds and GB and their parts, NCCL teardown/rebuild, the engine's release/resume seconds), so a slow ``offload``
+phase says where its seconds went. ``--profile-step K`` records step K with the torch profiler and puts the train
+phase's top ops into the JSON (rlrun/bench/trace_ops.py); that step is left out of the medians.
 
 Per step: the phases' seconds, output tokens (prompts x samples x new_tokens when the length held),
 output tokens/s over the whole step and over the rollout, and memory (device-wide GB at each phase
@@ -47,7 +47,7 @@ from rlrun.bench.engines import BENCH_SERVER_ARGS, SGLANG_SERVER_ARGS
 from rlrun.bench.logged import run_logged
 from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
-from rlrun.config.schema import PackedAttention, RecomputeMode, ReleaseCache
+from rlrun.config.schema import OptimizerCopy, PackedAttention, RecomputeMode, ReleaseCache
 from rlrun.engine.backends import backend_traits
 from rlrun.step_times import STEP_SECONDS, STEP_TOTALS, WALL_STEP_SECONDS
 
@@ -125,6 +125,9 @@ class Variant:
     lora_rank: int | None = None
     """``model.lora`` with this rank (alpha = 2 x rank, every projection; rlrun/megatron/lora.py): the base
     frozen, only the adapters hold gradients and Adam state, merged weights synced. None: full fine-tuning."""
+    optimizer_copy: OptimizerCopy = "overlapped"
+    """``offload.optimizer_copy``: the optimizer's state copied back behind the forward pass, or with the weights
+    by torch_memory_saver (only with offload)."""
     release_cache: ReleaseCache = "when_needed"
     """``offload.release_cache``: whether the sleeping trainer keeps its cached activation blocks when the engine
     fits beside them (only with offload)."""
@@ -136,6 +139,7 @@ class Variant:
             + ("" if self.offload else "_resident")
             + ("" if self.teardown_nccl else "_keepnccl")
             + ("" if self.release_cache == "when_needed" else "_releasecache")
+            + ("" if self.optimizer_copy == "overlapped" else "_copywithweights")
             + ATTENTION_SUFFIX[self.packed_attention]
             + ("" if self.lora_rank is None else f"_lora{self.lora_rank}")
             + ("" if self.recompute == "none" else f"_recompute-{self.recompute}")
@@ -331,6 +335,7 @@ def run_config(
             "rollout": variant.offload,
             "teardown_nccl": variant.teardown_nccl,
             "release_cache": variant.release_cache,
+            "optimizer_copy": variant.optimizer_copy,
         },
         "algorithm": {"advantage_estimator": "grpo", "normalize_std": True, "eps_clip": 0.2, "skip_tied_groups": False},
         "optimizer": {

@@ -34,6 +34,7 @@ LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
 """``model.moe.load_balancing``'s values (rlrun/megatron/moe.py)."""
 Dispatcher = Literal["auto", "alltoall", "allgather"]
 ReleaseCache = Literal["when_needed", "always"]
+OptimizerCopy = Literal["overlapped", "with_weights"]
 """``model.moe.token_dispatcher``'s values (rlrun/megatron/moe.py)."""
 
 
@@ -881,6 +882,12 @@ class OffloadConfig(Section):
     """Device memory (GB) that allocations in the trainer's offload region must leave free: one that
     would leave less fails as out-of-memory instead of taking what the engine needs to resume
     (torch_memory_saver's margin). 0 turns the check off."""
+    optimizer_copy: OptimizerCopy = "overlapped"
+    """With ``train`` on CUDA, how the optimizer's state (fp32 main weights, Adam moments) goes to the host and back:
+    ``overlapped`` copies it with the offloader's own copy, back on a side stream behind the next forward pass
+    (rlrun/trainer/optimizer_state.py); ``with_weights`` leaves it to torch_memory_saver's copy with the weights,
+    which holds back the forward pass until it is done (torch's Adam only; Megatron's host Adam always takes this
+    path). No-op on CPU."""
     release_cache: ReleaseCache = "when_needed"
     """With ``train`` on CUDA, what the sleeping trainer does with the blocks torch's allocator keeps cached for its
     activations (tens of GB): ``when_needed`` keeps them when the device, with the trainer's state paused, has room

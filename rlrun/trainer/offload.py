@@ -6,7 +6,8 @@ release/resume only run the contract's bookkeeping (which still catches ordering
 
 On CUDA with ``offload.train`` the trainer's weights live in one torch_memory_saver region with a pinned CPU
 backup (:meth:`Offloader.trainer_region` wraps model construction). The optimizer's state (fp32 main weights and
-Adam moments) is built outside it and held in buffers of the scratch region by
+Adam moments) is built outside it (``offload.optimizer_copy: overlapped``, the default) and held in buffers of the
+scratch region by
 :class:`~rlrun.trainer.optimizer_state.FlatOptimizerState` (:meth:`Offloader.offload_optimizer_state`), which
 copies it to the host at sleep and back on a side stream at wake, behind the forward pass that does not read it.
 The fp32 gradient buffers, which every step zeroes before its first backward, are paused without any copy
@@ -216,9 +217,10 @@ class Offloader:
     def optimizer_region(self, host_adam: bool) -> contextlib.AbstractContextManager:
         """Where an optimizer is built: outside every region when :meth:`offload_optimizer_state` will hold its state
         (what it builds there and later copies into its buffers goes back to the driver at the first sleep), in
-        :meth:`trainer_region` for Megatron's host Adam (``optimizer.cpu_offload``), whose device state the saver
-        copies."""
-        return self.trainer_region() if host_adam else contextlib.nullcontext()
+        :meth:`trainer_region` for Megatron's host Adam (``optimizer.cpu_offload``) and with ``offload.optimizer_copy:
+        with_weights``, where the saver copies the state."""
+        with_weights = host_adam or self.cfg.optimizer_copy == "with_weights"
+        return self.trainer_region() if with_weights else contextlib.nullcontext()
 
     def offload_optimizer_state(self, optimizer: MegatronOptimizer, model_params: Iterable[torch.Tensor]) -> None:
         """Take ``optimizer`` (built in :meth:`optimizer_region`) into the sleeps and wakes; a no-op without trainer
@@ -228,7 +230,7 @@ class Offloader:
         :meth:`trainer_region`, where the moments it creates on its first call must live."""
         if self._saver is None:
             return
-        if not streams_state(optimizer):
+        if self.cfg.optimizer_copy == "with_weights" or not streams_state(optimizer):
             optimizer.step = self._in_region(optimizer.step)
             return
         state = FlatOptimizerState(optimizer, model_params, self.scratch_region)

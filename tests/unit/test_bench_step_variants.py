@@ -28,6 +28,7 @@ from peer_step import parse_variant, variant_flags  # noqa: E402
         Variant(offload=False),
         Variant(teardown_nccl=False),
         Variant(release_cache="always"),
+        Variant(optimizer_copy="with_weights"),
         Variant(packed_attention="flash_varlen"),
         Variant(packed_attention="per_sample"),
         Variant(lora_rank=8),
@@ -44,6 +45,8 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     assert (cfg.offload.train, cfg.offload.rollout) == (variant.offload, variant.offload)
     assert cfg.offload.teardown_nccl is variant.teardown_nccl
     assert cfg.offload.release_cache == variant.release_cache
+    assert cfg.offload.optimizer_copy == variant.optimizer_copy
+    assert variant.label(backend).endswith("_copywithweights") == (variant.optimizer_copy == "with_weights")
     assert variant.label(backend).endswith("_releasecache") == (variant.release_cache == "always")
     assert cfg.model.packed_attention == variant.packed_attention
     lora = cfg.model.lora
@@ -77,15 +80,26 @@ def test_run_config_splits_the_rollout_into_updates(tmp_path):
 @pytest.mark.parametrize("teardown", [True, False])
 @pytest.mark.parametrize("attention", ["auto", "per_sample", "flash_varlen"])
 @pytest.mark.parametrize("recompute, optimizer_offload", [("none", False), ("full", True)])
-@pytest.mark.parametrize("release_cache", ["when_needed", "always"])
-def test_variant_names_round_trip(offload, teardown, attention, recompute, optimizer_offload, release_cache):
-    variant = Variant(offload, teardown, attention, recompute, optimizer_offload, release_cache=release_cache)
+@pytest.mark.parametrize("release_cache, optimizer_copy", [("when_needed", "overlapped"), ("always", "with_weights")])
+def test_variant_names_round_trip(
+    offload, teardown, attention, recompute, optimizer_offload, release_cache, optimizer_copy
+):
+    variant = Variant(
+        offload,
+        teardown,
+        attention,
+        recompute,
+        optimizer_offload,
+        release_cache=release_cache,
+        optimizer_copy=optimizer_copy,
+    )
     label = variant.label("sglang")
     assert parse_variant(label) == ("sglang", variant)
     flags = variant_flags("sglang", variant)
     assert flags[flags.index("--offload") + 1] == ("on" if offload else "off")
     assert flags[flags.index("--teardown-nccl") + 1] == ("on" if teardown else "off")
     assert flags[flags.index("--release-cache") + 1] == release_cache
+    assert flags[flags.index("--optimizer-copy") + 1] == optimizer_copy
     assert flags[flags.index("--packed-attention") + 1] == attention
     assert flags[flags.index("--recompute") + 1] == recompute
     assert flags[flags.index("--optimizer-offload") + 1] == ("on" if optimizer_offload else "off")
@@ -158,16 +172,18 @@ def test_cli_refuses_prompts_that_ranks_cannot_share(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing was written
 
 
-def test_cli_refuses_an_unknown_release_cache(tmp_path):
+@pytest.mark.parametrize(
+    "flag, choices",
+    [("--release-cache", "['when_needed', 'always']"), ("--optimizer-copy", "['overlapped', 'with_weights']")],
+)
+def test_cli_refuses_an_unknown_offload_choice(tmp_path, flag, choices):
     from typer.testing import CliRunner
 
     from rlrun.cli import app
 
-    result = CliRunner().invoke(
-        app, ["bench", "step", "--shape", "tiny", "--release-cache", "never", "--work", str(tmp_path)]
-    )
+    result = CliRunner().invoke(app, ["bench", "step", "--shape", "tiny", flag, "never", "--work", str(tmp_path)])
     text = " ".join(result.output.replace("│", " ").split())
-    assert result.exit_code == 2 and "--release-cache (never) must be one of ['when_needed', 'always']" in text, text
+    assert result.exit_code == 2 and f"{flag} (never) must be one of {choices}" in text, text
     assert not any(tmp_path.iterdir())
 
 

@@ -1,5 +1,5 @@
 """When a sleeping trainer keeps torch's cached blocks (``offload.release_cache``): the rule against hand-worked
-cases, and the config's default and choices."""
+cases; that option's and ``offload.optimizer_copy``'s defaults and choices."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ def test_the_cache_stays_only_where_the_last_rollout_fits_beside_it(free_gb, gro
     assert keeps_cache(free_gb, growth_gb, margin_gb) is kept
 
 
-def test_release_cache_defaults_to_when_needed_and_refuses_other_values():
+def test_offload_choices_default_to_the_fast_paths_and_refuse_other_values():
     assert OffloadConfig().release_cache == "when_needed"
     assert OffloadConfig(release_cache="always").release_cache == "always"
-    with pytest.raises(ValidationError, match="release_cache"):
-        OffloadConfig(release_cache="never")
+    assert OffloadConfig().optimizer_copy == "overlapped"
+    assert OffloadConfig(optimizer_copy="with_weights").optimizer_copy == "with_weights"
+    for field in ("release_cache", "optimizer_copy"):
+        with pytest.raises(ValidationError, match=field):
+            OffloadConfig(**{field: "never"})
