@@ -33,9 +33,11 @@ class Section(BaseModel):
 LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
 """``model.moe.load_balancing``'s values (rlrun/megatron/moe.py)."""
 Dispatcher = Literal["auto", "alltoall", "allgather"]
-ReleaseCache = Literal["when_needed", "always"]
-OptimizerCopy = Literal["overlapped", "with_weights"]
 """``model.moe.token_dispatcher``'s values (rlrun/megatron/moe.py)."""
+ReleaseCache = Literal["when_needed", "always"]
+"""``offload.release_cache``'s values."""
+OptimizerCopy = Literal["overlapped", "with_weights"]
+"""``offload.optimizer_copy``'s values."""
 
 
 class MoEConfig(Section):

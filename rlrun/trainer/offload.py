@@ -318,9 +318,8 @@ class Offloader:
                 state.save_to_host()
         with self._seconds("offload/trainer_pause_s"):
             self._saver.pause(TRAINER_TAG)
-        free_gb = torch.cuda.mem_get_info(self.device)[0] / GB
         keep = self.cfg.release_cache == "when_needed" and keeps_cache(
-            free_gb, self._engine_growth_gb, self.cfg.memory_margin_gb
+            torch.cuda.mem_get_info(self.device)[0] / GB, self._engine_growth_gb, self.cfg.memory_margin_gb
         )
         self.metrics["offload/trainer_cache_kept"] = float(keep)
         with self._seconds("offload/trainer_empty_cache_s"):
