@@ -178,11 +178,14 @@ def wrap_ddp(
     optimizer, whose constructor call also allocates the bf16 parameter buffer that holds the weights."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from rlrun.megatron.wgrad_fusion import fuse_weight_gradient_accumulation
+
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )
     with contextlib.nullcontext() if distributed_optimizer else grad_buffer_region():
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    fuse_weight_gradient_accumulation(gpt)  # on CUDA: weight-gradient GEMMs add into main_grad themselves
     return MegatronModel(ddp=ddp, arch=arch, parallel=parallel, dtype=dtype)
 
 
