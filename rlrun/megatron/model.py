@@ -22,6 +22,7 @@ from rlrun.megatron.mla import patch_mla_without_te
 from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
 from rlrun.megatron.recompute import Recompute
 from rlrun.megatron.rope_apply import patch_rope
+from rlrun.megatron.swiglu_apply import patch_swiglu
 from rlrun.megatron.tp_layout import Partition
 from rlrun.runtime.dist import Parallel
 
@@ -123,6 +124,7 @@ def build_gpt(
             "dense models with standard attention only (not MoE routing or multi-latent attention); set parallel.cp: 1"
         )
     patch_rope()  # Megatron's RoPE without its per-layer repeats (rlrun/megatron/rope_apply.py)
+    patch_swiglu()  # the gated MLP's SiLU * up by the Triton kernel on CUDA (rlrun/megatron/swiglu_apply.py)
     if arch.moe is not None:
         patch_router_without_te()
     if arch.mla is not None:

@@ -42,6 +42,7 @@ from rlrun.engine.backends.fused_experts import expert_slice
 from rlrun.engine.backends.fused_norm import fuse_rms_norms
 from rlrun.engine.backends.fused_projections import fuse_projections
 from rlrun.engine.backends.fused_rope import fuse_rotary
+from rlrun.engine.backends.fused_swiglu import fuse_swiglu
 from rlrun.engine.backends.routing_record import RouterRecorder
 from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, bias_per_forward, prefill_mask
 from rlrun.engine.sampling import SamplingParams, per_prompt_params, row_key, row_rids
@@ -134,6 +135,7 @@ class EmbeddedEngine:
         fuse_rotary(self.model)
         self._slices = fuse_projections(self.model)
         """Checkpoint names of the q/k/v and gate/up weights -> their rows of the fused parameters."""
+        fuse_swiglu(self.model)  # on the fused gate/up output: after fuse_projections
         self.tokenizer = (
             AutoTokenizer.from_pretrained(model_path) if (model_path / "tokenizer_config.json").exists() else None
         )
