@@ -7,12 +7,12 @@ References are independent of the code under test: the driver's free-memory coun
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from dist_utils import run_distributed
+from policy_rows import policy_loss, random_rows
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -161,18 +161,6 @@ def test_default_pool_counters_equal_the_snapshot_without_a_region():
     assert default_pool_gb(device, other_pools=False) == (round(whole[0] / GB, 3), round(whole[1] / GB, 3))
 
 
-@dataclass
-class _Rows:
-    tokens: torch.Tensor
-    position_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-
-
-def _policy_loss(batch: _Rows, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return -(logprobs * batch.advantages * batch.loss_mask).sum(), {}
-
-
 def _state_volume_worker(hf_dir: str) -> dict:
     """A Qwen3-0.6B-shaped Megatron model and its optimizer built in the offloader's region as the actor does, two
     steps, then a sleep and a wake: how much came back against what the state is."""
@@ -191,14 +179,9 @@ def _state_volume_worker(hf_dir: str) -> dict:
     (state,) = offloader._optimizer_states
     rows, seq = 8, 256
     gen = torch.Generator().manual_seed(0)
-    batch = _Rows(  # on the device, as the actor's micro-batches reach train_step
-        torch.randint(0, 1000, (rows, seq), generator=gen).to(parallel.device),
-        torch.arange(seq, device=parallel.device).expand(rows, seq),
-        torch.ones(rows, seq - 1, device=parallel.device),
-        torch.randn(rows, 1, generator=gen).expand(rows, seq - 1).contiguous().to(parallel.device),
-    )
+    batch = random_rows(rows, seq, 1000, parallel.device, gen)
     for _ in range(2):
-        train_step(model, optimizer, [batch], _policy_loss, rows * (seq - 1), temperature=1.0)
+        train_step(model, optimizer, [batch], policy_loss, rows * (seq - 1), temperature=1.0)
     before = [t.cpu() for t in state.tensors()]
     offloader.trainer_sleep()
     offloader.trainer_wake()
@@ -217,7 +200,7 @@ def _state_volume_worker(hf_dir: str) -> dict:
     # bf16 weight 2 + fp32 gradient buffer 4 + fp32 main weight 4 + Adam's two fp32 moments 8 bytes a parameter
     # come back (the gradient buffers' pages without their contents)
     wake_gb = offloader.step_metrics()["offload/trainer_wake_gb"]
-    loss_after_wake = train_step(model, optimizer, [batch], _policy_loss, rows * (seq - 1), temperature=1.0)["loss"]
+    loss_after_wake = train_step(model, optimizer, [batch], policy_loss, rows * (seq - 1), temperature=1.0)["loss"]
     return {
         "wake_gb": wake_gb,
         "state_gb": params * 18 / 1e9,

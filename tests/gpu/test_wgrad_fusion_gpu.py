@@ -7,29 +7,16 @@ rounding, the tied embedding's gradient included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from dist_utils import run_distributed
+from policy_rows import policy_loss, random_rows
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-
-
-@dataclass
-class _Rows:
-    tokens: torch.Tensor
-    position_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-
-
-def _policy_loss(batch: _Rows, logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return -(logprobs * batch.advantages * batch.loss_mask).sum(), {}
 
 
 def _main_grads_worker(hf_dir: str, fuse: bool) -> dict:
@@ -46,16 +33,8 @@ def _main_grads_worker(hf_dir: str, fuse: bool) -> dict:
     optimizer = make_optimizer(model, lr=0.0, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=1e9)
     rows, seq = 4, 96
     gen = torch.Generator().manual_seed(0)
-    batches = [
-        _Rows(
-            torch.randint(0, 200, (rows, seq), generator=gen).to(parallel.device),
-            torch.arange(seq, device=parallel.device).expand(rows, seq),
-            torch.ones(rows, seq - 1, device=parallel.device),
-            torch.randn(rows, 1, generator=gen).expand(rows, seq - 1).contiguous().to(parallel.device),
-        )
-        for _ in range(2)
-    ]
-    train_step(model, optimizer, batches, _policy_loss, 2 * rows * (seq - 1), temperature=1.0)
+    batches = [random_rows(rows, seq, 200, parallel.device, gen) for _ in range(2)]
+    train_step(model, optimizer, batches, policy_loss, 2 * rows * (seq - 1), temperature=1.0)
     grads = {name: p.main_grad.detach().float().cpu() for name, p in gpt.named_parameters() if p.requires_grad}
     return {"fused": fused, "grads": grads}
 

@@ -14,21 +14,13 @@ norm, for one, is left as it is.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import types
 
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-
-@functools.cache
-def _is_llama_rms_norm(cls: type[torch.nn.Module]) -> bool:
-    try:
-        return cls is LlamaRMSNorm or inspect.getsource(cls.forward) == inspect.getsource(LlamaRMSNorm.forward)
-    except (OSError, TypeError):  # no source to compare: keep the model's own forward
-        return False
+from rlrun.engine.backends.same_forward import has_forward_of
 
 
 def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -39,7 +31,7 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
     """Give every Llama-formula RMSNorm of ``model`` the fused forward; returns how many."""
     fused = 0
     for module in model.modules():
-        if _is_llama_rms_norm(type(module)):  # type: ignore[arg-type]  # classes hash; torch types Module.__hash__ oddly
+        if has_forward_of(type(module), LlamaRMSNorm):  # type: ignore[arg-type]  # classes hash; torch types Module.__hash__ oddly
             module.forward = types.MethodType(_fused_forward, module)
             fused += 1
     return fused

@@ -16,8 +16,6 @@ kernel does not cover (CPU, a dtype it is not exact for, a gradient to take) run
 
 from __future__ import annotations
 
-import functools
-import inspect
 import types
 
 import torch
@@ -26,15 +24,8 @@ from transformers.activations import SiLUActivation
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from rlrun.engine.backends.fused_projections import FusedProjection, ProjectionPart
+from rlrun.engine.backends.same_forward import has_forward_of
 from rlrun.triton_support import triton_available
-
-
-@functools.cache
-def _is_llama_mlp(cls: type[torch.nn.Module]) -> bool:
-    try:
-        return cls is LlamaMLP or inspect.getsource(cls.forward) == inspect.getsource(LlamaMLP.forward)
-    except (OSError, TypeError):  # no source to compare: keep the model's own forward
-        return False
 
 
 def _silu(act: object) -> bool:
@@ -80,7 +71,7 @@ def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def fusable(module: torch.nn.Module) -> bool:
     """A Llama-formula MLP with a SiLU ``act_fn`` and fused gate/up projections."""
-    llama = _is_llama_mlp(type(module))  # type: ignore[arg-type]  # classes hash; torch types Module.__hash__ oddly
+    llama = has_forward_of(type(module), LlamaMLP)  # type: ignore[arg-type]  # classes hash; torch types Module.__hash__ oddly
     return llama and _silu(getattr(module, "act_fn", None)) and _fused_gate_up(module) is not None
 
 
