@@ -56,7 +56,9 @@ def test_abort_of_one_merged_call_leaves_the_others(tiny_model_dirs):
     async def run():
         long = asyncio.ensure_future(backend.generate([PROMPTS[0]], params(400), True, ["g0"]))
         other = asyncio.ensure_future(backend.generate([PROMPTS[1]], params(40), True, ["g1"]))
-        await asyncio.sleep(0.3)
+        # the abort comes once the merged batch has decoded 20 steps (not after a fixed time: on a fast host the
+        # long call could finish first), while both other calls are still running
+        await backend.generate([PROMPTS[2]], params(20), True, ["g2"])
         start = time.perf_counter()
         await backend.abort("g0", False)
         aborted = await long
