@@ -33,6 +33,13 @@ if TYPE_CHECKING:
 P = ParamSpec("P")
 R = TypeVar("R")
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+COPY_PIECE_BYTES = 64 << 20
+"""The wake's copy back goes in pieces of this size (~1 ms each at the H200's ~55 GB/s from the host). A copy engine
+finishes a transfer before it takes the next, so one 20 GB transfer (1.7B parameters) queued at the wake would hold
+back every later host-to-device copy, on any stream, for ~0.4 s: the train phase's micro-batches are copied to the
+device as it goes, and the 1.7B offload row's train phase was 0.35 s longer than the resident row's (BENCHMARKS.md,
+"Step: rlrun vs verl"; this is the likely cause, to be confirmed by the next H200 run). In pieces, such a copy waits
+for one piece at most."""
 
 
 def streams_state(optimizer: MegatronOptimizer) -> bool:
@@ -183,7 +190,9 @@ class FlatOptimizerState:
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for buffer, host in pairs:
-                buffer.copy_(host, non_blocking=True)
+                piece = max(COPY_PIECE_BYTES // buffer.element_size(), 1)
+                for device_piece, host_piece in zip(buffer.split(piece), host.split(piece), strict=True):
+                    device_piece.copy_(host_piece, non_blocking=True)
         self._ready = self._stream.record_event()
 
     def wait(self) -> None:
