@@ -77,13 +77,16 @@ def causal_varlen(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention within each sample of a packed row: ``[T, heads, dim]`` in and out, samples
-    bounded by ``cu_seqlens`` (int32, on the device). Differentiable (torch's efficient-attention backward)."""
+    bounded by ``cu_seqlens`` (int32, on the device). Differentiable: by FlashAttention-2's backward where it takes
+    the shapes (:class:`_FlashBackward`), else by torch's efficient-attention backward."""
     if not kernel_has_head_dims(query.dtype, query.shape[-1], value.shape[-1]):
         raise ValueError(
             f"model.packed_attention efficient_varlen: the memory-efficient kernel has no {query.dtype} kernel for "
             f"heads {query.shape[-1]} (query) and {value.shape[-1]} (value) wide (it needs multiples of "
             f"{KERNEL_ALIGN_BYTES} bytes); use model.packed_attention: per_sample"
         )
+    if dropout_p == 0.0 and torch.is_grad_enabled() and flash_backward_covers(query, key, value):
+        return _FlashBackward.apply(query, key, value, cu_seqlens, max_len, _scale(query, scale))
     heads = query.shape[1]
     key, value = (_repeat_heads(t, heads, 1) for t in (key, value))
     out = torch.ops.aten._efficient_attention_forward(
@@ -101,6 +104,93 @@ def causal_varlen(
         scale=_scale(query, scale),
     )[0]
     return out.squeeze(0)
+
+
+FLASH_HEAD_DIMS = range(8, 257, 8)
+"""Head widths FlashAttention-2's backward takes (torch's build: up to 256, multiples of 8)."""
+
+
+def flash_backward_covers(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :class:`_FlashBackward` takes these ``[T, heads, dim]`` tensors: CUDA (sm80 or newer), bf16 or fp16,
+    one width for queries, keys and values that FlashAttention-2 has, whole groups of query heads, something to
+    differentiate."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and key.dtype == value.dtype == query.dtype
+        and query.shape[-1] == key.shape[-1] == value.shape[-1]
+        and query.shape[-1] in FLASH_HEAD_DIMS
+        and query.shape[1] % key.shape[1] == 0
+        and any(t.requires_grad for t in (query, key, value))
+        and torch.cuda.get_device_capability(query.device)[0] >= 8
+    )
+
+
+def _flash_logsumexp(logsumexp: torch.Tensor, cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The memory-efficient kernel's log-sum-exp of a packed row (``[samples, heads, max_len rounded up to 32]``, each
+    sample's rows from 0) in FlashAttention-2's varlen layout (``[heads, tokens]``): one gather."""
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=starts.device), lengths, output_size=tokens)
+    position = torch.arange(tokens, device=starts.device) - starts[sample]
+    return logsumexp[sample, :, position].t().contiguous()
+
+
+class _FlashBackward(torch.autograd.Function):
+    """The memory-efficient kernel forward, FlashAttention-2's varlen backward.
+
+    Why: the forward must be the engine's kernel (the module docstring), the backward need not: no log-prob comes out
+    of it. FlashAttention-2's backward runs about twice the memory-efficient one's rate at short samples (99 against
+    198 TFLOP/s forward and backward at 16 x 1,024 tokens on the H200, BENCHMARKS.md "The attention kernel at long
+    context"), takes grouped key/value heads as they are (the repeated copies, and the sum of their gradients, are
+    only the forward's), and needs only what the forward keeps anyway: its output and log-sum-exp (the same natural
+    log-sum-exp of the scaled scores; rearranged by :func:`_flash_logsumexp`). The gradients are those of the
+    attention this forward computed, to bf16 rounding (tests/gpu/test_attention_gpu.py)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, cu_seqlens, max_len, scale):
+        heads = query.shape[1]
+        repeated = (_repeat_heads(t, heads, 1) for t in (key, value))
+        out, logsumexp = torch.ops.aten._efficient_attention_forward(
+            query.unsqueeze(0),
+            *(t.unsqueeze(0) for t in repeated),
+            None,
+            cu_seqlens,
+            cu_seqlens,
+            max_len,
+            max_len,
+            0.0,
+            CAUSAL_FROM_TOP_LEFT,
+            True,
+            scale=scale,
+        )[:2]
+        out = out.squeeze(0)
+        ctx.save_for_backward(query, key, value, out, logsumexp, cu_seqlens)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, logsumexp, cu_seqlens = ctx.saved_tensors
+        unused = torch.empty((), dtype=torch.int64, device=query.device)  # dropout's random state: no dropout here
+        grad_query, grad_key, grad_value = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(),
+            query,
+            key,
+            value,
+            out,
+            _flash_logsumexp(logsumexp, cu_seqlens, query.shape[0]),
+            cu_seqlens,
+            cu_seqlens,
+            ctx.max_len,
+            ctx.max_len,
+            0.0,
+            True,
+            unused,
+            unused,
+            scale=ctx.scale,
+        )
+        return grad_query, grad_key, grad_value, None, None, None
 
 
 def causal(

@@ -97,3 +97,50 @@ def test_the_shared_kernel_runs_exactly_on_the_head_widths_it_is_said_to_take(dt
     mask = torch.ones(9, 9, dtype=torch.bool, device="cuda").tril()
     reference = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
     torch.testing.assert_close(attention_kernel.masked(q, k, v, mask).double(), reference, rtol=0, atol=tolerance)
+
+
+def _efficient_reference(query, key, value, bounds, max_len, scale):
+    """The packed causal attention by torch's own autograd of the memory-efficient kernel, key/value heads repeated
+    (what ``attention_kernel.causal_varlen`` ran before its FlashAttention-2 backward)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    return torch.ops.aten._efficient_attention_forward(
+        query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), None, bounds, bounds, max_len, max_len, 0.0, 1, True,
+        scale=scale,
+    )[0].squeeze(0)  # fmt: skip
+
+
+@pytest.mark.parametrize(("lengths", "dim"), [((640,) * 8, 128), ((1, 37, 640, 250, 1000), 128), ((300, 129), 64)])
+def test_flash_backward_is_the_efficient_kernels_gradient(lengths, dim):
+    """``causal_varlen`` under autograd: the forward is the memory-efficient kernel's, bit for bit (the engine's
+    numbers); the gradients, by FlashAttention-2's backward from that forward's output and log-sum-exp, equal the
+    memory-efficient kernel's own backward to bf16 rounding (and are as close as it to an fp32 reference)."""
+    from rlrun import attention_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = sum(lengths)
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    max_len, scale = max(lengths), dim**-0.5
+    leaves = [
+        torch.randn(tokens, h, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for h in (HEADS, KV_HEADS, KV_HEADS)
+    ]
+    grad_out = torch.randn(tokens, HEADS, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def run(fn, dtype):
+        inputs = [t.detach().to(dtype).clone().requires_grad_(True) for t in leaves]
+        out = fn(*inputs)
+        out.backward(grad_out.to(dtype))
+        return out.detach(), *(t.grad for t in inputs)
+
+    assert attention_kernel.flash_backward_covers(*(t.detach().requires_grad_(True) for t in leaves))
+    got = run(lambda q, k, v: attention_kernel.causal_varlen(q, k, v, bounds, max_len, scale), torch.bfloat16)
+    ref = run(lambda q, k, v: _efficient_reference(q, k, v, bounds, max_len, scale), torch.bfloat16)
+    exact = run(lambda q, k, v: _efficient_reference(q, k, v, bounds, max_len, scale), torch.float32)
+    assert torch.equal(got[0], ref[0])
+    for name, g, r, e in zip(("query", "key", "value"), got[1:], ref[1:], exact[1:], strict=True):
+        assert g.shape == r.shape and torch.isfinite(g).all(), name
+        own = (g.float() - e).abs().max().item()
+        theirs = (r.float() - e).abs().max().item()
+        assert own <= 2 * theirs + 1e-3, (name, own, theirs)
+        assert (g.float() - r.float()).abs().max().item() <= 0.05 * e.abs().max().item(), name

@@ -195,3 +195,18 @@ def test_efficient_varlen_refuses_heads_the_kernel_has_none_for():
         ValueError, match="heads 20 .query. and 10 .value. wide.*use model.packed_attention: per_sample"
     ):
         attention_kernel.causal_varlen(q, q, v, torch.tensor([0, 8], dtype=torch.int32), 8)
+
+
+def test_flash_logsumexp_puts_each_token_s_row_where_flashattention_reads_it():
+    """The memory-efficient kernel keeps a packed row's log-sum-exp per sample (``[samples, heads, max_len padded]``,
+    rows from 0 in each sample); FlashAttention-2's varlen backward reads it per token (``[heads, tokens]``)."""
+    from rlrun.attention_kernel import _flash_logsumexp
+
+    lengths, heads, padded = [3, 1, 5], 2, 32
+    samples = torch.arange(len(lengths)).view(-1, 1, 1)
+    lse = (1000 * samples + 100 * torch.arange(heads).view(1, -1, 1) + torch.arange(padded).view(1, 1, -1)).float()
+    bounds = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    got = _flash_logsumexp(lse, bounds, 9)
+    expected = [[1000 * i + 100 * h + p for i, n in enumerate(lengths) for p in range(n)] for h in range(heads)]
+    assert got.shape == (heads, 9) and got.is_contiguous()
+    assert got.tolist() == expected
