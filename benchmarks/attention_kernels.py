@@ -4,7 +4,10 @@ Why: at 32k tokens per sample attention is most of a train step (benchmarks/resu
 profile_train_qwen3-4b_32k_full_h200.txt: 80% of CUDA time in sm80 attention kernels), so the trainer's
 kernel decides its MFU. This compares, on the packed ``[T, heads, dim]`` layout the trainer attends:
 
-* ``efficient``: the memory-efficient kernel trainer and engine share (rlrun.attention_kernel.causal_varlen);
+* ``efficient``: the memory-efficient kernel trainer and engine share (rlrun.attention_kernel.causal_varlen), with
+  FlashAttention-2's backward behind it on bf16/fp16 (the trainer's path since commit 0f63c17);
+* ``efficient_own_bwd``: the memory-efficient kernel forward and backward, grouped key/value heads repeated (the
+  trainer's path before that commit);
 * ``flash``: FlashAttention-2's varlen kernel (``aten._flash_attention_forward``);
 * ``cudnn_dense``: cuDNN's fused attention through SDPA, one call per sample (``model.packed_attention:
   cudnn_per_sample``);
@@ -33,11 +36,20 @@ SHAPES = {
     "qwen3-4b_4x8k": (32, 8, 128, [8192] * 4),
     "qwen3-4b_16x1k": (32, 8, 128, [1024] * 16),
     "qwen3-1.7b_1x64k": (16, 8, 128, [65536]),
+    "qwen3-1.7b_32x640": (16, 8, 128, [640] * 32),  # a micro-batch of the GRPO step (benchmarks/peer_step.py)
 }
 
 
 def _efficient(q, k, v, bounds, max_len):
     return attention_kernel.causal_varlen(q, k, v, bounds, max_len)
+
+
+def _efficient_own_bwd(q, k, v, bounds, max_len):
+    k, v = (attention_kernel._repeat_heads(t, q.shape[1], 1) for t in (k, v))
+    return torch.ops.aten._efficient_attention_forward(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, bounds, bounds, max_len, max_len, 0.0,
+        attention_kernel.CAUSAL_FROM_TOP_LEFT, torch.is_grad_enabled(), scale=q.shape[-1] ** -0.5,
+    )[0].squeeze(0)  # fmt: skip
 
 
 def _flash(q, k, v, bounds, max_len):
@@ -64,7 +76,13 @@ def _cudnn_dense(q, k, v, bounds, max_len):
     return torch.cat(outs)
 
 
-KERNELS = {"efficient": _efficient, "flash": _flash, "cudnn_dense": _cudnn_dense, "cudnn": _cudnn}
+KERNELS = {
+    "efficient": _efficient,
+    "efficient_own_bwd": _efficient_own_bwd,
+    "flash": _flash,
+    "cudnn_dense": _cudnn_dense,
+    "cudnn": _cudnn,
+}
 
 
 def _reference(q, k, v, lengths):
