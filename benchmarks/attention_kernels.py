@@ -45,11 +45,8 @@ def _efficient(q, k, v, bounds, max_len):
 
 
 def _efficient_own_bwd(q, k, v, bounds, max_len):
-    k, v = (attention_kernel._repeat_heads(t, q.shape[1], 1) for t in (k, v))
-    return torch.ops.aten._efficient_attention_forward(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, bounds, bounds, max_len, max_len, 0.0,
-        attention_kernel.CAUSAL_FROM_TOP_LEFT, torch.is_grad_enabled(), scale=q.shape[-1] ** -0.5,
-    )[0].squeeze(0)  # fmt: skip
+    scale = q.shape[-1] ** -0.5
+    return attention_kernel.efficient_varlen(q, k, v, bounds, max_len, scale, logsumexp=torch.is_grad_enabled())[0]
 
 
 def _flash(q, k, v, bounds, max_len):

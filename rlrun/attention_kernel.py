@@ -87,9 +87,24 @@ def causal_varlen(
         )
     if dropout_p == 0.0 and torch.is_grad_enabled() and flash_backward_covers(query, key, value):
         return _FlashBackward.apply(query, key, value, cu_seqlens, max_len, _scale(query, scale))
-    heads = query.shape[1]
-    key, value = (_repeat_heads(t, heads, 1) for t in (key, value))
-    out = torch.ops.aten._efficient_attention_forward(
+    logsumexp = torch.is_grad_enabled() and query.requires_grad  # what torch's backward of the kernel reads
+    return efficient_varlen(query, key, value, cu_seqlens, max_len, _scale(query, scale), dropout_p, logsumexp)[0]
+
+
+def efficient_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float,
+    dropout_p: float = 0.0,
+    logsumexp: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The memory-efficient kernel over a packed row, grouped key/value heads repeated for it: the output
+    ``[T, heads, dim]`` and (with ``logsumexp``) its log-sum-exp ``[samples, heads, max_len rounded up to 32]``."""
+    key, value = (_repeat_heads(t, query.shape[1], 1) for t in (key, value))
+    out, lse = torch.ops.aten._efficient_attention_forward(
         query.unsqueeze(0),
         key.unsqueeze(0),
         value.unsqueeze(0),
@@ -100,10 +115,10 @@ def causal_varlen(
         max_len,
         dropout_p,
         CAUSAL_FROM_TOP_LEFT,
-        torch.is_grad_enabled() and query.requires_grad,
-        scale=_scale(query, scale),
-    )[0]
-    return out.squeeze(0)
+        logsumexp,
+        scale=scale,
+    )[:2]
+    return out.squeeze(0), lse
 
 
 FLASH_HEAD_DIMS = range(8, 257, 8)
@@ -149,22 +164,7 @@ class _FlashBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, cu_seqlens, max_len, scale):
-        heads = query.shape[1]
-        repeated = (_repeat_heads(t, heads, 1) for t in (key, value))
-        out, logsumexp = torch.ops.aten._efficient_attention_forward(
-            query.unsqueeze(0),
-            *(t.unsqueeze(0) for t in repeated),
-            None,
-            cu_seqlens,
-            cu_seqlens,
-            max_len,
-            max_len,
-            0.0,
-            CAUSAL_FROM_TOP_LEFT,
-            True,
-            scale=scale,
-        )[:2]
-        out = out.squeeze(0)
+        out, logsumexp = efficient_varlen(query, key, value, cu_seqlens, max_len, scale, logsumexp=True)
         ctx.save_for_backward(query, key, value, out, logsumexp, cu_seqlens)
         ctx.max_len, ctx.scale = max_len, scale
         return out
