@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import add_settings_args, settings_from  # noqa: E402
 
 from rlrun.bench.logged import run_logged  # noqa: E402
-from rlrun.bench.step import ATTENTION_SUFFIX, WARMUP_STEPS, StepSettings, Variant  # noqa: E402
+from rlrun.bench.step import ATTENTION_SUFFIX, HEAD_SUFFIX, WARMUP_STEPS, StepSettings, Variant  # noqa: E402
 from rlrun.config.schema import RecomputeMode  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,13 +72,14 @@ def parse_variant(spec: str) -> tuple[str, Variant]:
     backend, *suffixes = spec.split("_")
     attention = {suffix[1:]: name for name, suffix in ATTENTION_SUFFIX.items() if suffix}
     recompute = {f"recompute-{mode}": mode for mode in get_args(RecomputeMode) if mode != "none"}
+    head = {suffix[1:]: name for name, suffix in HEAD_SUFFIX.items() if suffix}
     flags = {"resident", "keepnccl", "releasecache", "copywithweights", "optoffload"}
-    unknown = set(suffixes) - {*flags, *attention, *recompute}
+    unknown = set(suffixes) - {*flags, *attention, *head, *recompute}
     if unknown:
         raise SystemExit(
             f"--backends entry {spec!r} must be a backend plus _resident, _keepnccl, _releasecache, "
-            f"_copywithweights, one of "
-            f"{sorted('_' + s for s in attention)}, one of {sorted('_' + s for s in recompute)} and/or "
+            f"_copywithweights, one of {sorted('_' + s for s in attention)}, one of "
+            f"{sorted('_' + s for s in head)}, one of {sorted('_' + s for s in recompute)} and/or "
             f"_optoffload because those are the variants bench step runs; drop {sorted(unknown)}"
         )
     variant = Variant(
@@ -89,6 +90,7 @@ def parse_variant(spec: str) -> tuple[str, Variant]:
         packed_attention=next((attention[s] for s in suffixes if s in attention), "auto"),
         recompute=next((recompute[s] for s in suffixes if s in recompute), "none"),
         optimizer_offload="optoffload" in suffixes,
+        lm_head=next((head[s] for s in suffixes if s in head), "chunked"),
     )
     if variant.label(backend) != spec:
         raise SystemExit(
@@ -116,6 +118,8 @@ def variant_flags(backend: str, variant: Variant) -> list[str]:
         variant.recompute,
         "--optimizer-offload",
         "on" if variant.optimizer_offload else "off",
+        "--lm-head",
+        variant.lm_head,
     ]
 
 

@@ -109,8 +109,10 @@ def estimate(cfg: RunConfig, arch: ModelArch, dp: int) -> MemoryEstimate:
         kept, working = layers * per_layer, 0.0
     per_token = kept * elem
     v_local = arch.vocab_size / par.tp
-    if cfg.model.lm_head == "chunked":
+    if cfg.model.lm_head != "logits":
         head = 2 * CHUNK_BYTES + v_local * arch.hidden_size * (4 + elem)
+        if cfg.model.lm_head == "chunked_kept":  # the forward's logits, kept for the backward
+            head += tokens * v_local * elem
     else:
         head = tokens * v_local * 2 * elem + 2 * CHUNK_BYTES
     return MemoryEstimate(

@@ -185,7 +185,7 @@ def train(
     recompute_num_layers: Annotated[
         int | None, typer.Option(help="train.recompute_num_layers (full only; default every layer).")
     ] = None,
-    lm_head: Annotated[str, typer.Option(help="model.lm_head: chunked or logits.")] = "chunked",
+    lm_head: Annotated[str, typer.Option(help="model.lm_head: chunked, chunked_kept or logits.")] = "chunked",
     optimizer_offload: Annotated[
         str, typer.Option(help="on|off: optimizer.cpu_offload (Adam state on the host; CUDA only).")
     ] = "off",
@@ -292,6 +292,7 @@ def step(
     optimizer_offload: Annotated[
         str, typer.Option(help="on|off: optimizer.cpu_offload (Adam state on the host; CUDA only).")
     ] = "off",
+    lm_head: Annotated[str, typer.Option(help="model.lm_head: chunked, chunked_kept or logits.")] = "chunked",
     out: OutFile = None,
 ) -> None:
     """Seconds per GRPO step of ``rlrun train`` (colocated, offload on by default), split by phase, tokens/s, memory."""
@@ -325,6 +326,7 @@ def step(
         lora_rank=lora_rank,
         recompute=_memory_options(recompute, None, "chunked", False).recompute,
         optimizer_offload=_on_off("--optimizer-offload", optimizer_offload),
+        lm_head=_memory_options("none", None, lm_head, False).lm_head,
     )
     try:
         result = bench_step(settings, work, timeout_s, variant, profile_step, ranks)

@@ -47,7 +47,7 @@ from rlrun.bench.engines import BENCH_SERVER_ARGS, SGLANG_SERVER_ARGS
 from rlrun.bench.logged import run_logged
 from rlrun.bench.shapes import get_shape
 from rlrun.bench.trace_ops import PhaseProfile, phase_profile
-from rlrun.config.schema import OptimizerCopy, PackedAttention, RecomputeMode, ReleaseCache
+from rlrun.config.schema import LMHead, OptimizerCopy, PackedAttention, RecomputeMode, ReleaseCache
 from rlrun.engine.backends import backend_traits
 from rlrun.step_times import STEP_SECONDS, STEP_TOTALS, WALL_STEP_SECONDS
 
@@ -79,6 +79,8 @@ ATTENTION_SUFFIX: dict[str, str] = {
     "cudnn_per_sample": "_cudnn",
 }
 """A variant's label suffix for each ``model.packed_attention`` (``auto``, the default, adds none)."""
+HEAD_SUFFIX: dict[str, str] = {"chunked": "", "chunked_kept": "_headkept", "logits": "_headlogits"}
+"""A variant's label suffix for each ``model.lm_head`` (``chunked``, the default, adds none)."""
 PROFILED_PHASE = "train"
 INPUTS = "inputs"
 """The folder of ``--work`` that holds the model and prompts every run shares."""
@@ -131,6 +133,9 @@ class Variant:
     release_cache: ReleaseCache = "when_needed"
     """``offload.release_cache``: whether the sleeping trainer keeps its cached activation blocks when the engine
     fits beside them (only with offload)."""
+    lm_head: LMHead = "chunked"
+    """``model.lm_head``: the LM head by token chunks, projected again in the backward (the default) or kept
+    (``chunked_kept``), or Megatron's output layer (``logits``)."""
 
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
@@ -141,6 +146,7 @@ class Variant:
             + ("" if self.release_cache == "when_needed" else "_releasecache")
             + ("" if self.optimizer_copy == "overlapped" else "_copywithweights")
             + ATTENTION_SUFFIX[self.packed_attention]
+            + HEAD_SUFFIX[self.lm_head]
             + ("" if self.lora_rank is None else f"_lora{self.lora_rank}")
             + ("" if self.recompute == "none" else f"_recompute-{self.recompute}")
             + ("_optoffload" if self.optimizer_offload else "")
@@ -148,7 +154,12 @@ class Variant:
 
     def model_section(self, model_path: Path, dtype: str) -> dict:
         """The run config's ``model`` section."""
-        model: dict = {"path": str(model_path), "dtype": dtype, "packed_attention": self.packed_attention}
+        model: dict = {
+            "path": str(model_path),
+            "dtype": dtype,
+            "packed_attention": self.packed_attention,
+            "lm_head": self.lm_head,
+        }
         if self.lora_rank is not None:
             model["lora"] = {"rank": self.lora_rank, "alpha": 2.0 * self.lora_rank}
         return model

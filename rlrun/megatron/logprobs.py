@@ -79,7 +79,7 @@ def head_token_stats(
     start = mpu.get_tensor_model_parallel_rank() * weight.shape[0]
     group = mpu.get_tensor_model_parallel_group()
     logprobs, entropy = chunked_head_token_stats(
-        output, weight, targets, temperature, start, model.arch.vocab_size, group
+        output, weight, targets, temperature, start, model.arch.vocab_size, group, model.keeps_head_logits
     )
     return logprobs, entropy if with_entropy else None
 
@@ -91,13 +91,20 @@ def model_token_stats(
     temperature: float,
     with_entropy: bool,
     kept_ids: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(tokens[:, 1:]), entropy or None), each ``[B, S-1]``, from :func:`forward_logits`' ``output`` of
     ``tokens``. With context parallelism the output covers this CP rank's positions only: the targets are cut
-    the same way and the stats gathered back to the whole row (rlrun/megatron/context_parallel.py)."""
-    targets = tokens[:, 1:].to(output.device)
+    the same way and the stats gathered back to the whole row (rlrun/megatron/context_parallel.py).
+
+    ``scored`` (``[B, S-1]``, on the host; the train step passes the loss mask): with a deferred LM head, only its
+    nonzero positions are projected and scored, and the others read 0 (:func:`_scored_positions`)."""
     if model.parallel.cp_size == 1:
+        if scored is not None and model.deferred_head and kept_ids is None:
+            return _scored_positions(model, output, tokens, scored, temperature, with_entropy)
+        targets = tokens[:, 1:].to(output.device)
         return head_token_stats(model, output[:, :-1], targets, temperature, with_entropy, kept_ids)
+    targets = tokens[:, 1:].to(output.device)
     from rlrun.megatron import context_parallel
 
     # position p predicts token p + 1; the row's last position predicts nothing (a dummy target, dropped)
@@ -111,6 +118,39 @@ def model_token_stats(
     length = targets.shape[1]
     whole = context_parallel.gather_positions(logprobs, length)
     return whole, None if entropy is None else context_parallel.gather_positions(entropy, length)
+
+
+def _scored_positions(
+    model: MegatronModel,
+    output: torch.Tensor,
+    tokens: torch.Tensor,
+    scored: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`model_token_stats` of the positions where ``scored`` is nonzero, zero elsewhere.
+
+    The train step's loss reads log-probs and entropies under its loss mask only, and a GRPO row's prompt is often
+    a fifth or more of it: the LM head is ~1/5 of a Qwen3-1.7B step's matmul FLOPs (its 152K-id projection, three
+    GEMMs and the chunked head's recompute), so projecting the prompt positions is pure waste. Their final hidden
+    states are gathered into ``[N, H]`` (indices found on the host, so no device sync), scored as one row, and the
+    results put back in place; the gather's backward scatters the hidden states' gradient back."""
+    hidden = output.reshape(-1, output.shape[-1])  # [B * S, H]; position (b, s) predicts token (b, s + 1)
+    rows, length = tokens.shape
+    positions = scored.reshape(rows, length - 1).cpu().nonzero()
+    picked = positions[:, 0] * length + positions[:, 1]
+    targets = tokens.cpu()[:, 1:][positions[:, 0], positions[:, 1]]
+    device = output.device
+    picked_device = picked.to(device, non_blocking=True)
+    logprobs, entropy = head_token_stats(
+        model, hidden.index_select(0, picked_device), targets.to(device), temperature, with_entropy
+    )
+    where = (positions[:, 0] * (length - 1) + positions[:, 1]).to(device, non_blocking=True)
+
+    def in_place(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(rows * (length - 1)).index_copy(0, where, values).view(rows, length - 1)
+
+    return in_place(logprobs), None if entropy is None else in_place(entropy)
 
 
 def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,8 @@ class MegatronModel:
     """The LoRA adapters (``model.lora``; rlrun/megatron/lora.py); None: every parameter trains."""
     deferred_head: bool = False
     """True when the last stage's forward returns hidden states, not logits (rlrun/megatron/lm_head.py)."""
+    keeps_head_logits: bool = False
+    """``model.lm_head: chunked_kept``: the deferred head keeps its chunks' logits for the backward."""
 
     @property
     def module(self) -> GPTModel:
@@ -77,13 +79,13 @@ def build_model(
 
     ``moe_options``: routing and load-balancing options of MoE models (ignored for dense ones);
     ``packed_attention``: ``model.packed_attention`` (rlrun/megatron/attention.py); ``recompute``:
-    ``train.recompute`` (rlrun/megatron/recompute.py); ``lm_head``: ``model.lm_head`` (``chunked``: the model
-    returns hidden states and the log-prob code projects them chunk by chunk, rlrun/megatron/lm_head.py);
+    ``train.recompute`` (rlrun/megatron/recompute.py); ``lm_head``: ``model.lm_head`` (``chunked``, ``chunked_kept``:
+    the model returns hidden states and the log-prob code projects them chunk by chunk, rlrun/megatron/lm_head.py);
     ``lora``: freeze the base and add LoRA branches initialised from ``seed`` (rlrun/megatron/lora.py) before
     the DDP wrap, so only they get gradient buffers and optimizer state; ``grad_buffer_region``: where the gradient
     buffers are allocated (:func:`wrap_ddp`)."""
     gpt, arch, config = build_gpt(hf_dir, parallel, dtype, moe_options, packed_attention, recompute)
-    deferred = lm_head == "chunked" and parallel.is_last_stage
+    deferred = lm_head in ("chunked", "chunked_kept") and parallel.is_last_stage
     if deferred:
         from rlrun.megatron.lm_head import defer_output_layer
 
@@ -100,6 +102,7 @@ def build_model(
     model = wrap_ddp(gpt, arch, config, parallel, dtype, distributed_optimizer, grad_buffer_region)
     model.lora = adapters
     model.deferred_head = deferred
+    model.keeps_head_logits = deferred and lm_head == "chunked_kept"
     return model
 
 

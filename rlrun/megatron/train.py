@@ -40,11 +40,14 @@ class MicroBatch(Protocol):
     """[B, S] token ids, right-padded."""
     position_ids: torch.Tensor
     """[B, S], 0..S-1 in every row."""
+    loss_mask: torch.Tensor
+    """[B, S-1], nonzero where the loss reads a position: the LM head scores only these (with ``model.lm_head:
+    chunked``, the default), so log-probs and entropies read 0 elsewhere."""
 
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(micro_batch, logprobs [B, S-1][, entropy [B, S-1] when ``with_entropy``]) -> (loss summed over
-loss-masked tokens, {metric: summed tensor}).
+loss-masked tokens, {metric: summed tensor}). Outside the micro-batch's ``loss_mask`` both may read 0.
 
 Every call on every rank must return the same metric names (they are summed by one all-reduce), and
 none of ``RESERVED_METRICS``."""
@@ -282,6 +285,7 @@ def train_step(
             temperature,
             with_entropy,
             kept_ids=getattr(micro_batch, "kept_ids", None),  # top-p mask replay; None without it
+            scored=micro_batch.loss_mask,  # the head scores the loss's positions only (zero elsewhere)
         )
         return loss_fn(micro_batch, logprobs, *((entropy,) if with_entropy else ()))
 

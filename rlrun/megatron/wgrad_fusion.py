@@ -27,11 +27,17 @@ class _WgradGemm:
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-        torch.ops.aten.addmm.dtype_out(main_grad, grad_output.t(), total_input, torch.float32, out=main_grad)
+        accumulate_fp32(main_grad, grad_output, total_input)
 
     @staticmethod
     def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
         main_grad.addmm_(grad_output.t(), total_input)
+
+
+def accumulate_fp32(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
+    """``main_grad += grad_output^T @ total_input`` in one GEMM: fp32 ``main_grad``, bf16/fp16 operands (CUDA; the
+    sum is the fp32 one, where ``+=`` of a separate GEMM would round the product to bf16 first)."""
+    torch.ops.aten.addmm.dtype_out(main_grad, grad_output.t(), total_input, torch.float32, out=main_grad)
 
 
 def supported() -> bool:

@@ -17,6 +17,7 @@ TEMPERATURE = 0.8
 VARIANTS = (
     ("logits", "none", None),  # the reference: Megatron's output layer, every activation kept
     ("chunked", "none", None),
+    ("chunked_kept", "none", None),
     ("chunked", "selective", None),
     ("chunked", "full", None),
     ("logits", "full", 1),
@@ -76,7 +77,8 @@ def _worker(jobs: list[tuple], tp: int, cp: int = 1) -> dict:
         batches = _batches(ModelArch.from_hf_dir(hf_dir).vocab_size, packed_row)
         tokens = int(sum(b.loss_mask.sum() for b in batches))
         model = build_model(hf_dir, parallel, "float32", recompute=Recompute(mode, layers), lm_head=lm_head)
-        assert model.deferred_head == (lm_head == "chunked")
+        assert model.deferred_head == (lm_head != "logits")
+        assert model.keeps_head_logits == (lm_head == "chunked_kept")
         last = batches[-1]
         with torch.no_grad():
             scored = compute_logprobs_and_entropy(model, last.tokens, last.position_ids, TEMPERATURE)
@@ -112,7 +114,7 @@ def _assert_same(got: dict, want: dict) -> None:
         torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=1e-6, msg=name)
 
 
-CP_VARIANTS = (VARIANTS[0], VARIANTS[3])
+CP_VARIANTS = (VARIANTS[0], VARIANTS[4])
 
 
 def _jobs(hf_dirs, variants, packed_row: bool = True) -> list[tuple]:
@@ -138,14 +140,16 @@ def test_recompute_and_chunked_head_match_the_plain_step(dirs, single_rank):
             _assert_same(single_rank[(hf_dir, *variant, True)], want)
         calls = [single_rank[(hf_dir, *v, True)]["attention_calls_per_layer_and_batch"] for v in VARIANTS]
         # once per layer without recompute; twice with selective and full (every layer, or the first N = 1 of 2)
-        assert calls == [1, 1, 2, 2, 1.5]
+        assert calls == [1, 1, 1, 2, 2, 1.5]
 
 
 def test_chunked_head_matches_at_tp2(dirs):
-    """Vocab-parallel: each TP rank projects its vocabulary slice; the hidden-state gradient is all-reduced."""
-    jobs = _jobs(dirs[1:], (VARIANTS[0], VARIANTS[2]))
+    """Vocab-parallel: each TP rank projects its vocabulary slice (keeping its logits or not); the hidden-state
+    gradient is all-reduced."""
+    jobs = _jobs(dirs[1:], (VARIANTS[0], VARIANTS[2], VARIANTS[3]))
     for rank in run_distributed(_worker, 2, jobs, 2, all_ranks=True):
-        _assert_same(rank[jobs[1]], rank[jobs[0]])
+        for job in jobs[1:]:
+            _assert_same(rank[job], rank[jobs[0]])
 
 
 def test_context_parallel_cp2_matches_cp1(dirs, single_rank):

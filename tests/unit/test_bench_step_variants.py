@@ -33,6 +33,8 @@ from peer_step import parse_variant, variant_flags  # noqa: E402
         Variant(packed_attention="per_sample"),
         Variant(lora_rank=8),
         Variant(recompute="selective", optimizer_offload=True),
+        Variant(lm_head="chunked_kept"),
+        Variant(offload=False, lm_head="logits"),
     ],
 )
 def test_run_config_applies_the_variant(tmp_path, backend, variant):
@@ -49,6 +51,8 @@ def test_run_config_applies_the_variant(tmp_path, backend, variant):
     assert variant.label(backend).endswith("_copywithweights") == (variant.optimizer_copy == "with_weights")
     assert variant.label(backend).endswith("_releasecache") == (variant.release_cache == "always")
     assert cfg.model.packed_attention == variant.packed_attention
+    assert cfg.model.lm_head == variant.lm_head
+    assert variant.label(backend).endswith("_headkept") == (variant.lm_head == "chunked_kept")
     lora = cfg.model.lora
     if variant.lora_rank is None:
         assert lora is None
@@ -81,8 +85,9 @@ def test_run_config_splits_the_rollout_into_updates(tmp_path):
 @pytest.mark.parametrize("attention", ["auto", "per_sample", "flash_varlen"])
 @pytest.mark.parametrize("recompute, optimizer_offload", [("none", False), ("full", True)])
 @pytest.mark.parametrize("release_cache, optimizer_copy", [("when_needed", "overlapped"), ("always", "with_weights")])
+@pytest.mark.parametrize("lm_head", ["chunked", "chunked_kept"])
 def test_variant_names_round_trip(
-    offload, teardown, attention, recompute, optimizer_offload, release_cache, optimizer_copy
+    offload, teardown, attention, recompute, optimizer_offload, release_cache, optimizer_copy, lm_head
 ):
     variant = Variant(
         offload,
@@ -92,6 +97,7 @@ def test_variant_names_round_trip(
         optimizer_offload,
         release_cache=release_cache,
         optimizer_copy=optimizer_copy,
+        lm_head=lm_head,
     )
     label = variant.label("sglang")
     assert parse_variant(label) == ("sglang", variant)
@@ -103,10 +109,18 @@ def test_variant_names_round_trip(
     assert flags[flags.index("--packed-attention") + 1] == attention
     assert flags[flags.index("--recompute") + 1] == recompute
     assert flags[flags.index("--optimizer-offload") + 1] == ("on" if optimizer_offload else "off")
+    assert flags[flags.index("--lm-head") + 1] == lm_head
 
 
 @pytest.mark.parametrize(
-    "spec", ["sglang_fast", "sglang_keepnccl_resident", "sglang_varlen_keepnccl", "sglang_persample_varlen"]
+    "spec",
+    [
+        "sglang_fast",
+        "sglang_keepnccl_resident",
+        "sglang_varlen_keepnccl",
+        "sglang_persample_varlen",
+        "sglang_headkept_varlen",
+    ],
 )
 def test_unknown_or_misordered_variants_are_refused(spec):
     with pytest.raises(SystemExit, match="must"):

@@ -54,6 +54,9 @@ def test_each_option_lowers_what_it_should():
     assert (
         chunked.lm_head_gib == pytest.approx(2.0 + 151936 * 2560 * 6 / 2**30) and chunked.lm_head_gib < base.lm_head_gib
     )
+    kept = estimate(config(32768, model={"lm_head": "chunked_kept"}), arch, 1)  # + the forward's bf16 logits
+    assert kept.lm_head_gib == pytest.approx(chunked.lm_head_gib + 32768 * 151936 * 2 / 2**30)
+    assert kept.lm_head_gib < base.lm_head_gib
     per_token = [
         estimate(config(32768, train={"recompute": r}), arch, 1).activation_bytes_per_token
         for r in ("none", "selective", "full")
