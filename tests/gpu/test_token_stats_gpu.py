@@ -59,9 +59,10 @@ def test_triton_passes_equal_the_eager_ones(rows, vocab, valid):
         torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2**-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("head", ["chunked", "logits"])
+@pytest.mark.parametrize("head", ["chunked", "chunked_kept", "logits"])
 def test_chunked_statistics_match_log_softmax_autograd(head, monkeypatch):
-    """Forward and gradients against fp32 autograd; pieces small enough that a row spans several."""
+    """Forward and gradients against fp32 autograd; pieces small enough that a row spans several. The chunked
+    head's weight gradient is summed by the mixed-precision ``addmm`` here (bf16 on CUDA)."""
     from rlrun.megatron import token_stats
 
     monkeypatch.setattr(token_stats, "CHUNK_BYTES", 4 * 50000 * 7)  # 7 tokens a piece
@@ -72,8 +73,9 @@ def test_chunked_statistics_match_log_softmax_autograd(head, monkeypatch):
     targets = torch.randint(0, valid, (rows, tokens), device="cuda", generator=g)
     g_lp, g_ent = torch.randn(rows, tokens, device="cuda", generator=g), torch.randn(rows, tokens, device="cuda")
 
-    if head == "chunked":
-        logp, ent = token_stats.chunked_head_token_stats(h, w, targets, temperature, 0, valid, None)
+    if head != "logits":
+        keep = head == "chunked_kept"
+        logp, ent = token_stats.chunked_head_token_stats(h, w, targets, temperature, 0, valid, None, keep)
     else:
         logp, ent = token_stats.chunked_token_stats(h @ w.t(), targets, temperature, 0, valid, None)
     grads = torch.autograd.grad((logp * g_lp).sum() + (ent * g_ent).sum(), [h, w])
@@ -88,3 +90,22 @@ def test_chunked_statistics_match_log_softmax_autograd(head, monkeypatch):
     for got, want in zip(grads, ref_grads, strict=True):
         err = (got.float() - want).norm() / want.norm()
         assert err < 0.03, f"relative gradient error {err:.3g}"
+
+
+def test_kept_logits_are_the_recomputed_ones_bit_for_bit(monkeypatch):
+    """``model.lm_head: chunked_kept`` changes no number: the backward's logits are the forward's GEMM either way."""
+    from rlrun.megatron import token_stats
+
+    monkeypatch.setattr(token_stats, "CHUNK_BYTES", 4 * 151936 * 300)  # 300 tokens a piece
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h0 = torch.randn(1000, 2048, device="cuda", generator=g).bfloat16()
+    w0 = (torch.randn(151936, 2048, device="cuda", generator=g) * 0.02).bfloat16()
+    targets = torch.randint(0, 151669, (1000,), device="cuda", generator=g)
+    g_lp = torch.randn(1000, device="cuda", generator=g)
+    results = []
+    for keep in (False, True):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        logp, ent = token_stats.chunked_head_token_stats(h, w, targets, 1.0, 0, 151669, None, keep)
+        results.append((logp, ent, *torch.autograd.grad((logp * g_lp).sum() + ent.sum(), [h, w])))
+    for recomputed, kept in zip(*results, strict=True):
+        assert torch.equal(recomputed, kept)
