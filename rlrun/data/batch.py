@@ -40,6 +40,8 @@ class MicroBatch:
     old_logprobs: ``[B, S-1]``, filled by the trainer's forward before training (None until then, and
     None for good when the training forward reuses its own log-probs; see ``rlrun.trainer.roles``).
     ref_logprobs, teacher_logprobs: ``[B, S-1]`` from the reference / teacher weights (None when unused).
+    The trainer's log-probs are scored under the loss mask only: old, reference and teacher log-probs (and the
+    training forward's) read 0 elsewhere with the chunked LM head (``model.lm_head``, the default).
     returns: ``[B, S-1]`` per-token returns of the advantage estimator (None until computed).
     values: ``[B, S-1]`` critic values for GAE (None: no critic).
     routed_experts: ``[B, S, moe_layers, topk]`` int32, the engine's expert ids of every token (rollout

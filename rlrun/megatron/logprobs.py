@@ -196,14 +196,16 @@ def compute_logprobs(
     position_ids: torch.Tensor,
     temperature: float,
     kept_ids: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``log p(tokens[:, 1:] | prefix)`` as ``[B, S-1]`` float32 on the model's device, logits divided
     by ``temperature``, on every rank (with PP > 1, computed on the last stage and broadcast); renormalised
-    over ``kept_ids`` where given (top-p mask replay, ``vocab_parallel_token_stats``).
+    over ``kept_ids`` where given (top-p mask replay, ``vocab_parallel_token_stats``); only where ``scored``
+    (``[B, S-1]``, on the host) is nonzero, 0 elsewhere, when given (:func:`model_token_stats`).
 
     Differentiable at PP=1; wrap in ``torch.no_grad()`` for forward-only passes (old, reference log-probs).
     """
-    (logprobs,) = _token_stats(model, tokens, position_ids, temperature, with_entropy=False, kept_ids=kept_ids)
+    (logprobs,) = _token_stats(model, tokens, position_ids, temperature, False, kept_ids, scored)
     return logprobs
 
 
@@ -222,11 +224,12 @@ def _token_stats(
     temperature: float,
     with_entropy: bool,
     kept_ids: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """[log-probs] or [log-probs, entropy] of ``tokens`` on every rank of the pipeline."""
 
     def head(output: torch.Tensor) -> list[torch.Tensor]:
-        stats = model_token_stats(model, output, tokens, temperature, with_entropy, kept_ids)
+        stats = model_token_stats(model, output, tokens, temperature, with_entropy, kept_ids, scored)
         return [t for t in stats if t is not None]
 
     return last_stage_outputs(

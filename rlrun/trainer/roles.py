@@ -166,9 +166,12 @@ class ModelRoles:
         with torch.no_grad(), routing:
             for mb in micro_batches:
                 # The policy's own log-probs follow the sampling distribution (top-p mask replay); the
-                # reference and the teacher are scored over the whole vocabulary.
+                # reference and the teacher are scored over the whole vocabulary. The loss reads them under
+                # its mask only, so only those positions are scored (the others read 0).
                 kept_ids = mb.kept_ids if field == "old_logprobs" else None
-                logprobs = compute_logprobs(self.model, mb.tokens, mb.position_ids, temperature, kept_ids)
+                logprobs = compute_logprobs(
+                    self.model, mb.tokens, mb.position_ids, temperature, kept_ids, scored=mb.loss_mask
+                )
                 setattr(mb, field, logprobs.float().cpu())
 
 

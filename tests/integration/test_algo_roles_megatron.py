@@ -101,8 +101,10 @@ def _roles_worker(actor_dir: str, ref_dir: str, teacher_dir: str) -> dict:
     parallel = init_distributed(tp=2, pp=1, seed=0)
 
     def logprobs_of(model, mbs):
+        """The whole rows' log-probs where the loss reads them, 0 elsewhere: the roles score only those positions."""
         with torch.no_grad():
-            return [compute_logprobs(model, mb.tokens, mb.position_ids, TEMPERATURE).cpu() for mb in mbs]
+            full = [compute_logprobs(model, mb.tokens, mb.position_ids, TEMPERATURE).cpu() for mb in mbs]
+        return [torch.where(mb.loss_mask != 0, logprobs, 0.0) for mb, logprobs in zip(mbs, full, strict=True)]
 
     model = build_model(actor_dir, parallel)
     mbs = make_micro_batches(model.arch.vocab_size)
