@@ -5,10 +5,11 @@ torch_memory_saver copies a paused region back with a synchronous ``cudaMemcpy``
 which waits for every kernel queued before it and holds back every kernel after it. The optimizer's state (fp32
 main weights and Adam moments, 12 of the 14 bytes a parameter that a sleep moves) is read by nothing before the
 optimizer step, so its copy back need not hold back the forward pass: at 1.7B parameters it is 20 GB, ~0.5 s of
-each wake at the H200's host bandwidth (BENCHMARKS.md, "Step: rlrun vs verl"). Here it is one ``copy_`` per buffer
-on a stream of its own, and the step waits for it on the device. The buffers live in the offloader's scratch
-region (paused and mapped again without a copy); the model's weights, which the forward reads first, stay in the
-trainer region with the saver's synchronous copy.
+each wake at the H200's host bandwidth (BENCHMARKS.md, "Step: rlrun vs verl"). Here it goes in pieces on a stream of
+its own, queued by a thread of its own a few at a time (:class:`PacedCopy`, ``COPY_PIECE_BYTES``), and the step
+waits for it on the device. The buffers live in the offloader's scratch region (paused and mapped again without a
+copy); the model's weights, which the forward reads first, stay in the trainer region with the saver's synchronous
+copy.
 
 What is not in the buffers (the step counts, a tensor a later optimizer version adds) is wherever it was
 allocated, outside every region (``Offloader.optimizer_region``): it stays on the device through a sleep, so
@@ -18,10 +19,12 @@ missing a tensor costs memory, never its contents.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -33,13 +36,20 @@ if TYPE_CHECKING:
 P = ParamSpec("P")
 R = TypeVar("R")
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-COPY_PIECE_BYTES = 64 << 20
-"""The wake's copy back goes in pieces of this size (~1 ms each at the H200's ~55 GB/s from the host). A copy engine
-finishes a transfer before it takes the next, so one 20 GB transfer (1.7B parameters) queued at the wake would hold
-back every later host-to-device copy, on any stream, for ~0.4 s: the train phase's micro-batches are copied to the
-device as it goes, and the 1.7B offload row's train phase was 0.35 s longer than the resident row's (BENCHMARKS.md,
-"Step: rlrun vs verl"; this is the likely cause, to be confirmed by the next H200 run). In pieces, such a copy waits
-for one piece at most."""
+COPY_PIECE_BYTES = 32 << 20
+"""The wake's copy back goes in pieces of this size, ~0.6 ms each at the H200's ~55 GB/s from the host. The train
+phase copies each micro-batch's tensors to the device as it goes (pageable ``.to(device)``, where the host waits for
+the copy), and such a copy waits behind the host-to-device transfers queued before it on the copy engine, on any
+stream. Measured on the H200 at 1.7B parameters with the whole 20 GB queued at the wake in 64 MB pieces
+(benchmarks/results/profile_step_qwen3-1.7b_sglang_{offload,resident}_h200.json, steps 2-3): the offload row's train
+phase took 2.21-2.25 s against 1.88-1.90 s resident for the same kernels (1.84 against 1.85 s on the device), the
+host 275 ms longer blocked in ``aten::copy_``; the pieces alone had not shortened it, all of them queued at once.
+So at most ``COPY_PIECES_IN_FLIGHT`` pieces are queued at a time: a micro-batch's copy waits ~1.2 ms at most."""
+COPY_PIECES_IN_FLIGHT = 2
+"""How many pieces of the copy back are queued on the device at once. Two, not one: with one, the copy engine stands
+idle from a piece's end until the copying thread has woken and taken the GIL from the train loop to queue the next;
+with two, the next piece is queued while it does. More would only lengthen a micro-batch's wait (a piece's time
+each)."""
 
 
 def streams_state(optimizer: MegatronOptimizer) -> bool:
@@ -47,6 +57,59 @@ def streams_state(optimizer: MegatronOptimizer) -> bool:
     Megatron's host Adam (``optimizer.cpu_offload``) keeps its state its own way."""
     adams = (torch.optim.Adam, torch.optim.AdamW)
     return all(type(getattr(part, "optimizer", None)) in adams for part in optimizer_parts(optimizer))
+
+
+class _Event(Protocol):
+    def synchronize(self) -> None: ...
+
+
+E = TypeVar("E", bound=_Event)
+
+
+class PacedCopy(Generic[E]):
+    """Runs ``pieces`` in order on a daemon thread, each a function that queues one piece of a copy on the device and
+    returns an event recorded after it, with no more than ``in_flight`` of them queued and unfinished at once: before
+    piece k it waits for piece k - ``in_flight`` to finish (``torch.cuda.Event.synchronize``, which lets go of the
+    GIL, so the train loop runs meanwhile). ``setup`` runs first in the thread (its CUDA device and stream).
+    :meth:`join` waits for the last piece to be queued."""
+
+    def __init__(
+        self, pieces: Sequence[Callable[[], E]], in_flight: int, setup: Callable[[], None] = lambda: None
+    ) -> None:
+        assert in_flight >= 1, in_flight
+        self._setup = setup
+        self._pieces = pieces
+        self._in_flight = in_flight
+        self.last: E | None = None
+        """The event of the last piece queued so far; every piece queued before it is done when it is (the pieces
+        go on one stream)."""
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rlrun-optimizer-state-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        queued: deque[E] = deque()
+        try:
+            self._setup()
+            for piece in self._pieces:
+                if len(queued) == self._in_flight:
+                    queued.popleft().synchronize()
+                queued.append(piece())
+                self.last = queued[-1]
+        except BaseException as error:  # re-raised by join, in the thread that waits
+            self._error = error
+
+    def running(self) -> bool:
+        """Whether pieces remain to be queued."""
+        return self._thread.is_alive()
+
+    def join(self) -> E | None:
+        """The last piece's event once every piece is queued (None without pieces); raises what a piece raised,
+        after which :attr:`last` is the last piece queued before it."""
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("copying the optimizer state back to the device failed") from self._error
+        return self.last
 
 
 Key = tuple[int, str]
@@ -92,7 +155,7 @@ class FlatOptimizerState:
         self._slots: dict[Key, torch.Tensor] = {}
         self._segments: list[_Segment] = []
         self._stream: torch.cuda.Stream | None = None
-        self._ready: torch.cuda.Event | None = None
+        self._copy: PacedCopy[torch.cuda.Event] | None = None  # the copy back since the last wait
         self.adopt()
 
     @property
@@ -176,8 +239,9 @@ class FlatOptimizerState:
                 segment.host[dtype].copy_(buffer)
 
     def load_from_host(self) -> None:
-        """Start the copy back (on CUDA on a side stream, after the device buffers are mapped again); the next
-        :meth:`wait` orders the current stream after it."""
+        """Start the copy back (on CUDA on a side stream, after the device buffers are mapped again, and after any
+        copy back still under way); the next :meth:`wait` orders the current stream after it."""
+        self.wait()
         pairs = [(segment.device[d], host) for segment in self._segments for d, host in segment.host.items()]
         if not pairs:
             return
@@ -188,18 +252,25 @@ class FlatOptimizerState:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for buffer, host in pairs:
-                piece = max(COPY_PIECE_BYTES // buffer.element_size(), 1)
-                for device_piece, host_piece in zip(buffer.split(piece), host.split(piece), strict=True):
-                    device_piece.copy_(host_piece, non_blocking=True)
-        self._ready = self._stream.record_event()
+        pieces = []
+        for buffer, host in pairs:
+            piece = max(COPY_PIECE_BYTES // buffer.element_size(), 1)
+            for device_piece, host_piece in zip(buffer.split(piece), host.split(piece), strict=True):
+                pieces.append(functools.partial(_copy_piece, self._stream, device_piece, host_piece))
+        self._copy = PacedCopy(pieces, COPY_PIECES_IN_FLIGHT, functools.partial(_use_stream, self._stream))
 
     def wait(self) -> None:
-        """Make the current stream wait for the copy back (on the device: the host does not block)."""
-        if self._ready is not None:
-            torch.cuda.current_stream().wait_event(self._ready)
-            self._ready = None
+        """Make the current stream wait for the copy back: the host waits until its last piece is queued (at most
+        ``COPY_PIECES_IN_FLIGHT`` pieces before its end), the current stream until it is done. Raises what the
+        copying thread raised, the current stream still waiting for what it had queued."""
+        copy, self._copy = self._copy, None
+        if copy is None:
+            return
+        try:
+            copy.join()
+        finally:
+            if copy.last is not None:
+                torch.cuda.current_stream().wait_event(copy.last)
 
     def waiting_first(self, fn: Callable[P, R]) -> Callable[P, R]:
         """``fn`` (an optimizer method that reads its state) run after :meth:`wait`."""
@@ -221,6 +292,21 @@ class FlatOptimizerState:
             return step(*args, **kwargs)
 
         return after_placing
+
+
+def _use_stream(stream: torch.cuda.Stream) -> None:
+    """Make ``stream`` and its device current in the copying thread, once and for good: a context manager would set
+    the new thread's device back to its default, cuda:0, at its exit, and since CUDA 12 setting a device creates its
+    context (~0.5 GB, on a GPU another rank may own)."""
+    torch.cuda.set_device(stream.device)
+    torch.cuda.set_stream(stream)
+
+
+def _copy_piece(stream: torch.cuda.Stream, device: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event:
+    """Queue ``host``'s copy to ``device`` on ``stream``, the copying thread's current stream (:func:`_use_stream`);
+    the event after it blocks the thread that waits for it instead of spinning a core."""
+    device.copy_(host, non_blocking=True)
+    return stream.record_event(torch.cuda.Event(blocking=True))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
