@@ -153,6 +153,7 @@ class RoleBatch:
 
     tokens: torch.Tensor
     position_ids: torch.Tensor
+    loss_mask: torch.Tensor
     kept_ids: None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
@@ -164,11 +165,11 @@ def _reference_role(model, batch: MicroBatch) -> dict:
     from rlrun.trainer.roles import ModelRoles
 
     roles = ModelRoles.create(AlgorithmConfig(kl={"loss_coef": 0.1}), model)
-    mb = RoleBatch(batch.tokens, batch.position_ids)
+    mb = RoleBatch(batch.tokens, batch.position_ids, batch.loss_mask)
     roles.fill_logprobs([mb], TEMPERATURE)
     # An old actor (a weight backup) holds the adapters alone: the base is every role's.
     old_actor = ModelRoles.create(AlgorithmConfig(keep_old_actor=True), model)
-    old = RoleBatch(batch.tokens, batch.position_ids)
+    old = RoleBatch(batch.tokens, batch.position_ids, batch.loss_mask)
     old_actor.fill_logprobs([old], TEMPERATURE)
     assert old_actor.backup is not None
     return {
@@ -176,6 +177,7 @@ def _reference_role(model, batch: MicroBatch) -> dict:
         "ref": mb.ref_logprobs,
         "old": old.old_logprobs,
         "old_actor_tensors": sorted(old_actor.backup.get("old_actor")),
+        "scored": batch.loss_mask != 0,  # the roles score these positions only (0 elsewhere)
     }
 
 
@@ -287,9 +289,14 @@ def test_reference_is_the_base_with_adapters_off(runs):
     tp1 = runs[0]
     assert torch.equal(tp1["reference"], tp1["before"])  # B starts at 0: the start is the base, bitwise
     assert not tp1["roles"]["copied"]  # the trainer's reference role: no weight backup...
-    assert torch.equal(tp1["roles"]["ref"], tp1["reference"])  # ...the adapters-off forward
+    scored = tp1["roles"]["scored"]
+
+    def under_mask(logprobs: torch.Tensor) -> torch.Tensor:
+        return torch.where(scored, logprobs, 0.0)
+
+    assert torch.equal(tp1["roles"]["ref"], under_mask(tp1["reference"]))  # ...the adapters-off forward
     assert torch.equal(tp1["after_roles"], tp1["after"])  # and the adapters are back on after it
-    assert torch.equal(tp1["roles"]["old"], tp1["after"])  # the old actor's backup: the synced policy
+    assert torch.equal(tp1["roles"]["old"], under_mask(tp1["after"]))  # the old actor's backup: the synced policy
     assert tp1["roles"]["old_actor_tensors"] == sorted(tp1["adapters"])  # ...holding only the adapters
     assert (tp1["after"] - tp1["before"]).abs().max() > 1e-3  # training moved the policy
 
