@@ -34,15 +34,14 @@ class MicroBatch(Protocol):
     """What ``train_step`` reads of a micro-batch; ``loss_fn`` reads the rest (masks, advantages...).
 
     The tensors may live on the CPU (they are moved to the model's device); ``loss_fn`` gets log-probs
-    on the model's device and must move what it reads from the micro-batch there itself."""
+    on the model's device and must move what it reads from the micro-batch there itself. A ``loss_mask``
+    ``[B, S-1]`` (``rlrun.data.batch.MicroBatch``'s), where the micro-batch has one, says which positions the
+    loss reads: a chunked LM head (``model.lm_head``, the default) scores only those, the others read 0."""
 
     tokens: torch.Tensor
     """[B, S] token ids, right-padded."""
     position_ids: torch.Tensor
     """[B, S], 0..S-1 in every row."""
-    loss_mask: torch.Tensor
-    """[B, S-1], nonzero where the loss reads a position: the LM head scores only these (with ``model.lm_head:
-    chunked``, the default), so log-probs and entropies read 0 elsewhere."""
 
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -285,7 +284,7 @@ def train_step(
             temperature,
             with_entropy,
             kept_ids=getattr(micro_batch, "kept_ids", None),  # top-p mask replay; None without it
-            scored=micro_batch.loss_mask,  # the head scores the loss's positions only (zero elsewhere)
+            scored=getattr(micro_batch, "loss_mask", None),  # the head scores the loss's positions only
         )
         return loss_fn(micro_batch, logprobs, *((entropy,) if with_entropy else ()))
 
