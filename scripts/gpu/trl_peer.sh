@@ -7,8 +7,9 @@
 #   bash scripts/gpu/trl_peer.sh qwen3-0.6b [STEPS] [BACKENDS]     # -> $OUT/peer_step_<shape>.json + logs
 #
 # BACKENDS: rlrun variants, comma-separated: embedded, sglang, each optionally with _resident (offload off),
-# _keepnccl (NCCL teardown off) and _varlen or _persample (packed attention; default auto), e.g.
-# sglang,sglang_keepnccl,sglang_resident_varlen (peer_step.py); `none` runs no rlrun variant.
+# _keepnccl (NCCL teardown off), _varlen or _persample (packed attention; default auto) and _headkept
+# (model.lm_head: chunked_kept), e.g. sglang,sglang_keepnccl,sglang_resident_varlen,sglang_resident_headkept
+# (peer_step.py parse_variant lists them all); `none` runs no rlrun variant.
 # VERL=verl,verl_resident runs benchmarks/verl_grpo.py with offload on / off (peer_step.py --verl).
 # TRL_VLLM=trl_vllm,trl_vllm_resident runs benchmarks/trl_grpo.py --use-vllm with vLLM's sleep mode on / off
 # (peer_step.py --trl-vllm) under $VLLM_PYTHON (scripts/gpu/vllm_stage.sh install writes it).
