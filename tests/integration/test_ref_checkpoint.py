@@ -33,8 +33,11 @@ def _ref_worker(hf_dir: str, ckpt_dir: str) -> dict:
     mbs = make_micro_batches(model.arch.vocab_size)
 
     def logprobs_of(m):
+        """As the roles score them: under the loss mask only (0 elsewhere)."""
         with torch.no_grad():
-            return [compute_logprobs(m, mb.tokens, mb.position_ids, TEMPERATURE).cpu() for mb in mbs]
+            return [
+                compute_logprobs(m, mb.tokens, mb.position_ids, TEMPERATURE, scored=mb.loss_mask).cpu() for mb in mbs
+            ]
 
     def ref_logprobs(**ref) -> list[torch.Tensor]:
         roles = ModelRoles.create(AlgorithmConfig(kl={"loss_coef": 0.1}, ref=ref), model)
