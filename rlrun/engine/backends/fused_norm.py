@@ -24,7 +24,6 @@ import types
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from rlrun.engine.backends.same_forward import has_forward_of
 from rlrun.triton_support import triton_available
@@ -68,6 +67,10 @@ def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def fuse_rms_norms(model: torch.nn.Module) -> int:
     """Give every Llama-formula RMSNorm of ``model`` the fused forward; returns how many."""
+    # imported here: the trainer reads kernel_covers from this module, and transformers' import loads TorchDynamo,
+    # which a trainer process never does (rlrun/runtime/megatron_eager.py)
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     fused = 0
     for module in model.modules():
         if has_forward_of(type(module), LlamaRMSNorm):  # type: ignore[arg-type]  # classes hash; torch types Module.__hash__ oddly
