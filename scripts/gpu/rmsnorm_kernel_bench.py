@@ -20,32 +20,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def median_us(fn: Callable[[], object], iters: int, repeats: int) -> float:
-    """Median microseconds a call of ``fn`` (``iters`` calls a timing)."""
-    fn()  # compiles the kernel
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / iters)
-    return statistics.median(times)
+from kernel_timing import REPO, git_commit, median_us
 
 
 def check(rms_norm: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, eps: float, name: str) -> None:
@@ -96,14 +77,6 @@ def measure(name: str, rows: int, width: int, args: argparse.Namespace, rms_norm
     row["forward_speedup"] = round(fwd["torch"] / fwd["kernel"], 2)
     row["forward_backward_speedup"] = round(both["torch"] / both["kernel"], 2)
     return row
-
-
-def git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    except OSError:
-        return None
-    return done.stdout.strip() or None
 
 
 def main() -> None:

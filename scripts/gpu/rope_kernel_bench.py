@@ -23,15 +23,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
+from kernel_timing import REPO, git_commit, median_us
 
 
 def load_rope_qk(path: Path | None) -> Callable[..., None]:
@@ -94,35 +91,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-def median_us(fn: Callable[[], object], iters: int, repeats: int, graph: bool = False) -> float:
-    """Median microseconds a call of ``fn`` (``iters`` calls a timing), plain launches or one CUDA graph replay."""
-    fn()  # compiles the kernel before any capture
-    torch.cuda.synchronize()
-    if graph:
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            for _ in range(iters):
-                fn()
-        run: Callable[[], object] = captured.replay
-    else:
-
-        def run() -> None:
-            for _ in range(iters):
-                fn()
-
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / iters)
-    return statistics.median(times)
-
-
 def measure(name: str, case: dict, rope_qk: Callable[..., None], args: argparse.Namespace, graph: bool) -> dict:
     q, k, cos, sin, q_out, k_out = case["args"]
     q_out.fill_(float("nan"))
@@ -142,14 +110,6 @@ def measure(name: str, case: dict, rope_qk: Callable[..., None], args: argparse.
         median_us(lambda: (eager(q, cos, sin), eager(k, cos, sin)), args.iters, args.repeats), 2
     )
     return row
-
-
-def git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    except OSError:
-        return None
-    return done.stdout.strip() or None
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from adamw_twins import assert_same_as_plain_adamw
 from dist_utils import run_distributed
 from policy_rows import policy_loss, random_rows
 
@@ -299,11 +300,7 @@ def test_the_paced_copy_back_restores_the_state_before_the_step_reads_it(flat_st
         if index == 2:
             state.load_from_host()  # a second wake's copy while the first is under way
     state.wait()
-    assert state.nbytes == 3 * 4 * sum(p.numel() for p in params)
-    for param, twin in zip(params, twins, strict=True):
-        assert torch.equal(param, twin)
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(optimizer.state[param][key], reference.state[twin][key]), key
+    assert_same_as_plain_adamw(state, optimizer, reference)
 
 
 def _small_copy_latencies_s(state, device: torch.device) -> tuple[list[float], float]:
