@@ -137,7 +137,12 @@ def _scored_positions(
     results put back in place; the gather's backward scatters the hidden states' gradient back."""
     hidden = output.reshape(-1, output.shape[-1])  # [B * S, H]; position (b, s) predicts token (b, s + 1)
     rows, length = tokens.shape
-    positions = scored.reshape(rows, length - 1).cpu().nonzero()
+    if tuple(scored.shape) != (rows, length - 1):
+        raise ValueError(
+            f"the micro-batch's loss_mask must be [rows, tokens - 1] = {[rows, length - 1]} for tokens of shape "
+            f"{list(tokens.shape)}, because position p scores token p + 1; got {list(scored.shape)}"
+        )
+    positions = scored.cpu().nonzero()
     picked = positions[:, 0] * length + positions[:, 1]
     targets = tokens.cpu()[:, 1:][positions[:, 0], positions[:, 1]]
     device = output.device

@@ -93,3 +93,12 @@ def test_kept_logits_give_the_same_numbers_without_projecting_again(group, monke
     for kept, recomputed in zip(got[True], got[False], strict=True):
         assert torch.equal(kept, recomputed)
     assert gemms == {False: 3 * 4, True: 2 * 4}  # per chunk: (projection,) hidden gradient, weight gradient
+
+
+def test_a_loss_mask_of_the_wrong_shape_is_named():
+    """The scored positions come from the micro-batch's loss mask, one per predicted token: ``[rows, tokens - 1]``."""
+    from rlrun.megatron.logprobs import _scored_positions
+
+    tokens, output = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, 4)
+    with pytest.raises(ValueError, match=r"loss_mask must be \[rows, tokens - 1\] = \[2, 8\].*got \[2, 9\]"):
+        _scored_positions(None, output, tokens, torch.ones(2, 9), TEMPERATURE, False)
