@@ -3,6 +3,8 @@ rmsnorm_kernel_bench.py), which run as scripts: ``python scripts/gpu/<name>.py``
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import subprocess
 from collections.abc import Callable
@@ -49,3 +51,26 @@ def git_commit() -> str | None:
     except OSError:
         return None
     return done.stdout.strip() or None
+
+
+def report(rows: list[dict], args: argparse.Namespace, **extra: object) -> None:
+    """Print the benchmark's JSON (the machine, versions, commit, ``extra``, the timing settings and ``rows``) and
+    write it to ``args.out`` where given."""
+    import triton
+
+    text = json.dumps(
+        {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "commit": git_commit(),
+            **extra,
+            "iters": args.iters,
+            "repeats": args.repeats,
+            "results": rows,
+        },
+        indent=1,
+    )
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")

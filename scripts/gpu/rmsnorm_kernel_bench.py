@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kernel_timing import REPO, git_commit, median_us
+from kernel_timing import REPO, median_us, report
 
 
 def check(rms_norm: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, eps: float, name: str) -> None:
@@ -97,7 +96,6 @@ def main() -> None:
     if importlib.util.find_spec("triton") is None:
         raise SystemExit("rmsnorm_kernel_bench: needs Triton, which is not installed")
     sys.path.insert(0, str(REPO))
-    import triton
 
     from rlrun.megatron.rmsnorm_apply import rms_norm
 
@@ -107,19 +105,7 @@ def main() -> None:
         ("k_norm", args.tokens * args.k_heads, args.head_dim),
     ]
     rows = [measure(name, n_rows, width, args, rms_norm) for name, n_rows, width in cases]
-    report = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": git_commit(),
-        "iters": args.iters,
-        "repeats": args.repeats,
-        "results": rows,
-    }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    report(rows, args)
 
 
 if __name__ == "__main__":

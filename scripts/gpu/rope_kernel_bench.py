@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kernel_timing import REPO, git_commit, median_us
+from kernel_timing import REPO, median_us, report
 
 
 def load_rope_qk(path: Path | None) -> Callable[..., None]:
@@ -139,22 +138,7 @@ def main() -> None:
     for batch in args.decode_batches:
         case = decode_case(batch, args.q_heads, args.k_heads, args.head_dim, dtype, gen)
         rows.append(measure(f"decode_b{batch}", case, rope_qk, args, graph=True))
-    import triton
-
-    report = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": git_commit(),
-        "kernel": str(args.kernel or "rlrun/rope_kernel.py"),
-        "iters": args.iters,
-        "repeats": args.repeats,
-        "results": rows,
-    }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    report(rows, args, kernel=str(args.kernel or "rlrun/rope_kernel.py"))
 
 
 if __name__ == "__main__":
