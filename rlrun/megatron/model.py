@@ -21,7 +21,6 @@ from rlrun.megatron.lora import is_lora_param
 from rlrun.megatron.mla import patch_mla_without_te
 from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
 from rlrun.megatron.recompute import Recompute
-from rlrun.megatron.rmsnorm_apply import patch_rms_norm
 from rlrun.megatron.rope_apply import patch_rope
 from rlrun.megatron.swiglu_apply import patch_swiglu
 from rlrun.megatron.tp_layout import Partition
@@ -129,7 +128,6 @@ def build_gpt(
         )
     patch_rope()  # Megatron's RoPE without its per-layer repeats (rlrun/megatron/rope_apply.py)
     patch_swiglu()  # the gated MLP's SiLU * up by the Triton kernel on CUDA (rlrun/megatron/swiglu_apply.py)
-    patch_rms_norm()  # torch.nn.RMSNorm by the engine's Triton kernel on CUDA (rlrun/megatron/rmsnorm_apply.py)
     if arch.moe is not None:
         patch_router_without_te()
     if arch.mla is not None:
