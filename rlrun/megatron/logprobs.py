@@ -99,12 +99,11 @@ def model_token_stats(
 
     ``scored`` (``[B, S-1]``, on the host; the train step passes the loss mask): with a deferred LM head, only its
     nonzero positions are projected and scored, and the others read 0 (:func:`_scored_positions`)."""
-    if model.parallel.cp_size == 1:
-        if scored is not None and model.deferred_head and kept_ids is None:
-            return _scored_positions(model, output, tokens, scored, temperature, with_entropy)
-        targets = tokens[:, 1:].to(output.device)
-        return head_token_stats(model, output[:, :-1], targets, temperature, with_entropy, kept_ids)
+    if model.parallel.cp_size == 1 and scored is not None and model.deferred_head and kept_ids is None:
+        return _scored_positions(model, output, tokens, scored, temperature, with_entropy)
     targets = tokens[:, 1:].to(output.device)
+    if model.parallel.cp_size == 1:
+        return head_token_stats(model, output[:, :-1], targets, temperature, with_entropy, kept_ids)
     from rlrun.megatron import context_parallel
 
     # position p predicts token p + 1; the row's last position predicts nothing (a dummy target, dropped)
@@ -142,15 +141,14 @@ def _scored_positions(
             f"the micro-batch's loss_mask must be [rows, tokens - 1] = {[rows, length - 1]} for tokens of shape "
             f"{list(tokens.shape)}, because position p scores token p + 1; got {list(scored.shape)}"
         )
-    positions = scored.cpu().nonzero()
-    picked = positions[:, 0] * length + positions[:, 1]
-    targets = tokens.cpu()[:, 1:][positions[:, 0], positions[:, 1]]
+    flat = scored.cpu().reshape(-1).nonzero().squeeze(1)  # into [B * (S-1)]
+    picked = flat + flat // (length - 1)  # the same positions in [B * S]: one more a row before
+    targets = tokens.cpu()[:, 1:].reshape(-1)[flat]
     device = output.device
-    picked_device = picked.to(device, non_blocking=True)
     logprobs, entropy = head_token_stats(
-        model, hidden.index_select(0, picked_device), targets.to(device), temperature, with_entropy
+        model, hidden.index_select(0, picked.to(device)), targets.to(device), temperature, with_entropy
     )
-    where = (positions[:, 0] * (length - 1) + positions[:, 1]).to(device, non_blocking=True)
+    where = flat.to(device)
 
     def in_place(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(rows * (length - 1)).index_copy(0, where, values).view(rows, length - 1)
