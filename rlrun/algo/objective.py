@@ -25,6 +25,7 @@ from rlrun.algo.kl import kl_estimate
 from rlrun.algo.mismatch import mismatch_terms, tis_weights
 from rlrun.algo.policy_loss import PolicyLossTerms, cispo_loss, gspo_loss, ppo_clip_loss, sft_loss
 from rlrun.algo.validate import CUSTOM_LOSS_SIGNATURE, load_algorithm_hook
+from rlrun.runtime.host_to_device import to_device
 
 if TYPE_CHECKING:
     from rlrun.config.schema import AlgorithmConfig
@@ -45,8 +46,8 @@ class Objective:
 
     def __call__(self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         device = logprobs.device
-        mask = mb.loss_mask.to(device)
-        agg = Aggregator(mask, self.cfg.loss_aggregation, self.counts, mb.sample_ids.to(device))
+        mask = to_device(mb.loss_mask, device)
+        agg = Aggregator(mask, self.cfg.loss_aggregation, self.counts, mb.sample_ids)
         if self.cfg.loss_type == "sft":
             loss = agg(sft_loss(logprobs))
             return loss, {"sft_loss": loss.detach(), "entropy": agg.token_sum(entropy.detach())}
@@ -58,10 +59,10 @@ class Objective:
         self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor, agg: Aggregator
     ) -> tuple[torch.Tensor, Metrics]:
         cfg, device = self.cfg, logprobs.device
-        rollout = mb.rollout_logprobs.to(device)
-        trainer_old = mb.old_logprobs.to(device) if mb.old_logprobs is not None else logprobs.detach()
+        rollout = to_device(mb.rollout_logprobs, device)
+        trainer_old = to_device(mb.old_logprobs, device) if mb.old_logprobs is not None else logprobs.detach()
         old = rollout if cfg.use_rollout_logprobs else trainer_old
-        terms = policy_terms(cfg, logprobs, old, mb.advantages.to(device), agg.mask, agg.sample_ids)
+        terms = policy_terms(cfg, logprobs, old, to_device(mb.advantages, device), agg.mask, agg.sample_ids)
         per_token = terms.loss
         metrics: Metrics = {}
         if cfg.tis.mode != "off":
@@ -82,7 +83,7 @@ class Objective:
         loss = policy_loss - cfg.entropy_coef * entropy_term if cfg.entropy_coef > 0 else policy_loss
         if mb.ref_logprobs is not None:
             ratio = torch.exp(logprobs - old) if cfg.kl.unbiased else None
-            kl = kl_estimate(logprobs, mb.ref_logprobs.to(device), cfg.kl.estimator, importance_ratio=ratio)
+            kl = kl_estimate(logprobs, to_device(mb.ref_logprobs, device), cfg.kl.estimator, importance_ratio=ratio)
             if cfg.kl.loss_coef > 0:
                 kl_loss = agg(kl)
                 loss = loss + cfg.kl.loss_coef * kl_loss

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from rlrun.runtime.host_to_device import to_device
+
 
 def resolve(sample_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """``sample_ids`` on ``like``'s device, or the one-sample-per-row ids when it is None."""
@@ -22,23 +24,30 @@ def resolve(sample_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor
             f"sample_ids shape ({tuple(sample_ids.shape)}) must equal the per-token tensors' "
             f"({tuple(like.shape)}) because each position needs its sample"
         )
-    return sample_ids.to(like.device)
+    return to_device(sample_ids, like.device)
+
+
+def _bins(sample_ids: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(ids, bins, count)``: the ids on ``like``'s device, ``ids + 1`` flattened (bin 0 collects the positions
+    of no sample) and the number of bins, counted where the ids are: host ids (``MicroBatch.sample_ids``) cost the
+    device no sync in the middle of the loss."""
+    count = like.shape[0] + 1 if sample_ids is None else int(sample_ids.max()) + 2
+    ids = resolve(sample_ids, like)
+    return ids, (ids + 1).reshape(-1), count
 
 
 def sample_sum(x: torch.Tensor, sample_ids: torch.Tensor | None) -> torch.Tensor:
     """Each position's sample total ``sum_{t' in sample(t)} x_t'`` (0 at positions of no sample);
     differentiable in ``x``."""
-    ids = resolve(sample_ids, x)
-    bins = (ids + 1).reshape(-1)  # bin 0 collects the positions of no sample
-    totals = torch.zeros(int(bins.max()) + 1, dtype=x.dtype, device=x.device).index_add(0, bins, x.reshape(-1))
+    ids, bins, count = _bins(sample_ids, x)
+    totals = torch.zeros(count, dtype=x.dtype, device=x.device).index_add(0, bins, x.reshape(-1))
     return torch.where(ids >= 0, totals[bins].reshape(x.shape), torch.zeros_like(x))
 
 
 def sample_max(x: torch.Tensor, sample_ids: torch.Tensor | None) -> torch.Tensor:
     """Each position's sample maximum of ``x`` (no gradient; positions of no sample keep their own value)."""
-    ids = resolve(sample_ids, x)
-    bins = (ids + 1).reshape(-1)
-    empty = torch.zeros(int(bins.max()) + 1, dtype=x.dtype, device=x.device)
+    ids, bins, count = _bins(sample_ids, x)
+    empty = torch.zeros(count, dtype=x.dtype, device=x.device)
     maxima = empty.scatter_reduce(0, bins, x.reshape(-1), reduce="amax", include_self=False)
     return torch.where(ids >= 0, maxima[bins].reshape(x.shape), x)
 

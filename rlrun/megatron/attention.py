@@ -64,6 +64,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from rlrun import attention_kernel
 from rlrun.config.schema import BF16_KERNEL_ATTENTION, PackedAttention
+from rlrun.runtime.host_to_device import to_device
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -194,7 +195,7 @@ def packed_seq_params(position_ids: torch.Tensor, device: torch.device) -> Packe
     # cu_seqlens stay on the CPU for the SDPA path: RoPE and SDPACoreAttention read them as Python ints,
     # and a CUDA copy would cost a device sync in every layer. TE kernels need them on the device; the
     # varlen kernel reads the one device copy made here, per micro-batch.
-    on_device = bounds.to(device) if device.type == "cuda" else None
+    on_device = to_device(bounds, device) if device.type == "cuda" else None
     if transformer_engine_attention() is not None:
         bounds = on_device
     return PackedRows(

@@ -21,6 +21,7 @@ import torch
 
 from rlrun.megatron.model import MegatronModel
 from rlrun.megatron.pipeline import last_stage_outputs
+from rlrun.runtime.host_to_device import to_device
 
 
 def vocab_parallel_token_stats(
@@ -101,7 +102,7 @@ def model_token_stats(
     nonzero positions are projected and scored, and the others read 0 (:func:`_scored_positions`)."""
     if model.parallel.cp_size == 1 and scored is not None and model.deferred_head and kept_ids is None:
         return _scored_positions(model, output, tokens, scored, temperature, with_entropy)
-    targets = tokens[:, 1:].to(output.device)
+    targets = to_device(tokens[:, 1:], output.device)
     if model.parallel.cp_size == 1:
         return head_token_stats(model, output[:, :-1], targets, temperature, with_entropy, kept_ids)
     from rlrun.megatron import context_parallel
@@ -146,9 +147,9 @@ def _scored_positions(
     targets = tokens.cpu()[:, 1:].reshape(-1)[flat]
     device = output.device
     logprobs, entropy = head_token_stats(
-        model, hidden.index_select(0, picked.to(device)), targets.to(device), temperature, with_entropy
+        model, hidden.index_select(0, to_device(picked, device)), to_device(targets, device), temperature, with_entropy
     )
-    where = flat.to(device)
+    where = to_device(flat, device)
 
     def in_place(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(rows * (length - 1)).index_copy(0, where, values).view(rows, length - 1)
@@ -170,7 +171,7 @@ def forward_logits(model: MegatronModel, tokens: torch.Tensor, position_ids: tor
 
     device = model.parallel.device
     packing = packed_seq_params(position_ids, device)
-    tokens, position_ids = tokens.to(device), position_ids.to(device)
+    tokens, position_ids = to_device(tokens, device), to_device(position_ids, device)
     if model.parallel.cp_size > 1:
         from rlrun.megatron import context_parallel
 

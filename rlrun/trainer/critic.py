@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlrun.algo.value_loss import clipped_value_loss
+from rlrun.runtime.host_to_device import to_device
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -98,7 +99,7 @@ class Critic:
         def loss_fn(mb: MicroBatch, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             assert mb.values is not None and mb.returns is not None  # checked above
             device = values.device
-            mask, old, returns = (t.to(device) for t in (mb.loss_mask, mb.values, mb.returns))
+            mask, old, returns = (to_device(t, device) for t in (mb.loss_mask, mb.values, mb.returns))
             terms = clipped_value_loss(values, old, returns, mask, clip)
             loss = terms.loss.sum()
             return loss, {
