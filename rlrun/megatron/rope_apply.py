@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from rlrun.runtime.host_to_device import to_device
 from rlrun.triton_support import triton_available
 
 _cos_sin_cache: dict[str, tuple] = {}
 _positions_cache: dict[str, tuple] = {}
+_halves_cache: dict[str, tuple] = {}
 
 
 def patch_rope() -> None:
@@ -33,13 +35,16 @@ def patch_rope() -> None:
         return
     megatron_bshd, megatron_thd = rope_utils._apply_rotary_pos_emb_bshd, rope_utils._apply_rotary_pos_emb_thd
 
-    def rotate_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
-        if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
-            return megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-        cos, sin, neg_sin = _cos_sin(freqs, mscale, t.dtype)
+    def rotate(t, freqs, rotary_interleaved, mscale, halves_equal):
+        cos, sin, neg_sin = _cos_sin(freqs, mscale, t.dtype, halves_equal)
         if neg_sin is not None and not rotary_interleaved and _kernel_covers(t, cos):
             return _Rotate.apply(t, cos, sin, neg_sin)
         return (t * cos) + (rope_utils._rotate_half(t, rotary_interleaved) * sin)
+
+    def rotate_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+        if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
+            return megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        return rotate(t, freqs, rotary_interleaved, mscale, _halves_equal(freqs))
 
     def rotate_thd(
         t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
@@ -47,7 +52,10 @@ def patch_rope() -> None:
         if cp_group is None or cp_group.size() != 1:
             return megatron_thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         packed = _packed_freqs(freqs, cu_seqlens, t.shape[0])
-        return rotate_bshd(t.unsqueeze(1), packed, rotary_interleaved, multi_latent_attention, mscale).squeeze(1)
+        if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
+            return megatron_bshd(t.unsqueeze(1), packed, rotary_interleaved, multi_latent_attention, mscale).squeeze(1)
+        # packed holds rows of freqs, so the halves' equality of freqs holds for it
+        return rotate(t.unsqueeze(1), packed, rotary_interleaved, mscale, _halves_equal(freqs)).squeeze(1)
 
     rotate_bshd.rlrun = True  # type: ignore[attr-defined]
     rotate_bshd.megatron = megatron_bshd  # type: ignore[attr-defined]  (the references of the tests)
@@ -56,20 +64,31 @@ def patch_rope() -> None:
     rope_utils._apply_rotary_pos_emb_thd = rotate_thd
 
 
+def _halves_equal(freqs: torch.Tensor) -> bool:
+    """Whether, on CUDA, the two halves of ``freqs``'s last dimension are equal (Megatron's non-interleaved
+    ``cat((f, f))``, which the kernel's backward relies on). A host sync, so once per frequency table: Megatron's
+    ``RotaryEmbedding.forward`` keeps its tables (``lru_cache``), and a packed micro-batch's rows are gathered from
+    one (:func:`_packed_freqs`), so the check is not repeated at every micro-batch's first layer."""
+    hit = _halves_cache.get("last")
+    if hit is not None and hit[0] is freqs:
+        return hit[1]
+    half = freqs.shape[-1] // 2
+    equal = freqs.is_cuda and torch.equal(freqs[..., :half], freqs[..., half : 2 * half])
+    _halves_cache["last"] = (freqs, equal)
+    return equal
+
+
 def _cos_sin(
-    freqs: torch.Tensor, mscale: float, dtype: torch.dtype
+    freqs: torch.Tensor, mscale: float, dtype: torch.dtype, halves_equal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and the same for ``sin``, once per frequency tensor; and, on
-    CUDA where the two halves of the last dimension are equal (Megatron's non-interleaved ``cat((f, f))``, which
-    the kernel's backward relies on; one host sync per frequency tensor), ``-sin`` for that backward, else None."""
-    key = (mscale, dtype)
+    """Megatron's ``(cos(freqs) * mscale).to(dtype)`` and the same for ``sin``, once per frequency tensor; and,
+    where ``halves_equal`` (:func:`_halves_equal`), ``-sin`` for the kernel's backward, else None."""
+    key = (mscale, dtype, halves_equal)
     hit = _cos_sin_cache.get("last")
     if hit is not None and hit[0] is freqs and hit[1] == key:
         return hit[2]
     cos = (torch.cos(freqs) * mscale).to(dtype)
     sin = (torch.sin(freqs) * mscale).to(dtype)
-    half = freqs.shape[-1] // 2
-    halves_equal = freqs.is_cuda and torch.equal(freqs[..., :half], freqs[..., half : 2 * half])
     trig = (cos, sin, -sin if halves_equal else None)
     _cos_sin_cache["last"] = (freqs, key, trig)
     return trig
@@ -137,6 +156,6 @@ def _packed_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, tokens: int) ->
         lengths = cu_seqlens[1:].long() - starts
         offsets = torch.repeat_interleave(starts, lengths, output_size=tokens)
         positions = torch.arange(tokens, device=cu_seqlens.device) - offsets
-        packed = freqs.index_select(0, positions.to(freqs.device))
+        packed = freqs.index_select(0, to_device(positions, freqs.device))
     _positions_cache["last"] = (freqs, cu_seqlens, packed)
     return packed
