@@ -24,7 +24,9 @@ from rlrun.triton_support import triton_available
 
 _cos_sin_cache: dict[str, tuple] = {}
 _positions_cache: dict[str, tuple] = {}
-_halves_cache: dict[str, tuple] = {}
+_halves_cache: dict[int, tuple[torch.Tensor, bool]] = {}
+HALVES_CHECKED = 32
+"""Frequency tables whose halves' check is kept, as many as Megatron's ``RotaryEmbedding.forward`` caches."""
 
 
 def patch_rope() -> None:
@@ -67,14 +69,17 @@ def patch_rope() -> None:
 def _halves_equal(freqs: torch.Tensor) -> bool:
     """Whether, on CUDA, the two halves of ``freqs``'s last dimension are equal (Megatron's non-interleaved
     ``cat((f, f))``, which the kernel's backward relies on). A host sync, so once per frequency table: Megatron's
-    ``RotaryEmbedding.forward`` keeps its tables (``lru_cache``), and a packed micro-batch's rows are gathered from
-    one (:func:`_packed_freqs`), so the check is not repeated at every micro-batch's first layer."""
-    hit = _halves_cache.get("last")
+    ``RotaryEmbedding.forward`` keeps its tables (``lru_cache``, one per longest-sample length, at most
+    ``HALVES_CHECKED`` of them), and a packed micro-batch's rows are gathered from one (:func:`_packed_freqs`), so
+    micro-batches of different longest samples do not repeat the check at each one's first layer."""
+    hit = _halves_cache.get(id(freqs))
     if hit is not None and hit[0] is freqs:
         return hit[1]
     half = freqs.shape[-1] // 2
     equal = freqs.is_cuda and torch.equal(freqs[..., :half], freqs[..., half : 2 * half])
-    _halves_cache["last"] = (freqs, equal)
+    if len(_halves_cache) >= HALVES_CHECKED:
+        _halves_cache.pop(next(iter(_halves_cache)))  # the oldest
+    _halves_cache[id(freqs)] = (freqs, equal)  # the tensor kept: its id stays its own
     return equal
 
 
