@@ -20,6 +20,7 @@ import torch
 from rlrun.megatron.logprobs import forward_logits, model_token_stats
 from rlrun.megatron.model import MegatronModel
 from rlrun.megatron.moe import aux_loss_metrics
+from rlrun.megatron.multi_tensor import patch_multi_tensor
 from rlrun.megatron.pipeline import from_last_stage, run_schedule
 from rlrun.runtime.dist import all_reduce
 
@@ -71,6 +72,7 @@ def make_optimizer(
     """
     from megatron.core.optimizer import get_megatron_optimizer
 
+    patch_multi_tensor()  # the gradient norm without a host wait per tensor (rlrun/megatron/multi_tensor.py)
     config = optimizer_config(
         model.dtype,
         model.ddp.ddp_config.use_distributed_optimizer,

@@ -40,7 +40,8 @@ COPY_PIECE_BYTES = 32 << 20
 """The wake's copy back goes in pieces of this size, ~0.6 ms each at the H200's ~55 GB/s from the host. The train
 phase copies each micro-batch's tensors to the device as it goes (``rlrun.runtime.host_to_device``), and such a copy
 waits behind the host-to-device transfers queued before it on the copy engine, on any stream (the kernels after it
-with it; until 2026-12-03 a pageable copy, the host too). Measured on the H200 at 1.7B parameters with the whole 20 GB queued at the wake in 64 MB pieces
+with it; until 2026-12-03 a pageable copy, the host too). Measured on the H200 at 1.7B parameters with the whole
+20 GB queued at the wake in 64 MB pieces
 (benchmarks/results/profile_step_qwen3-1.7b_sglang_{offload,resident}_h200.json, steps 2-3): the offload row's train
 phase took 2.21-2.25 s against 1.88-1.90 s resident for the same kernels (1.84 against 1.85 s on the device), the
 host 275 ms longer blocked in ``aten::copy_``; the pieces alone had not shortened it, all of them queued at once.

@@ -3,7 +3,9 @@
 Each host wait drains the GPU's queue and the host relaunches into an empty one (rlrun/runtime/host_to_device.py).
 torch's sync debug mode reports every synchronising call torch makes; the train step is run under it with a recorder
 that keeps each report's Python stack. Syncs inside a micro-batch's ``forward_step``, ``loss_func`` or backward fail
-the test; the others (the optimizer step's grad norm, the metrics' all-reduce) are printed, for the record.
+the test; the others (the optimizer step's grad norm, the metrics' all-reduce) are printed, and more than
+``STEP_SYNCS`` of them fail it. Passed on the H200 at 21fb72b without the count (2026-12-03: 23 a step, 19 of them in
+Megatron's gradient-norm fallback); the count is checked from the commit that added it on.
 
     OMP_NUM_THREADS=1 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_train_syncs_gpu.py
 """
@@ -25,6 +27,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 IN_MICRO_BATCH = ("forward_step", "loss_func", "backward_step")
 """Functions of Megatron's schedule and rlrun's ``optimizer_step`` whose frames mark work done per micro-batch."""
+STEP_SYNCS = 4
+"""Host waits allowed in a whole train step (the H200 counted 23 before multi_tensor.py: 19 in the gradient norm)."""
 
 
 @contextlib.contextmanager
@@ -98,6 +102,9 @@ def test_a_micro_batch_never_waits_for_the_device(tiny_model_dirs):
     inner = [stack for stack in result["sites"] if any(f.endswith(IN_MICRO_BATCH) for f in stack)]
     print(json.dumps({"syncs_per_step": len(result["sites"]), "stacks": [s[-6:] for s in result["sites"]]}, indent=1))
     assert not inner, "\n\n".join("\n".join(stack[-12:]) for stack in inner)
+    # outside them, a handful a step: the grad norm's .item(), the metrics' .tolist() (Megatron's own gradient-norm
+    # fallback waited once per gradient tensor, 19 here: rlrun/megatron/multi_tensor.py)
+    assert len(result["sites"]) <= STEP_SYNCS, "\n\n".join("\n".join(stack[-8:]) for stack in result["sites"])
 
 
 def test_to_device_copies_without_a_host_wait():
