@@ -16,9 +16,9 @@ import torch
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``tensor`` on ``device``; a host tensor bound for a GPU goes through page-locked memory, queued on the current
-    stream without a host wait (so the host must not write into ``tensor`` through a pinned alias meanwhile: the
-    staging copy is private). Anything else is ``tensor.to(device)``."""
+    """``tensor`` on ``device``; a host tensor bound for a GPU goes through a page-locked copy, queued on the current
+    stream without a host wait (a ``tensor`` that is page-locked already is read in place, after this returns: write
+    to it only once the stream has passed the copy). Anything else is ``tensor.to(device)``."""
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
