@@ -39,7 +39,8 @@ class StepCounts:
 class Aggregator:
     """``aggregator(x)`` is the weighted sum of the per-token tensor ``x`` over one micro-batch;
     ``aggregator.token_sum(x)`` the plain masked sum (for token-mean metrics). ``sample_ids`` as in
-    ``rlrun.algo.segments`` (None: one sample per row)."""
+    ``rlrun.algo.segments`` (None: one sample per row), kept where they are: the loss passes the micro-batch's host
+    ids, which the segment functions count on the host and copy to the device without a host wait."""
 
     def __init__(
         self, mask: torch.Tensor, mode: Aggregation, counts: StepCounts, sample_ids: torch.Tensor | None = None
