@@ -18,10 +18,11 @@ import torch
 
 def l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], per_tensor: bool, *args):
     """``amp_C.multi_tensor_l2norm``'s contract as Megatron's fallback keeps it: ``([norm of all tensors], None)``,
-    fp32 on the tensors' device."""
+    fp32, on the GPU where there is one (Megatron all-reduces it there, also when the gradients are on the host)."""
     tensors = [tensor for tensor_list in tensor_lists for tensor in tensor_list]  # never empty: Megatron checks
     norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack([norm.float() for norm in norms])).reshape(1), None
+    total = torch.linalg.vector_norm(torch.stack([norm.float() for norm in norms])).reshape(1)
+    return (total.cuda() if torch.cuda.is_available() else total), None
 
 
 def scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], factor: float) -> None:
