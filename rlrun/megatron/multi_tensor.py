@@ -21,7 +21,8 @@ def l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[to
     fp32, on the GPU where there is one (Megatron all-reduces it there, also when the gradients are on the host)."""
     tensors = [tensor for tensor_list in tensor_lists for tensor in tensor_list]  # never empty: Megatron checks
     norms = torch._foreach_norm(tensors)
-    total = torch.linalg.vector_norm(torch.stack([norm.float() for norm in norms])).reshape(1)
+    device = norms[0].device  # one device for the stack, should the lists mix them
+    total = torch.linalg.vector_norm(torch.stack([norm.float().to(device) for norm in norms])).reshape(1)
     return (total.cuda() if torch.cuda.is_available() else total), None
 
 
@@ -29,6 +30,8 @@ def scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torc
     """``dst = src * factor`` for each pair of ``tensor_lists = [src, dst]``; in place when they are the same tensors
     (the clip)."""
     sources, targets = tensor_lists
+    if not targets:  # a rank without gradients: Megatron's loop did nothing, the foreach ops refuse empty lists
+        return
     if all(s is t for s, t in zip(sources, targets, strict=True)):
         torch._foreach_mul_(targets, factor)
     else:

@@ -17,6 +17,8 @@ dimension narrower than the head (a real pass-through part), context parallelism
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from rlrun.runtime.host_to_device import to_device
@@ -24,7 +26,7 @@ from rlrun.triton_support import triton_available
 
 _cos_sin_cache: dict[str, tuple] = {}
 _positions_cache: dict[str, tuple] = {}
-_halves_cache: dict[int, tuple[torch.Tensor, bool]] = {}
+_halves_cache: dict[int, tuple[weakref.ref, bool]] = {}
 HALVES_CHECKED = 32
 """Frequency tables whose halves' check is kept, as many as Megatron's ``RotaryEmbedding.forward`` caches."""
 
@@ -73,13 +75,13 @@ def _halves_equal(freqs: torch.Tensor) -> bool:
     ``HALVES_CHECKED`` of them), and a packed micro-batch's rows are gathered from one (:func:`_packed_freqs`), so
     micro-batches of different longest samples do not repeat the check at each one's first layer."""
     hit = _halves_cache.get(id(freqs))
-    if hit is not None and hit[0] is freqs:
+    if hit is not None and hit[0]() is freqs:
         return hit[1]
     half = freqs.shape[-1] // 2
     equal = freqs.is_cuda and torch.equal(freqs[..., :half], freqs[..., half : 2 * half])
     if len(_halves_cache) >= HALVES_CHECKED:
         _halves_cache.pop(next(iter(_halves_cache)))  # the oldest
-    _halves_cache[id(freqs)] = (freqs, equal)  # the tensor kept: its id stays its own
+    _halves_cache[id(freqs)] = (weakref.ref(freqs), equal)  # not kept alive: a dead table's id may be reused
     return equal
 
 

@@ -22,4 +22,5 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    # contiguous first: from a strided source the copy would stage through a pageable temporary, and wait
+    return tensor.contiguous().pin_memory().to(device, non_blocking=True)

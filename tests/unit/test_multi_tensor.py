@@ -49,6 +49,11 @@ def test_scale_is_megatrons(megatron_utils, in_place):
         assert torch.equal(got, want)
 
 
+def test_scale_of_no_tensors_does_nothing():
+    """A rank without gradients clips nothing; torch's foreach ops refuse empty lists, Megatron's loop did not."""
+    multi_tensor.scale(2048, torch.zeros(1, dtype=torch.int), [[], []], 0.5)
+
+
 def test_make_optimizer_installs_them(megatron_utils):
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as megatron_optimizer
