@@ -28,8 +28,9 @@ if not torch.cuda.is_available():
 IN_MICRO_BATCH = ("forward_step", "loss_func", "backward_step")
 """Functions of Megatron's schedule and rlrun's ``optimizer_step`` whose frames mark work done per micro-batch."""
 STEP_SYNCS = 4
-"""Host waits allowed in a whole train step. The H200 recorded 23 before multi_tensor.py: 19 in the gradient norm, one
-the mode's own warning (not counted since), the grad norm's ``.item()``, the metrics' ``.tolist()``."""
+"""Host waits allowed in a whole train step. The H200 recorded 23 before multi_tensor.py: 20 in Megatron's
+gradient-norm fallback (19 one per gradient tensor), the mode's own warning (not counted since), the grad norm's
+``.item()``, the metrics' ``.tolist()``."""
 
 
 @contextlib.contextmanager
