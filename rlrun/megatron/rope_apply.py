@@ -39,16 +39,16 @@ def patch_rope() -> None:
         return
     megatron_bshd, megatron_thd = rope_utils._apply_rotary_pos_emb_bshd, rope_utils._apply_rotary_pos_emb_thd
 
-    def rotate(t, freqs, rotary_interleaved, mscale, halves_equal):
+    def rotate_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, *, table=None):
+        """``table``: the frequency table ``freqs``'s rows were gathered from (``rotate_thd``), whose halves' check
+        holds for them and is kept per table; Megatron's own calls pass ``freqs`` itself."""
+        if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
+            return megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        halves_equal = _halves_equal(freqs if table is None else table)
         cos, sin, neg_sin = _cos_sin(freqs, mscale, t.dtype, halves_equal)
         if neg_sin is not None and not rotary_interleaved and _kernel_covers(t, cos):
             return _Rotate.apply(t, cos, sin, neg_sin)
         return (t * cos) + (rope_utils._rotate_half(t, rotary_interleaved) * sin)
-
-    def rotate_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
-        if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
-            return megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
-        return rotate(t, freqs, rotary_interleaved, mscale, _halves_equal(freqs))
 
     def rotate_thd(
         t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
@@ -56,10 +56,8 @@ def patch_rope() -> None:
         if cp_group is None or cp_group.size() != 1:
             return megatron_thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         packed = _packed_freqs(freqs, cu_seqlens, t.shape[0])
-        if multi_latent_attention or t.shape[-1] != freqs.shape[-1]:
-            return megatron_bshd(t.unsqueeze(1), packed, rotary_interleaved, multi_latent_attention, mscale).squeeze(1)
-        # packed holds rows of freqs, so the halves' equality of freqs holds for it
-        return rotate(t.unsqueeze(1), packed, rotary_interleaved, mscale, _halves_equal(freqs)).squeeze(1)
+        rotated = rotate_bshd(t.unsqueeze(1), packed, rotary_interleaved, multi_latent_attention, mscale, table=freqs)
+        return rotated.squeeze(1)
 
     rotate_bshd.rlrun = True  # type: ignore[attr-defined]
     rotate_bshd.megatron = megatron_bshd  # type: ignore[attr-defined]  (the references of the tests)
