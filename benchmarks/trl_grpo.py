@@ -44,6 +44,7 @@ import dataclasses
 import datetime
 import importlib.metadata
 import json
+import os
 import statistics
 import sys
 import time
@@ -111,6 +112,13 @@ class VllmMode:
     """vLLM's sleep mode: weights and KV cache freed between rollouts (rlrun's ``--offload on`` row)."""
     is_correction: bool = False
     """TRL's importance-sampling correction (an extra forward of the training model per rollout)."""
+
+
+VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+"""Set before vLLM starts. vLLM 0.26.0's sampler imports FlashInfer at start-up to ask whether its top-k/top-p
+kernel may run (``flashinfer_sampler_supported``); FlashInfer is not staged (scripts/gpu/vllm_wheels.txt), and
+this workload samples with neither top-k nor top-p, which vLLM never hands to FlashInfer, so the sampler runs the
+same kernels either way."""
 
 
 def vllm_config(settings: StepSettings, mode: VllmMode) -> dict:
@@ -346,13 +354,17 @@ def main(argv: list[str] | None = None) -> dict:
     on_gpu = torch.cuda.is_available()
     if vllm is not None and not on_gpu:
         raise SystemExit("--use-vllm needs a CUDA device because vLLM's colocate mode runs on the GPU; drop it")
+    if vllm is not None:
+        for key, value in VLLM_ENV.items():
+            os.environ.setdefault(key, value)
     inputs_dir = prepare_inputs(settings, args.work, "bfloat16" if on_gpu else "float32", "cuda" if on_gpu else "cpu")
     clock = StepClock(on_gpu=on_gpu, vllm=vllm is not None)
     trainer = make_trainer(settings, inputs_dir, run_dir, clock, args.gradient_checkpointing, vllm)
     trainer.train()
     extra = {"gradient_checkpointing": args.gradient_checkpointing, **summarise(settings, clock.records)}
     if vllm is not None:
-        extra["vllm"] = dataclasses.asdict(vllm) | vllm_config(settings, vllm)
+        env = {key: os.environ[key] for key in VLLM_ENV}
+        extra["vllm"] = dataclasses.asdict(vllm) | vllm_config(settings, vllm) | {"env": env}
     name = "trl_grpo" if vllm is None else "trl_grpo_vllm"
     return write_result(name, settings, versions(vllm is not None), extra, args.out)
 
