@@ -9,7 +9,8 @@
 #                                                    # the 290 MiB vllm wheel in parts, sha256 per part)
 #   bash scripts/gpu/vllm_stage.sh stage .vllm/pK    # device: check one piece, copy it to $VLLM_STAGE
 #   bash scripts/gpu/vllm_stage.sh install           # device: join, install every staged wheel into $VLLM_SITE,
-#                                                    # write $VLLM_PYTHON, check imports and requirements
+#                                                    # write $VLLM_PYTHON
+#   bash scripts/gpu/vllm_stage.sh check             # device: versions, unmet requirements, imports, the configs
 #   bash scripts/gpu/vllm_stage.sh smoke             # device: vllm.LLM on the tiny random model, as TRL runs it
 #
 # Its own environment, not SGLang's (vLLM pins flashinfer 0.6.14, apache-tvm-ffi 0.1.10, compressed-tensors
@@ -41,7 +42,6 @@ exec $BASE_PYTHON "\$@"
 LAUNCHER
   chmod +x "$VLLM_PYTHON"
   echo "installed $(ls "$VERL_STAGE"/*.whl | wc -l) wheels into $VLLM_SITE; python: $VLLM_PYTHON"
-  check
 }
 
 check() {  # versions; what vLLM and TRL ask for that this environment lacks or has at another version; imports
