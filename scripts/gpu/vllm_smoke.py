@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.trl_grpo import VLLM_ENV  # noqa: E402
 from rlrun.bench.step import StepSettings, prepare_inputs  # noqa: E402
 
 NEW_TOKENS = 16
@@ -22,6 +23,7 @@ NEW_TOKENS = 16
 
 def main() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    os.environ.update(VLLM_ENV)  # as the benchmark runs it
     settings = StepSettings(shape="tiny", prompts=4, prompt_len=8, new_tokens=NEW_TOKENS)
     inputs = prepare_inputs(settings, Path("/tmp/vllm_smoke"), "bfloat16", "cuda")
     start = time.perf_counter()
