@@ -37,15 +37,15 @@ P = ParamSpec("P")
 R = TypeVar("R")
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 COPY_PIECE_BYTES = 32 << 20
-"""The wake's copy back goes in pieces of this size, ~0.6 ms each at the H200's ~55 GB/s from the host. The train
-phase copies each micro-batch's tensors to the device as it goes (``rlrun.runtime.host_to_device``), and such a copy
-waits behind the host-to-device transfers queued before it on the copy engine, on any stream (the kernels after it
-with it; until 2026-12-03 a pageable copy, the host too). Measured on the H200 at 1.7B parameters with the whole
-20 GB queued at the wake in 64 MB pieces
-(benchmarks/results/profile_step_qwen3-1.7b_sglang_{offload,resident}_h200.json, steps 2-3): the offload row's train
-phase took 2.21-2.25 s against 1.88-1.90 s resident for the same kernels (1.84 against 1.85 s on the device), the
-host 275 ms longer blocked in ``aten::copy_``; the pieces alone had not shortened it, all of them queued at once.
-So at most ``COPY_PIECES_IN_FLIGHT`` pieces are queued at a time: a micro-batch's copy waits ~1.2 ms at most."""
+"""The wake's copy back goes in pieces of this size, ~0.6 ms each at the H200's ~55 GB/s from the host. The train phase
+copies each micro-batch's tensors to the device as it goes (``rlrun.runtime.host_to_device``), and such a copy waits
+behind the host-to-device transfers queued before it on the copy engine, on any stream (the kernels after it with it;
+until 2026-12-03 a pageable copy, the host too). Measured on the H200 at 1.7B parameters with the whole 20 GB queued at
+the wake in 64 MB pieces (benchmarks/results/profile_step_qwen3-1.7b_sglang_{offload,resident}_h200.json, steps 2-3):
+the offload row's train phase took 2.21-2.25 s against 1.88-1.90 s resident for the same kernels (1.84 against 1.85 s on
+the device), the host 275 ms longer blocked in ``aten::copy_``; the pieces alone had not shortened it, all of them
+queued at once. So at most ``COPY_PIECES_IN_FLIGHT`` pieces are queued at a time: a micro-batch's copy waits ~1.2 ms at
+most."""
 COPY_PIECES_IN_FLIGHT = 2
 """How many pieces of the copy back are queued on the device at once. Two, not one: with one, the copy engine stands
 idle from a piece's end until the copying thread has woken and taken the GIL from the train loop to queue the next;

@@ -4,8 +4,8 @@ Each host wait drains the GPU's queue and the host relaunches into an empty one 
 torch's sync debug mode reports every synchronising call torch makes; the train step is run under it with a recorder
 that keeps each report's Python stack. Syncs inside a micro-batch's ``forward_step``, ``loss_func`` or backward fail
 the test; the others (the optimizer step's grad norm, the metrics' all-reduce) are printed, and more than
-``STEP_SYNCS`` of them fail it. Passed on the H200 at 21fb72b without the count (2026-12-03: 23 reports a step, 20
-of them in Megatron's gradient-norm fallback); the count is checked from the commit that added it on.
+``STEP_SYNCS`` of them fail it. On the H200: 23 reports a step at 21fb72b (20 of them in Megatron's gradient-norm
+fallback), 2 at 13f3d02 with rlrun/megatron/multi_tensor.py (passed with the count).
 
     OMP_NUM_THREADS=1 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_train_syncs_gpu.py
 """
