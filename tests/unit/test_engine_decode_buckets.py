@@ -127,23 +127,6 @@ def test_a_capture_warm_up_mid_call_leaves_no_trace(tiny_model_dirs, monkeypatch
         assert b["output_logprobs"] == c["output_logprobs"]
 
 
-def test_the_attention_bias_is_built_once_per_forward_not_per_layer(tiny_model_dirs, monkeypatch):
-    """On CUDA every layer of a forward attends under one mask, so its additive bias is built at the first
-    layer only, and let go after the forward (emulated on CPU: the bias is built as on CUDA, SDPA still takes the
-    boolean mask)."""
-    from rlrun.engine.backends import static_cache
-
-    built = []
-    monkeypatch.setattr(static_cache, "uses_shared_kernel", lambda query, value: True)
-    monkeypatch.setattr(static_cache, "mask_bias", lambda mask, dtype: built.append(mask) or mask)
-    engine = EmbeddedEngine(tiny_model_dirs["qwen3"], seed=0)
-    assert engine.model.config.num_hidden_layers == 2
-    engine.generate(PROMPTS, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
-    assert len(built) == 1 + 5  # the prefill and five decode forwards
-    assert all(mask.dtype == torch.bool for mask in built)
-    assert static_cache._forward_state.last is None  # nothing held past a forward (a graph pool's memory)
-
-
 def test_dropping_a_warm_batch_frees_its_kv_cache_at_once(tiny_model_dirs):
     """A release (``free_cache`` / ``offload_weights``) and an eviction drop the warm batch, then return the memory
     with ``empty_cache``: the KV cache must be garbage by then, not kept by a reference cycle until a later

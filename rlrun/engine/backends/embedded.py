@@ -44,7 +44,7 @@ from rlrun.engine.backends.fused_projections import fuse_projections
 from rlrun.engine.backends.fused_rope import fuse_rotary
 from rlrun.engine.backends.fused_swiglu import fuse_swiglu
 from rlrun.engine.backends.routing_record import RouterRecorder
-from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, bias_per_forward, prefill_mask
+from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, built_per_forward, prefill_mask
 from rlrun.engine.sampling import SamplingParams, per_prompt_params, row_key, row_rids
 from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, GenResult
 
@@ -259,7 +259,7 @@ class EmbeddedEngine:
         """The decode step's model call: last position's logits in the model's dtype (the sampler's temperature
         division widens them to fp32 exactly; a ``.float()`` here wrote a [B, V] fp32 copy every step), K/V into
         ``cache``."""
-        with bias_per_forward():
+        with built_per_forward():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -301,7 +301,7 @@ class EmbeddedEngine:
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
         cache = StaticKVCache(len(prompts), width, self.device)
         cache.columns = torch.arange(width, device=self.device)
-        with bias_per_forward():
+        with built_per_forward():
             hidden = self.model.get_decoder()(
                 input_ids=ids,
                 attention_mask=prefill_mask(mask),

@@ -14,7 +14,8 @@ Attention (:func:`static_cache_attention`, registered with transformers as ``ATT
 the trainer runs too (:mod:`rlrun.attention_kernel`: on CUDA the memory-efficient kernel, called directly,
 not through SDPA's per-call choice), so the engine's log-probs are the trainer's. A one-token decode query
 of ``H`` heads over ``H_kv`` cached heads is computed as ``H/H_kv`` queries per KV head, so the kernel
-reads each cached head once instead of a copy per query head (``repeat_kv``).
+reads each cached head once instead of a copy per query head (``repeat_kv``); on CUDA it reads each row's
+own columns by count (``attention_kernel.decode``), not under a mask bias. Prefill attends under its mask.
 
 The object duck-types the part of transformers' ``Cache`` that decoder layers call
 (``update(key, value, layer_idx, ...)``; ``get_seq_length``), which is the same in transformers
@@ -27,13 +28,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlrun.attention_kernel import mask_bias, masked, uses_shared_kernel
+from rlrun.attention_kernel import DecodeRows, decode, mask_bias, masked, positions_per_row, uses_shared_kernel
 from rlrun.engine.backends.fused_rope import triton_available
+
+T = TypeVar("T")
 
 ATTENTION = "rlrun_static_cache"
 """The ``attn_implementation`` name the embedded engine loads its model with."""
@@ -145,9 +149,10 @@ def static_cache_attention(
     """transformers' attention-function signature; returns ([B, q_len, H, D_v], None).
 
     One query position: the ``G = H / H_kv`` query heads that share a KV head (heads ``kv * G + g``,
-    transformers' ``repeat_kv`` order) become a length-G query over that head, under the same
-    [B, 1, 1, L] mask. Longer queries (prefill) attend under their [B, 1, q_len, L] mask. Without a
-    boolean mask (never from this engine) transformers' SDPA path runs.
+    transformers' ``repeat_kv`` order) become a length-G query over that head: on CUDA each row reads its own
+    columns (the count of its [B, 1, 1, L] mask, a prefix: :class:`DecodeRows`), elsewhere under the mask.
+    Longer queries (prefill) attend under their [B, 1, q_len, L] mask. Without a boolean mask (never from this
+    engine) transformers' SDPA path runs.
     """
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -155,7 +160,13 @@ def static_cache_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    bias = _layer_shared_bias(attention_mask, query, value)
+    shared = uses_shared_kernel(query, value)
+    per_row = positions_per_row(key)
+    if q_len == 1 and shared and per_row is not None and per_row == positions_per_row(value):
+        groups = heads // kv_heads
+        rows = _per_forward(("decode", groups, per_row), attention_mask, DecodeRows.of, groups, per_row)
+        return decode(query, key, value, rows, scale=scaling), None
+    bias = _per_forward(("bias", query.dtype), attention_mask, mask_bias, query.dtype) if shared else None
     if q_len != 1:
         return masked(query, key, value, attention_mask, scale=scaling, bias=bias).transpose(1, 2), None
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
@@ -164,36 +175,35 @@ def static_cache_attention(
 
 
 _forward_state = threading.local()
-"""``last``: (mask, dtype, its bias) of the forward in progress on this thread, inside :func:`bias_per_forward`."""
+"""``built``: {kind: (mask, what was built from it)} of the forward in progress on this thread, inside
+:func:`built_per_forward`."""
 
 
 @contextlib.contextmanager
-def bias_per_forward() -> Iterator[None]:
-    """Within: every layer of the forward attends under the one mask object the model was given, so its additive
-    bias is built once (at the first layer), not once per layer (three kernels a layer of a decode step, a few
-    microseconds each). On exit the bias and the mask are let go (a captured step's bias lives in its graph's
-    memory pool, which must not be held once the engine releases its memory)."""
-    _forward_state.last = None
+def built_per_forward() -> Iterator[None]:
+    """Within: every layer of the forward attends under the one mask object the model was given, so what is
+    built from it (a prefill's additive bias, a decode step's :class:`DecodeRows`) is built once, at the first
+    layer, not once per layer (a few kernels a layer of a decode step, a few microseconds each). On exit it is let
+    go with the mask (a captured step's tensors live in its graph's memory pool, which must not be held once the
+    engine releases its memory)."""
+    _forward_state.built = {}
     _forward_state.active = True
     try:
         yield
     finally:
-        _forward_state.last = None
+        _forward_state.built = {}
         _forward_state.active = False
 
 
-def _layer_shared_bias(mask: torch.Tensor, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
-    """The additive bias of ``mask`` where the shared kernel runs (inside :func:`bias_per_forward`: built at the
-    first layer, reused by the others); None elsewhere, where SDPA takes the boolean mask itself."""
-    if not uses_shared_kernel(query, value):
-        return None
+def _per_forward(kind: tuple, mask: torch.Tensor, build: Callable[..., T], *args) -> T:
+    """``build(mask, *args)``: inside :func:`built_per_forward` built at the first layer for this mask and
+    ``kind``, reused by the others; outside it, built each call."""
     if not getattr(_forward_state, "active", False):
-        return mask_bias(mask, query.dtype)
-    last = _forward_state.last
-    if last is None or last[0] is not mask or last[1] != query.dtype:
-        last = (mask, query.dtype, mask_bias(mask, query.dtype))
-        _forward_state.last = last
-    return last[2]
+        return build(mask, *args)
+    last = _forward_state.built.get(kind)
+    if last is None or last[0] is not mask:
+        last = _forward_state.built[kind] = (mask, build(mask, *args))
+    return last[1]
 
 
 AttentionInterface.register(ATTENTION, static_cache_attention)
