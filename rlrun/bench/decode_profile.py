@@ -75,7 +75,8 @@ class DecodeProfile:
     """Per :data:`CATEGORIES` entry, its kernels' time per step."""
     weight_bytes: int
     kv_bytes_per_step: int
-    """K/V of ``read_len`` columns in every slot and layer (padding and ended slots are read too)."""
+    """K/V of ``read_len`` columns in every slot and layer (padding and ended slots are read too); where the engine
+    attends by key counts (CUDA), each row reads only its own filled columns, so this bounds what is read."""
     hbm_bytes_per_step: int
     bound_step_s: float
     """``hbm_bytes_per_step / hbm_bytes_per_s``."""

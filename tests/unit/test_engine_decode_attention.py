@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from rlrun import attention_kernel
 from rlrun.attention_kernel import DecodeRows, decode, positions_per_row
-from rlrun.engine.backends import decode_run, static_cache
+from rlrun.engine.backends import decode_graphs, decode_run, static_cache
 from rlrun.engine.backends.decode_batch import row_bucket
+from rlrun.engine.backends.decode_graphs import WarmBatch
 from rlrun.engine.backends.embedded import EmbeddedEngine
 
 
@@ -73,8 +74,10 @@ def test_an_engine_decoding_by_key_counts_samples_as_under_the_mask(tiny_model_d
     """The CUDA path emulated on CPU through continuous batching (10 samples through 3 slots in a bucket of 4,
     refilled as rows end): tokens and log-probs are the masked path's; every decode forward builds its
     DecodeRows once (a prefill its bias once), from a mask that is a prefix of each row's cache columns (what the
-    counts assume), and nothing is held after a forward."""
+    counts assume), every forward hands attention the whole cache (one captured step, not one per read length),
+    and nothing is held after a forward."""
     monkeypatch.setattr(decode_run, "num_slots", lambda n, device: row_bucket(n))
+    monkeypatch.setattr(decode_graphs, "READ_ALIGN", 16)  # read lengths 16, 32, 48 on the masked path
     prompts = [[72, 101, 108, 108, 111], [257, 9, 44], [1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31], [200, 201, 202, 203]]
     params = [
         {"max_new_tokens": n, "n": 2, "sampling_seed": 11 + k, "temperature": 1.0}
@@ -94,6 +97,10 @@ def test_an_engine_decoding_by_key_counts_samples_as_under_the_mask(tiny_model_d
         return rows
 
     monkeypatch.setattr(static_cache, "uses_shared_kernel", lambda query, value: True)
+    monkeypatch.setattr(static_cache.StaticKVCache, "reads_by_count", True)
+    lengths: set[int] = set()
+    run = WarmBatch.run
+    monkeypatch.setattr(WarmBatch, "run", lambda warm, n: (lengths.add(n), run(warm, n))[1])
     monkeypatch.setattr(
         static_cache,
         "mask_bias",
@@ -119,4 +126,5 @@ def test_an_engine_decoding_by_key_counts_samples_as_under_the_mask(tiny_model_d
             torch.tensor(a["output_logprobs"]), torch.tensor(b["output_logprobs"]), rtol=0, atol=1e-5
         )
     assert built == {"bias": forwards["prefill"], "rows": forwards["decode"]} and forwards["decode"] > 20
+    assert lengths == {engine._warm.last.batch.cache.max_len}  # one captured step for every fill level
     assert static_cache._forward_state.built == {}

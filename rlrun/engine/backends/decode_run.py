@@ -133,9 +133,12 @@ class DecodeRun:
             self.forward()
 
     def forward(self) -> int:
-        """One decode forward of every slot (a captured step's replay on CUDA); returns the cache columns it read."""
+        """One decode forward of every slot (a captured step's replay on CUDA); returns the cache columns it hands
+        attention: the filled ones rounded up (one captured step per bucket), or, where attention reads each row's
+        columns by count (``StaticKVCache.reads_by_count``), the whole cache (one captured step for the call)."""
         self.forwards += 1  # this forward attends, in each held row, up to its prompt + tokens so far
-        length = self.read_len_at(self.forwards)
+        whole = self.batch.cache.reads_by_count
+        length = self.shape.max_len if whole else self.read_len_at(self.forwards)
         self.warm.run(length)
         return length
 

@@ -34,7 +34,15 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlrun.attention_kernel import DecodeRows, decode, mask_bias, masked, positions_per_row, uses_shared_kernel
+from rlrun.attention_kernel import (
+    DecodeRows,
+    decode,
+    kernel_has_head_dims,
+    mask_bias,
+    masked,
+    positions_per_row,
+    uses_shared_kernel,
+)
 from rlrun.engine.backends.fused_rope import triton_available
 
 T = TypeVar("T")
@@ -83,6 +91,16 @@ class StaticKVCache:
             self.values[layer_idx].index_copy_(2, self.columns, value)
         end = self.max_len if self.read_len is None else self.read_len
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    @property
+    def reads_by_count(self) -> bool:
+        """Whether a decode step over this (loaded) cache attends by key counts (:func:`static_cache_attention`'s
+        CUDA path: the shared kernel takes its heads), which reads each row's own columns whatever ``read_len``:
+        then one captured step serves every fill level (``DecodeRun.forward``)."""
+        if not self.keys:
+            return False
+        key, value = self.keys[0], self.values[0]
+        return key.is_cuda and kernel_has_head_dims(key.dtype, key.shape[-1], value.shape[-1])
 
     def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The next layer's buffers, each shaped after its own tensor: multi-latent attention (DeepSeek-V3) caches
