@@ -70,6 +70,7 @@ class Decode:
         self.cu_one = torch.arange(0, batch + 1, dtype=torch.int32, device=device)
         self.read_len = int(lengths.max())
         # today's layout, [B, H_kv, max_len, D], and its mask over the read columns
+        self.flat = [t.view(batch * max_len, kv_heads, t.shape[-1]) for t in (keys, values)]  # the varlen layout
         self.keys_bhsd = keys.transpose(1, 2).contiguous()
         self.values_bhsd = values.transpose(1, 2).contiguous()
         columns = torch.arange(self.read_len, device=device)
@@ -84,60 +85,24 @@ class Decode:
         return out.reshape(self.batch, -1, out.shape[-1])
 
     def efficient_seqlen(self) -> torch.Tensor:
-        flat_k = self.keys.view(1, -1, self.kv_heads, self.keys.shape[-1])
-        flat_v = self.values.view(1, -1, self.kv_heads, self.values.shape[-1])
+        packed = [t.unsqueeze(0) for t in (self.rows, *self.flat)]
+        kwargs = {"scale": self.scale, "seqlen_k": self.lengths}
         out = torch.ops.aten._efficient_attention_forward(
-            self.rows.unsqueeze(0),
-            flat_k,
-            flat_v,
-            None,
-            self.cu_q,
-            self.cu_k,
-            self.groups,
-            self.max_len,
-            0.0,
-            0,
-            False,
-            scale=self.scale,
-            seqlen_k=self.lengths,
+            *packed, None, self.cu_q, self.cu_k, self.groups, self.max_len, 0.0, 0, False, **kwargs
         )[0]
         return _unrows(out.squeeze(0), self.batch)
 
     def flash_seqused(self) -> torch.Tensor:
-        flat_k = self.keys.view(-1, self.kv_heads, self.keys.shape[-1])
-        flat_v = self.values.view(-1, self.kv_heads, self.values.shape[-1])
+        kwargs = {"scale": self.scale, "seqused_k": self.lengths}
         out = torch.ops.aten._flash_attention_forward(
-            self.rows,
-            flat_k,
-            flat_v,
-            self.cu_q,
-            self.cu_k,
-            self.groups,
-            self.max_len,
-            0.0,
-            False,
-            False,
-            scale=self.scale,
-            seqused_k=self.lengths,
+            self.rows, *self.flat, self.cu_q, self.cu_k, self.groups, self.max_len, 0.0, False, False, **kwargs
         )[0]
         return _unrows(out, self.batch)
 
     def flash_gqa(self) -> torch.Tensor:
-        flat_k = self.keys.view(-1, self.kv_heads, self.keys.shape[-1])
-        flat_v = self.values.view(-1, self.kv_heads, self.values.shape[-1])
+        kwargs = {"scale": self.scale, "seqused_k": self.lengths}
         return torch.ops.aten._flash_attention_forward(
-            self.query,
-            flat_k,
-            flat_v,
-            self.cu_one,
-            self.cu_k,
-            1,
-            self.max_len,
-            0.0,
-            True,
-            False,
-            scale=self.scale,
-            seqused_k=self.lengths,
+            self.query, *self.flat, self.cu_one, self.cu_k, 1, self.max_len, 0.0, True, False, **kwargs
         )[0]
 
 
@@ -146,7 +111,7 @@ TRAINER = {"efficient_bias": "efficient", "efficient_seqlen": "efficient", "flas
 """The trainer forward each candidate must equal bitwise; ``flash_gqa`` has none (a speed reference)."""
 
 
-def _timed_us(fn, iters: int) -> float:
+def graph_timed_us(fn, iters: int) -> float:
     """Microseconds a call: ``fn`` captured in a CUDA graph (as the engine's decode step is, so the host's launch cost
     is not in the figure), replayed ``iters`` times back to back between two CUDA events."""
     side = torch.cuda.Stream()
@@ -182,7 +147,7 @@ def speed(shape: str, batch: int, length: int, iters: int, generator: torch.Gene
     row = {"shape": shape, "batch": batch, "length": length, "kv_bytes": 2 * keys.numel() * keys.element_size()}
     for name in KERNELS:
         try:
-            us = _timed_us(getattr(step, name), iters)
+            us = graph_timed_us(getattr(step, name), iters)
             row[name] = {"us": round(us, 2), "tb_per_s": round(row["kv_bytes"] / us / 1e6, 3)}
         except (RuntimeError, TypeError) as error:
             row[name] = {"error": str(error).splitlines()[0][:300]}
@@ -264,9 +229,14 @@ def main() -> None:
             for length in args.lengths.split(",")
         ],
     }
+    emit(record, args.out)
+
+
+def emit(record: dict, out: str) -> None:
+    """The record printed and written to ``out`` as JSON."""
     text = json.dumps(record, indent=2)
     print(text)
-    with open(args.out, "w") as handle:
+    with open(out, "w") as handle:
         handle.write(text + "\n")
 
 

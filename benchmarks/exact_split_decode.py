@@ -23,12 +23,12 @@ two is a GPU question; measured there in bf16.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from decode_attention import emit, graph_timed_us  # benchmarks/, the script's folder
 
 BLOCK_M = 16
 """Query rows a tile (the G heads of a decode's cached head, padded): the same on both sides, so that each row's
@@ -244,27 +244,6 @@ def exactness(heads: int, kv_heads: int, length: int, rows: int, chunk: int, dev
     }  # fmt: skip
 
 
-def _timed_us(fn, iters: int) -> float:
-    """Microseconds a call, ``fn`` captured in a CUDA graph and replayed ``iters`` times between two events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / iters
-
-
 def decode_speed(batch: int, length: int, chunk: int, iters: int) -> dict:
     """The split decode against the engine's path (``attention_kernel.decode``), Qwen3-0.6B's heads (16, 8, 128)."""
     from rlrun.attention_kernel import DecodeRows, decode, positions_per_row
@@ -279,8 +258,8 @@ def decode_speed(batch: int, length: int, chunk: int, iters: int) -> dict:
     query = q[:, :, None]
     return {
         "batch": batch, "length": length, "chunk": chunk,
-        "split_us": round(_timed_us(lambda: split(q, k, v, counts), iters), 2),
-        "engine_us": round(_timed_us(lambda: decode(query, k, v, rows), iters), 2),
+        "split_us": round(graph_timed_us(lambda: split(q, k, v, counts), iters), 2),
+        "engine_us": round(graph_timed_us(lambda: decode(query, k, v, rows), iters), 2),
     }  # fmt: skip
 
 
@@ -294,8 +273,8 @@ def train_speed(samples: int, length: int, chunk: int, iters: int) -> dict:
     bounds = torch.arange(0, (samples + 1) * length, length, dtype=torch.int32, device=device)
     packed = [t.reshape(samples * length, t.shape[2], dim) for t in (q, k, v)]
     flops = 4 * samples * length * length / 2 * heads * dim
-    split_us = _timed_us(lambda: train_forward(q, k, v, chunk), iters)
-    efficient_us = _timed_us(lambda: attention_kernel.efficient_varlen(*packed, bounds, length, dim**-0.5), iters)
+    split_us = graph_timed_us(lambda: train_forward(q, k, v, chunk), iters)
+    efficient_us = graph_timed_us(lambda: attention_kernel.efficient_varlen(*packed, bounds, length, dim**-0.5), iters)
     return {
         "samples": samples, "length": length, "chunk": chunk, "split_us": round(split_us, 1),
         "efficient_us": round(efficient_us, 1), "split_tflops": round(flops / split_us / 1e6, 1),
@@ -327,10 +306,7 @@ def main() -> None:
             decode_speed(b, n, c, args.iters) for b in (64, 128) for n in (256, 512, 1024, 2048) for c in chunks
         ]
         record["train_speed"] = [train_speed(s, n, c, 10) for s, n in ((16, 1024), (1, 8192)) for c in chunks]
-    text = json.dumps(record, indent=2)
-    print(text)
-    with open(args.out, "w") as handle:
-        handle.write(text + "\n")
+    emit(record, args.out)
 
 
 if __name__ == "__main__":
