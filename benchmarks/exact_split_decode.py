@@ -5,10 +5,10 @@ trainer's memory-efficient kernel, one thread block per (row, cached head) walki
 1.6-2.6 TB/s on the H200 (benchmarks/decode_attention.py). A split-KV decode (a row's keys over several blocks, the
 parts merged) keeps the GPU busier, but its sums round differently from a trainer that walks the keys in one pass.
 This tries the pair that could be exact: both kernels split each row's keys into chunks of ``CHUNK`` keys from key
-0, run the same online softmax over a chunk (one jit function, the same tile shapes: ``BLOCK_M`` query rows,
-``BLOCK_N`` keys), and merge the chunks in order with one formula; the trainer walks its chunks in a loop, the
-decode computes them in parallel (``_decode_partials``) and merges them after (``_decode_merge``). A decode tile
-holds the G query heads of one cached head, padded to ``BLOCK_M`` rows.
+0, run the same online softmax over a chunk (one jit function, the same tile shapes: ``BLOCK_M`` query rows, each of
+``BLOCK_MS`` tried, and ``BLOCK_N`` keys), and merge the chunks in order with one formula; the trainer walks its
+chunks in a loop, the decode computes them in parallel (``_decode_partials``) and merges them after
+(``_decode_merge``). A decode tile holds the G query heads of one cached head, padded to ``BLOCK_M`` rows.
 
 Measured (GPU): whether the decode rows are bitwise the trainer's rows (a sample's last positions, per chunk
 size); the decode's time against ``attention_kernel.decode`` (the engine's path) at batch 64 and 128 and 256-2,048
@@ -30,9 +30,10 @@ import triton
 import triton.language as tl
 from decode_attention import emit, graph_timed_us  # benchmarks/, the script's folder
 
-BLOCK_M = 16
-"""Query rows a tile (the G heads of a decode's cached head, padded): the same on both sides, so that each row's
-products go through the same matrix instructions."""
+BLOCK_MS = (16, 64)
+"""Query rows a tile (the G heads of a decode's cached head, padded), tried both ways: the same on both sides, so
+that each row's products go through the same matrix instructions (16: less padding in a decode tile; 64: fewer K/V
+reads in the trainer's)."""
 BLOCK_N = 64
 """Keys per inner step of a chunk."""
 WARPS = 4
@@ -116,7 +117,7 @@ def _train_forward(q_ptr, k_ptr, v_ptr, out_ptr, length, scale,
 @triton.jit
 def _decode_partials(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, scale,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                     CHUNKS: tl.constexpr, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                     CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
     """Chunk c of row b's keys for the G query heads of cached head j: its (m, l, acc) into the part buffers
     ([B, H_kv, CHUNKS, BLOCK_M(, HEAD)])."""
@@ -144,7 +145,7 @@ def _decode_partials(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, 
 
 @triton.jit
 def _decode_merge(part_m, part_l, part_acc, counts_ptr, out_ptr, stride_ob, stride_oh,
-                  CHUNKS: tl.constexpr, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                   HEAD: tl.constexpr):  # fmt: skip
     """Row b's chunks for cached head j merged in order; its G heads' outputs stored."""
     row, kv = tl.program_id(0), tl.program_id(1)
@@ -169,14 +170,14 @@ def _decode_merge(part_m, part_l, part_acc, counts_ptr, out_ptr, stride_ob, stri
     )
 
 
-def train_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
+def train_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, block_m: int) -> torch.Tensor:
     """Causal attention of ``[S, T, H, D]`` queries over ``[S, T, H_kv, D]`` keys and values."""
     samples, length, heads, dim = q.shape
     out = torch.empty_like(q)
-    grid = (triton.cdiv(length, BLOCK_M), heads, samples)
+    grid = (triton.cdiv(length, block_m), heads, samples)
     _train_forward[grid](
         q, k, v, out, length, dim**-0.5, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        GROUPS=heads // k.shape[2], CHUNK=chunk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD=dim,
+        GROUPS=heads // k.shape[2], CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD=dim,
         num_warps=WARPS, num_stages=STAGES, enable_fp_fusion=False,
     )  # fmt: skip
     return out
@@ -186,10 +187,12 @@ class SplitDecode:
     """One decode step's attention: ``[B, H, D]`` queries over a cache ``[B, H_kv, L, D]``, row b reading its first
     ``counts[b]`` columns, in chunks of ``chunk`` (part buffers allocated once, as a captured step would)."""
 
-    def __init__(self, rows: int, heads: int, kv_heads: int, max_len: int, dim: int, chunk: int, device) -> None:
+    def __init__(
+        self, rows: int, heads: int, kv_heads: int, max_len: int, dim: int, chunk: int, block_m: int, device
+    ) -> None:
         self.chunks = triton.cdiv(max_len, chunk)
-        self.chunk, self.groups, self.dim = chunk, heads // kv_heads, dim
-        parts = rows * kv_heads * self.chunks * BLOCK_M
+        self.chunk, self.groups, self.dim, self.block_m = chunk, heads // kv_heads, dim, block_m
+        parts = rows * kv_heads * self.chunks * block_m
         self.part_m = torch.empty(parts, dtype=torch.float32, device=device)
         self.part_l = torch.empty(parts, dtype=torch.float32, device=device)
         self.part_acc = torch.empty(parts * dim, dtype=torch.float32, device=device)
@@ -200,12 +203,12 @@ class SplitDecode:
         _decode_partials[(rows, kv_heads, self.chunks)](
             q, k, v, counts, self.part_m, self.part_l, self.part_acc, self.dim**-0.5, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), CHUNKS=self.chunks,
-            GROUPS=self.groups, CHUNK=self.chunk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD=self.dim,
+            GROUPS=self.groups, CHUNK=self.chunk, BLOCK_M=self.block_m, BLOCK_N=BLOCK_N, HEAD=self.dim,
             num_warps=WARPS, num_stages=STAGES, enable_fp_fusion=False,
         )  # fmt: skip
         _decode_merge[(rows, kv_heads)](
             self.part_m, self.part_l, self.part_acc, counts, out, out.stride(0), out.stride(1), CHUNKS=self.chunks,
-            GROUPS=self.groups, CHUNK=self.chunk, BLOCK_M=BLOCK_M, HEAD=self.dim, num_warps=WARPS,
+            GROUPS=self.groups, CHUNK=self.chunk, BLOCK_M=self.block_m, HEAD=self.dim, num_warps=WARPS,
             enable_fp_fusion=False,
         )  # fmt: skip
         return out
@@ -220,31 +223,31 @@ def _reference(q, k, v) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True).transpose(0, 1)
 
 
-def exactness(heads: int, kv_heads: int, length: int, rows: int, chunk: int, device, dtype) -> dict:
+def exactness(heads: int, kv_heads: int, length: int, rows: int, chunk: int, block_m: int, device, dtype) -> dict:
     """Decode rows at a sample's last ``rows`` positions against the trainer forward's rows, and both against fp32."""
     gen = torch.Generator(device=device).manual_seed(0)
     q = (torch.randn(length, heads, 128, generator=gen, device=device) * 0.5).to(dtype)
     k = (torch.randn(length, kv_heads, 128, generator=gen, device=device) * 0.5).to(dtype)
     v = torch.randn(length, kv_heads, 128, generator=gen, device=device).to(dtype)
-    trained = train_forward(q[None], k[None], v[None], chunk)[0]
+    trained = train_forward(q[None], k[None], v[None], chunk, block_m)[0]
     positions = torch.arange(length - rows, length, device=device)
     cache_k = k.transpose(0, 1)[None].expand(rows, -1, -1, -1).contiguous()
     cache_v = v.transpose(0, 1)[None].expand(rows, -1, -1, -1).contiguous()
     counts = (positions + 1).to(torch.int32)
-    decoded = SplitDecode(rows, heads, kv_heads, length, 128, chunk, device)(
+    decoded = SplitDecode(rows, heads, kv_heads, length, 128, chunk, block_m, device)(
         q[positions].contiguous(), cache_k, cache_v, counts
     )
     want = trained[positions]
     reference = _reference(q, k, v)
     return {
-        "heads": heads, "kv_heads": kv_heads, "length": length, "rows": rows, "chunk": chunk,
+        "heads": heads, "kv_heads": kv_heads, "length": length, "rows": rows, "chunk": chunk, "block_m": block_m,
         "elements_differing": int((decoded != want).sum()), "elements": want.numel(),
         "trainer_max_abs_vs_fp32": float((trained.float() - reference).abs().max()),
         "decode_max_abs_vs_fp32": float((decoded.float() - reference[positions]).abs().max()),
     }  # fmt: skip
 
 
-def decode_speed(batch: int, length: int, chunk: int, iters: int) -> dict:
+def decode_speed(batch: int, length: int, chunk: int, block_m: int, iters: int) -> dict:
     """The split decode against the engine's path (``attention_kernel.decode``), Qwen3-0.6B's heads (16, 8, 128)."""
     from rlrun.attention_kernel import DecodeRows, decode, positions_per_row
 
@@ -252,18 +255,18 @@ def decode_speed(batch: int, length: int, chunk: int, iters: int) -> dict:
     q = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
     k, v = (torch.randn(batch, kv_heads, length, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
     counts = torch.full((batch,), length, dtype=torch.int32, device=device)
-    split = SplitDecode(batch, heads, kv_heads, length, dim, chunk, device)
+    split = SplitDecode(batch, heads, kv_heads, length, dim, chunk, block_m, device)
     mask = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device)
     rows = DecodeRows.of(mask, heads // kv_heads, positions_per_row(k))
     query = q[:, :, None]
     return {
-        "batch": batch, "length": length, "chunk": chunk,
+        "batch": batch, "length": length, "chunk": chunk, "block_m": block_m,
         "split_us": round(graph_timed_us(lambda: split(q, k, v, counts), iters), 2),
         "engine_us": round(graph_timed_us(lambda: decode(query, k, v, rows), iters), 2),
     }  # fmt: skip
 
 
-def train_speed(samples: int, length: int, chunk: int, iters: int) -> dict:
+def train_speed(samples: int, length: int, chunk: int, block_m: int, iters: int) -> dict:
     """The trainer forward against the memory-efficient varlen forward (the trainer's now), Qwen3-0.6B's heads."""
     from rlrun import attention_kernel
 
@@ -273,10 +276,10 @@ def train_speed(samples: int, length: int, chunk: int, iters: int) -> dict:
     bounds = torch.arange(0, (samples + 1) * length, length, dtype=torch.int32, device=device)
     packed = [t.reshape(samples * length, t.shape[2], dim) for t in (q, k, v)]
     flops = 4 * samples * length * length / 2 * heads * dim
-    split_us = graph_timed_us(lambda: train_forward(q, k, v, chunk), iters)
+    split_us = graph_timed_us(lambda: train_forward(q, k, v, chunk, block_m), iters)
     efficient_us = graph_timed_us(lambda: attention_kernel.efficient_varlen(*packed, bounds, length, dim**-0.5), iters)
     return {
-        "samples": samples, "length": length, "chunk": chunk, "split_us": round(split_us, 1),
+        "samples": samples, "length": length, "chunk": chunk, "block_m": block_m, "split_us": round(split_us, 1),
         "efficient_us": round(efficient_us, 1), "split_tflops": round(flops / split_us / 1e6, 1),
         "efficient_tflops": round(flops / efficient_us / 1e6, 1),
     }  # fmt: skip
@@ -299,13 +302,22 @@ def main() -> None:
     shapes = [(16, 8, 700), (32, 8, 1500)] if gpu else [(4, 2, 200), (8, 2, 150)]
     dtype = torch.bfloat16 if gpu else torch.float32
     record["exactness"] = [
-        exactness(h, kv, n, 64 if gpu else 8, c, device, dtype) for h, kv, n in shapes for c in chunks
+        exactness(h, kv, n, 64 if gpu else 8, c, m, device, dtype)
+        for h, kv, n in shapes
+        for c in chunks
+        for m in BLOCK_MS
     ]
     if gpu:
         record["decode_speed"] = [
-            decode_speed(b, n, c, args.iters) for b in (64, 128) for n in (256, 512, 1024, 2048) for c in chunks
+            decode_speed(b, n, c, m, args.iters)
+            for b in (64, 128)
+            for n in (256, 512, 1024, 2048)
+            for c in chunks
+            for m in BLOCK_MS
         ]
-        record["train_speed"] = [train_speed(s, n, c, 10) for s, n in ((16, 1024), (1, 8192)) for c in chunks]
+        record["train_speed"] = [
+            train_speed(s, n, c, m, 10) for s, n in ((16, 1024), (1, 8192)) for c in chunks for m in BLOCK_MS
+        ]
     emit(record, args.out)
 
 
