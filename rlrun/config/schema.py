@@ -544,11 +544,12 @@ class EngineConfig(Section):
     """Extra keyword arguments of the backend's server, passed as-is (backends that take them only). For
     ``sglang``: ``sglang.Engine`` (ServerArgs) arguments, e.g. ``mem_fraction_static``,
     ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true`` makes SGLang honour the
-    per-sample seeds (rollouts reproducible, somewhat slower). For ``embedded``: only
-    ``max_running_requests`` (SGLang's name too): at most that many samples decode at once, the others wait
-    and take the slots of ended ones (continuous batching; dense models only; unset: every sample of a call
-    at once). Set it when a step's samples do not fit the GPU's memory together or have long-tailed lengths
-    (docs/engine.md)."""
+    per-sample seeds (rollouts reproducible, somewhat slower). For ``embedded``, two (SGLang's names too):
+    ``max_running_requests``: at most that many samples decode at once, the others wait and take the slots of
+    ended ones (continuous batching; dense models only; unset: every sample of a call at once). Set it when a
+    step's samples do not fit the GPU's memory together or have long-tailed lengths. ``chunked_prefill_size``: a
+    prefill forward covers at most that many token slots (prompts x columns; dense models only; unset: one
+    forward), so long prompts prefill in column chunks with bounded activations and attention mask (docs/engine.md)."""
 
     @model_validator(mode="after")
     def _backend_options(self) -> EngineConfig:
@@ -1011,8 +1012,8 @@ class RunConfig(Section):
     def _teacher_engine_fits(self) -> None:
         opd = self.algorithm.opd
         traits = backend_traits(opd.teacher_engine) if opd.teacher_engine is not None else None
-        # The embedded engine's only server argument (max_running_requests) schedules decoding, which a teacher
-        # never does; SGLang's (server_arg_names None: any sglang.Engine argument) size its memory too.
+        # The embedded engine's server arguments are the policy engine's (a teacher's scoring is not plumbed to
+        # them); SGLang's (server_arg_names None: any sglang.Engine argument) size its memory too.
         if opd.teacher_server_args and not (
             traits is not None and traits.accepts_server_args and traits.server_arg_names is None
         ):

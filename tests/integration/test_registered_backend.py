@@ -53,7 +53,8 @@ def test_traits_decide_the_config_and_the_spec(recording_backend, tmp_path):
     with pytest.raises(ValueError, match=r"engine.verify_weights \(true\) must be false with backend recording"):
         RunConfig.model_validate({"engine": {"backend": "recording", "verify_weights": True}})
     with pytest.raises(
-        ValueError, match=r"engine.server_args keys \['a'\] must be among \['max_running_requests'\] with"
+        ValueError,
+        match=r"engine.server_args keys \['a'\] must be among \['max_running_requests', 'chunked_prefill_size'\]",
     ):
         RunConfig.model_validate({"engine": {"server_args": {"a": 1, "max_running_requests": 8}}})
     with pytest.raises(ValueError, match=r"engine.server_args must be empty with backend blind because it reads"):

@@ -68,7 +68,7 @@ BACKENDS: dict[str, BackendTraits] = {
         shards_over_tp=False,
         supports_checksums=True,
         accepts_server_args=True,
-        server_arg_names=("max_running_requests",),
+        server_arg_names=("max_running_requests", "chunked_prefill_size"),
         routed_experts_args={},
         profiles_in_process=True,
     ),

@@ -109,6 +109,7 @@ class EmbeddedEngine:
         dtype: str = "float32",
         device: str | torch.device = "cpu",
         max_running_requests: int | None = None,
+        chunked_prefill_size: int | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(
@@ -174,6 +175,16 @@ class EmbeddedEngine:
             )
         self.max_running_requests = max_running_requests
         """At most this many samples decode at once, the rest wait for a slot (None: every sample of a call)."""
+        if chunked_prefill_size is not None and (
+            not isinstance(chunked_prefill_size, int) or chunked_prefill_size < 2 or self.router_recorder is not None
+        ):
+            raise ValueError(
+                f"chunked_prefill_size ({chunked_prefill_size!r}) must be unset for a MoE model and an integer >= 2 "
+                "otherwise because a MoE prefill records its prompts' experts from one forward, and a chunk needs "
+                "two columns; remove it (engine.server_args) or set a token count"
+            )
+        self.chunked_prefill_size = chunked_prefill_size
+        """A prefill forward covers at most this many token slots (prompts x columns; None: one forward)."""
         self._decode_experts = (
             None if self.router_recorder is None else _decode_experts_implementation(self.model, self.device)
         )
@@ -293,23 +304,43 @@ class EmbeddedEngine:
 
     def _prefill_hidden(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
         """The decoder over ``prompts`` right-padded so every prompt starts at column 0 (the attention kernel then
-        splits its keys into the same blocks as the trainer does: bitwise equal log-probs, rlrun.attention_kernel);
-        returns ([P, W, hidden] last hidden states, the prompts' K/V cache, the [P, W] prompt mask)."""
+        splits its keys into the same blocks as the trainer does: bitwise equal log-probs, rlrun.attention_kernel),
+        in column chunks (:meth:`prefill_chunks`); returns ([P, W, hidden] last hidden states, the prompts' K/V
+        cache, the [P, W] prompt mask)."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
         mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], device=self.device)
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
         cache = StaticKVCache(len(prompts), width, self.device)
-        cache.columns = torch.arange(width, device=self.device)
-        with built_per_forward():
-            hidden = self.model.get_decoder()(
-                input_ids=ids,
-                attention_mask=prefill_mask(mask),
-                position_ids=positions,
-                use_cache=True,
-                **{self._decoder_cache_kwarg: cache},
-            ).last_hidden_state
-        return hidden, cache, mask
+        hidden = []
+        for start, stop in self.prefill_chunks(len(prompts), width):
+            cache.columns = torch.arange(start, stop, device=self.device)
+            cache.read_len = stop  # a chunk's queries attend to the columns before it and its own
+            with built_per_forward():
+                hidden.append(
+                    self.model.get_decoder()(
+                        input_ids=ids[:, start:stop],
+                        attention_mask=prefill_mask(mask, start, stop),
+                        position_ids=positions[:, start:stop],
+                        use_cache=True,
+                        **{self._decoder_cache_kwarg: cache},
+                    ).last_hidden_state
+                )
+        cache.read_len = None
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1), cache, mask
+
+    def prefill_chunks(self, prompts: int, width: int) -> list[tuple[int, int]]:
+        """The column ranges of a prefill of ``prompts`` right-padded prompts ``width`` wide: one forward, or, with
+        ``chunked_prefill_size``, chunks of ``chunked_prefill_size // prompts`` columns (at least 2), so a forward's
+        activations and attention mask stay bounded however long the prompts. Each chunk attends to the cache
+        columns before it under the same kernel, keys in the same blocks from column 0: on CUDA bitwise the
+        one-forward prefill. No chunk is one column wide (the last is merged into the one before): a one-position
+        query is read as a decode step, whose mask must be a prefix of the columns, and a padding row's is not."""
+        step = width if self.chunked_prefill_size is None else max(2, self.chunked_prefill_size // prompts)
+        starts = list(range(0, width, step))
+        if len(starts) > 1 and width - starts[-1] < 2:
+            starts.pop()
+        return list(zip(starts, [*starts[1:], width], strict=True))
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
         """Prefill distinct prompts once (:meth:`_prefill_hidden`), recording a MoE model's routing into

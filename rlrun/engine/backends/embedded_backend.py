@@ -68,10 +68,22 @@ class EmbeddedBackend:
     loop = None  # the worker creates its own event loop
 
     def __init__(
-        self, model_path: str, *, seed: int, dtype: str, device: str, max_running_requests: int | None = None
+        self,
+        model_path: str,
+        *,
+        seed: int,
+        dtype: str,
+        device: str,
+        max_running_requests: int | None = None,
+        chunked_prefill_size: int | None = None,
     ) -> None:
         self.engine = EmbeddedEngine(
-            model_path, seed=seed, dtype=dtype, device=device, max_running_requests=max_running_requests
+            model_path,
+            seed=seed,
+            dtype=dtype,
+            device=device,
+            max_running_requests=max_running_requests,
+            chunked_prefill_size=chunked_prefill_size,
         )
         self.control = DecodeControl()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="embedded-decode")
@@ -87,6 +99,7 @@ class EmbeddedBackend:
             dtype=spec.dtype,
             device=spec.resolved_device(),
             max_running_requests=spec.server_args.get("max_running_requests"),
+            chunked_prefill_size=spec.server_args.get("chunked_prefill_size"),
         )
 
     @property

@@ -143,14 +143,16 @@ class StaticKVCache:
             self.values[layer][slots, :, :width] = value[rows]
 
 
-def prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
-    """[P, 1, W, W] boolean mask for padded prompts: causal over real tokens. A padding query
-    attends to itself only, so no row is fully masked (the kernel would return NaN there, and the NaN
-    would reach the padding's cached K/V)."""
-    width = prompt_mask.shape[-1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
-    mask = causal & prompt_mask.bool()[:, None, :]
-    mask |= torch.eye(width, dtype=torch.bool, device=prompt_mask.device)
+def prefill_mask(prompt_mask: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """[P, 1, stop - start, stop] boolean mask of the padded prompts' positions ``start`` to ``stop - 1`` (a prefill
+    chunk; all ``W`` by default) over columns 0 to ``stop - 1``: causal over real tokens. A padding query attends to
+    itself only, so no row is fully masked (the kernel would return NaN there, and the NaN would reach the padding's
+    cached K/V)."""
+    stop = prompt_mask.shape[-1] if stop is None else stop
+    rows = torch.arange(start, stop, device=prompt_mask.device)[:, None]
+    columns = torch.arange(stop, device=prompt_mask.device)[None, :]
+    mask = (columns <= rows) & prompt_mask.bool()[:, None, :stop]
+    mask |= columns == rows
     return mask[:, None]
 
 

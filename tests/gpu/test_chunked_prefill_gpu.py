@@ -1,0 +1,31 @@
+"""On a GPU, a prefill in column chunks (``chunked_prefill_size``) is bitwise the one-forward prefill: each chunk's
+queries attend to the columns before them under the same kernel, keys in the same blocks from column 0.
+
+    OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_prefill_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_chunked_prefill_is_bitwise_the_one_forward_prefill(tmp_path, dtype):
+    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("qwen3", tmp_path / "m", seed=2)
+    prompts = [[3 + (k * 7 + n) % 250 for k in range(n)] for n in (297, 3, 130, 201)]  # the tiny model's 264 ids
+    params = {"max_new_tokens": 40, "temperature": 1.0, "top_p": 0.95, "n": 2, "sampling_seed": 5, "ignore_eos": True}
+    whole = EmbeddedEngine(model, seed=0, dtype=dtype, device="cuda")
+    chunked = EmbeddedEngine(model, seed=0, dtype=dtype, device="cuda", chunked_prefill_size=256)
+    assert len(chunked.prefill_chunks(len(prompts), 297)) == 5  # 64 columns a chunk, the last 41
+    for a, b in zip(whole.generate(prompts, params), chunked.generate(prompts, params), strict=True):
+        assert a["output_ids"] == b["output_ids"] and a["output_logprobs"] == b["output_logprobs"]
+    sequences, starts = [p + [1, 2, 3] for p in prompts], [len(p) for p in prompts]
+    assert whole.score_tokens(sequences, starts) == chunked.score_tokens(sequences, starts)
