@@ -98,6 +98,16 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def _dense_count(name: str, value: int | None, minimum: int, moe: bool, why: str) -> int | None:
+    """A server argument that counts something (None: unset), for dense models only."""
+    if value is not None and (not isinstance(value, int) or value < minimum or moe):
+        raise ValueError(
+            f"{name} ({value!r}) must be unset for a MoE model and an integer >= {minimum} otherwise because {why}; "
+            "remove it (engine.server_args) or set a count"
+        )
+    return value
+
+
 class EmbeddedEngine:
     """A transformers causal LM in eval mode behind the engine contract's generate and weight loading."""
 
@@ -165,25 +175,22 @@ class EmbeddedEngine:
         """Recent calls' decode buffers and captured steps by shape, reused by calls of the same shape."""
         self.router_recorder = RouterRecorder.attach(self.model)
         """Records every forwarded token's experts (MoE models; None for dense ones), see routing_record."""
-        if max_running_requests is not None and (
-            not isinstance(max_running_requests, int) or max_running_requests < 1 or self.router_recorder is not None
-        ):
-            raise ValueError(
-                f"max_running_requests ({max_running_requests!r}) must be unset for a MoE model and an integer >= 1 "
-                "otherwise because a MoE call records its prompts' experts from one prefill of every row; remove it "
-                "(engine.server_args) or set a positive count"
-            )
-        self.max_running_requests = max_running_requests
+        moe = self.router_recorder is not None
+        self.max_running_requests = _dense_count(
+            "max_running_requests",
+            max_running_requests,
+            1,
+            moe,
+            "a MoE call records its prompts' experts from one prefill of every row",
+        )
         """At most this many samples decode at once, the rest wait for a slot (None: every sample of a call)."""
-        if chunked_prefill_size is not None and (
-            not isinstance(chunked_prefill_size, int) or chunked_prefill_size < 2 or self.router_recorder is not None
-        ):
-            raise ValueError(
-                f"chunked_prefill_size ({chunked_prefill_size!r}) must be unset for a MoE model and an integer >= 2 "
-                "otherwise because a MoE prefill records its prompts' experts from one forward, and a chunk needs "
-                "two columns; remove it (engine.server_args) or set a token count"
-            )
-        self.chunked_prefill_size = chunked_prefill_size
+        self.chunked_prefill_size = _dense_count(
+            "chunked_prefill_size",
+            chunked_prefill_size,
+            2,
+            moe,
+            "a MoE prefill records its prompts' experts from one forward, and a chunk needs two columns",
+        )
         """A prefill forward covers at most this many token slots (prompts x columns; None: one forward)."""
         self._decode_experts = (
             None if self.router_recorder is None else _decode_experts_implementation(self.model, self.device)
