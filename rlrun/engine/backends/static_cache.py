@@ -37,7 +37,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rlrun.attention_kernel import (
     DecodeRows,
     decode,
-    kernel_has_head_dims,
     mask_bias,
     masked,
     positions_per_row,
@@ -97,10 +96,7 @@ class StaticKVCache:
         """Whether a decode step over this (loaded) cache attends by key counts (:func:`static_cache_attention`'s
         CUDA path: the shared kernel takes its heads), which reads each row's own columns whatever ``read_len``:
         then one captured step serves every fill level (``DecodeRun.forward``)."""
-        if not self.keys:
-            return False
-        key, value = self.keys[0], self.values[0]
-        return key.is_cuda and kernel_has_head_dims(key.dtype, key.shape[-1], value.shape[-1])
+        return bool(self.keys) and count_layout(self.keys[0], self.values[0]) is not None
 
     def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The next layer's buffers, each shaped after its own tensor: multi-latent attention (DeepSeek-V3) caches
@@ -156,6 +152,17 @@ def prefill_mask(prompt_mask: torch.Tensor, start: int = 0, stop: int | None = N
     return mask[:, None]
 
 
+def count_layout(key: torch.Tensor, value: torch.Tensor) -> int | None:
+    """Where a one-position query over these cache views attends by key counts (``attention_kernel.decode``: the
+    shared kernel takes the heads, a query being as wide as its keys, and both views pack without a copy), their
+    positions per row; else None. The one decision :func:`static_cache_attention` and
+    :attr:`StaticKVCache.reads_by_count` share."""
+    per_row = positions_per_row(key)
+    if not uses_shared_kernel(key, value) or per_row is None or per_row != positions_per_row(value):
+        return None
+    return per_row
+
+
 def static_cache_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -180,12 +187,12 @@ def static_cache_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    shared = uses_shared_kernel(query, value)
-    per_row = positions_per_row(key)
-    if q_len == 1 and shared and per_row is not None and per_row == positions_per_row(value):
+    per_row = count_layout(key, value) if q_len == 1 else None
+    if per_row is not None:
         groups = heads // kv_heads
         rows = _per_forward(("decode", groups, per_row), attention_mask, DecodeRows.of, groups, per_row)
         return decode(query, key, value, rows, scale=scaling), None
+    shared = uses_shared_kernel(query, value)
     bias = _per_forward(("bias", query.dtype), attention_mask, mask_bias, query.dtype) if shared else None
     if q_len != 1:
         return masked(query, key, value, attention_mask, scale=scaling, bias=bias).transpose(1, 2), None
