@@ -28,6 +28,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from rlrun.triton_support import triton_available
+
 CAUSAL_FROM_TOP_LEFT = 1
 """``custom_mask_type`` of ``aten._efficient_attention_forward``: query i sees keys 0..i of its sample."""
 CAUSAL_FROM_BOTTOM_RIGHT = 2
@@ -54,6 +56,24 @@ def uses_shared_kernel(query: torch.Tensor, value: torch.Tensor) -> bool:
     """True where the shared kernel runs: CUDA, heads it has a kernel for. Elsewhere callers use plain SDPA.
     The answer reads only the tensors' device, dtype and widths, so the trainer and the engine fall back alike."""
     return query.is_cuda and kernel_has_head_dims(query.dtype, query.shape[-1], value.shape[-1])
+
+
+CHUNKED_HEAD_DIMS = (16, 32, 64, 128, 256)
+"""Head widths the chunked kernels (:mod:`rlrun.chunked_attention`) take: a power of two, a tile's columns."""
+
+
+def chunked_kernel_takes(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the chunked kernels run for these heads: CUDA with Triton, bf16 or fp16 (fp32 would multiply in TF32
+    there), values as wide as queries, a width in :data:`CHUNKED_HEAD_DIMS`. Reads only device, dtype and widths, so
+    the trainer and the engine decide alike; where False both run the memory-efficient kernel."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and value.dtype == query.dtype
+        and query.shape[-1] == value.shape[-1]
+        and query.shape[-1] in CHUNKED_HEAD_DIMS
+        and triton_available()
+    )
 
 
 def _scale(query: torch.Tensor, scale: float | None) -> float:
@@ -174,25 +194,74 @@ class _FlashBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, logsumexp, cu_seqlens = ctx.saved_tensors
-        unused = torch.empty((), dtype=torch.int64, device=query.device)  # dropout's random state: no dropout here
-        grad_query, grad_key, grad_value = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(),
-            query,
-            key,
-            value,
-            out,
-            _flash_logsumexp(logsumexp, cu_seqlens, query.shape[0]),
-            cu_seqlens,
-            cu_seqlens,
-            ctx.max_len,
-            ctx.max_len,
-            0.0,
-            True,
-            unused,
-            unused,
-            scale=ctx.scale,
+        logsumexp = _flash_logsumexp(logsumexp, cu_seqlens, query.shape[0])
+        return *_flash_varlen_backward(ctx, grad_out, query, key, value, out, logsumexp, cu_seqlens), None, None, None
+
+
+def _flash_varlen_backward(ctx, grad_out, query, key, value, out, logsumexp, cu_seqlens):
+    """FlashAttention-2's varlen backward of a causal forward's ``out`` and log-sum-exp (``[heads, T]``): the
+    gradients of query, key and value (``ctx.max_len``, ``ctx.scale``: the forward's)."""
+    unused = torch.empty((), dtype=torch.int64, device=query.device)  # dropout's random state: no dropout here
+    return torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(),
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        cu_seqlens,
+        cu_seqlens,
+        ctx.max_len,
+        ctx.max_len,
+        0.0,
+        True,
+        unused,
+        unused,
+        scale=ctx.scale,
+    )[:3]
+
+
+class _ChunkedForward(torch.autograd.Function):
+    """The chunked forward (:mod:`rlrun.chunked_attention`, the embedded engine's kernel when the trainer runs
+    ``model.packed_attention: chunked_varlen``), FlashAttention-2's varlen backward fed its log-sum-exp, as
+    :class:`_FlashBackward` is fed the memory-efficient kernel's."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, cu_seqlens, max_len, scale):
+        from rlrun import chunked_attention
+
+        out, logsumexp = chunked_attention.causal_varlen(query, key, value, cu_seqlens, max_len, scale, True)
+        ctx.save_for_backward(query, key, value, out, logsumexp, cu_seqlens)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, logsumexp, cu_seqlens = ctx.saved_tensors
+        return *_flash_varlen_backward(ctx, grad_out, query, key, value, out, logsumexp, cu_seqlens), None, None, None
+
+
+def chunked_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """:func:`causal_varlen` on the chunked kernels (``model.packed_attention: chunked_varlen``) for heads
+    :func:`chunked_kernel_takes`; no dropout (RL post-training runs none)."""
+    if dropout_p != 0.0:
+        raise ValueError(
+            f"model.packed_attention chunked_varlen has no attention dropout (got {dropout_p}) because its kernel "
+            "has none; set the model's attention dropout to 0 or use efficient_varlen"
         )
-        return grad_query, grad_key, grad_value, None, None, None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _ChunkedForward.apply(query, key, value, cu_seqlens, max_len, _scale(query, scale))
+    from rlrun import chunked_attention
+
+    return chunked_attention.causal_varlen(query, key, value, cu_seqlens, max_len, _scale(query, scale))[0]
 
 
 def causal(
@@ -289,13 +358,17 @@ class DecodeRows:
         """From a decode step's boolean mask (``[B, 1, 1, L]``, True = attend). Each mask row must be a prefix of
         the cache columns (the embedded engine's are: a prompt's columns, then each column a decode step wrote);
         a row's count is its number of True columns."""
-        rows = mask.shape[0]
-        steps = torch.arange(rows + 1, dtype=torch.int32, device=mask.device)
+        steps = torch.arange(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
         return cls(
-            key_counts=mask.reshape(rows, -1).sum(-1, dtype=torch.int32),
+            key_counts=key_counts(mask),
             query_starts=steps * groups,
             key_starts=steps * positions_per_row,
         )
+
+
+def key_counts(mask: torch.Tensor) -> torch.Tensor:
+    """[B] int32: the True columns of each row of a decode step's ``[B, 1, 1, L]`` mask (a prefix: its key count)."""
+    return mask.reshape(mask.shape[0], -1).sum(-1, dtype=torch.int32)
 
 
 def positions_per_row(cache: torch.Tensor) -> int | None:

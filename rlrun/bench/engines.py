@@ -115,15 +115,28 @@ def checkpoint_bytes(model_dir: Path) -> int:
     return total
 
 
+ATTENTION_VARIANTS = {"embedded_chunked": ("embedded", "chunked")}
+"""Benchmark backend names that are a backend with another attention kernel family (``BackendSpec.attention_kernel``:
+``embedded_chunked`` is the embedded engine as a ``model.packed_attention: chunked_varlen`` run starts it)."""
+
+
+def bench_backend(name: str) -> tuple[str, str]:
+    """A benchmark backend name's (registered backend, attention kernel family)."""
+    return ATTENTION_VARIANTS.get(name, (name, "efficient"))
+
+
 def bench_spec(
-    backend: str, model_dir: Path, dtype: str, base_gpu_id: int, max_running_requests: int | None = None
+    name: str, model_dir: Path, dtype: str, base_gpu_id: int, max_running_requests: int | None = None
 ) -> BackendSpec:
     """The engine a benchmark starts: seed 0, plus the benchmark's server arguments where the backend takes them
     (and ``max_running_requests`` when given)."""
+    backend, kernel = bench_backend(name)
     server_args = dict(BENCH_SERVER_ARGS.get(backend, {}))
     if max_running_requests is not None:
         server_args["max_running_requests"] = max_running_requests
-    return BackendSpec(backend, str(model_dir), 0, dtype, base_gpu_id=base_gpu_id, server_args=server_args)
+    return BackendSpec(
+        backend, str(model_dir), 0, dtype, base_gpu_id=base_gpu_id, server_args=server_args, attention_kernel=kernel
+    )
 
 
 def _timed_twice(engine, device: torch.device, prompts: list[list[int]], params: dict | list[dict]) -> Throughput:
@@ -200,7 +213,7 @@ def bench_rollout_backends(
     """Time each backend's worker on the same random model and prompts, one backend at a time, per batch size
     (a fresh worker each, started with ``max_running_requests`` = the batch); ``profile``: also profile the
     embedded engine's decode steps (:func:`_profile_in_process`), tables at :func:`profile_path`."""
-    elsewhere = [name for name in backends if not backend_traits(name).profiles_in_process]
+    elsewhere = [name for name in backends if not backend_traits(bench_backend(name)[0]).profiles_in_process]
     if profile is not None and elsewhere:
         raise ValueError(
             f"--profile ({profile}) must run without the backends {','.join(elsewhere)} because the profiler sees "
@@ -236,7 +249,7 @@ def bench_rollout_backends(
                 if profile is not None:  # only the embedded backend runs with it
                     table = profile_path(profile, batch, batches)
                     decode = _profile_in_process(
-                        Path(model_dir), dtype, device, prompts, new_tokens, table, hbm_bytes_per_s
+                        Path(model_dir), dtype, device, prompts, new_tokens, table, hbm_bytes_per_s, backend
                     )
                 results.append(
                     BackendRolloutResult(
@@ -267,11 +280,16 @@ def _profile_in_process(
     new_tokens: int,
     table: Path,
     hbm_bytes_per_s: float,
+    name: str = "embedded",
 ) -> DecodeProfile:
-    """The worker's engine (seed 0, ``max_running_requests`` = the batch) built in this process, profiled, freed."""
+    """The worker's engine (seed 0, ``max_running_requests`` = the batch, benchmark backend ``name``'s attention
+    kernel) built in this process, profiled, freed."""
     from rlrun.engine.backends.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine(model_dir, seed=0, dtype=dtype, device=device, max_running_requests=len(prompts))
+    kernel = bench_backend(name)[1]
+    engine = EmbeddedEngine(
+        model_dir, seed=0, dtype=dtype, device=device, max_running_requests=len(prompts), attention_kernel=kernel
+    )
     try:
         return profile_decode(engine, prompts, SAMPLED, new_tokens, table, hbm_bytes_per_s)
     finally:

@@ -56,9 +56,11 @@ class MoEConfig(Section):
     (Megatron's all-to-all dispatcher needs CUDA streams)."""
 
 
-PackedAttention = Literal["auto", "per_sample", "efficient_varlen", "flash_varlen", "cudnn_per_sample"]
+PackedAttention = Literal[
+    "auto", "per_sample", "efficient_varlen", "chunked_varlen", "flash_varlen", "cudnn_per_sample"
+]
 """``model.packed_attention``'s values (rlrun/megatron/attention.py)."""
-BF16_KERNEL_ATTENTION = ("flash_varlen", "cudnn_per_sample")
+BF16_KERNEL_ATTENTION = ("chunked_varlen", "flash_varlen", "cudnn_per_sample")
 """The ``model.packed_attention`` values with a kernel of their own (CUDA, bf16), instead of the shared
 memory-efficient kernel that context parallelism and multi-latent attention run."""
 LMHead = Literal["chunked", "chunked_kept", "logits"]
@@ -121,7 +123,10 @@ class ModelConfig(Section):
     """How the trainer attends packed rows (several samples in one row) without TransformerEngine:
     ``per_sample``, one attention call per sample (everywhere; slow: host-bound at RL batch sizes);
     ``efficient_varlen``, one memory-efficient varlen call per layer for the whole row (CUDA), the kernel the
-    embedded engine runs, so trainer and engine log-probs agree (docs/on_policy.md); ``flash_varlen``, one
+    embedded engine runs, so trainer and engine log-probs agree (docs/on_policy.md); ``chunked_varlen``, rlrun's
+    chunked Triton kernels (CUDA, bfloat16; rlrun/chunked_attention.py), which the embedded engine then runs too,
+    its decode split over thread blocks and still bitwise the trainer's forward (SGLang does not run them:
+    off-policy with engine.backend sglang; not yet the default: docs/engine.md); ``flash_varlen``, one
     FlashAttention-2 varlen call per layer (CUDA, bfloat16; off-policy by 0.03-0.05 nats per token in bf16
     because no engine runs that kernel); ``cudnn_per_sample``, cuDNN's fused attention, one call per sample (CUDA,
     bfloat16; for long samples: 4x the memory-efficient kernel at 32K tokens on an H200, slower below ~2K tokens;

@@ -65,6 +65,7 @@ from megatron.core.transformer.module import MegatronModule
 from rlrun import attention_kernel
 from rlrun.config.schema import BF16_KERNEL_ATTENTION, PackedAttention
 from rlrun.runtime.host_to_device import to_device
+from rlrun.triton_support import triton_available
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -105,6 +106,14 @@ def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> ty
         )
     if packed_attention == "efficient_varlen":
         return EfficientVarlenCoreAttention
+    if packed_attention == "chunked_varlen":
+        if dtype != "bfloat16" or not triton_available():
+            raise ValueError(
+                f"model.packed_attention (chunked_varlen) needs model.dtype bfloat16 (not {dtype}) and Triton "
+                f"(importable: {triton_available()}) because its kernels are Triton's and multiply in bf16; "
+                "use auto or efficient_varlen"
+            )
+        return ChunkedVarlenCoreAttention
     if dtype != "bfloat16":
         raise ValueError(
             f"model.packed_attention ({packed_attention}) needs model.dtype bfloat16 (not {dtype}) because "
@@ -304,6 +313,31 @@ class EfficientVarlenCoreAttention(SDPACoreAttention):
             self.softmax_scale,
             self.dropout_p if self.training else 0.0,
         )
+
+
+class ChunkedVarlenCoreAttention(SDPACoreAttention):
+    """:class:`SDPACoreAttention` on the chunked kernels (``model.packed_attention: chunked_varlen``,
+    rlrun.chunked_attention): the embedded engine's then, whose decode splits each row's keys over thread blocks and
+    stays bitwise this forward; FlashAttention-2's backward. Packed rows in one call per layer, unpacked rows packed
+    for it. Heads the kernels do not take (``attention_kernel.chunked_kernel_takes``) run the memory-efficient
+    kernel, as the engine's do."""
+
+    def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        return self._chunked(query, key, value, _device_bounds(packed_seq_params), packed_seq_params.max_seqlen_q)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Unpacked ``[B, heads, S, dim]`` rows as B packed samples of S tokens."""
+        batch, heads, seq, _ = q.shape
+        packed = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (q, k, v)]
+        bounds = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device)
+        return self._chunked(*packed, bounds, seq).view(batch, seq, heads, -1).transpose(1, 2)
+
+    def _chunked(self, query, key, value, bounds: torch.Tensor, max_len: int) -> torch.Tensor:
+        dropout = self.dropout_p if self.training else 0.0
+        kernel = attention_kernel.chunked_varlen
+        if not attention_kernel.chunked_kernel_takes(query, value):
+            kernel = attention_kernel.causal_varlen
+        return kernel(query, key, value, bounds, max_len, self.softmax_scale, dropout)
 
 
 class FlashVarlenCoreAttention(SDPACoreAttention):

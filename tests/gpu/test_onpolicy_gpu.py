@@ -21,12 +21,17 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / ".cache/models/SmolLM2-135M-Instruct"
 
 
-@pytest.mark.parametrize("data", ["addition_train", "addition_mixed_len"])
-def test_smollm2_bf16_colocated_run_is_on_policy(tmp_path, data):
+@pytest.mark.parametrize(
+    ("data", "attention"),
+    [("addition_train", "auto"), ("addition_mixed_len", "auto"), ("addition_mixed_len", "chunked_varlen")],
+)
+def test_smollm2_bf16_colocated_run_is_on_policy(tmp_path, data, attention):
+    """``chunked_varlen``: the trainer on the chunked kernels, the engine's decode split over thread blocks."""
     if not (MODEL / "config.json").exists():
         pytest.skip("run `python -m rlrun prepare smollm2` first")
     run_dir = tmp_path / "run"
     overrides = [f"logging.run_dir={run_dir}", "train.num_steps=4", f"data.path=configs/data/{data}.jsonl"]
+    overrides.append(f"model.packed_attention={attention}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "rlrun"]
     cmd += ["train", "configs/gpu/smollm2_bf16_colocate.yaml", *[a for o in overrides for a in ("--set", o)]]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ}, capture_output=True, text=True, timeout=600)

@@ -121,6 +121,9 @@ class BackendSpec:
     """Wrap weights and KV cache in torch_memory_saver regions so release frees them (``offload.rollout``)."""
     server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra backend keyword arguments (``engine.server_args`` plus what the run needs), passed through."""
+    attention_kernel: str = "efficient"
+    """The trainer's attention kernel family, which the embedded engine runs too (``chunked`` when
+    ``model.packed_attention`` is ``chunked_varlen``); other backends run their own kernels."""
     factory: str = ""
     """The backend's ``BackendTraits.factory`` (filled from ``BACKENDS``): the worker process imports it
     without having to know the trainer's registrations."""
@@ -147,6 +150,7 @@ class BackendSpec:
             dtype=cfg.model.dtype,
             enable_memory_saver=cfg.offload.rollout,
             server_args=server_args,
+            attention_kernel="chunked" if cfg.model.packed_attention == "chunked_varlen" else "efficient",
         )
 
     @property

@@ -44,9 +44,16 @@ from rlrun.engine.backends.fused_projections import fuse_projections
 from rlrun.engine.backends.fused_rope import fuse_rotary
 from rlrun.engine.backends.fused_swiglu import fuse_swiglu
 from rlrun.engine.backends.routing_record import RouterRecorder
-from rlrun.engine.backends.static_cache import ATTENTION, StaticKVCache, built_per_forward, prefill_mask
+from rlrun.engine.backends.static_cache import (
+    ATTENTION,
+    ATTENTION_CHUNKED,
+    StaticKVCache,
+    built_per_forward,
+    prefill_mask,
+)
 from rlrun.engine.sampling import SamplingParams, per_prompt_params, row_key, row_rids
 from rlrun.engine.types import DEFAULT_WEIGHT_VERSION, GenResult
+from rlrun.triton_support import triton_available
 
 __all__ = ["SYNC_EVERY", "EarlyDelivery", "EmbeddedEngine"]
 
@@ -108,6 +115,22 @@ def _dense_count(name: str, value: int | None, minimum: int, moe: bool, why: str
     return value
 
 
+ATTENTION_KERNELS = {"efficient": ATTENTION, "chunked": ATTENTION_CHUNKED}
+"""``attention_kernel`` -> the attention function the model is loaded with: the trainer's kernel family
+(``model.packed_attention``: ``chunked`` for ``chunked_varlen``, ``efficient`` otherwise;
+``BackendSpec.from_config``)."""
+
+
+def _attention_implementation(kernel: str, device: torch.device) -> str:
+    if kernel not in ATTENTION_KERNELS or (kernel == "chunked" and (device.type != "cuda" or not triton_available())):
+        raise ValueError(
+            f"attention_kernel ({kernel!r}) must be one of {sorted(ATTENTION_KERNELS)}, and chunked needs CUDA and "
+            f"Triton (device {device}, Triton importable: {triton_available()}) because its kernels are Triton's; "
+            "set model.packed_attention to auto or efficient_varlen"
+        )
+    return ATTENTION_KERNELS[kernel]
+
+
 class EmbeddedEngine:
     """A transformers causal LM in eval mode behind the engine contract's generate and weight loading."""
 
@@ -120,6 +143,7 @@ class EmbeddedEngine:
         device: str | torch.device = "cpu",
         max_running_requests: int | None = None,
         chunked_prefill_size: int | None = None,
+        attention_kernel: str = "efficient",
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(
@@ -128,6 +152,7 @@ class EmbeddedEngine:
             )
         model_path = Path(model_path)
         self.device = torch.device(device)
+        attention = _attention_implementation(attention_kernel, self.device)
         if self.device.type == "cuda":
             if self.device.index is None:  # "cuda": the current device, named, so set_device can take it
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -137,7 +162,7 @@ class EmbeddedEngine:
             torch.cuda.set_device(self.device)
         # SDPA-based attention that takes the static cache's ready boolean masks (see static_cache.py).
         self.model = (
-            AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attention)
             .to(self.device)  # type: ignore[arg-type]  # transformers' wrapped .to hides the device overload
             .eval()
             .requires_grad_(False)

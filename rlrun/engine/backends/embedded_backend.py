@@ -76,6 +76,7 @@ class EmbeddedBackend:
         device: str,
         max_running_requests: int | None = None,
         chunked_prefill_size: int | None = None,
+        attention_kernel: str = "efficient",
     ) -> None:
         self.engine = EmbeddedEngine(
             model_path,
@@ -84,6 +85,7 @@ class EmbeddedBackend:
             device=device,
             max_running_requests=max_running_requests,
             chunked_prefill_size=chunked_prefill_size,
+            attention_kernel=attention_kernel,
         )
         self.control = DecodeControl()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="embedded-decode")
@@ -100,6 +102,7 @@ class EmbeddedBackend:
             device=spec.resolved_device(),
             max_running_requests=spec.server_args.get("max_running_requests"),
             chunked_prefill_size=spec.server_args.get("chunked_prefill_size"),
+            attention_kernel=spec.attention_kernel,
         )
 
     @property

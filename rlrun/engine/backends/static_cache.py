@@ -36,7 +36,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rlrun.attention_kernel import (
     DecodeRows,
+    chunked_kernel_takes,
     decode,
+    key_counts,
     mask_bias,
     masked,
     positions_per_row,
@@ -48,6 +50,8 @@ T = TypeVar("T")
 
 ATTENTION = "rlrun_static_cache"
 """The ``attn_implementation`` name the embedded engine loads its model with."""
+ATTENTION_CHUNKED = "rlrun_static_cache_chunked"
+"""The same with the chunked kernels (:func:`chunked_static_cache_attention`), for a trainer on them."""
 
 
 class StaticKVCache:
@@ -201,6 +205,51 @@ def static_cache_attention(
     return out.reshape(batch, 1, heads, value.shape[-1]), None  # MLA's value heads are narrower than its queries
 
 
+def chunked_static_cache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """:func:`static_cache_attention` on the chunked kernels (:mod:`rlrun.chunked_attention`), for an engine whose
+    trainer runs ``model.packed_attention: chunked_varlen``. A decode step reads each row's first count columns (its
+    mask's, a prefix) split over thread blocks; a prefill (chunk) of right-padded prompts attends causally from column
+    0, so a prompt's positions see exactly its own tokens before them (a padding position sees the padding before it
+    too: finite, and never read, since decoding overwrites those columns first). Heads the kernels do not take go
+    to :func:`static_cache_attention`, as the trainer's go to the memory-efficient kernel."""
+    batch, heads, q_len, dim = query.shape
+    if (
+        attention_mask is None
+        or attention_mask.dtype != torch.bool
+        or heads % key.shape[1]
+        or not chunked_kernel_takes(query, value)
+    ):
+        return static_cache_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    from rlrun import chunked_attention
+
+    scale = dim**-0.5 if scaling is None else scaling
+    if q_len == 1:
+        counts = _per_forward(("counts",), attention_mask, key_counts)
+        return chunked_attention.decode(query[:, :, 0], key, value, counts, scale)[:, None], None
+    layout = _per_forward(("prefill", batch, q_len), attention_mask, _prefill_layout, batch, q_len)
+    out = query.new_empty(batch, q_len, heads, value.shape[-1])
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return chunked_attention.causal(q, k, v, out, layout, q_len, scale), None
+
+
+def _prefill_layout(
+    mask: torch.Tensor, rows: int, q_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`chunked_attention.causal`'s layout of a prefill (chunk) under ``mask`` ([rows, 1, q_len, stop]): each row
+    a sample from its first query and key, its ``q_len`` queries at positions ``stop - q_len`` on."""
+    zeros = torch.zeros(rows, dtype=torch.int32, device=mask.device)
+    return zeros, zeros, zeros + q_len, zeros + (mask.shape[-1] - q_len)
+
+
 _forward_state = threading.local()
 """``built``: {kind: (mask, what was built from it)} of the forward in progress on this thread, inside
 :func:`built_per_forward`."""
@@ -234,3 +283,4 @@ def _per_forward(kind: tuple, mask: torch.Tensor, build: Callable[..., T], *args
 
 
 AttentionInterface.register(ATTENTION, static_cache_attention)
+AttentionInterface.register(ATTENTION_CHUNKED, chunked_static_cache_attention)
