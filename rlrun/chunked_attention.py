@@ -41,7 +41,7 @@ at 128-256)."""
 FORWARD_BLOCK_M = 64
 """Query rows a forward tile (consecutive positions of one head): 64 runs at twice the rate of 16."""
 DECODE_BLOCK_M = 16
-"""Query rows a decode tile (the G query heads of one cached head, padded)."""
+"""Query rows a decode tile (the G query heads of one cached head, padded; more where G is larger)."""
 BLOCK_N = 64
 """Keys a step within a chunk, on both sides."""
 WARPS = 4
@@ -264,6 +264,7 @@ def decode(
     rows, heads, dim = query.shape
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1, "contiguous heads only"
     kv_heads, length = key.shape[1], key.shape[2]
+    block_m = max(block_m, triton.next_power_of_2(heads // kv_heads))  # a tile holds a cached head's G query heads
     chunks = triton.cdiv(length, chunk)
     parts = rows * kv_heads * chunks * block_m
     part_m, part_l = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))

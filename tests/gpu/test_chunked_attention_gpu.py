@@ -41,7 +41,7 @@ def _cache(k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, max_len: int)
     return cache_k, cache_v
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 8, 128), (32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 8, 128), (32, 8, 128), (9, 3, 64), (32, 1, 64)])
 def test_the_split_decode_is_bitwise_the_trainers_forward(heads, kv_heads, dim):
     (q, k, v), bounds = _packed(heads, kv_heads, dim)
     scale = dim**-0.5
