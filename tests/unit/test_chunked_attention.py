@@ -46,9 +46,10 @@ def test_the_chunked_kernels_take_only_cuda_half_precision_power_of_two_heads():
     assert not attention_kernel.chunked_kernel_takes(meta, meta)
 
 
-INTERPRETED = ["chunked_kernels_interpreted.py", "chunked_engine_interpreted.py"]
-"""Scripts run with ``TRITON_INTERPRET=1``: the kernels against float64, and the embedded engine on them against its
-memory-efficient path (tokens equal, log-probs within 1e-5: fp32 sums in other orders)."""
+INTERPRETED = ["chunked_kernels_interpreted.py", "chunked_engine_interpreted.py", "chunked_trainer_interpreted.py"]
+"""Scripts run with ``TRITON_INTERPRET=1``: the kernels against float64, the embedded engine on them against its
+memory-efficient path (tokens equal, log-probs within 1e-5: fp32 sums in other orders), the trainer's core attention
+on them against SDPA's."""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")

@@ -1,0 +1,49 @@
+"""Run by tests/unit/test_chunked_attention.py under Triton's interpreter (TRITON_INTERPRET=1, CPU, fp32): the
+trainer's ``ChunkedVarlenCoreAttention`` (``model.packed_attention: chunked_varlen``; the CUDA-only gate opened for
+the interpreter) gives SDPACoreAttention's outputs, within 1e-5, for unpacked rows and for packed ones (forward
+only: its backward is FlashAttention-2's, CUDA only)."""
+
+import dataclasses
+
+import torch
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+
+from rlrun import attention_kernel
+from rlrun.megatron.attention import ChunkedVarlenCoreAttention, SDPACoreAttention, packed_seq_params
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+config = TransformerConfig(
+    num_layers=1,
+    hidden_size=HEADS * DIM,
+    num_attention_heads=HEADS,
+    num_query_groups=KV_HEADS,
+    kv_channels=DIM,
+    attention_dropout=0.0,
+    use_cpu_initialization=True,
+)
+made = [cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self") for cls in (
+    SDPACoreAttention, ChunkedVarlenCoreAttention)]  # fmt: skip
+reference, chunked = made
+calls = []
+kernel = attention_kernel.chunked_varlen
+attention_kernel.chunked_kernel_takes = lambda query, value: True  # CUDA-only outside the interpreter
+attention_kernel.chunked_varlen = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
+
+
+def qkv(*lead: int):
+    gen = torch.Generator().manual_seed(sum(lead))
+    return [torch.randn(*lead, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS)]
+
+
+with torch.no_grad():
+    q, k, v = qkv(70, 3)  # [S, B, heads, dim]: unpacked rows
+    torch.testing.assert_close(chunked(q, k, v, None), reference(q, k, v, None), rtol=0, atol=1e-5)
+    positions = torch.cat([torch.arange(n) for n in (40, 3, 90)])[None]
+    params = packed_seq_params(positions, torch.device("cpu"))
+    params = dataclasses.replace(params, cu_seqlens_device=params.cu_seqlens_q)  # the varlen kernel's copy
+    q, k, v = qkv(133)
+    got = chunked(q, k, v, None, packed_seq_params=params)
+    torch.testing.assert_close(got, reference(q, k, v, None, packed_seq_params=params), rtol=0, atol=1e-5)
+assert len(calls) == 2, calls
+print("ok")
