@@ -136,7 +136,8 @@ def _decode_partials(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, 
                      CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
     """Chunk c of row b's keys for the G query heads of cached head j: its (m, l, acc) into the part buffers
-    ([B, H_kv, CHUNKS, BLOCK_M(, HEAD)]); a chunk past the row's keys stores -inf / 0 / 0, which the merge skips."""
+    ([B, H_kv, CHUNKS, G(, HEAD)]: the tile's padding rows are not kept); a chunk past the row's keys stores
+    -inf / 0 / 0, which the merge never reads."""
     row, kv, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     count = tl.load(counts_ptr + row)
     offs_m = tl.arange(0, BLOCK_M)
@@ -154,9 +155,9 @@ def _decode_partials(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, 
         start, tl.minimum(start + CHUNK, count), limit, scale, BLOCK_M, BLOCK_N, HEAD,
     )  # fmt: skip
     at = (row * tl.num_programs(1) + kv) * CHUNKS + chunk
-    tl.store(part_m + at * BLOCK_M + offs_m, m)
-    tl.store(part_l + at * BLOCK_M + offs_m, l)
-    tl.store(part_acc + (at * BLOCK_M + offs_m)[:, None] * HEAD + offs_d[None, :], acc)
+    tl.store(part_m + at * GROUPS + offs_m, m, mask=heads)
+    tl.store(part_l + at * GROUPS + offs_m, l, mask=heads)
+    tl.store(part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], acc, mask=heads[:, None])
 
 
 @triton.jit
@@ -171,13 +172,15 @@ def _decode_merge(part_m, part_l, part_acc, counts_ptr, out_ptr, stride_ob, stri
     big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     big_l = tl.zeros([BLOCK_M], tl.float32)
     big_acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
+    heads = offs_m < GROUPS
     for chunk in range(0, tl.cdiv(count, CHUNK)):
         at = (row * tl.num_programs(1) + kv) * CHUNKS + chunk
-        m = tl.load(part_m + at * BLOCK_M + offs_m)
-        l = tl.load(part_l + at * BLOCK_M + offs_m)  # noqa: E741
-        acc = tl.load(part_acc + (at * BLOCK_M + offs_m)[:, None] * HEAD + offs_d[None, :])
+        m = tl.load(part_m + at * GROUPS + offs_m, mask=heads, other=float("-inf"))
+        l = tl.load(part_l + at * GROUPS + offs_m, mask=heads, other=0.0)  # noqa: E741
+        acc = tl.load(
+            part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], mask=heads[:, None], other=0.0
+        )
         big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc)
-    heads = offs_m < GROUPS
     out = big_acc / tl.where(heads, big_l, 1.0)[:, None]
     tl.store(
         out_ptr + row * stride_ob + (kv * GROUPS + offs_m)[:, None] * stride_oh + offs_d[None, :],
@@ -260,13 +263,14 @@ def decode(
 ) -> torch.Tensor:
     """One decode position's attention: queries ``[B, heads, dim]`` over cache views ``[B, kv_heads, L, dim]`` (any
     row and head strides, positions contiguous), row b reading its first ``counts[b]`` (int32) columns. Returns
-    ``[B, heads, dim]``. The part buffers are allocated per call (a captured step's come from its graph's pool)."""
+    ``[B, heads, dim]``. The part buffers (fp32, B x heads x chunks x (dim + 2): 136 MB at 128 rows of 16 heads of 128
+    and 32K columns) are allocated per call; a captured step's come from its graph's pool, reused layer after layer."""
     rows, heads, dim = query.shape
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1, "contiguous heads only"
     kv_heads, length = key.shape[1], key.shape[2]
     block_m = max(block_m, triton.next_power_of_2(heads // kv_heads))  # a tile holds a cached head's G query heads
     chunks = triton.cdiv(length, chunk)
-    parts = rows * kv_heads * chunks * block_m
+    parts = rows * heads * chunks  # each chunk's (m, l, acc) per query head: [B, H_kv, chunks, G(, dim)]
     part_m, part_l = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))
     part_acc = torch.empty(parts * dim, dtype=torch.float32, device=query.device)
     out = torch.empty_like(query)
