@@ -196,8 +196,8 @@ def train(
     packed_attention: Annotated[
         str,
         typer.Option(
-            help="auto, per_sample, efficient_varlen (CUDA), flash_varlen or cudnn_per_sample (CUDA, bf16): "
-            "model.packed_attention."
+            help="auto, per_sample, efficient_varlen (CUDA), chunked_varlen, flash_varlen or cudnn_per_sample "
+            "(CUDA, bf16): model.packed_attention."
         ),
     ] = "auto",
     out: OutFile = None,
@@ -276,8 +276,8 @@ def step(
     packed_attention: Annotated[
         str,
         typer.Option(
-            help="auto, per_sample, efficient_varlen (CUDA), flash_varlen or cudnn_per_sample (CUDA, bf16): "
-            "model.packed_attention."
+            help="auto, per_sample, efficient_varlen (CUDA), chunked_varlen, flash_varlen or cudnn_per_sample "
+            "(CUDA, bf16): model.packed_attention."
         ),
     ] = "auto",
     profile_step: Annotated[

@@ -75,6 +75,7 @@ ATTENTION_SUFFIX: dict[str, str] = {
     "auto": "",
     "per_sample": "_persample",
     "efficient_varlen": "_effvarlen",
+    "chunked_varlen": "_chunked",
     "flash_varlen": "_varlen",
     "cudnn_per_sample": "_cudnn",
 }

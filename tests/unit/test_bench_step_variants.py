@@ -82,7 +82,7 @@ def test_run_config_splits_the_rollout_into_updates(tmp_path):
 
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("teardown", [True, False])
-@pytest.mark.parametrize("attention", ["auto", "per_sample", "flash_varlen"])
+@pytest.mark.parametrize("attention", ["auto", "per_sample", "chunked_varlen", "flash_varlen"])
 @pytest.mark.parametrize("recompute, optimizer_offload", [("none", False), ("full", True)])
 @pytest.mark.parametrize("release_cache, optimizer_copy", [("when_needed", "overlapped"), ("always", "with_weights")])
 @pytest.mark.parametrize("lm_head", ["chunked", "chunked_kept"])
