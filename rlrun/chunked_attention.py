@@ -44,6 +44,9 @@ DECODE_BLOCK_M = 16
 """Query rows a decode tile (the G query heads of one cached head, padded; more where G is larger)."""
 BLOCK_N = 64
 """Keys a step within a chunk, on both sides."""
+MAX_SPLITS = 16
+"""Programs a decode row and cached head at most (each takes every MAX_SPLITS-th chunk): a cache of many columns
+launches no program per empty chunk (at 32K columns, 128 chunks a row)."""
 WARPS = 4
 STAGES = 2
 
@@ -135,10 +138,10 @@ def _decode_partials(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, 
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                      CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
-    """Chunk c of row b's keys for the G query heads of cached head j: its (m, l, acc) into the part buffers
-    ([B, H_kv, CHUNKS, G(, HEAD)]: the tile's padding rows are not kept); a chunk past the row's keys stores
-    -inf / 0 / 0, which the merge never reads."""
-    row, kv, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    """Chunks c, c + P, c + 2P, ... (P programs a row and cached head) of row b's keys for the G query heads of cached
+    head j: each one's (m, l, acc) into the part buffers ([B, H_kv, CHUNKS, G(, HEAD)]: the tile's padding rows are
+    not kept); chunks past the row's keys are neither computed nor read."""
+    row, kv = tl.program_id(0).to(tl.int64), tl.program_id(1)
     count = tl.load(counts_ptr + row)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD)
@@ -149,15 +152,18 @@ def _decode_partials(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, 
         other=0.0,
     )
     limit = tl.where(heads, count - 1, -1)
-    start = chunk * CHUNK
-    m, l, acc = _chunk_partial(  # noqa: E741
-        q, k_ptr + row * stride_kb + kv * stride_kh, v_ptr + row * stride_vb + kv * stride_vh, stride_kn, stride_vn,
-        start, tl.minimum(start + CHUNK, count), limit, scale, BLOCK_M, BLOCK_N, HEAD,
-    )  # fmt: skip
-    at = (row * tl.num_programs(1) + kv) * CHUNKS + chunk
-    tl.store(part_m + at * GROUPS + offs_m, m, mask=heads)
-    tl.store(part_l + at * GROUPS + offs_m, l, mask=heads)
-    tl.store(part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], acc, mask=heads[:, None])
+    k_base = k_ptr + row * stride_kb + kv * stride_kh
+    v_base = v_ptr + row * stride_vb + kv * stride_vh
+    for chunk in range(tl.program_id(2), tl.cdiv(count, CHUNK), tl.num_programs(2)):
+        start = chunk * CHUNK
+        m, l, acc = _chunk_partial(  # noqa: E741
+            q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
+            BLOCK_M, BLOCK_N, HEAD,
+        )  # fmt: skip
+        at = (row * tl.num_programs(1) + kv) * CHUNKS + chunk
+        tl.store(part_m + at * GROUPS + offs_m, m, mask=heads)
+        tl.store(part_l + at * GROUPS + offs_m, l, mask=heads)
+        tl.store(part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], acc, mask=heads[:, None])
 
 
 @triton.jit
@@ -276,7 +282,7 @@ def decode(
     out = torch.empty_like(query)
     common = {"GROUPS": heads // kv_heads, "CHUNK": chunk, "BLOCK_M": block_m, "HEAD": dim, "num_warps": WARPS}
     with _launch_device(query):
-        _decode_partials[(rows, kv_heads, chunks)](
+        _decode_partials[(rows, kv_heads, min(chunks, MAX_SPLITS))](
             query, key, value, counts, part_m, part_l, part_acc, scale, query.stride(0), query.stride(1),
             *key.stride()[:3], *value.stride()[:3], chunks, BLOCK_N=BLOCK_N, num_stages=STAGES,
             enable_fp_fusion=False, **common,

@@ -1,5 +1,6 @@
 """Run by tests/unit/test_chunked_attention.py under Triton's interpreter (TRITON_INTERPRET=1, CPU, fp32): the
-chunked forward and its log-sum-exp against float64, and the split decode against the forward's rows."""
+chunked forward and its log-sum-exp against float64, and the split decode against the forward's rows (with fewer
+programs than chunks too)."""
 
 import torch
 
@@ -31,6 +32,8 @@ for chunk in (32, 64):
     for row, c in enumerate(counts.tolist()):  # rows of sample 2 at its positions c - 1
         cache_k[row, :, :c], cache_v[row, :, :c] = k[75 : 75 + c].transpose(0, 1), v[75 : 75 + c].transpose(0, 1)
     last = torch.tensor([75 + c - 1 for c in counts.tolist()])
-    got = ca.decode(q[last], cache_k, cache_v, counts, D**-0.5, chunk=chunk)
-    assert (got - out[last]).abs().max() < 1e-6, chunk
+    for splits in (16, 2):  # every chunk a program, and two programs taking every other chunk
+        ca.MAX_SPLITS = splits
+        got = ca.decode(q[last], cache_k, cache_v, counts, D**-0.5, chunk=chunk)
+        assert (got - out[last]).abs().max() < 1e-6, (chunk, splits)
 print("ok")
