@@ -8,6 +8,8 @@ kernel decides its MFU. This compares, on the packed ``[T, heads, dim]`` layout 
   FlashAttention-2's backward behind it on bf16/fp16 (the trainer's path since commit 0f63c17);
 * ``efficient_own_bwd``: the memory-efficient kernel forward and backward, grouped key/value heads repeated (the
   trainer's path before that commit);
+* ``chunked``: rlrun's chunked Triton forward (``model.packed_attention: chunked_varlen``, rlrun.chunked_attention),
+  FlashAttention-2's backward fed its log-sum-exp;
 * ``flash``: FlashAttention-2's varlen kernel (``aten._flash_attention_forward``);
 * ``cudnn_dense``: cuDNN's fused attention through SDPA, one call per sample (``model.packed_attention:
   cudnn_per_sample``);
@@ -49,6 +51,10 @@ def _efficient_own_bwd(q, k, v, bounds, max_len):
     return attention_kernel.efficient_varlen(q, k, v, bounds, max_len, scale, logsumexp=torch.is_grad_enabled())[0]
 
 
+def _chunked(q, k, v, bounds, max_len):
+    return attention_kernel.chunked_varlen(q, k, v, bounds, max_len)
+
+
 def _flash(q, k, v, bounds, max_len):
     return torch.ops.aten._flash_attention_forward(
         q, k, v, bounds, bounds, max_len, max_len, 0.0, True, False, scale=q.shape[-1] ** -0.5
@@ -76,6 +82,7 @@ def _cudnn_dense(q, k, v, bounds, max_len):
 KERNELS = {
     "efficient": _efficient,
     "efficient_own_bwd": _efficient_own_bwd,
+    "chunked": _chunked,
     "flash": _flash,
     "cudnn_dense": _cudnn_dense,
     "cudnn": _cudnn,
