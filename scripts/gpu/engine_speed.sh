@@ -62,7 +62,7 @@ tail_ab() {
 for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
     for one in $name; do
         case $one in
-        tests) logged_step tests 420 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_attention_gpu.py \
+        tests) logged_step tests 480 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_attention_gpu.py \
             tests/gpu/test_decode_attention_gpu.py \
             tests/gpu/test_decode_buckets_gpu.py tests/gpu/test_chunked_prefill_gpu.py tests/gpu/test_routing_gpu.py \
             tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py tests/unit/test_engine_sampling.py ;;
