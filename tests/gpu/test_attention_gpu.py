@@ -43,7 +43,7 @@ def _run(cls, leaves, grad_out, params):
     return (out.float(), *(t.grad.float() for t in inputs))
 
 
-@pytest.mark.parametrize("kernel", ["FlashVarlenCoreAttention", "CudnnCoreAttention"])
+@pytest.mark.parametrize("kernel", ["FlashVarlenCoreAttention", "CudnnCoreAttention", "ChunkedVarlenCoreAttention"])
 def test_bf16_kernels_match_per_sample_attention_packed_and_unpacked(kernel):
     from rlrun.megatron import attention
     from rlrun.megatron.attention import SDPACoreAttention, packed_seq_params
