@@ -15,18 +15,9 @@ HEADS, KV_HEADS, DIM = 16, 8, 128
 
 
 def make(cls):
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.enums import AttnMaskType
+    from core_attention import make_core_attention
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HEADS * DIM,
-        num_attention_heads=HEADS,
-        num_query_groups=KV_HEADS,
-        kv_channels=DIM,
-        attention_dropout=0.0,
-    )
-    return cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return make_core_attention(cls, HEADS, KV_HEADS, DIM)
 
 
 def _leaves(shape_of, gen):

@@ -6,25 +6,15 @@ only: its backward is FlashAttention-2's, CUDA only)."""
 import dataclasses
 
 import torch
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.enums import AttnMaskType
 
+from core_attention import make_core_attention
 from rlrun import attention_kernel
 from rlrun.megatron.attention import ChunkedVarlenCoreAttention, SDPACoreAttention, packed_seq_params
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
-config = TransformerConfig(
-    num_layers=1,
-    hidden_size=HEADS * DIM,
-    num_attention_heads=HEADS,
-    num_query_groups=KV_HEADS,
-    kv_channels=DIM,
-    attention_dropout=0.0,
-    use_cpu_initialization=True,
+reference, chunked = (
+    make_core_attention(cls, HEADS, KV_HEADS, DIM) for cls in (SDPACoreAttention, ChunkedVarlenCoreAttention)
 )
-made = [cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self") for cls in (
-    SDPACoreAttention, ChunkedVarlenCoreAttention)]  # fmt: skip
-reference, chunked = made
 calls = []
 kernel = attention_kernel.chunked_varlen
 attention_kernel.chunked_kernel_takes = lambda query, value: True  # CUDA-only outside the interpreter

@@ -12,21 +12,10 @@ HEADS, KV_HEADS, DIM = 4, 2, 8
 
 @pytest.fixture(scope="module")
 def attention():
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.enums import AttnMaskType
-
+    from core_attention import make_core_attention
     from rlrun.megatron.attention import SDPACoreAttention
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HEADS * DIM,
-        num_attention_heads=HEADS,
-        num_query_groups=KV_HEADS,
-        kv_channels=DIM,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-    )
-    return SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return make_core_attention(SDPACoreAttention, HEADS, KV_HEADS, DIM)
 
 
 def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -121,23 +110,12 @@ def test_packed_attention_choice_is_checked():
 def test_varlen_call_fits_the_kernel_schema_and_its_autograd(kind):
     """The varlen kernel is CUDA-only; on meta tensors its schema, shape rules and backward formula still run,
     so a wrong argument (order, dtype of the bounds, GQA head counts) fails here, not first on a GPU."""
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.enums import AttnMaskType
-
+    from core_attention import make_core_attention
     from rlrun.megatron.attention import EfficientVarlenCoreAttention, FlashVarlenCoreAttention, PackedRows
 
     heads, kv_heads, dim = 16, 8, 128
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=heads * dim,
-        num_attention_heads=heads,
-        num_query_groups=kv_heads,
-        kv_channels=dim,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-    )
     cls = FlashVarlenCoreAttention if kind == "flash" else EfficientVarlenCoreAttention
-    attention = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    attention = make_core_attention(cls, heads, kv_heads, dim)
     bounds = torch.tensor([0, 640, 677, 1280], dtype=torch.int32)
     params = PackedRows(
         qkv_format="thd",
