@@ -88,10 +88,14 @@ def test_sigmoid_routed_moe_generates_as_hf_and_loads_its_routing_bias(kind, tmp
     """GLM-4.5 MoE and DeepSeek-V3 (multi-latent attention): greedy decoding equals HF's; the trainer's export
     includes the router's correction bias (a persistent buffer, not a parameter), and loading it changes the
     engine's routing."""
+    import transformers
+    from packaging.version import Version
     from safetensors.torch import load_file
 
     from tiny_models import make_tiny_model
 
+    if Version(transformers.__version__) < Version("5.17"):  # SGLang's environment on the GPU machine has 5.12.1
+        pytest.skip(f"transformers {transformers.__version__}: {kind}'s router returns no expert ids before 5.17")
     model_dir = make_tiny_model(kind, tmp_path / kind)
     engine = EmbeddedEngine(model_dir, seed=0)
     greedy = {"max_new_tokens": 8, "top_k": 1, "ignore_eos": True}
