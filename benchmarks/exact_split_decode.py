@@ -80,15 +80,18 @@ def exactness(
     }  # fmt: skip
 
 
-def decode_speed(batch: int, length: int, chunk: int, block_m: int, iters: int) -> dict:
-    """The split decode against the engine's path (``attention_kernel.decode``), Qwen3-0.6B's heads (16, 8, 128)."""
+def decode_speed(batch: int, length: int, chunk: int, block_m: int, iters: int, cache_len: int | None = None) -> dict:
+    """The split decode against the engine's path (``attention_kernel.decode``), Qwen3-0.6B's heads (16, 8, 128): every
+    row reads ``length`` keys of a cache of ``cache_len`` columns (``length``: a full cache; more: the engine's whole
+    cache early in a long generation, where most chunks are empty)."""
     from rlrun.attention_kernel import DecodeRows, decode, positions_per_row
 
     heads, kv_heads, dim, device = 16, 8, 128, torch.device("cuda")
+    columns = cache_len or length
     q = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
-    k, v = (torch.randn(batch, kv_heads, length, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, columns, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
     counts = torch.full((batch,), length, dtype=torch.int32, device=device)
-    mask = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device)
+    mask = (torch.arange(columns, device=device) < length).expand(batch, 1, 1, columns)
     rows = DecodeRows.of(mask, heads // kv_heads, positions_per_row(k))
     query = q[:, :, None]
 
@@ -96,7 +99,7 @@ def decode_speed(batch: int, length: int, chunk: int, block_m: int, iters: int) 
         return chunked_attention.decode(q, k, v, counts, dim**-0.5, block_m=block_m, chunk=chunk)
 
     return {
-        "batch": batch, "length": length, "chunk": chunk, "block_m": block_m,
+        "batch": batch, "length": length, "cache_len": columns, "chunk": chunk, "block_m": block_m,
         "split_us": round(graph_timed_us(split, iters), 2),
         "engine_us": round(graph_timed_us(lambda: decode(query, k, v, rows), iters), 2),
     }  # fmt: skip
@@ -151,7 +154,7 @@ def main() -> None:
             for n in (256, 512, 1024, 2048)
             for c in chunks
             for m in BLOCK_MS
-        ]
+        ] + [decode_speed(64, 384, chunk, 16, args.iters, cache_len=32768) for chunk in chunks]
         record["train_speed"] = [
             train_speed(s, n, c, m, 10) for s, n in ((16, 1024), (1, 8192)) for c in chunks for m in BLOCK_MS
         ]
