@@ -251,7 +251,10 @@ def chunked_varlen(
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """:func:`causal_varlen` on the chunked kernels (``model.packed_attention: chunked_varlen``) for heads
-    :func:`chunked_kernel_takes`; no dropout (RL post-training runs none)."""
+    :func:`chunked_kernel_takes`, no dropout (RL post-training runs none); other heads run :func:`causal_varlen`, as
+    the engine's do."""
+    if not chunked_kernel_takes(query, value):
+        return causal_varlen(query, key, value, cu_seqlens, max_len, scale, dropout_p)
     if dropout_p != 0.0:
         raise ValueError(
             f"model.packed_attention chunked_varlen has no attention dropout (got {dropout_p}) because its kernel "

@@ -334,10 +334,7 @@ class ChunkedVarlenCoreAttention(SDPACoreAttention):
 
     def _chunked(self, query, key, value, bounds: torch.Tensor, max_len: int) -> torch.Tensor:
         dropout = self.dropout_p if self.training else 0.0
-        kernel = attention_kernel.chunked_varlen
-        if not attention_kernel.chunked_kernel_takes(query, value):
-            kernel = attention_kernel.causal_varlen
-        return kernel(query, key, value, bounds, max_len, self.softmax_scale, dropout)
+        return attention_kernel.chunked_varlen(query, key, value, bounds, max_len, self.softmax_scale, dropout)
 
 
 class FlashVarlenCoreAttention(SDPACoreAttention):

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from core_attention import make_core_attention
-from rlrun import attention_kernel
+from rlrun import attention_kernel, chunked_attention
 from rlrun.megatron.attention import ChunkedVarlenCoreAttention, SDPACoreAttention, packed_seq_params
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -16,9 +16,9 @@ reference, chunked = (
     make_core_attention(cls, HEADS, KV_HEADS, DIM) for cls in (SDPACoreAttention, ChunkedVarlenCoreAttention)
 )
 calls = []
-kernel = attention_kernel.chunked_varlen
+kernel = chunked_attention.causal_varlen
 attention_kernel.chunked_kernel_takes = lambda query, value: True  # CUDA-only outside the interpreter
-attention_kernel.chunked_varlen = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
+chunked_attention.causal_varlen = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
 
 
 def qkv(*lead: int):
