@@ -62,12 +62,19 @@ CHUNKED_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head widths the chunked kernels (:mod:`rlrun.chunked_attention`) take: a power of two, a tile's columns."""
 
 
-def chunked_kernel_takes(query: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the chunked kernels run for these heads: CUDA with Triton, bf16 or fp16 (fp32 would multiply in TF32
-    there), values as wide as queries, a width in :data:`CHUNKED_HEAD_DIMS`. Reads only device, dtype and widths, so
-    the trainer and the engine decide alike; where False both run the memory-efficient kernel."""
+CHUNKED_MAX_GROUPS = 64
+"""Query heads a cached head at most for the chunked kernels: a decode tile holds them (``chunked_attention.BLOCK_M``
+rows, the forward's height, which the decode must share to round alike)."""
+
+
+def chunked_kernel_takes(query: torch.Tensor, value: torch.Tensor, groups: int) -> bool:
+    """Whether the chunked kernels run for these heads (``groups`` query heads a cached head): CUDA with Triton, bf16 or
+    fp16 (fp32 would multiply in TF32 there), values as wide as queries, a width in :data:`CHUNKED_HEAD_DIMS`, at most
+    :data:`CHUNKED_MAX_GROUPS` groups. Reads only device, dtype, widths and head counts, so the trainer and the engine
+    decide alike; where False both run the memory-efficient kernel."""
     return (
-        query.is_cuda
+        0 < groups <= CHUNKED_MAX_GROUPS
+        and query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
         and value.dtype == query.dtype
         and query.shape[-1] == value.shape[-1]
@@ -253,7 +260,7 @@ def chunked_varlen(
     """:func:`causal_varlen` on the chunked kernels (``model.packed_attention: chunked_varlen``) for heads
     :func:`chunked_kernel_takes`, no dropout (RL post-training runs none); other heads run :func:`causal_varlen`, as
     the engine's do."""
-    if not chunked_kernel_takes(query, value):
+    if not chunked_kernel_takes(query, value, query.shape[1] // key.shape[1]):
         return causal_varlen(query, key, value, cu_seqlens, max_len, scale, dropout_p)
     if dropout_p != 0.0:
         raise ValueError(

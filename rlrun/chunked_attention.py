@@ -38,10 +38,14 @@ import triton.language as tl
 CHUNK = 256
 """Keys a chunk: both sides split each row's keys at multiples of it (measured: decode fastest at 256-512, the forward
 at 128-256)."""
-FORWARD_BLOCK_M = 64
-"""Query rows a forward tile (consecutive positions of one head): 64 runs at twice the rate of 16."""
-DECODE_BLOCK_M = 16
-"""Query rows a decode tile (the G query heads of one cached head, padded; more where G is larger)."""
+BLOCK_M = 64
+"""Query rows a tile, on both sides: a forward tile's consecutive positions of one head, a decode tile's G query heads
+of one cached head (padded). One height because the height picks the tensor-core instruction (Hopper's 64-row
+warpgroup multiply at 64, the 16-row one at 16), and those round differently: with a forward at 64 and a decode at 16,
+1-2 of 262,144 outputs differed (H200, benchmarks/results/exact_split_decode_rlrun_h200.json), enough to put a real run
+0.011 nats a token off-policy. At 64 the forward runs twice the rate of 16, the decode ~15% slower than at 16 and
+still ~30% faster than the memory-efficient kernel's. Models with more than 64 query heads a cached head (G) are not
+taken (:func:`rlrun.attention_kernel.chunked_kernel_takes`)."""
 BLOCK_N = 64
 """Keys a step within a chunk, on both sides."""
 MAX_SPLITS = 16
@@ -209,7 +213,7 @@ def causal(
     max_queries: int,
     scale: float,
     logsumexp: torch.Tensor | None = None,
-    block_m: int = FORWARD_BLOCK_M,
+    block_m: int = BLOCK_M,
     chunk: int = CHUNK,
 ) -> torch.Tensor:
     """The forward into ``out``. ``query``/``out`` are ``[S, T, heads, dim]`` and ``key``/``value`` ``[S, T_k, kv_heads,
@@ -240,7 +244,7 @@ def causal_varlen(
     max_len: int,
     scale: float,
     with_logsumexp: bool = False,
-    block_m: int = FORWARD_BLOCK_M,
+    block_m: int = BLOCK_M,
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention within each sample of a packed row (the trainer's layout): ``[T, heads, dim]`` queries over
@@ -264,7 +268,7 @@ def decode(
     value: torch.Tensor,
     counts: torch.Tensor,
     scale: float,
-    block_m: int = DECODE_BLOCK_M,
+    block_m: int = BLOCK_M,
     chunk: int = CHUNK,
 ) -> torch.Tensor:
     """One decode position's attention: queries ``[B, heads, dim]`` over cache views ``[B, kv_heads, L, dim]`` (any
@@ -274,7 +278,7 @@ def decode(
     rows, heads, dim = query.shape
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1, "contiguous heads only"
     kv_heads, length = key.shape[1], key.shape[2]
-    block_m = max(block_m, triton.next_power_of_2(heads // kv_heads))  # a tile holds a cached head's G query heads
+    assert heads // kv_heads <= block_m, "a decode tile holds a cached head's G query heads"
     chunks = triton.cdiv(length, chunk)
     parts = rows * heads * chunks  # each chunk's (m, l, acc) per query head: [B, H_kv, chunks, G(, dim)]
     part_m, part_l = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))

@@ -30,7 +30,7 @@ def counted(name, kernel):
 
 chunked_attention.decode = counted("decode", chunked_attention.decode)
 chunked_attention.causal = counted("causal", chunked_attention.causal)
-static_cache.chunked_kernel_takes = lambda query, value: True  # CUDA-only outside the interpreter
+static_cache.chunked_kernel_takes = lambda query, value, groups: True  # CUDA-only outside the interpreter
 embedded._attention_implementation = lambda kernel, device: static_cache.ATTENTION_CHUNKED
 for extra in ({}, {"chunked_prefill_size": 40}, {"max_running_requests": 2}):
     before = dict(calls)

@@ -17,7 +17,7 @@ reference, chunked = (
 )
 calls = []
 kernel = chunked_attention.causal_varlen
-attention_kernel.chunked_kernel_takes = lambda query, value: True  # CUDA-only outside the interpreter
+attention_kernel.chunked_kernel_takes = lambda query, value, groups: True  # CUDA-only outside the interpreter
 chunked_attention.causal_varlen = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
 
 

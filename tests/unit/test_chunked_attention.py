@@ -41,9 +41,9 @@ def test_the_engine_refuses_a_kernel_family_it_cannot_run():
 
 def test_the_chunked_kernels_never_run_off_cuda():
     q = torch.zeros(2, 4, 128, dtype=torch.bfloat16)
-    assert not attention_kernel.chunked_kernel_takes(q, q)  # CPU: both sides run the memory-efficient path / SDPA
+    assert not attention_kernel.chunked_kernel_takes(q, q, 1)  # CPU: both sides run the memory-efficient path / SDPA
     meta = q.to("meta")
-    assert not attention_kernel.chunked_kernel_takes(meta, meta)
+    assert not attention_kernel.chunked_kernel_takes(meta, meta, 1)
 
 
 INTERPRETED = ["chunked_kernels_interpreted.py", "chunked_engine_interpreted.py", "chunked_trainer_interpreted.py"]

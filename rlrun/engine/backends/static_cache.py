@@ -226,7 +226,7 @@ def chunked_static_cache_attention(
         attention_mask is None
         or attention_mask.dtype != torch.bool
         or heads % key.shape[1]
-        or not chunked_kernel_takes(query, value)
+        or not chunked_kernel_takes(query, value, heads // key.shape[1])
     ):
         return static_cache_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     from rlrun import chunked_attention
