@@ -67,6 +67,24 @@ CHUNKED_MAX_GROUPS = 64
 rows, the forward's height, which the decode must share to round alike)."""
 
 
+def auto_packed_attention(dtype: str) -> str:
+    """``model.packed_attention: auto``'s kernel for a trainer in ``dtype``: ``chunked_varlen`` on CUDA with Triton in
+    bfloat16 (the trainer and the embedded engine on the chunked kernels: bitwise, the engine's decode split over thread
+    blocks, the forward faster than the memory-efficient one; BENCHMARKS.md "The pair inside rlrun"),
+    ``efficient_varlen`` elsewhere on CUDA, ``per_sample`` off CUDA."""
+    if not torch.cuda.is_available():
+        return "per_sample"
+    return "chunked_varlen" if dtype == "bfloat16" and triton_available() else "efficient_varlen"
+
+
+def engine_kernel_family(packed_attention: str, dtype: str, context_parallel: int = 1) -> str:
+    """The embedded engine's attention kernels for a trainer on ``model.packed_attention`` (``BackendSpec.attention_
+    kernel``): ``chunked`` where the trainer's rows run the chunked kernels (``chunked_varlen``, or ``auto`` resolving
+    to it, without context parallelism, whose chunks run the memory-efficient kernel), else ``efficient``."""
+    kernel = auto_packed_attention(dtype) if packed_attention == "auto" else packed_attention
+    return "chunked" if kernel == "chunked_varlen" and context_parallel == 1 else "efficient"
+
+
 def chunked_kernel_takes(query: torch.Tensor, value: torch.Tensor, groups: int) -> bool:
     """Whether the chunked kernels run for these heads (``groups`` query heads a cached head): CUDA with Triton, bf16 or
     fp16 (fp32 would multiply in TF32 there), values as wide as queries, a width in :data:`CHUNKED_HEAD_DIMS`, at most

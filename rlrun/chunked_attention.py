@@ -13,9 +13,10 @@ merges them after. A chunk past a row's last key, or a key tile past it, changes
 with -inf / 0 / 0 multiplies by exp(0) = 1 and adds 0), so the forward's longer loops give the decode's result.
 ``enable_fp_fusion=False`` keeps the compiler from contracting products and sums differently in the two kernels.
 
-Measured on the H200 (``benchmarks/exact_split_decode.py``, BENCHMARKS.md "An exact split-KV pair"): decode rows bitwise
-the forward's rows, the decode 35-40% faster than the memory-efficient kernel by key counts at batch 64-128 and 256-
-2,048 keys, the forward at 64-row tiles twice the memory-efficient varlen forward's rate.
+Measured on the H200 (``benchmarks/exact_split_decode.py``, BENCHMARKS.md "An exact split-KV pair" and "The pair inside
+rlrun"): decode rows bitwise the forward's rows at one tile height (:data:`BLOCK_M`), the decode 22-33% faster than the
+memory-efficient kernel by key counts at batch 64-128 and 256-2,048 keys, the forward twice the memory-efficient varlen
+forward's rate; the SmolLM2 on-policy gate passes with ``model.packed_attention: chunked_varlen``.
 
 Which heads they take: :func:`rlrun.attention_kernel.chunked_kernel_takes` (importable without Triton).
 
@@ -43,9 +44,9 @@ BLOCK_M = 64
 of one cached head (padded). One height because the height picks the tensor-core instruction (Hopper's 64-row
 warpgroup multiply at 64, the 16-row one at 16), and those round differently: with a forward at 64 and a decode at 16,
 1-2 of 262,144 outputs differed (H200, benchmarks/results/exact_split_decode_rlrun_h200.json), enough to put a real run
-0.011 nats a token off-policy. At 64 the forward runs twice the rate of 16, the decode ~15% slower than at 16 and
-still ~30% faster than the memory-efficient kernel's. Models with more than 64 query heads a cached head (G) are not
-taken (:func:`rlrun.attention_kernel.chunked_kernel_takes`)."""
+0.011 nats a token off-policy. At 64 the forward runs twice the rate of 16, the decode 17-23% slower than at 16 and
+still 22-33% faster than the memory-efficient kernel's. Models with more than 64 query heads a cached head (G) are
+not taken (:func:`rlrun.attention_kernel.chunked_kernel_takes`)."""
 BLOCK_N = 64
 """Keys a step within a chunk, on both sides."""
 MAX_SPLITS = 16

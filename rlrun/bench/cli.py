@@ -54,8 +54,9 @@ def rollout(
         str | None,
         typer.Option(
             help=(
-                "Comma-separated engine backends (embedded, sglang; embedded_chunked: the embedded engine on the "
-                "chunked kernels, as with model.packed_attention chunked_varlen) to compare through rlrun's engine "
+                "Comma-separated engine backends (embedded, sglang; embedded_chunked / embedded_efficient: the "
+                "embedded engine on the chunked / memory-efficient kernels, as with model.packed_attention "
+                "chunked_varlen / efficient_varlen; embedded alone runs auto's) to compare through rlrun's engine "
                 "worker, same weights and prompts; without it: the in-process embedded engine vs HF generate."
             )
         ),

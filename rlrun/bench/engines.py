@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rlrun.attention_kernel import engine_kernel_family
 from rlrun.bench.decode_profile import DecodeProfile, profile_decode
 from rlrun.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput, profile_path
 from rlrun.bench.shapes import get_shape, write_random_model
@@ -115,14 +116,15 @@ def checkpoint_bytes(model_dir: Path) -> int:
     return total
 
 
-ATTENTION_VARIANTS = {"embedded_chunked": ("embedded", "chunked")}
-"""Benchmark backend names that are a backend with another attention kernel family (``BackendSpec.attention_kernel``:
-``embedded_chunked`` is the embedded engine as a ``model.packed_attention: chunked_varlen`` run starts it)."""
+ATTENTION_VARIANTS = {"embedded_chunked": ("embedded", "chunked"), "embedded_efficient": ("embedded", "efficient")}
+"""Benchmark backend names that are a backend on a given attention kernel family (``BackendSpec.attention_kernel``):
+the embedded engine as a ``model.packed_attention`` ``chunked_varlen`` or ``efficient_varlen`` run starts it. A plain
+backend name runs the kernels of a run with ``auto``."""
 
 
-def bench_backend(name: str) -> tuple[str, str]:
-    """A benchmark backend name's (registered backend, attention kernel family)."""
-    return ATTENTION_VARIANTS.get(name, (name, "efficient"))
+def bench_backend(name: str, dtype: str) -> tuple[str, str]:
+    """A benchmark backend name's (registered backend, attention kernel family) for a model in ``dtype``."""
+    return ATTENTION_VARIANTS.get(name, (name, engine_kernel_family("auto", dtype)))
 
 
 def bench_spec(
@@ -130,7 +132,7 @@ def bench_spec(
 ) -> BackendSpec:
     """The engine a benchmark starts: seed 0, plus the benchmark's server arguments where the backend takes them
     (and ``max_running_requests`` when given)."""
-    backend, kernel = bench_backend(name)
+    backend, kernel = bench_backend(name, dtype)
     server_args = dict(BENCH_SERVER_ARGS.get(backend, {}))
     if max_running_requests is not None:
         server_args["max_running_requests"] = max_running_requests
@@ -213,7 +215,7 @@ def bench_rollout_backends(
     """Time each backend's worker on the same random model and prompts, one backend at a time, per batch size
     (a fresh worker each, started with ``max_running_requests`` = the batch); ``profile``: also profile the
     embedded engine's decode steps (:func:`_profile_in_process`), tables at :func:`profile_path`."""
-    elsewhere = [name for name in backends if not backend_traits(bench_backend(name)[0]).profiles_in_process]
+    elsewhere = [name for name in backends if not backend_traits(bench_backend(name, dtype)[0]).profiles_in_process]
     if profile is not None and elsewhere:
         raise ValueError(
             f"--profile ({profile}) must run without the backends {','.join(elsewhere)} because the profiler sees "
@@ -286,7 +288,7 @@ def _profile_in_process(
     kernel) built in this process, profiled, freed."""
     from rlrun.engine.backends.embedded import EmbeddedEngine
 
-    kernel = bench_backend(name)[1]
+    kernel = bench_backend(name, dtype)[1]
     engine = EmbeddedEngine(
         model_dir, seed=0, dtype=dtype, device=device, max_running_requests=len(prompts), attention_kernel=kernel
     )

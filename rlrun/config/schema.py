@@ -122,15 +122,17 @@ class ModelConfig(Section):
     packed_attention: PackedAttention = "auto"
     """How the trainer attends packed rows (several samples in one row) without TransformerEngine:
     ``per_sample``, one attention call per sample (everywhere; slow: host-bound at RL batch sizes);
-    ``efficient_varlen``, one memory-efficient varlen call per layer for the whole row (CUDA), the kernel the
-    embedded engine runs, so trainer and engine log-probs agree (docs/on_policy.md); ``chunked_varlen``, rlrun's
-    chunked Triton kernels (CUDA, bfloat16; rlrun/chunked_attention.py), which the embedded engine then runs too,
-    its decode split over thread blocks and still bitwise the trainer's forward (SGLang does not run them:
-    off-policy with engine.backend sglang; not yet the default: docs/engine.md); ``flash_varlen``, one
+    ``chunked_varlen``, rlrun's chunked Triton kernels (CUDA, bfloat16; rlrun/chunked_attention.py), which the
+    embedded engine then runs too, its decode split over thread blocks and still bitwise the trainer's forward, so
+    trainer and engine log-probs agree (docs/on_policy.md; SGLang does not run them: off-policy with engine.backend
+    sglang, as every kernel is); ``efficient_varlen``, one memory-efficient varlen call per layer for the whole row
+    (CUDA, any dtype), which the embedded engine then runs too (exact as well; its decode one thread block a row and
+    head); ``flash_varlen``, one
     FlashAttention-2 varlen call per layer (CUDA, bfloat16; off-policy by 0.03-0.05 nats per token in bf16
     because no engine runs that kernel); ``cudnn_per_sample``, cuDNN's fused attention, one call per sample (CUDA,
     bfloat16; for long samples: 4x the memory-efficient kernel at 32K tokens on an H200, slower below ~2K tokens;
-    off-policy like flash_varlen); ``auto``, efficient_varlen on CUDA, else per_sample. Unpacked rows (one
+    off-policy like flash_varlen); ``auto``, chunked_varlen on CUDA in bfloat16 where Triton is, efficient_varlen
+    elsewhere on CUDA (float32), else per_sample (rlrun.attention_kernel.auto_packed_attention). Unpacked rows (one
     sample per row) run the same kernel as packed ones."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of the whole actor (``LoraConfig``); None: full fine-tuning."""

@@ -87,8 +87,9 @@ def transformer_engine_attention() -> type | None:
 def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> type:
     """The core attention class: TransformerEngine's when importable, else packed rows attended per sample or
     in one varlen call per layer (``efficient_varlen``: CUDA; ``flash_varlen``: CUDA, bfloat16), or per sample
-    on cuDNN (``cudnn_per_sample``: CUDA, bfloat16); ``auto``
-    takes ``efficient_varlen`` on CUDA, the engine's kernel. ``dtype`` is ``model.dtype`` (its default here too)."""
+    on cuDNN (``cudnn_per_sample``: CUDA, bfloat16), or on the chunked kernels (``chunked_varlen``: CUDA, bfloat16);
+    ``auto``: :func:`rlrun.attention_kernel.auto_packed_attention`, the embedded engine's kernels. ``dtype`` is
+    ``model.dtype`` (its default here too)."""
     if packed_attention not in get_args(PackedAttention):
         raise ValueError(
             f"model.packed_attention ({packed_attention!r}) must be one of {list(get_args(PackedAttention))}"
@@ -96,7 +97,7 @@ def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> ty
     if transformer_engine_attention() is not None:
         return transformer_engine_attention()
     if packed_attention == "auto":
-        packed_attention = "efficient_varlen" if torch.cuda.is_available() else "per_sample"
+        packed_attention = attention_kernel.auto_packed_attention(dtype)
     if packed_attention == "per_sample":
         return SDPACoreAttention
     if not torch.cuda.is_available():

@@ -23,10 +23,11 @@ MODEL = REPO / ".cache/models/SmolLM2-135M-Instruct"
 
 @pytest.mark.parametrize(
     ("data", "attention"),
-    [("addition_train", "auto"), ("addition_mixed_len", "auto"), ("addition_mixed_len", "chunked_varlen")],
+    [("addition_train", "auto"), ("addition_mixed_len", "auto"), ("addition_mixed_len", "efficient_varlen")],
 )
 def test_smollm2_bf16_colocated_run_is_on_policy(tmp_path, data, attention):
-    """``chunked_varlen``: the trainer on the chunked kernels, the engine's decode split over thread blocks."""
+    """``auto``: the trainer and the engine on the chunked kernels, the engine's decode split over thread blocks;
+    ``efficient_varlen``: both on the memory-efficient kernel."""
     if not (MODEL / "config.json").exists():
         pytest.skip("run `python -m rlrun prepare smollm2` first")
     run_dir = tmp_path / "run"

@@ -86,6 +86,7 @@ def test_layer_spec_swaps_only_the_core_attention(tiny_model_dirs):
 
 def test_packed_attention_choice_is_checked():
     from rlrun.megatron.attention import SDPACoreAttention, core_attention, transformer_engine_attention
+    from rlrun.triton_support import triton_available
 
     with pytest.raises(ValueError, match="model.packed_attention"):
         core_attention("flash")
@@ -98,8 +99,9 @@ def test_packed_attention_choice_is_checked():
         for varlen in ("flash_varlen", "efficient_varlen", "cudnn_per_sample"):
             with pytest.raises(ValueError, match="needs CUDA"):
                 core_attention(varlen)
-    else:  # the engine's kernel, in both dtypes (rlrun.attention_kernel)
-        assert core_attention("auto", "bfloat16").__name__ == "EfficientVarlenCoreAttention"
+    else:  # the engine's kernels (rlrun.attention_kernel.auto_packed_attention): chunked in bf16 where Triton is
+        chunked = "ChunkedVarlenCoreAttention" if triton_available() else "EfficientVarlenCoreAttention"
+        assert core_attention("auto", "bfloat16").__name__ == chunked
         assert core_attention("auto", "float32").__name__ == "EfficientVarlenCoreAttention"
         for kernel in ("flash_varlen", "cudnn_per_sample"):
             with pytest.raises(ValueError, match="needs model.dtype bfloat16"):

@@ -23,13 +23,45 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_chunked_varlen_trainer_gives_its_embedded_engine_the_chunked_kernels():
+    # on CPU: auto is per_sample there, so its engine the memory-efficient family
     for attention, kernel in (("chunked_varlen", "chunked"), ("auto", "efficient"), ("flash_varlen", "efficient")):
         cfg = RunConfig.model_validate({"model": {"packed_attention": attention}})
         spec = BackendSpec.from_json(BackendSpec.from_config(cfg, seed=0).to_json())  # as the worker reads it
         assert spec.attention_kernel == kernel
     assert bench_spec("embedded_chunked", Path("m"), "bfloat16", 0).attention_kernel == "chunked"
     assert bench_spec("embedded_chunked", Path("m"), "bfloat16", 0).backend == "embedded"
-    assert bench_spec("embedded", Path("m"), "bfloat16", 0).attention_kernel == "efficient"
+    assert bench_spec("embedded", Path("m"), "bfloat16", 0).attention_kernel == "efficient"  # CPU: auto's
+
+
+def _on_cuda_with_triton(monkeypatch, triton: bool = True) -> None:
+    """What ``auto`` reads of the machine, as on a CUDA machine (nothing runs on it here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention_kernel, "triton_available", lambda: triton)
+
+
+@pytest.mark.parametrize(
+    ("model", "cp", "triton", "trainer", "engine"),
+    [
+        ({"dtype": "bfloat16"}, 1, True, "chunked_varlen", "chunked"),  # the default on a GPU
+        ({"dtype": "bfloat16"}, 2, True, "chunked_varlen", "efficient"),  # context parallelism's own kernel
+        ({"dtype": "float32"}, 1, True, "efficient_varlen", "efficient"),  # the chunked kernels are bf16's
+        ({"dtype": "bfloat16"}, 1, False, "efficient_varlen", "efficient"),
+        ({"dtype": "bfloat16", "packed_attention": "efficient_varlen"}, 1, True, "efficient_varlen", "efficient"),
+    ],
+)
+def test_auto_on_a_gpu_puts_trainer_and_engine_on_one_kernel_family(monkeypatch, model, cp, triton, trainer, engine):
+    _on_cuda_with_triton(monkeypatch, triton)
+    cfg = RunConfig.model_validate({"model": model, "parallel": {"cp": cp}})
+    assert BackendSpec.from_config(cfg, seed=0).attention_kernel == engine
+    if cfg.model.packed_attention == "auto":
+        assert attention_kernel.auto_packed_attention(cfg.model.dtype) == trainer
+        if cp == 1:  # the bench's plain "embedded" is the engine of a run with auto
+            assert bench_spec("embedded", Path("m"), cfg.model.dtype, 0).attention_kernel == engine
+
+
+def test_auto_off_cuda_attends_per_sample():
+    assert not torch.cuda.is_available()
+    assert attention_kernel.auto_packed_attention("bfloat16") == "per_sample"
 
 
 def test_the_engine_refuses_a_kernel_family_it_cannot_run():

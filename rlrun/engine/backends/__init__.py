@@ -122,8 +122,9 @@ class BackendSpec:
     server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra backend keyword arguments (``engine.server_args`` plus what the run needs), passed through."""
     attention_kernel: str = "efficient"
-    """The trainer's attention kernel family, which the embedded engine runs too (``chunked`` when
-    ``model.packed_attention`` is ``chunked_varlen``); other backends run their own kernels."""
+    """The trainer's attention kernel family, which the embedded engine runs too
+    (``rlrun.attention_kernel.engine_kernel_family``: ``chunked`` when the trainer runs ``chunked_varlen``, which
+    ``auto`` is on CUDA in bfloat16); other backends run their own kernels."""
     factory: str = ""
     """The backend's ``BackendTraits.factory`` (filled from ``BACKENDS``): the worker process imports it
     without having to know the trainer's registrations."""
@@ -139,6 +140,8 @@ class BackendSpec:
     def from_config(cls, cfg: RunConfig, *, seed: int) -> BackendSpec:
         """The run's engine (``engine.*``, ``model.*``, ``offload.rollout``) plus the server arguments its
         algorithm needs: routing replay of the engine's experts asks the backend to return them."""
+        from rlrun.attention_kernel import engine_kernel_family  # torch: only where a run starts an engine
+
         traits = backend_traits(cfg.engine.backend)
         server_args = dict(cfg.engine.server_args)
         if cfg.algorithm.routing_replay == "rollout":
@@ -150,7 +153,7 @@ class BackendSpec:
             dtype=cfg.model.dtype,
             enable_memory_saver=cfg.offload.rollout,
             server_args=server_args,
-            attention_kernel="chunked" if cfg.model.packed_attention == "chunked_varlen" else "efficient",
+            attention_kernel=engine_kernel_family(cfg.model.packed_attention, cfg.model.dtype, cfg.parallel.cp),
         )
 
     @property
