@@ -30,6 +30,7 @@ def test_a_chunked_varlen_trainer_gives_its_embedded_engine_the_chunked_kernels(
         assert spec.attention_kernel == kernel
     assert bench_spec("embedded_chunked", Path("m"), "bfloat16", 0).attention_kernel == "chunked"
     assert bench_spec("embedded_chunked", Path("m"), "bfloat16", 0).backend == "embedded"
+    assert bench_spec("embedded_efficient", Path("m"), "bfloat16", 0).attention_kernel == "efficient"
     assert bench_spec("embedded", Path("m"), "bfloat16", 0).attention_kernel == "efficient"  # CPU: auto's
 
 
