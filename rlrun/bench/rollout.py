@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rlrun.attention_kernel import engine_kernel_family
 from rlrun.bench.decode_profile import DecodeProfile, profile_decode
 from rlrun.bench.shapes import get_shape, weight_bytes, write_random_model
 from rlrun.bench.timing import hardware, timer
@@ -128,7 +129,9 @@ def bench_rollout(
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
         model_dir = write_random_model(get_shape(shape), Path(tmp), DTYPES[dtype], device)
-        engine = EmbeddedEngine(model_dir, seed=seed, dtype=dtype, device=device)
+        # The kernels a run with model.packed_attention auto gives its engine (the chunked ones on CUDA in bf16).
+        kernel = engine_kernel_family("auto", dtype) if torch.device(device).type == "cuda" else "efficient"
+        engine = EmbeddedEngine(model_dir, seed=seed, dtype=dtype, device=device, attention_kernel=kernel)
         # The same weights as transformers loads them by default (stock attention), for generate.
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(engine.device).eval()
     dev = engine.device
