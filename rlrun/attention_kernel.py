@@ -60,8 +60,6 @@ def uses_shared_kernel(query: torch.Tensor, value: torch.Tensor) -> bool:
 
 CHUNKED_HEAD_DIMS = (16, 32, 64, 128, 256)
 """Head widths the chunked kernels (:mod:`rlrun.chunked_attention`) take: a power of two, a tile's columns."""
-
-
 CHUNKED_MAX_GROUPS = 64
 """Query heads a cached head at most for the chunked kernels: a decode tile holds them (``chunked_attention.BLOCK_M``
 rows, the forward's height, which the decode must share to round alike)."""

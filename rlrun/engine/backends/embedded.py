@@ -117,8 +117,8 @@ def _dense_count(name: str, value: int | None, minimum: int, moe: bool, why: str
 
 ATTENTION_KERNELS = {"efficient": ATTENTION, "chunked": ATTENTION_CHUNKED}
 """``attention_kernel`` -> the attention function the model is loaded with: the trainer's kernel family
-(``model.packed_attention``: ``chunked`` for ``chunked_varlen``, ``efficient`` otherwise;
-``BackendSpec.from_config``)."""
+(``BackendSpec.from_config`` through ``rlrun.attention_kernel.engine_kernel_family``: ``chunked`` where the trainer
+runs ``chunked_varlen``, as ``auto`` does on CUDA in bfloat16, ``efficient`` otherwise)."""
 
 
 def _attention_implementation(kernel: str, device: torch.device) -> str:
