@@ -54,6 +54,12 @@ MAX_SPLITS = 16
 launches no program per empty chunk (at 32K columns, 128 chunks a row)."""
 WARPS = 4
 STAGES = 2
+"""Pipeline stages of the forward's key loop."""
+DECODE_STAGES = 3
+"""Pipeline stages of the decode's key loop. Stages schedule the loads, not the arithmetic: at 2, 3 and 4 stages (and
+4 or 8 warps) the decode rows were bitwise the forward's at Qwen3-0.6B's, 4B's and SmolLM2's heads, and 3 was the
+fastest, 4-16% under 2 at batch 64-128 and 256-2,048 keys (H200, benchmarks/chunked_decode_launch.py,
+benchmarks/results/chunked_decode_launch_h200.json)."""
 
 
 @triton.jit
@@ -93,7 +99,7 @@ def _merge(big_m, big_l, big_acc, m, l, acc):  # noqa: E741
 
 
 @triton.jit
-def _causal_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_starts, k_starts, q_lens, firsts, scale,
+def _causal_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_starts, k_starts, q_lens, firsts, scale,
                     stride_qs, stride_qt, stride_qh, stride_ks, stride_kt, stride_kh,
                     stride_vs, stride_vt, stride_vh, stride_os, stride_ot, stride_oh, stride_lh,
                     GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -139,13 +145,14 @@ def _causal_forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_starts, k_starts, q
 
 
 @triton.jit
-def _decode_partials(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, scale,
-                     stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                     CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
+def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, arrivals, out_ptr, scale,
+            stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+            stride_ob, stride_oh, CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
     """Chunks c, c + P, c + 2P, ... (P programs a row and cached head) of row b's keys for the G query heads of cached
     head j: each one's (m, l, acc) into the part buffers ([B, H_kv, CHUNKS, G(, HEAD)]: the tile's padding rows are
-    not kept); chunks past the row's keys are neither computed nor read."""
+    not kept); chunks past the row's keys are neither computed nor read. The row and head's last program to arrive
+    (ARRIVALS) merges the parts (:func:`_merge_parts`), so that a decode is one launch."""
     row, kv = tl.program_id(0).to(tl.int64), tl.program_id(1)
     count = tl.load(counts_ptr + row)
     offs_m = tl.arange(0, BLOCK_M)
@@ -159,45 +166,67 @@ def _decode_partials(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, 
     limit = tl.where(heads, count - 1, -1)
     k_base = k_ptr + row * stride_kb + kv * stride_kh
     v_base = v_ptr + row * stride_vb + kv * stride_vh
+    first_part = (row * tl.num_programs(1) + kv) * CHUNKS
     for chunk in range(tl.program_id(2), tl.cdiv(count, CHUNK), tl.num_programs(2)):
         start = chunk * CHUNK
         m, l, acc = _chunk_partial(  # noqa: E741
             q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
             BLOCK_M, BLOCK_N, HEAD,
         )  # fmt: skip
-        at = (row * tl.num_programs(1) + kv) * CHUNKS + chunk
+        at = first_part + chunk
         tl.store(part_m + at * GROUPS + offs_m, m, mask=heads)
         tl.store(part_l + at * GROUPS + offs_m, l, mask=heads)
         tl.store(part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], acc, mask=heads[:, None])
+    tl.debug_barrier()  # every thread's parts stored before the arrival releases them
+    counter = arrivals + row * tl.num_programs(1) + kv
+    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+        out = _merge_parts(part_m, part_l, part_acc, first_part, count, GROUPS, CHUNK, BLOCK_M, HEAD)
+        tl.store(
+            out_ptr + row * stride_ob + (kv * GROUPS + offs_m)[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=heads[:, None],
+        )
+        tl.store(counter, 0)  # ARRIVALS: zero again for the next decode
 
 
 @triton.jit
-def _decode_merge(part_m, part_l, part_acc, counts_ptr, out_ptr, stride_ob, stride_oh,
-                  CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HEAD: tl.constexpr):  # fmt: skip
-    """Row b's chunks for cached head j merged in order; its G heads' outputs stored."""
-    row, kv = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    count = tl.load(counts_ptr + row)
+def _merge_parts(part_m, part_l, part_acc, first_part, count,
+                 GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
+    """A row and cached head's chunks merged in order, as the forward merges them: its G heads' outputs (the tile's
+    padding rows 0). The parts are read past the L1 cache (``.cg``), which other programs' stores do not reach."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD)
+    heads = offs_m < GROUPS
     big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     big_l = tl.zeros([BLOCK_M], tl.float32)
     big_acc = tl.zeros([BLOCK_M, HEAD], tl.float32)
-    heads = offs_m < GROUPS
     for chunk in range(0, tl.cdiv(count, CHUNK)):
-        at = (row * tl.num_programs(1) + kv) * CHUNKS + chunk
-        m = tl.load(part_m + at * GROUPS + offs_m, mask=heads, other=float("-inf"))
-        l = tl.load(part_l + at * GROUPS + offs_m, mask=heads, other=0.0)  # noqa: E741
+        at = first_part + chunk
+        m = tl.load(part_m + at * GROUPS + offs_m, mask=heads, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_l + at * GROUPS + offs_m, mask=heads, other=0.0, cache_modifier=".cg")  # noqa: E741
         acc = tl.load(
-            part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], mask=heads[:, None], other=0.0
+            part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :],
+            mask=heads[:, None],
+            other=0.0,
+            cache_modifier=".cg",
         )
         big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc)
-    out = big_acc / tl.where(heads, big_l, 1.0)[:, None]
-    tl.store(
-        out_ptr + row * stride_ob + (kv * GROUPS + offs_m)[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=heads[:, None],
-    )
+    return big_acc / tl.where(heads, big_l, 1.0)[:, None]
+
+
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+"""ARRIVALS: per device, int32 counters (one a decode row and cached head) of the programs that have stored their parts;
+the last to arrive merges and sets its counter back to 0, so the buffer is all zeros between decodes and is never
+cleared by a launch of its own. Buffers are only added, never freed: a captured step keeps the address it was captured
+with. Decodes on one device must not overlap in time (the engine's steps run one after another on one stream)."""
+
+
+def _arrivals(device: torch.device, size: int) -> torch.Tensor:
+    """The device's newest counters if large enough, else new zeroed ones (ARRIVALS)."""
+    kept = _ARRIVALS.setdefault(device, [])
+    if not kept or kept[-1].numel() < size:
+        kept.append(torch.zeros(max(size, 2 * kept[-1].numel() if kept else 0), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def _launch_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -227,7 +256,7 @@ def causal(
     lse = logsumexp if logsumexp is not None else out  # an unread pointer when WITH_LSE is off
     grid = (triton.cdiv(max_queries, block_m), heads, samples)
     with _launch_device(query):
-        _causal_forward[grid](
+        _causal_attention[grid](
             query, key, value, out, lse, q_starts, k_starts, q_lens, firsts, scale,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *out.stride()[:3],
             logsumexp.stride(0) if logsumexp is not None else 0,
@@ -275,7 +304,9 @@ def decode(
     """One decode position's attention: queries ``[B, heads, dim]`` over cache views ``[B, kv_heads, L, dim]`` (any
     row and head strides, positions contiguous), row b reading its first ``counts[b]`` (int32) columns. Returns
     ``[B, heads, dim]``. The part buffers (fp32, B x heads x chunks x (dim + 2): 136 MB at 128 rows of 16 heads of 128
-    and 32K columns) are allocated per call; a captured step's come from its graph's pool, reused layer after layer."""
+    and 32K columns) are allocated per call; a captured step's come from its graph's pool, reused layer after layer.
+    One launch a call: the chunks' programs store their parts and the last to arrive merges them (ARRIVALS), which saves
+    a layer's second launch (the merge kernel of the first version) in every decode step."""
     rows, heads, dim = query.shape
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1, "contiguous heads only"
     kv_heads, length = key.shape[1], key.shape[2]
@@ -285,15 +316,12 @@ def decode(
     part_m, part_l = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))
     part_acc = torch.empty(parts * dim, dtype=torch.float32, device=query.device)
     out = torch.empty_like(query)
-    common = {"GROUPS": heads // kv_heads, "CHUNK": chunk, "BLOCK_M": block_m, "HEAD": dim, "num_warps": WARPS}
+    arrivals = _arrivals(query.device, rows * kv_heads)
     with _launch_device(query):
-        _decode_partials[(rows, kv_heads, min(chunks, MAX_SPLITS))](
-            query, key, value, counts, part_m, part_l, part_acc, scale, query.stride(0), query.stride(1),
-            *key.stride()[:3], *value.stride()[:3], chunks, BLOCK_N=BLOCK_N, num_stages=STAGES,
-            enable_fp_fusion=False, **common,
-        )  # fmt: skip
-        _decode_merge[(rows, kv_heads)](
-            part_m, part_l, part_acc, counts, out, out.stride(0), out.stride(1), chunks, enable_fp_fusion=False,
-            **common,
+        _decode_attention[(rows, kv_heads, min(chunks, MAX_SPLITS))](
+            query, key, value, counts, part_m, part_l, part_acc, arrivals, out, scale, query.stride(0), query.stride(1),
+            *key.stride()[:3], *value.stride()[:3], out.stride(0), out.stride(1), chunks,
+            GROUPS=heads // kv_heads, CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD=dim, num_warps=WARPS,
+            num_stages=DECODE_STAGES, enable_fp_fusion=False,
         )  # fmt: skip
     return out

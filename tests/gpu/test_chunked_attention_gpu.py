@@ -69,6 +69,32 @@ def test_many_long_rows_decode_bitwise_the_trainers_forward():
     assert torch.equal(got, trained[last]), f"{(got != trained[last]).sum()} elements differ from the trainer's"
 
 
+def test_a_captured_decode_replayed_stays_bitwise_and_leaves_its_counters_zero():
+    """The engine replays its captured step: the decode's last-arriving program merges and zeroes its row's counter,
+    so every replay (and a decode of other rows between them) must give the forward's rows again."""
+    (q, k, v), bounds = _packed(16, 8, 128)
+    trained = attention_kernel.chunked_varlen(q, k, v, bounds, max(LENGTHS), 128**-0.5)
+    cache_k, cache_v = _cache(k, v, bounds, 1024)
+    last = bounds[1:].long() - 1
+    query, counts = q[last].contiguous(), torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chunked_attention.decode(query, cache_k, cache_v, counts, 128**-0.5)  # compiles, allocates the counters
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chunked_attention.decode(query, cache_k, cache_v, counts, 128**-0.5)
+    for replay in range(20):
+        got.zero_()
+        graph.replay()
+        if replay == 10:
+            chunked_attention.decode(query[:3], cache_k[:3], cache_v[:3], counts[:3], 128**-0.5)
+        torch.cuda.synchronize()
+        assert torch.equal(got, trained[last]), f"replay {replay}: {(got != trained[last]).sum()} elements differ"
+    assert not chunked_attention._ARRIVALS[query.device][-1].any()
+
+
 def test_the_kernels_take_at_most_a_tiles_groups():
     q = torch.zeros(4, 64, 128, device="cuda", dtype=torch.bfloat16)
     assert attention_kernel.chunked_kernel_takes(q, q, attention_kernel.CHUNKED_MAX_GROUPS)

@@ -1,6 +1,6 @@
 """Run by tests/unit/test_chunked_attention.py under Triton's interpreter (TRITON_INTERPRET=1, CPU, fp32): the
 chunked forward and its log-sum-exp against float64, and the split decode against the forward's rows (with fewer
-programs than chunks too)."""
+programs than chunks too), its arrival counters zero after each decode."""
 
 import torch
 
@@ -36,4 +36,5 @@ for chunk in (32, 64):
         ca.MAX_SPLITS = splits
         got = ca.decode(q[last], cache_k, cache_v, counts, D**-0.5, chunk=chunk)
         assert (got - out[last]).abs().max() < 1e-6, (chunk, splits)
+        assert not ca._ARRIVALS[got.device][-1].any(), "the last program to arrive zeroes its counter again"
 print("ok")

@@ -118,6 +118,8 @@ def test_kernel_categories_of_h200_kernel_and_cpu_op_names():
     names = {
         "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)": "attention",
         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+        "_decode_attention": "attention",  # rlrun/chunked_attention.py's kernels
+        "_causal_attention": "attention",
         "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
         "aten::addmm": "gemm",
