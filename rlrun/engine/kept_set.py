@@ -7,12 +7,15 @@ the kept set itself, and the trainer renormalises its own log-probs over the sam
 sampled (slime PR #2102; DeepSeek-V3.2's "keep sampling mask"; vLLM's sampling-mask replay).
 
 A response's kept sets are one ``[tokens, width]`` int32 matrix, each row the kept ids (most likely first)
-padded with -1, ``width`` the largest set of the response; on the wire: base64 of its bytes with ``width``.
+padded with -1, ``width`` the largest set of the response; on the wire: its bytes (msgpack carries them as binary)
+with ``width``. Why bytes, not base64 text: at the bench's Qwen3 shapes a random model keeps 512 tokens a draw, so a
+call of 64 responses of 256 tokens returns 33.5 MB of ids; as base64 that was 44.7 MB to encode, pack, validate as
+UTF-8 on unpacking and decode again in the rollout driver, about half the cost of moving it (timed on CPU).
 """
 
 from __future__ import annotations
 
-import base64
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,16 +23,21 @@ import torch
 from rlrun.engine.types import KeptIds
 
 
-def encode_kept_ids(kept: torch.Tensor) -> KeptIds:
-    """``[tokens, W]`` (-1 padded) -> the wire form, trimmed to the widest set of the response."""
-    width = max(int((kept >= 0).sum(-1).max()) if kept.numel() else 1, 1)
-    data = base64.b64encode(kept[:, :width].to(torch.int32).cpu().numpy().tobytes()).decode("ascii")
-    return {"data": data, "width": width}
+def encode_kept_rows(kept: torch.Tensor, lengths: Sequence[int]) -> list[KeptIds]:
+    """Row k's kept sets ``kept[k, :lengths[k]]`` (``[rows, tokens, W]``, -1 padded, on any device) in the wire form,
+    each trimmed to its response's widest set, from one copy to the host (not one copy and one sync a row)."""
+    host = kept[:, : max(lengths, default=0)].to(torch.int32).cpu().numpy()
+    return [_wire(host[k, :n]) for k, n in enumerate(lengths)]
+
+
+def _wire(kept: np.ndarray) -> KeptIds:
+    width = max(int((kept >= 0).sum(-1).max()) if kept.size else 1, 1)
+    return {"data": np.ascontiguousarray(kept[:, :width]).tobytes(), "width": width}
 
 
 def decode_kept_ids(kept: KeptIds, num_tokens: int) -> torch.Tensor:
-    """The ``[num_tokens, width]`` int32 matrix of :func:`encode_kept_ids`, for a response of ``num_tokens``."""
-    flat = np.frombuffer(base64.b64decode(kept["data"]), dtype=np.int32)
+    """The ``[num_tokens, width]`` int32 matrix of :func:`encode_kept_rows`, for a response of ``num_tokens``."""
+    flat = np.frombuffer(kept["data"], dtype=np.int32)
     if flat.size != num_tokens * kept["width"]:
         raise ValueError(
             f"kept_ids ({flat.size} ids) must hold output tokens x width ({num_tokens} x {kept['width']}) "

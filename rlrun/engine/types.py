@@ -42,9 +42,9 @@ class RoutedExperts(TypedDict):
 
 
 class KeptIds(TypedDict):
-    """A response's kept sets (top-p mask replay, ``rlrun.engine.kept_set``): base64 of ``[tokens, width]`` int32."""
+    """A response's kept sets (top-p mask replay, ``rlrun.engine.kept_set``): the bytes of ``[tokens, width]`` int32."""
 
-    data: str
+    data: bytes
     width: int
 
 

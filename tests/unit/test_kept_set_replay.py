@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from rlrun.data.batch import collate
 from rlrun.data.sample import Prompt, Sample
-from rlrun.engine.kept_set import decode_kept_ids, encode_kept_ids
+from rlrun.engine.kept_set import decode_kept_ids, encode_kept_rows
 from rlrun.engine.sampling import SamplingParams, SamplingTensors, filter_probs, row_key, sample_tokens
 from rlrun.megatron.token_stats import kept_set_logprobs
 from rlrun.runtime.dist import free_port
@@ -95,9 +95,27 @@ def test_rows_without_a_filter_record_no_kept_set_and_keep_full_log_probs():
     torch.testing.assert_close(logprobs[0], torch.log_softmax(logits[0], -1)[tokens[0]])
 
 
+def test_each_rows_kept_sets_cross_the_wire_as_bytes_trimmed_to_its_own_width():
+    import msgpack  # the engine's RPC frames (rlrun/engine/rpc.py)
+
+    kept = torch.full((3, 5, 6), -1, dtype=torch.long)  # the engine's buffer: rows x tokens x kept width
+    kept[0, :4, :3] = torch.arange(12).view(4, 3)
+    kept[1, :2, 0] = torch.tensor([40, 41])
+    kept[1, 3, :6] = 99  # past row 1's two tokens: not its response, so not its width either
+    lengths = [4, 2, 0]  # row 2: a response aborted before its first token
+    wires = encode_kept_rows(kept, lengths)
+    assert [w["width"] for w in wires] == [3, 1, 1]
+    frame = msgpack.unpackb(msgpack.packb({"r": wires}, use_bin_type=True), raw=False)["r"]
+    assert all(isinstance(w["data"], bytes) for w in frame)
+    for k, (wire, n) in enumerate(zip(frame, lengths, strict=True)):
+        assert torch.equal(decode_kept_ids(wire, n), kept[k, :n, : wire["width"]].to(torch.int32))
+    with pytest.raises(ValueError, match="must hold output tokens x width"):
+        decode_kept_ids(frame[0], 5)
+
+
 def test_kept_sets_travel_to_the_micro_batch_at_their_prediction_positions():
     kept = torch.tensor([[5, 6, -1, -1], [7, -1, -1, -1]], dtype=torch.int32)
-    wire = encode_kept_ids(kept)
+    wire = encode_kept_rows(kept[None], [2])[0]
     assert wire["width"] == 2 and torch.equal(decode_kept_ids(wire, 2), kept[:, :2])
     prompt = Prompt(index=0, prompt_ids=[1, 2, 3], prompt_text="")
     with_set = Sample(0, prompt, [5, 7], "", [-0.1, -0.2], "stop", kept_ids=decode_kept_ids(wire, 2))

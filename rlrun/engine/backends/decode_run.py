@@ -22,7 +22,7 @@ from rlrun.engine.backends.decode_graphs import read_len
 from rlrun.engine.backends.decode_slots import SlotTable, StopStringSlots
 from rlrun.engine.backends.routing_record import encode
 from rlrun.engine.backends.static_cache import StaticKVCache
-from rlrun.engine.kept_set import encode_kept_ids
+from rlrun.engine.kept_set import encode_kept_rows
 from rlrun.engine.sampling import KEPT_SET_WIDTH, SamplingParams, SamplingTensors
 from rlrun.engine.types import FinishReason, GenResult, RoutedExperts
 
@@ -256,9 +256,13 @@ class DecodeRun:
                 logprobs[k][: lengths[k]],
                 _finish_reason(finish[k], output_ids, self.row_params[row], stop),
             )
-            if self.batch.kept_ids is not None and bool(self.batch.sampling.filters[s]):
-                result["kept_ids"] = encode_kept_ids(self.batch.kept_ids[s, : lengths[k]])
             results.append(result)
+        if self.batch.kept_ids is not None:
+            filtering = [k for k, f in enumerate(self.batch.sampling.filters[index].tolist()) if f]
+            rows = index[torch.tensor(filtering, dtype=torch.long, device=index.device)]
+            kept = encode_kept_rows(self.batch.kept_ids[rows], [lengths[k] for k in filtering])
+            for k, wire in zip(filtering, kept, strict=True):
+                results[k]["kept_ids"] = wire
         if self.engine.router_recorder is not None:
             for result, s, length in zip(results, slots, lengths, strict=True):
                 result["routed_experts"] = self._routed_experts(s, length)
@@ -280,7 +284,7 @@ class DecodeRun:
         """A row aborted before it got a slot: no tokens (and an empty kept set where it filters)."""
         result = self._result(row, [], [], ABORTED)
         if self.batch.kept_ids is not None and self.row_params[row].needs_filter and not self.row_params[row].greedy:
-            result["kept_ids"] = encode_kept_ids(torch.empty(0, 1, dtype=torch.long))
+            result["kept_ids"] = encode_kept_rows(torch.empty(1, 0, 1, dtype=torch.long), [0])[0]
         return result
 
     def _routed_experts(self, slot: int, length: int) -> RoutedExperts:
