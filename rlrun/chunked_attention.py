@@ -100,10 +100,10 @@ def _merge(big_m, big_l, big_acc, m, l, acc):  # noqa: E741
 
 @triton.jit
 def _causal_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_starts, k_starts, q_lens, firsts, scale,
-                    stride_qs, stride_qt, stride_qh, stride_ks, stride_kt, stride_kh,
-                    stride_vs, stride_vt, stride_vh, stride_os, stride_ot, stride_oh, stride_lh,
-                    GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD: tl.constexpr, WITH_LSE: tl.constexpr):  # fmt: skip
+                      stride_qs, stride_qt, stride_qh, stride_ks, stride_kt, stride_kh,
+                      stride_vs, stride_vt, stride_vh, stride_os, stride_ot, stride_oh, stride_lh,
+                      GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD: tl.constexpr, WITH_LSE: tl.constexpr):  # fmt: skip
     """Sample s's ``q_lens[s]`` queries (from ``q_starts[s]``, at positions ``firsts[s]`` on) over its keys (from
     ``k_starts[s]``), causally: a tile of BLOCK_M positions of one head walks its chunks in order. With WITH_LSE, each
     row's log-sum-exp of its scaled scores at ``lse_ptr[head, q_starts[s] + i]``."""
@@ -146,9 +146,9 @@ def _causal_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_starts, k_starts,
 
 @triton.jit
 def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, arrivals, out_ptr, scale,
-            stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-            stride_ob, stride_oh, CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
+                      stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                      stride_ob, stride_oh, CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
     """Chunks c, c + P, c + 2P, ... (P programs a row and cached head) of row b's keys for the G query heads of cached
     head j: each one's (m, l, acc) into the part buffers ([B, H_kv, CHUNKS, G(, HEAD)]: the tile's padding rows are
     not kept); chunks past the row's keys are neither computed nor read. The row and head's last program to arrive
