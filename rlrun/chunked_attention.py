@@ -24,17 +24,17 @@ Layouts: queries, keys, values and outputs are given by a base pointer per sampl
 head), so one forward serves the trainer's packed rows (``[T, heads, dim]``, samples bounded by ``cu_seqlens``) and the
 engine's prefill over its cache (``[B, heads, L, dim]`` buffers, each row a sample from column 0).
 
-LAUNCH_DEVICE: Triton launches on the current CUDA device, so each launch runs under ``torch.cuda.device`` of its
-tensors (rlrun.engine.backends.triton_kernels says why).
+Each launch runs under :func:`rlrun.triton_support.launch_device` of its tensors (Triton launches on the current CUDA
+device).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from rlrun.triton_support import launch_device
 
 CHUNK = 256
 """Keys a chunk: both sides split each row's keys at multiples of it (measured: decode fastest at 256-512, the forward
@@ -229,11 +229,6 @@ def _arrivals(device: torch.device, size: int) -> torch.Tensor:
     return kept[-1]
 
 
-def _launch_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
-    """LAUNCH_DEVICE (the module docstring); on CPU (Triton's interpreter, ``TRITON_INTERPRET=1``) nothing."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
-
-
 def causal(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -255,7 +250,7 @@ def causal(
     q_starts, k_starts, q_lens, firsts = layout
     lse = logsumexp if logsumexp is not None else out  # an unread pointer when WITH_LSE is off
     grid = (triton.cdiv(max_queries, block_m), heads, samples)
-    with _launch_device(query):
+    with launch_device(query):
         _causal_attention[grid](
             query, key, value, out, lse, q_starts, k_starts, q_lens, firsts, scale,
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *out.stride()[:3],
@@ -317,7 +312,7 @@ def decode(
     part_acc = torch.empty(parts * dim, dtype=torch.float32, device=query.device)
     out = torch.empty_like(query)
     arrivals = _arrivals(query.device, rows * kv_heads)
-    with _launch_device(query):
+    with launch_device(query):
         _decode_attention[(rows, kv_heads, min(chunks, MAX_SPLITS))](
             query, key, value, counts, part_m, part_l, part_acc, arrivals, out, scale, query.stride(0), query.stride(1),
             *key.stride()[:3], *value.stride()[:3], out.stride(0), out.stride(1), chunks,

@@ -64,6 +64,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from rlrun import attention_kernel
 from rlrun.config.schema import BF16_KERNEL_ATTENTION, PackedAttention
+from rlrun.head_norm import HeadNorm
 from rlrun.runtime.host_to_device import to_device
 from rlrun.triton_support import triton_available
 
@@ -167,6 +168,9 @@ def _layer_spec(arch: ModelArch, moe: bool, attention: type) -> ModuleSpec:
     )
     # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
     spec.submodules.self_attention.submodules.core_attention = attention
+    if arch.qk_norm and arch.mla is None:  # per-head QK-norm: the engine's kernel on CUDA in bf16 (rlrun.head_norm)
+        spec.submodules.self_attention.submodules.q_layernorm = HeadNorm
+        spec.submodules.self_attention.submodules.k_layernorm = HeadNorm
     if arch.mla is not None and arch.mla.q_lora_rank is None:  # no query latent, so no norm on it
         from megatron.core.transformer.identity_op import IdentityOp
 

@@ -9,7 +9,9 @@ engine's log-probs move toward the trainer's, not away (fp32 statistics, one rou
 transformers rounds before the weight multiply).
 
 Only classes whose ``forward`` is Llama's formula (same source) are replaced: Gemma's ``1 + weight``
-norm, for one, is left as it is.
+norm, for one, is left as it is. The per-head query and key norms (``q_norm`` / ``k_norm``, Megatron's
+``q_layernorm`` / ``k_layernorm``: rlrun.megatron.hf_weights) run :func:`rlrun.head_norm.rms_norm_heads`, as the
+trainer's do: on CUDA in bf16 a kernel that reads the heads in place of the fused q/k/v output.
 """
 
 from __future__ import annotations
@@ -21,17 +23,27 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from rlrun.engine.backends.same_forward import has_forward_of
+from rlrun.head_norm import rms_norm_heads
+
+HEAD_NORMS = ("q_norm", "k_norm")
+"""transformers' names of the per-head query and key norms (the trainer's ``q_layernorm`` / ``k_layernorm``)."""
 
 
 def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
 
 
+def _head_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm_heads(hidden_states, self.weight, self.variance_epsilon)
+
+
 def fuse_rms_norms(model: torch.nn.Module) -> int:
-    """Give every Llama-formula RMSNorm of ``model`` the fused forward; returns how many."""
+    """Give every Llama-formula RMSNorm of ``model`` the fused forward (the head norms the shared one); returns how
+    many."""
     fused = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if has_forward_of(type(module), LlamaRMSNorm):  # type: ignore[arg-type]  # classes hash; torch types Module.__hash__ oddly
-            module.forward = types.MethodType(_fused_forward, module)
+            forward = _head_forward if name.rsplit(".", 1)[-1] in HEAD_NORMS else _fused_forward
+            module.forward = types.MethodType(forward, module)
             fused += 1
     return fused

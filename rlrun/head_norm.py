@@ -1,0 +1,85 @@
+"""The per-head query and key RMSNorm (Qwen3's QK-norm) that the trainer and the embedded engine share.
+
+On CUDA in bf16 with Triton both sides normalise with :func:`rlrun.head_norm_kernel.rms_norm_rows`, which reads the
+heads where the fused q/k/v projection wrote them (the engine's decode step no longer copies its queries and keys
+first: two launches a layer fewer) and rounds each row identically whatever its layout, so the two sides stay bitwise.
+Elsewhere (CPU, fp32, head widths the kernel does not take) both run ``F.rms_norm``, as before. Which one runs is
+decided from the tensors alone (:func:`kernel_takes`), so a trainer and its engine on the same kind of tensors always
+agree.
+
+The trainer's side is :class:`HeadNorm` (Megatron's ``q_layernorm`` / ``k_layernorm``, in place of the
+``torch.nn.RMSNorm`` that Megatron's local spec builds), its backward the RMSNorm formula in fp32; the engine's is
+:func:`rms_norm_heads` as the forward of transformers' ``q_norm`` / ``k_norm``
+(:func:`rlrun.engine.backends.fused_norm.fuse_rms_norms`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlrun.triton_support import triton_available
+
+
+def kernel_takes(x: torch.Tensor) -> bool:
+    """Whether the kernel normalises ``x``: bf16 on CUDA, Triton importable, head width a power of two in 16..256."""
+    dim = x.shape[-1]
+    return x.is_cuda and x.dtype == torch.bfloat16 and 16 <= dim <= 256 and dim & (dim - 1) == 0 and triton_available()
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x``'s last dimension (fp32 statistics, one rounding of ``x * rstd * weight``)."""
+    if kernel_takes(x):
+        return _RmsNormRows.apply(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class _RmsNormRows(torch.autograd.Function):
+    """The kernel forward; the backward is RMSNorm's gradient in fp32 from the saved input (not bitwise any other
+    backward: only forwards must agree between trainer and engine)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from rlrun.head_norm_kernel import rms_norm_rows
+
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm_rows(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight = ctx.saved_tensors
+        return (*rms_norm_backward(x, weight, ctx.eps, grad), None)
+
+
+def rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension, in fp32, cast to the inputs'
+    dtypes."""
+    x32, g32, w32 = x.float(), grad.float(), weight.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = x32 * rstd
+    g_normed = g32 * w32
+    grad_x = rstd * (g_normed - normed * (g_normed * normed).mean(-1, keepdim=True))
+    grad_w = (g32 * normed).reshape(-1, x.shape[-1]).sum(0)
+    return grad_x.to(x.dtype), grad_w.to(weight.dtype)
+
+
+class HeadNorm(torch.nn.RMSNorm):
+    """Megatron's ``q_layernorm`` / ``k_layernorm`` (built by ``build_module`` with the config, the head width and
+    epsilon, as Megatron's ``WrappedTorchNorm`` is): ``torch.nn.RMSNorm``'s weight and name, :func:`rms_norm_heads`'s
+    forward."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        if config.normalization != "RMSNorm":
+            raise ValueError(
+                f"normalization ({config.normalization}) must be RMSNorm because HeadNorm is the QK-norm of RMSNorm "
+                "models (rlrun.megatron.attention.layer_spec)"
+            )
+        super().__init__(hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_heads(x, self.weight, self.eps)  # type: ignore[arg-type]  # set from eps above
