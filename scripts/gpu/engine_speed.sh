@@ -13,7 +13,9 @@
 #   tests       the GPU tests of the decode: the chunked kernels (split decode and prefill bitwise the trainer's
 #               chunked forward, its gradients; the trainer's core attention classes), by key counts bitwise vs the trainer's forward and the masked path,
 #               read-length buckets bitwise vs the whole cache, chunked prefill bitwise, graphs kept warm, routed
-#               experts in the captured step, engine-vs-trainer exactness (tests/gpu), the sampler's shortcuts bitwise (bf16 logits, tabulated noise, no unread full-vocabulary draw)
+#               experts in the captured step, the shared QK-norm (both sides' layouts bitwise, a tiny Qwen3's run at
+#               the gate), engine-vs-trainer exactness (tests/gpu), the sampler's shortcuts bitwise (bf16 logits,
+#               tabulated noise, no unread full-vocabulary draw)
 #   bench_qwen3-0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
 #   bench_qwen3-1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
 #   tail_<shape>  scripts/engine_refill_steps.py at batch 64 and 128 (the bench's long-tail call, in process, embedded
@@ -65,7 +67,8 @@ for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
         tests) logged_step tests 480 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_attention_gpu.py \
             tests/gpu/test_attention_gpu.py tests/gpu/test_decode_attention_gpu.py \
             tests/gpu/test_decode_buckets_gpu.py tests/gpu/test_chunked_prefill_gpu.py tests/gpu/test_routing_gpu.py \
-            tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py tests/unit/test_engine_sampling.py ;;
+            tests/gpu/test_head_norm_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py \
+            tests/unit/test_engine_sampling.py ;;
         bench_*) bench "${one#bench_}" ;;
         tail_*) tail_ab "${one#tail_}" ;;
         profile_*) profile "${one#profile_}" ;;
