@@ -93,8 +93,8 @@ def main() -> None:
     ready.wait(60)
     client = RpcClient(endpoint, timeout_s=300)
     record: dict = {"benchmark": "kept_set_wire", "command": "python3 " + " ".join(sys.argv)}
-    record.update(host=platform.node(), cpus=multiprocessing.cpu_count(), rows=args.rows, tokens=args.tokens)
-    record["width"] = args.width
+    record.update(host=platform.node(), cpus=multiprocessing.cpu_count())
+    record.update(rows=args.rows, tokens=args.tokens, width=args.width)
     try:
         for form in ("none", "bytes", "base64"):
             seconds = []

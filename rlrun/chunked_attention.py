@@ -166,7 +166,8 @@ def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc,
     limit = tl.where(heads, count - 1, -1)
     k_base = k_ptr + row * stride_kb + kv * stride_kh
     v_base = v_ptr + row * stride_vb + kv * stride_vh
-    first_part = (row * tl.num_programs(1) + kv) * CHUNKS
+    pair = row * tl.num_programs(1) + kv  # this row and cached head: its counter, its CHUNKS parts
+    first_part = pair * CHUNKS
     for chunk in range(tl.program_id(2), tl.cdiv(count, CHUNK), tl.num_programs(2)):
         start = chunk * CHUNK
         m, l, acc = _chunk_partial(  # noqa: E741
@@ -178,7 +179,7 @@ def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc,
         tl.store(part_l + at * GROUPS + offs_m, l, mask=heads)
         tl.store(part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], acc, mask=heads[:, None])
     tl.debug_barrier()  # every thread's parts stored before the arrival releases them
-    counter = arrivals + row * tl.num_programs(1) + kv
+    counter = arrivals + pair
     if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
         out = _merge_parts(part_m, part_l, part_acc, first_part, count, GROUPS, CHUNK, BLOCK_M, HEAD)
         tl.store(
