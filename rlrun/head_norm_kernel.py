@@ -10,7 +10,8 @@ SAME_CODE: a row's sum of squares is a reduction whose order follows the tile's 
 the tile's shape, the warps and what it knows of the addresses. So nothing here depends on the caller: the tile is
 ``BLOCK_ROWS(D)`` rows of D, four warps, the row and head strides and the counts are not specialised
 (``do_not_specialize``), the rows are declared 8-element aligned (``tl.multiple_of``; :func:`rms_norm_rows` copies an
-input that is not, and any input whose base is not 16-byte aligned), and ``enable_fp_fusion=False``. A row then runs
+input that is not, or whose base is not 16-byte aligned: :func:`rlrun.head_norm.aligned_rows`), and
+``enable_fp_fusion=False``. A row then runs
 the same instructions whether it came from a contiguous tensor (the trainer's queries) or a strided view (the engine's
 queries and keys, the trainer's keys).
 """
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlrun.head_norm import aligned_rows
 from rlrun.triton_support import launch_device
 
 TILE = 2048
@@ -46,10 +48,10 @@ def _rms_norm_rows(x, weight, out, rows, heads, stride_r, stride_h, eps,
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.rms_norm(x, (D,), weight, eps)`` for ``x`` [..., heads, D] with D contiguous (any strides above it),
     returned contiguous."""
-    dim, heads = x.shape[-1], x.shape[-2] if x.dim() > 1 else 1
-    rows3 = x.view(-1, heads, dim) if _collapsible(x) else None
-    if rows3 is None or x.data_ptr() % 16 or rows3.stride(0) % 8 or rows3.stride(1) % 8:
-        rows3 = x.contiguous().view(-1, heads, dim)  # SAME_CODE: aligned rows, whatever the caller's layout
+    rows3 = aligned_rows(x)
+    if rows3 is None:
+        rows3 = x.contiguous().view(-1, *x.shape[-2:]) if x.dim() > 1 else x.contiguous().view(1, 1, -1)
+    dim, heads = rows3.shape[-1], rows3.shape[-2]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     count = rows3.shape[0] * heads
     if count == 0:
@@ -61,11 +63,3 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
             D=dim, BLOCK_R=block, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out
-
-
-def _collapsible(x: torch.Tensor) -> bool:
-    """Whether every dimension above the last two steps by the one below it (so [..., heads, D] views as
-    [rows, heads, D]) and D is contiguous."""
-    if x.stride(-1) != 1:
-        return False
-    return all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 3))

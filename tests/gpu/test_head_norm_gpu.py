@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlrun.head_norm import kernel_takes, rms_norm_heads
+from rlrun.head_norm import aligned_rows, kernel_takes, rms_norm_heads
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -36,9 +36,9 @@ def _layouts(tokens: int, q_heads: int, kv_heads: int, dim: int):
         torch.randn(tokens, h, dim, device="cuda", generator=gen).mul(3).bfloat16()
         for h in (q_heads,) + (kv_heads,) * 2
     )
-    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
-    engine_q = fused[:, : q_heads * dim].view(tokens, q_heads, dim)
-    engine_k = fused[:, q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)[:, None]  # [B, 1, W]: a decode step's output
+    engine_q = fused[..., : q_heads * dim].view(tokens, 1, q_heads, dim)  # as transformers' Qwen3 views it
+    engine_k = fused[..., q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, 1, kv_heads, dim)
     groups = q.view(tokens, kv_heads, q_heads // kv_heads, dim)
     mixed = torch.cat([groups, k[:, :, None], v[:, :, None]], 2).view(tokens, 1, kv_heads, -1)
     split = [q_heads // kv_heads * dim, dim, dim]
@@ -53,13 +53,15 @@ def _layouts(tokens: int, q_heads: int, kv_heads: int, dim: int):
 def test_both_sides_layouts_give_the_same_rows(tokens, q_heads, kv_heads, dim):
     (engine_q, engine_k), (trainer_q, trainer_k), (q, k) = _layouts(tokens, q_heads, kv_heads, dim)
     assert not engine_q.is_contiguous() and not trainer_k.is_contiguous() and kernel_takes(engine_q)
+    assert aligned_rows(engine_q) is not None and aligned_rows(engine_k) is not None  # read in place, not copied
     gen = torch.Generator(device="cuda").manual_seed(1)
     wq, wk = (torch.randn(dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
     for ours, theirs, plain, w in ((engine_q, trainer_q, q, wq), (engine_k, trainer_k, k, wk)):
         got = rms_norm_heads(ours, w, 1e-6)
         assert torch.equal(got, rms_norm_heads(theirs, w, 1e-6).view_as(got)), "the engine's rows are not the trainer's"
-        assert torch.equal(got, rms_norm_heads(plain, w, 1e-6))
-        torch.testing.assert_close(got.float(), F.rms_norm(plain, (dim,), w, 1e-6).float(), rtol=1.6e-2, atol=1e-2)
+        assert torch.equal(got, rms_norm_heads(plain, w, 1e-6).view_as(got))
+        reference = F.rms_norm(plain, (dim,), w, 1e-6).view_as(got)
+        torch.testing.assert_close(got.float(), reference.float(), rtol=1.6e-2, atol=1e-2)
 
 
 def test_its_gradients_agree_with_autograd_through_rms_norm():

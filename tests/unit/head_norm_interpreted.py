@@ -1,5 +1,6 @@
 """Run by tests/unit/test_head_norm.py under Triton's interpreter (TRITON_INTERPRET=1, CPU, fp32): the head-norm
-kernel on the engine's layout (heads read in place from a fused q/k/v output), on a contiguous copy and on a
+kernel on the engine's layout (heads read in place from a fused q/k/v output, at a prefill's positions and at a
+decode step's one), on a contiguous copy and on a
 misaligned view (copied first) gives the same rows, each within fp32 rounding of ``F.rms_norm``."""
 
 import torch
@@ -9,10 +10,11 @@ from rlrun.head_norm_kernel import rms_norm_rows
 
 torch.manual_seed(0)
 B, S, HQ, HKV, D = 3, 5, 4, 2, 32
-fused = torch.randn(B, S, (HQ + 2 * HKV) * D)  # the engine's q/k/v output, [batch, positions, columns]
 weight = torch.randn(D)
-for start, heads in ((0, HQ), (HQ * D, HKV)):  # its queries and its keys, as views (no copy)
-    view = fused[..., start : start + heads * D].view(B, S, heads, D)
+cases = [(positions, start, heads) for positions in (S, 1) for start, heads in ((0, HQ), (HQ * D, HKV))]
+for positions, start, heads in cases:  # a prefill's and a decode step's queries and keys, as views (no copy)
+    fused = torch.randn(B, positions, (HQ + 2 * HKV) * D)  # the engine's q/k/v output, [batch, positions, columns]
+    view = fused[..., start : start + heads * D].view(B, positions, heads, D)
     assert not view.is_contiguous()
     got = rms_norm_rows(view, weight, 1e-6)
     assert got.is_contiguous() and got.shape == view.shape

@@ -59,6 +59,32 @@ def test_the_engines_head_norms_get_the_shared_forward(tiny_model_dirs):
     assert forwards["input_layernorm"] is forwards["post_attention_layernorm"] is fused_norm._fused_forward
 
 
+def test_the_engines_decode_queries_and_keys_are_read_in_place(tiny_model_dirs):
+    """The q/k norms' inputs of a decode step ([B, 1, heads, D] views of the fused q/k/v output, whose size-1 dimension
+    carries a stride of its own) are rows the kernel reads without a copy; so are Megatron's (sequence, batch 1)."""
+    from rlrun.engine.backends.fused_projections import fuse_projections
+    from rlrun.head_norm import aligned_rows
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen3"], dtype=torch.bfloat16).eval()
+    fuse_projections(model)
+    seen = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in fused_norm.HEAD_NORMS:
+            module.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(torch.zeros(8, 1, dtype=torch.long))  # one decode position of 8 rows
+    assert len(seen) == 2 * model.config.num_hidden_layers
+    for x in seen:
+        assert not x.is_contiguous() and x.shape[1] == 1
+        rows = aligned_rows(x)
+        assert rows is not None and rows.data_ptr() == x.data_ptr(), (x.shape, x.stride())
+        assert torch.equal(rows, x.reshape(rows.shape))
+    megatron_keys = torch.zeros(5, 1, 2, 3 * 16)[..., 16:32]  # a strided slice of mixed_qkv [s, b, groups, ...]
+    assert aligned_rows(megatron_keys) is not None
+    assert aligned_rows(torch.zeros(4, 3, 16)[:, :, 1:9]) is None  # a row start off the 8-element grid: copied
+    assert aligned_rows(torch.zeros(4, 3, 2, 16).transpose(0, 1)) is None  # rows that flatten to no single stride
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
 def test_the_kernel_under_tritons_interpreter():
     path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
