@@ -205,14 +205,10 @@ def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc,
     HEADS_N."""
     row, kv = tl.program_id(0).to(tl.int64), tl.program_id(1)
     count = tl.load(counts_ptr + row)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD)
-    k_base = k_ptr + row * stride_kb + kv * stride_kh
-    v_base = v_ptr + row * stride_vb + kv * stride_vh
-    pair = row * tl.num_programs(1) + kv  # this row and cached head: its counter, its CHUNKS parts
-    first_part = pair * CHUNKS
-    offs_m = tl.arange(0, BLOCK_M)  # the tile's rows: the query heads, then padding (the merge's layout too)
     heads = offs_m < GROUPS
-    if TRANSPOSED:
+    if TRANSPOSED:  # static: the query heads as the multiplies' N, padded to HEADS_N
         offs_h = tl.arange(0, HEADS_N)
         real = offs_h < GROUPS
         q = tl.load(
@@ -221,8 +217,20 @@ def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc,
             other=0.0,
         )
         limit = tl.where(real, count - 1, -1)
-        for chunk in range(tl.program_id(2), tl.cdiv(count, CHUNK), tl.num_programs(2)):
-            start = chunk * CHUNK
+    else:
+        q = tl.load(
+            q_ptr + row * stride_qb + (kv * GROUPS + offs_m)[:, None] * stride_qh + offs_d[None, :],
+            mask=heads[:, None],
+            other=0.0,
+        )
+        limit = tl.where(heads, count - 1, -1)
+    k_base = k_ptr + row * stride_kb + kv * stride_kh
+    v_base = v_ptr + row * stride_vb + kv * stride_vh
+    pair = row * tl.num_programs(1) + kv  # this row and cached head: its counter, its CHUNKS parts
+    first_part = pair * CHUNKS
+    for chunk in range(tl.program_id(2), tl.cdiv(count, CHUNK), tl.num_programs(2)):
+        start = chunk * CHUNK
+        if TRANSPOSED:
             m, l, acc = _chunk_partial_keys_m(  # noqa: E741
                 q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
                 HEADS_N, BLOCK_N, HEAD,
@@ -231,15 +239,7 @@ def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc,
             tl.store(part_m + at * GROUPS + offs_h, m, mask=real)
             tl.store(part_l + at * GROUPS + offs_h, l, mask=real)
             tl.store(part_acc + (at * GROUPS + offs_h)[None, :] * HEAD + offs_d[:, None], acc, mask=real[None, :])
-    else:
-        q = tl.load(
-            q_ptr + row * stride_qb + (kv * GROUPS + offs_m)[:, None] * stride_qh + offs_d[None, :],
-            mask=heads[:, None],
-            other=0.0,
-        )
-        limit = tl.where(heads, count - 1, -1)
-        for chunk in range(tl.program_id(2), tl.cdiv(count, CHUNK), tl.num_programs(2)):
-            start = chunk * CHUNK
+        else:
             m, l, acc = _chunk_partial(  # noqa: E741
                 q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
                 BLOCK_M, BLOCK_N, HEAD, SUM_BY_DOT,
