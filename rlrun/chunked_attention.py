@@ -116,7 +116,7 @@ def _chunk_partial_keys_m(q, k_base, v_base, stride_kn, stride_vn, start, stop, 
     m = tl.full([HEADS], float("-inf"), tl.float32)
     l = tl.zeros([HEADS], tl.float32)  # noqa: E741
     acc = tl.zeros([HEAD, HEADS], tl.float32)
-    ones = tl.full([64, BLOCK_N], 1.0, tl.float32).to(q.dtype)  # 64 rows: the multiply the forward's sum is
+    ones = tl.full([64, BLOCK_N], 1.0, tl.float32).to(q.dtype)  # 64 rows: the forward's kind of multiply; row 0 kept
     first_row = tl.arange(0, 64)[:, None] == 0
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)

@@ -11,9 +11,8 @@ the tile's shape, the warps and what it knows of the addresses. So nothing here 
 ``BLOCK_ROWS(D)`` rows of D, four warps, the row and head strides and the counts are not specialised
 (``do_not_specialize``), the rows are declared 8-element aligned (``tl.multiple_of``; :func:`rms_norm_rows` copies an
 input that is not, or whose base is not 16-byte aligned: :func:`rlrun.head_norm.aligned_rows`), and
-``enable_fp_fusion=False``. A row then runs
-the same instructions whether it came from a contiguous tensor (the trainer's queries) or a strided view (the engine's
-queries and keys, the trainer's keys).
+``enable_fp_fusion=False``. A row then runs the same instructions whether it came from a contiguous tensor (the
+trainer's queries) or a strided view (the engine's queries and keys, the trainer's keys).
 """
 
 from __future__ import annotations
