@@ -198,6 +198,9 @@ class StepRecord:
     ``trainer_{gc,pause,resume,empty_cache}_s``, ``nccl_{destroy,rebuild}_s``, ``nccl_groups_{destroyed,rebuilt}``,
     ``nccl_one_rank_groups_with_communicator``, ``engine_{release,resume_weights,resume_kv}_s``); on CPU only the
     engine's."""
+    logprob_gap: float | None = None
+    """``train/logprob_gap``: how far the trainer's log-probs of the step's samples are from the engine's (nats a token;
+    docs/on_policy.md), so a benchmark at a model's real shapes also says whether its engine is on-policy there."""
     profiled: bool = False
     """Recorded by the torch profiler (slower): left out of the medians."""
 
@@ -227,6 +230,8 @@ class StepResult:
     median_offload: dict[str, float]
     peak_device_gb: float
     trainer_max_allocated_gb: float
+    max_logprob_gap: float | None
+    """The largest step's ``logprob_gap`` (None where the loop logged none)."""
     steps: list[StepRecord]
     run_dir: str
     profile: PhaseProfile | None = None
@@ -421,6 +426,7 @@ def step_record(row: dict, settings: StepSettings, profile_step: int | None = No
         peak_device_gb=max(device_gb, default=0.0),
         trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0),
         offload={k[len("offload/") :]: v for k, v in row.items() if k.startswith("offload/")},
+        logprob_gap=row.get("train/logprob_gap"),
         profiled=row["step"] == profile_step,
     )
 
@@ -467,6 +473,7 @@ def summarise(
         median_offload={k: statistics.median(r.offload[k] for r in timed if k in r.offload) for k in offload_keys},
         peak_device_gb=max(r.peak_device_gb for r in records),
         trainer_max_allocated_gb=max(r.trainer_max_allocated_gb for r in records),
+        max_logprob_gap=max((r.logprob_gap for r in records if r.logprob_gap is not None), default=None),
         steps=records,
         run_dir=str(run_dir),
         profile=profile,

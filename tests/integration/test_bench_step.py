@@ -107,6 +107,8 @@ def test_bench_step_json_matches_the_loop_metrics(one_rank):
         assert set(step["offload"]) == {"engine_release_s", "engine_resume_weights_s"} | kv
         assert 0 < sum(step["offload"].values()) <= step["phases_s"]["offload"]
         assert step["profiled"] is (step["step"] == 1)
+        assert step["logprob_gap"] == row["train/logprob_gap"] < 1e-4  # the engine's samples, scored on CPU in fp32
+    assert result["max_logprob_gap"] == max(row["train/logprob_gap"] for row in rows)
     assert result["fixed_length"] is True and result["warmup_steps"] == 2
     assert result["variant"] == dataclasses.asdict(Variant())  # the defaults: offload on, nothing else changed
     assert result["label"] == "embedded"
