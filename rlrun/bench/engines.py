@@ -2,8 +2,9 @@
 worker and RPC (``EngineClient``), on one random model of a published shape, in one run.
 
 Every backend gets the same weights (one random HF directory), the same prompts and lengths, and the
-same two timed calls as the in-process benchmark (greedy, then sampled at temperature 1 with top-p
-0.95), each after an untimed call of the same shape (CUDA graphs, JIT). Workers run one at a time,
+same calls as the in-process benchmark (greedy, then sampled at temperature 1 with top-p 0.95), each after an
+untimed call of the same shape (CUDA graphs, JIT) and timed :data:`REPEATS` times (the median counts; since
+2026-12-03, before that once). Workers run one at a time,
 each shut down before the next starts, so neither sees the other's memory. Tokens/s includes the RPC
 round trip, which a trainer pays too. Each worker runs at most ``batch`` requests at once
 (``max_running_requests``, both backends' server argument).
@@ -141,12 +142,24 @@ def bench_spec(
     )
 
 
-def _timed_twice(engine, device: torch.device, prompts: list[list[int]], params: dict | list[dict]) -> Throughput:
-    """One untimed call (CUDA graphs, JIT) and the same call timed; tokens are those produced."""
+REPEATS = 3
+"""Timed calls of a fixed-length cell (greedy, sampled): the cell is their median, so one slow call (a host hiccup on
+either backend) does not decide a row. The long tail, 10-20 times longer a call, is timed once."""
+
+
+def _timed(
+    engine, device: torch.device, prompts: list[list[int]], params: dict | list[dict], repeats: int = 1
+) -> Throughput:
+    """One untimed call (CUDA graphs, JIT), then ``repeats`` timed calls of the same work: the median one's time and
+    tokens (those produced), with every call's seconds where there are several."""
     engine.generate(prompts, params)
-    with timer(device) as seconds:
-        results = engine.generate(prompts, params)
-    return Throughput.of(seconds[0], sum(r["completion_tokens"] for r in results))
+    calls = []
+    for _ in range(repeats):
+        with timer(device) as seconds:
+            results = engine.generate(prompts, params)
+        calls.append((seconds[0], sum(r["completion_tokens"] for r in results)))
+    median_s, tokens = sorted(calls)[len(calls) // 2]
+    return Throughput.of(median_s, tokens, [s for s, _ in calls] if repeats > 1 else None)
 
 
 def _in_batches(engine, device: torch.device, prompts: list[list[int]], params: list[dict], batch: int) -> Throughput:
@@ -178,9 +191,9 @@ def _bench_backend(
         runs = {}
         for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
             fixed = {"max_new_tokens": new_tokens, "ignore_eos": True, **params}  # every response full length
-            runs[name] = _timed_twice(engine, device, prompts, fixed)
+            runs[name] = _timed(engine, device, prompts, fixed, REPEATS)
         if long_tail is not None:
-            runs["long_tail"] = _timed_twice(engine, device, *long_tail)
+            runs["long_tail"] = _timed(engine, device, *long_tail)
             runs["long_tail_in_batches"] = _in_batches(engine, device, *long_tail, batch=len(prompts))
     finally:
         engine.shutdown()

@@ -33,10 +33,14 @@ class Throughput:
     seconds: float
     output_tokens: int
     tokens_per_s: float
+    repeats_s: list[float] | None = None
+    """Where the run is the median of several timed calls of the same work: every call's seconds, in order."""
 
     @classmethod
-    def of(cls, seconds: float, output_tokens: int) -> Throughput:
-        return cls(seconds=seconds, output_tokens=output_tokens, tokens_per_s=output_tokens / seconds)
+    def of(cls, seconds: float, output_tokens: int, repeats_s: list[float] | None = None) -> Throughput:
+        return cls(
+            seconds=seconds, output_tokens=output_tokens, tokens_per_s=output_tokens / seconds, repeats_s=repeats_s
+        )
 
 
 @dataclasses.dataclass(frozen=True)
