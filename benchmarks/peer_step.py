@@ -186,17 +186,24 @@ def step_cell(body: dict) -> str:
     return step + (f" (wall {body['median_wall_s']:.2f})" if "median_wall_s" in body else "")
 
 
+def gap_cell(body: dict) -> str:
+    """rlrun's largest trainer-vs-engine log-prob gap over the run's steps (nats a token; docs/on_policy.md): whether
+    its engine was on-policy at this shape. Empty for the peers, which do not report one."""
+    gap = body.get("max_logprob_gap")
+    return "" if gap is None else f"{gap:.1e}"
+
+
 def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, dict]) -> str:
     lines = [
         f"{settings.shape}: {settings.prompts} prompts x {settings.samples} samples, "
         f"{settings.new_tokens}-token responses, {settings.steps} steps (median after {WARMUP_STEPS} warm-up steps)",
         "| run | s/step | phases (median s) | output tok/s | x faster than TRL (goal) | x faster than verl (goal) "
-        "| x faster than TRL+vLLM |",
-        "|---|---|---|---|---|---|---|",
+        "| x faster than TRL+vLLM | max log-prob gap |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, result in results.items():
         if "error" in result:
-            lines.append(f"| {name} | failed: {result['error']} | | | | | |")
+            lines.append(f"| {name} | failed: {result['error']} | | | | | | |")
             continue
         body = result["results"][0] if "results" in result else result
         ratio = ratios.get(name, {})
@@ -207,7 +214,7 @@ def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, di
         label = f"{name} (stopped early, {body['stopped_early']})" if "stopped_early" in body else name
         lines.append(
             f"| {label} | {step_cell(body)} | {phases} | {body['median_tokens_per_s']:.0f} | {vs_trl} "
-            f"| {vs_verl} | {vs_trl_vllm} |"
+            f"| {vs_verl} | {vs_trl_vllm} | {gap_cell(body)} |"
         )
     return "\n".join(lines)
 

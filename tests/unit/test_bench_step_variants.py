@@ -282,6 +282,13 @@ def test_the_step_cell_shows_rlruns_wall_clock_next_to_its_phases():
     assert step_cell({"median_step_s": 5.4086}) == "5.41"  # a peer's own whole-step timer
 
 
+def test_the_gap_cell_shows_rlruns_largest_log_prob_gap_and_nothing_for_a_peer():
+    from peer_step import gap_cell
+
+    assert gap_cell({"max_logprob_gap": 1.234e-7}) == "1.2e-07"
+    assert gap_cell({"max_logprob_gap": None}) == gap_cell({"median_step_s": 5.4}) == ""
+
+
 def test_verl_overrides_go_to_every_run_or_to_the_variant_named():
     from peer_step import verl_overrides
 
