@@ -23,7 +23,7 @@ whose backward is the same rotation with ``-sin``): the two sides rotate with th
 the same kernel (``rlrun.attention_kernel``).
 
 LAUNCH_DEVICE: Triton launches on the current CUDA device and its stream, so each launch runs under
-``torch.cuda.device`` of its tensors (rlrun.engine.backends.triton_kernels says why).
+:func:`rlrun.triton_support.launch_device` of its tensors (rlrun.engine.backends.triton_kernels says why).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from rlrun.triton_support import launch_device
 
 _TILE = 4096  # elements a program rotates (both halves), where the head and position counts allow
 
@@ -95,7 +97,7 @@ def rope_qk(
     heads = min(common & -common, max(1, _TILE // (2 * block)))
     tile_positions = min(max(1, _TILE // (2 * heads * block)), triton.next_power_of_2(positions))
     grid = (triton.cdiv(positions, tile_positions), (q_heads + k_heads) // heads)
-    with torch.cuda.device(q.device):  # Triton launches on the current device and its stream (LAUNCH_DEVICE)
+    with launch_device(q):  # LAUNCH_DEVICE
         _rope_qk[grid](
             q, k, cos, sin, q_out, k_out, positions, seq, q_heads // heads,
             *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],

@@ -38,7 +38,7 @@ column slice of a wider tensor is read in place. Tiles of ``BLOCK_R`` rows by ``
 columns, masked at both edges (any F, any row count).
 
 LAUNCH_DEVICE: Triton launches on the current CUDA device and its stream, so each launch runs under
-``torch.cuda.device`` of its tensors (rlrun.engine.backends.triton_kernels says why).
+:func:`rlrun.triton_support.launch_device` of its tensors (rlrun.engine.backends.triton_kernels says why).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ import importlib
 import torch
 import triton
 import triton.language as tl
+
+from rlrun.triton_support import launch_device
 
 try:  # Triton >= 3.0: the CUDA backend's libdevice bindings (3.6 on the GPU machines, 3.9 where checked)
     libdevice = importlib.import_module("triton.language.extra.cuda.libdevice")
@@ -124,7 +126,7 @@ def swiglu_forward(x: torch.Tensor) -> torch.Tensor:
     if n_rows == 0 or half == 0:
         return out
     block_r, block_c, grid = _blocks(n_rows, half)
-    with torch.cuda.device(x.device):  # Triton launches on the current device and its stream (LAUNCH_DEVICE)
+    with launch_device(x):  # LAUNCH_DEVICE
         _swiglu_fwd[grid](
             rows, out, n_rows, half, rows.stride(0), half,
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4, enable_fp_fusion=False,
@@ -142,7 +144,7 @@ def swiglu_backward(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if n_rows == 0 or half == 0:
         return dx.zero_()
     block_r, block_c, grid = _blocks(n_rows, half)
-    with torch.cuda.device(x.device):  # LAUNCH_DEVICE
+    with launch_device(x):  # LAUNCH_DEVICE
         _swiglu_bwd[grid](
             rows, grad_rows, dx, n_rows, half, rows.stride(0), grad_rows.stride(0), 2 * half,
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,

@@ -17,7 +17,7 @@ which run on the CPU and are the reference in tests/gpu/test_token_stats_gpu.py)
 inside a row and the rounding of ``exp`` differ, by a few fp32 ulps.
 
 LAUNCH_DEVICE: Triton launches on the current CUDA device and its stream, so each launch runs under
-``torch.cuda.device`` of its tensors (rlrun.engine.backends.triton_kernels says why).
+:func:`rlrun.triton_support.launch_device` of its tensors (rlrun.engine.backends.triton_kernels says why).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from rlrun.triton_support import launch_device
 
 BLOCK = 4096
 """Vocabulary columns one program reads per iteration."""
@@ -88,7 +90,7 @@ def piece_sums(
     rows, cols = logits.shape
     if rows == 0:
         return
-    with torch.cuda.device(logits.device):  # LAUNCH_DEVICE
+    with launch_device(logits):  # LAUNCH_DEVICE
         _sums[(rows,)](
             logits, logits.stride(0), m.contiguous(), target.contiguous(), owned.to(torch.uint8), out, out.stride(0),
             cols, inv_t, BLOCK=BLOCK, num_warps=8,
@@ -110,7 +112,7 @@ def piece_grad(
     rows, cols = logits.shape
     if rows == 0:
         return
-    with torch.cuda.device(logits.device):  # LAUNCH_DEVICE
+    with launch_device(logits):  # LAUNCH_DEVICE
         _grad[(rows,)](
             logits, logits.stride(0), out, out.stride(0), log_normalizer.contiguous(),
             b if a is None else a.contiguous(), b.contiguous(), target.contiguous(), target_add.contiguous(),

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlrun.triton_support import launch_device
+
 
 @triton.jit
 def _copy(src, dst, D: tl.constexpr, BLOCK: tl.constexpr):
@@ -52,7 +54,7 @@ def write_kv_columns(
     n_key_rows = rows * k_heads
     if rows == 0:
         return
-    with torch.cuda.device(key.device):  # LAUNCH_DEVICE
+    with launch_device(key):  # LAUNCH_DEVICE
         _write_kv[(n_key_rows + rows * v_heads,)](
             key, value, key_cache, value_cache, columns, n_key_rows, k_heads, v_heads,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1), *key_cache.stride()[:3],
