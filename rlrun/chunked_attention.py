@@ -208,22 +208,18 @@ def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc,
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD)
     heads = offs_m < GROUPS
-    if TRANSPOSED:  # static: the query heads as the multiplies' N, padded to HEADS_N
-        offs_h = tl.arange(0, HEADS_N)
-        real = offs_h < GROUPS
-        q = tl.load(
-            q_ptr + row * stride_qb + (kv * GROUPS + offs_h)[:, None] * stride_qh + offs_d[None, :],
-            mask=real[:, None],
-            other=0.0,
-        )
-        limit = tl.where(real, count - 1, -1)
+    if TRANSPOSED:  # static: the query heads as the multiplies' N, padded to HEADS_N (offs_m stays the merge's rows)
+        offs_q = tl.arange(0, HEADS_N)
+        real = offs_q < GROUPS
     else:
-        q = tl.load(
-            q_ptr + row * stride_qb + (kv * GROUPS + offs_m)[:, None] * stride_qh + offs_d[None, :],
-            mask=heads[:, None],
-            other=0.0,
-        )
-        limit = tl.where(heads, count - 1, -1)
+        offs_q = offs_m
+        real = heads
+    q = tl.load(
+        q_ptr + row * stride_qb + (kv * GROUPS + offs_q)[:, None] * stride_qh + offs_d[None, :],
+        mask=real[:, None],
+        other=0.0,
+    )
+    limit = tl.where(real, count - 1, -1)
     k_base = k_ptr + row * stride_kb + kv * stride_kh
     v_base = v_ptr + row * stride_vb + kv * stride_vh
     pair = row * tl.num_programs(1) + kv  # this row and cached head: its counter, its CHUNKS parts
@@ -235,19 +231,18 @@ def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc,
                 q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
                 HEADS_N, BLOCK_N, HEAD,
             )  # fmt: skip
-            at = first_part + chunk
-            tl.store(part_m + at * GROUPS + offs_h, m, mask=real)
-            tl.store(part_l + at * GROUPS + offs_h, l, mask=real)
-            tl.store(part_acc + (at * GROUPS + offs_h)[None, :] * HEAD + offs_d[:, None], acc, mask=real[None, :])
         else:
             m, l, acc = _chunk_partial(  # noqa: E741
                 q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
                 BLOCK_M, BLOCK_N, HEAD, SUM_BY_DOT,
             )  # fmt: skip
-            at = first_part + chunk
-            tl.store(part_m + at * GROUPS + offs_m, m, mask=heads)
-            tl.store(part_l + at * GROUPS + offs_m, l, mask=heads)
-            tl.store(part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], acc, mask=heads[:, None])
+        at = first_part + chunk
+        tl.store(part_m + at * GROUPS + offs_q, m, mask=real)
+        tl.store(part_l + at * GROUPS + offs_q, l, mask=real)
+        if TRANSPOSED:  # acc^T: [HEAD, heads]
+            tl.store(part_acc + (at * GROUPS + offs_q)[None, :] * HEAD + offs_d[:, None], acc, mask=real[None, :])
+        else:
+            tl.store(part_acc + (at * GROUPS + offs_q)[:, None] * HEAD + offs_d[None, :], acc, mask=real[:, None])
     tl.debug_barrier()  # every thread's parts stored before the arrival releases them
     counter = arrivals + pair
     if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
