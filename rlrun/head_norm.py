@@ -35,7 +35,7 @@ def aligned_rows(x: torch.Tensor) -> torch.Tensor | None:
     dimension of size 1 may carry any stride (the engine's decode queries [B, 1, heads, D], views of its fused q/k/v
     output, have one), which ``view`` ignores: until 2026-12-03 this check did not, and every such query and key
     was copied first (two launches a layer of a decode step)."""
-    if x.dim() < 2 or x.stride(-1) != 1 or x.data_ptr() % 16:
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
         return None
     try:
         rows = x.view(-1, *x.shape[-2:])

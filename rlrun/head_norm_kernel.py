@@ -49,7 +49,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     returned contiguous."""
     rows3 = aligned_rows(x)
     if rows3 is None:
-        rows3 = x.contiguous().view(-1, *x.shape[-2:]) if x.dim() > 1 else x.contiguous().view(1, 1, -1)
+        rows3 = x.contiguous().view(-1, *x.shape[-2:])
     dim, heads = rows3.shape[-1], rows3.shape[-2]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     count = rows3.shape[0] * heads
