@@ -32,11 +32,14 @@ wait_for() {
   [ -f "$dir/pid" ] || { echo "no run named $name under $ROOT (machine cold?)" >&2; exit 1; }
   local shown=0 deadline=$((SECONDS + seconds))
   [ -f "$dir/shown" ] && shown=$(cat "$dir/shown")
-  while [ ! -f "$dir/rc" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
+  # the JSON go to $OUT as they change, not only at the end: a call the device tool stops (its limit, or the session's
+  # device time running out) still returns what $OUT holds, so the runs finished by then are kept
+  mkdir -p "$OUT"
+  while [ ! -f "$dir/rc" ] && [ $SECONDS -lt $deadline ]; do cp -u "$dir"/out/*.json "$OUT/" 2>/dev/null; sleep 5; done
   tail -c +$((shown + 1)) "$dir/log"; stat -c %s "$dir/log" > "$dir/shown"
   # what it has written so far, finished or not (a machine taken back during a later wait returns nothing); the
   # device tool returns at most 8 files: the JSON as they are, everything else (logs) in one archive
-  mkdir -p "$OUT"; cp "$dir"/out/*.json "$OUT/" 2>/dev/null; tar -C "$dir" -czf "$OUT/${name}_files.tgz" out log
+  cp "$dir"/out/*.json "$OUT/" 2>/dev/null; tar -C "$dir" -czf "$OUT/${name}_files.tgz" out log
   if [ ! -f "$dir/rc" ]; then echo "[background] $name still running after ${seconds} s more; \$OUT has its files so far"; exit 3; fi
   cp "$dir/rc" "$OUT/$name.rc"
   echo "[background] $name ended with rc $(cat "$dir/rc"); \$OUT has its JSON and ${name}_files.tgz (out/, log)"
