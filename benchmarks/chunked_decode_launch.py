@@ -11,7 +11,8 @@ JSON (2026-12-03) measured the decode as one launch (the last program merges), b
 ``TRANSPOSED_DECODE`` (the third field of a setting) changes both sides: the forward's row sums become a multiply
 with ones, the decode multiplies with the keys as M (docs/engine.md, "A decode tile with the keys as M"); so its rows
 are compared with a forward run under it too, and ``forward`` times the trainer's forward both ways (what the row
-sum by a multiply costs the train phase).
+sum by a multiply costs the train phase). ``verdict``: whether to turn it on, and at which stages
+(benchmarks/decode_verdict.py).
 
     PYTHONPATH=$PWD python3 benchmarks/chunked_decode_launch.py --out benchmarks/results/chunked_decode_launch_h200.json
 """
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 import torch
 import triton
 from decode_attention import emit, graph_timed_us  # benchmarks/, the script's folder
+from decode_verdict import verdict
 from exact_split_decode import fp32_causal, train_forward, train_speed
 
 from rlrun import chunked_attention
@@ -97,12 +99,18 @@ def main() -> None:
     record: dict = {"benchmark": "chunked_decode_launch", "command": "python3 " + " ".join(sys.argv)}
     record["torch"], record["triton"] = torch.__version__, triton.__version__
     record["hardware"] = torch.cuda.get_device_name()
+    record["module"] = {
+        "WARPS": chunked_attention.WARPS,
+        "DECODE_STAGES": chunked_attention.DECODE_STAGES,
+        "TRANSPOSED_DECODE": chunked_attention.TRANSPOSED_DECODE,
+    }
     shapes = ((16, 8, 700), (32, 8, 1500), (9, 3, 600))
     record["exactness"] = [exactness(h, kv, n, 64, *setting) for h, kv, n in shapes for setting in SETTINGS]
     record["speed"] = [
         speed(b, n, *setting, args.iters) for b in (64, 128) for n in (256, 384, 1024, 2048) for setting in SETTINGS
     ]
     record["forward"] = [forward_cost(s, n, args.iters // 4 or 1) for s, n in ((4, 8192), (32, 640))]
+    record["verdict"] = verdict(record)
     emit(record, args.out)
 
 
