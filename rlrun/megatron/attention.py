@@ -65,6 +65,7 @@ from megatron.core.transformer.module import MegatronModule
 from rlrun import attention_kernel
 from rlrun.config.schema import BF16_KERNEL_ATTENTION, PackedAttention
 from rlrun.head_norm import HeadNorm
+from rlrun.hidden_norm import HiddenNorm
 from rlrun.runtime.host_to_device import to_device
 from rlrun.triton_support import triton_available
 
@@ -127,7 +128,8 @@ def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> ty
 def layer_spec(
     arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, packed_attention: str = "auto", dtype: str = "float32"
 ) -> ModuleSpec | TransformerBlockSubmodules:
-    """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention.
+    """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention and the
+    norms the embedded engine shares (:mod:`rlrun.head_norm`, :mod:`rlrun.hidden_norm`).
 
     MoE models get Megatron's ``MoELayer`` as the MLP, with ``SequentialMLP`` experts (one local MLP per
     expert: no grouped-GEMM kernel, so it runs on CPU; ``rlrun.megatron.moe`` maps its weights). When only
@@ -168,6 +170,8 @@ def _layer_spec(arch: ModelArch, moe: bool, attention: type) -> ModuleSpec:
     )
     # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
     spec.submodules.self_attention.submodules.core_attention = attention
+    # the hidden norms: the engine's kernel on CUDA in bf16 (rlrun.hidden_norm); the final norm stays Megatron's
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenNorm
     if arch.qk_norm and arch.mla is None:  # per-head QK-norm: the engine's kernel on CUDA in bf16 (rlrun.head_norm)
         spec.submodules.self_attention.submodules.q_layernorm = HeadNorm
         spec.submodules.self_attention.submodules.k_layernorm = HeadNorm

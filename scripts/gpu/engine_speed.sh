@@ -67,8 +67,8 @@ for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
         tests) logged_step tests 480 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_chunked_attention_gpu.py \
             tests/gpu/test_attention_gpu.py tests/gpu/test_decode_attention_gpu.py \
             tests/gpu/test_decode_buckets_gpu.py tests/gpu/test_chunked_prefill_gpu.py tests/gpu/test_routing_gpu.py \
-            tests/gpu/test_head_norm_gpu.py tests/gpu/test_onpolicy_gpu.py tests/unit/test_engine_embedded.py \
-            tests/unit/test_engine_sampling.py ;;
+            tests/gpu/test_head_norm_gpu.py tests/gpu/test_hidden_norm_gpu.py tests/gpu/test_onpolicy_gpu.py \
+            tests/unit/test_engine_embedded.py tests/unit/test_engine_sampling.py ;;
         bench_*) bench "${one#bench_}" ;;
         tail_*) tail_ab "${one#tail_}" ;;
         profile_*) profile "${one#profile_}" ;;

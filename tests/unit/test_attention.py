@@ -71,10 +71,11 @@ def test_packed_seq_params_reads_position_ids():
         packed_seq_params(torch.tensor([[1, 2, 3, 0, 1, 2]]), cpu)
 
 
-def test_layer_spec_swaps_only_the_core_attention_and_the_head_norms(tiny_model_dirs):
+def test_layer_spec_swaps_only_the_core_attention_and_the_norms(tiny_model_dirs):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from rlrun.head_norm import HeadNorm
+    from rlrun.hidden_norm import HiddenNorm
     from rlrun.megatron.attention import SDPACoreAttention, layer_spec, transformer_engine_attention
     from rlrun.megatron.hf_config import ModelArch
 
@@ -84,6 +85,8 @@ def test_layer_spec_swaps_only_the_core_attention_and_the_head_norms(tiny_model_
     assert got.core_attention is (transformer_engine_attention() or SDPACoreAttention)
     assert got.linear_qkv is want.linear_qkv and got.linear_proj is want.linear_proj
     assert got.q_layernorm is got.k_layernorm is HeadNorm  # the engine's q_norm / k_norm run the same (head_norm.py)
+    assert spec.submodules.input_layernorm is spec.submodules.pre_mlp_layernorm is HiddenNorm  # and hidden_norm.py
+    assert local.submodules.input_layernorm is not HiddenNorm
     llama = layer_spec(ModelArch.from_hf_dir(str(tiny_model_dirs["llama"]))).submodules.self_attention.submodules
     assert llama.q_layernorm is not HeadNorm and llama.k_layernorm is not HeadNorm  # no QK-norm there
 

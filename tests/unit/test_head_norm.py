@@ -51,12 +51,13 @@ def test_megatrons_head_norm_is_torchs_rmsnorm_with_the_shared_forward():
         HeadNorm(config=TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4), hidden_size=16)
 
 
-def test_the_engines_head_norms_get_the_shared_forward(tiny_model_dirs):
+def test_the_engines_head_and_hidden_norms_get_the_shared_forwards(tiny_model_dirs):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen3"], dtype=torch.float32).eval()
     fused_norm.fuse_rms_norms(model)
     forwards = {name.rsplit(".", 1)[-1]: m.forward.__func__ for name, m in model.named_modules() if "norm" in name}
     assert forwards["q_norm"] is forwards["k_norm"] is fused_norm._head_forward
-    assert forwards["input_layernorm"] is forwards["post_attention_layernorm"] is fused_norm._fused_forward
+    assert forwards["input_layernorm"] is forwards["post_attention_layernorm"] is fused_norm._hidden_forward
+    assert forwards["norm"] is fused_norm._fused_forward  # the final norm: F.rms_norm, as Megatron's final_layernorm
 
 
 def test_the_engines_decode_queries_and_keys_are_read_in_place(tiny_model_dirs):

@@ -11,7 +11,9 @@ transformers rounds before the weight multiply).
 Only classes whose ``forward`` is Llama's formula (same source) are replaced: Gemma's ``1 + weight``
 norm, for one, is left as it is. The per-head query and key norms (``q_norm`` / ``k_norm``, Megatron's
 ``q_layernorm`` / ``k_layernorm``: rlrun.megatron.hf_weights) run :func:`rlrun.head_norm.rms_norm_heads`, as the
-trainer's do: on CUDA in bf16 a kernel that reads the heads in place of the fused q/k/v output.
+trainer's do: on CUDA in bf16 a kernel that reads the heads in place of the fused q/k/v output; a decoder layer's
+input and post-attention norms (Megatron's ``input_layernorm`` / ``pre_mlp_layernorm``) run
+:func:`rlrun.hidden_norm.rms_norm_hidden`, the trainer's too.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from rlrun.engine.backends.same_forward import has_forward_of
 from rlrun.head_norm import rms_norm_heads
+from rlrun.hidden_norm import rms_norm_hidden
 
 HEAD_NORMS = ("q_norm", "k_norm")
 """transformers' names of the per-head query and key norms (the trainer's ``q_layernorm`` / ``k_layernorm``)."""
+HIDDEN_NORMS = ("input_layernorm", "post_attention_layernorm")
+"""transformers' names of a decoder layer's hidden norms (the trainer's ``input_layernorm`` / ``pre_mlp_layernorm``)."""
 
 
 def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -37,13 +42,22 @@ def _head_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm_heads(hidden_states, self.weight, self.variance_epsilon)
 
 
+def _hidden_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm_hidden(hidden_states, self.weight, self.variance_epsilon)
+
+
+SHARED_FORWARDS = {**dict.fromkeys(HEAD_NORMS, _head_forward), **dict.fromkeys(HIDDEN_NORMS, _hidden_forward)}
+"""The norms whose forward the trainer shares, by transformers' name; any other Llama-formula norm (the final
+``norm``, an MLA latent's) gets ``F.rms_norm``, as the trainer's counterpart runs."""
+
+
 def fuse_rms_norms(model: torch.nn.Module) -> int:
-    """Give every Llama-formula RMSNorm of ``model`` the fused forward (the head norms the shared one); returns how
-    many."""
+    """Give every Llama-formula RMSNorm of ``model`` the fused forward (the head and hidden norms the shared ones);
+    returns how many."""
     fused = 0
     for name, module in model.named_modules():
         if has_forward_of(type(module), LlamaRMSNorm):  # type: ignore[arg-type]  # classes hash; torch types Module.__hash__ oddly
-            forward = _head_forward if name.rsplit(".", 1)[-1] in HEAD_NORMS else _fused_forward
+            forward = SHARED_FORWARDS.get(name.rsplit(".", 1)[-1], _fused_forward)
             module.forward = types.MethodType(forward, module)
             fused += 1
     return fused

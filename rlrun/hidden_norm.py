@@ -1,0 +1,81 @@
+"""The decoder layers' hidden-state RMSNorms (input and pre-MLP) that the trainer and the embedded engine share.
+
+On CUDA in bf16 with Triton both sides normalise with :func:`rlrun.hidden_norm_kernel.rms_norm_hidden_rows` (one
+launch of about half the time of torch's on a decode step's rows), so they stay bitwise with each other as they were on
+``F.rms_norm``; elsewhere (CPU, fp32) both run ``F.rms_norm``, as before. Which one runs is decided from the tensor
+alone (:func:`kernel_takes`). The final norm (``model.norm``, Megatron's ``final_layernorm``) stays ``F.rms_norm`` on
+both sides: one launch a step.
+
+The trainer's side is :class:`HiddenNorm` (Megatron's ``input_layernorm`` / ``pre_mlp_layernorm`` in
+:func:`rlrun.megatron.attention.layer_spec`), the engine's :func:`rms_norm_hidden` as the forward of transformers'
+``input_layernorm`` / ``post_attention_layernorm`` (:func:`rlrun.engine.backends.fused_norm.fuse_rms_norms`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlrun.triton_support import triton_available
+
+MAX_WIDTH = 16384
+"""The widest row the kernel takes (one program a row)."""
+
+
+def kernel_takes(x: torch.Tensor) -> bool:
+    """Whether the kernel normalises ``x``: bf16 on CUDA, Triton importable, the width a multiple of 8 up to
+    :data:`MAX_WIDTH` (so every row starts 16-byte aligned)."""
+    dim = x.shape[-1]
+    return x.is_cuda and x.dtype == torch.bfloat16 and dim % 8 == 0 and dim <= MAX_WIDTH and triton_available()
+
+
+def rms_norm_hidden(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x``'s last dimension (fp32 statistics, one rounding of ``x * rstd * weight``)."""
+    if kernel_takes(x):
+        return _RmsNormHidden.apply(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class _RmsNormHidden(torch.autograd.Function):
+    """The kernel forward; the backward is ``F.rms_norm``'s own (its forward run again from the saved input: one
+    bandwidth-bound pass, where the fp32 formula would be six), not bitwise any other backward: only forwards must
+    agree between trainer and engine."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from rlrun.hidden_norm_kernel import rms_norm_hidden_rows
+
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm_hidden_rows(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        needs_x, needs_w = ctx.needs_input_grad[:2]
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_(needs_x)
+            w_ = weight.detach().requires_grad_(needs_w)
+            y = F.rms_norm(x_, (x.shape[-1],), w_, ctx.eps)
+        wanted = [t for t, needed in ((x_, needs_x), (w_, needs_w)) if needed]
+        grads = iter(torch.autograd.grad(y, wanted, grad))
+        return next(grads) if needs_x else None, next(grads) if needs_w else None, None
+
+
+class HiddenNorm(torch.nn.RMSNorm):
+    """Megatron's ``input_layernorm`` / ``pre_mlp_layernorm`` (built by ``build_module`` with the config, the hidden
+    size and epsilon, as Megatron's ``WrappedTorchNorm`` is): ``torch.nn.RMSNorm``'s weight and name,
+    :func:`rms_norm_hidden`'s forward."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        if config.normalization != "RMSNorm":
+            raise ValueError(
+                f"normalization ({config.normalization}) must be RMSNorm because HiddenNorm is the hidden norm of "
+                "RMSNorm models (rlrun.megatron.attention.layer_spec)"
+            )
+        super().__init__(hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_hidden(x, self.weight, self.eps)  # type: ignore[arg-type]  # set from eps above

@@ -1,0 +1,48 @@
+"""The hidden-state norms that trainer and engine share (rlrun/hidden_norm.py): which side runs what, Megatron's
+module, the engine's names, and, where Triton is installed, the kernel and its gradients under Triton's interpreter
+(the two sides bitwise in bf16 is a GPU question: tests/gpu/test_hidden_norm_gpu.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlrun.hidden_norm import HiddenNorm, kernel_takes, rms_norm_hidden
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_off_cuda_both_sides_run_torchs_rms_norm():
+    x, w = torch.randn(3, 4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    assert not kernel_takes(x)
+    assert torch.equal(rms_norm_hidden(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6))
+
+
+def test_megatrons_hidden_norm_is_torchs_rmsnorm_with_the_shared_forward():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, normalization="RMSNorm")
+    norm = HiddenNorm(config=config, hidden_size=64, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and dict(norm.named_parameters()).keys() == {"weight"}
+    norm.weight.data.normal_()
+    x = torch.randn(5, 2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-6), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="normalization \\(LayerNorm\\) must be RMSNorm"):
+        HiddenNorm(config=TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4), hidden_size=64)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+def test_the_kernel_under_tritons_interpreter():
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    script = Path(__file__).parent / "hidden_norm_interpreted.py"
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
