@@ -68,7 +68,8 @@ for name in "${@:-tests bench_qwen3-0.6b bench_qwen3-1.7b}"; do
             tests/gpu/test_attention_gpu.py tests/gpu/test_decode_attention_gpu.py \
             tests/gpu/test_decode_buckets_gpu.py tests/gpu/test_chunked_prefill_gpu.py tests/gpu/test_routing_gpu.py \
             tests/gpu/test_head_norm_gpu.py tests/gpu/test_hidden_norm_gpu.py tests/gpu/test_onpolicy_gpu.py \
-            tests/unit/test_engine_embedded.py tests/unit/test_engine_sampling.py ;;
+            tests/unit/test_engine_embedded.py tests/unit/test_engine_sampling.py \
+            tests/gpu/test_triton_kernels_gpu.py::test_the_greedy_pick_is_the_first_argmax_and_its_log_softmax ;;
         bench_*) bench "${one#bench_}" ;;
         tail_*) tail_ab "${one#tail_}" ;;
         profile_*) profile "${one#profile_}" ;;

@@ -1,6 +1,7 @@
 """On a GPU, the engine's Triton kernels are the eager ops they replace bit for bit (the fused RoPE is
 transformers' ``apply_rotary_pos_emb``, the K/V column write is two ``scatter_``), and an engine with them
-generates the same tokens and log-probs as one without them.
+generates the same tokens and log-probs as one without them; the greedy pick is torch's first argmax, its log-prob
+within fp32 rounding of ``log_softmax``.
 
     OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_triton_kernels_gpu.py
 """
@@ -164,3 +165,17 @@ def test_kernels_run_on_their_tensors_device_not_the_current_one():
     torch.cuda.synchronize(dev)
     assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
     assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(64, 151936), (128, 151936), (7, 49152)])
+def test_the_greedy_pick_is_the_first_argmax_and_its_log_softmax(rows, vocab):
+    from rlrun.engine.backends.triton_kernels import greedy_tokens
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (4 * torch.randn(rows, vocab, device="cuda", generator=g)).bfloat16()
+    logits[0, 17] = logits[0, 17 + 4096] = logits.max() + 1  # a tie within one lane of the kernel: the first wins
+    temperature = torch.rand(rows, device="cuda", generator=g) + 0.5
+    tokens, logprobs = greedy_tokens(logits, temperature)
+    assert torch.equal(tokens, logits.argmax(-1)) and tokens[0] == 17
+    want = torch.log_softmax(logits.double() / temperature.double()[:, None], -1).gather(-1, tokens[:, None])
+    torch.testing.assert_close(logprobs.double(), want.squeeze(-1), rtol=0, atol=2e-6)

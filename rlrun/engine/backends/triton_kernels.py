@@ -4,6 +4,12 @@ took several, each the same bits.
 * RoPE of the queries and keys: :mod:`rlrun.rope_kernel` (the trainer runs the same kernel).
 * :func:`write_kv_columns`, behind ``StaticKVCache.update`` in a decode step: each row's new key and value go to
   that row's own cache column in one launch instead of two ``scatter_`` calls (a copy: nothing is computed).
+* :func:`greedy_tokens`, behind ``sampling.sample_tokens`` when no row draws at random: each row's first argmax and
+  its log-prob in one launch that reads the logits twice, where the eager path wrote the logits over in fp32
+  twice (the temperature division, ``log_softmax``) before its argmax: 127 of a Qwen3-1.7B batch-64 step's 3,590
+  us (benchmarks/results/decode_profile_qwen3-1.7b_b64_75a0e49_h200.txt). Not the same bits as ``log_softmax``:
+  the log-prob is the trainer's formula (``rlrun.megatron.token_stats``: ``z = logits / T`` as a multiply by
+  ``1 / T``, ``-log sum exp(z - max z)`` for the argmax), fp32 sums in another order.
 
 LAUNCH_DEVICE: Triton launches on the current CUDA device and that device's current stream, not on its tensors'
 device, and the current device is per host thread: the embedded backend decodes on a thread of its own, where it
@@ -61,3 +67,47 @@ def write_kv_columns(
             *value_cache.stride()[:3],
             DK=k_dim, DV=v_dim, BK=triton.next_power_of_2(k_dim), BV=triton.next_power_of_2(v_dim),
         )  # fmt: skip
+
+
+GREEDY_BLOCK = 4096
+"""Vocabulary columns a greedy program reads an iteration (``token_stats_triton.BLOCK``, the trainer's)."""
+
+
+@triton.jit
+def _greedy(logits, row_stride, temperature, tokens, logprobs, n_cols, BLOCK: tl.constexpr):
+    """Row ``program_id``: the first column of the largest logit, and ``-log sum_v exp(z_v - z_max)``."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * row_stride
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_at = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        u = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        better = u > best  # strictly: each lane keeps its first column of its largest value
+        best, best_at = tl.where(better, u, best), tl.where(better, cols, best_at)
+    top = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == top, best_at, n_cols), axis=0)  # the first of the lanes holding it
+    inv_t = tl.math.div_rn(1.0, tl.load(temperature + row))
+    shift = top * inv_t
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < n_cols
+        z = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32) * inv_t - shift
+        total += tl.where(keep, tl.exp(z), 0.0)
+    tl.store(tokens + row, token.to(tl.int64))
+    tl.store(logprobs + row, -tl.log(tl.sum(total, axis=0)))  # the argmax's z - z_max is 0
+
+
+def greedy_tokens(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first argmax of ``logits [B, V]`` (unit column stride) and its log-prob under
+    ``softmax(logits / temperature)`` (fp32)."""
+    rows, cols = logits.shape
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        with launch_device(logits):  # LAUNCH_DEVICE
+            _greedy[(rows,)](
+                logits, logits.stride(0), temperature, tokens, logprobs, cols, BLOCK=GREEDY_BLOCK, num_warps=8
+            )
+    return tokens, logprobs
