@@ -15,6 +15,7 @@ The trainer's side is :class:`HeadNorm` (Megatron's ``q_layernorm`` / ``k_layern
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,18 +84,27 @@ def rms_norm_backward(
     return grad_x.to(x.dtype), grad_w.to(weight.dtype)
 
 
-class HeadNorm(torch.nn.RMSNorm):
-    """Megatron's ``q_layernorm`` / ``k_layernorm`` (built by ``build_module`` with the config, the head width and
-    epsilon, as Megatron's ``WrappedTorchNorm`` is): ``torch.nn.RMSNorm``'s weight and name, :func:`rms_norm_heads`'s
-    forward."""
+class SharedRMSNorm(torch.nn.RMSNorm):
+    """A Megatron norm that the engine's counterpart computes alike (built by ``build_module`` with the config, the
+    width and epsilon, as Megatron's ``WrappedTorchNorm`` is): ``torch.nn.RMSNorm``'s weight and name, the shared
+    function's forward."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         if config.normalization != "RMSNorm":
             raise ValueError(
-                f"normalization ({config.normalization}) must be RMSNorm because HeadNorm is the QK-norm of RMSNorm "
-                "models (rlrun.megatron.attention.layer_spec)"
+                f"normalization ({config.normalization}) must be RMSNorm because {type(self).__name__} normalises "
+                "RMSNorm models (rlrun.megatron.attention.layer_spec)"
             )
         super().__init__(hidden_size, eps=eps)
 
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    """The function both sides run (each subclass's)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_heads(x, self.weight, self.eps)  # type: ignore[arg-type]  # set from eps above
+        return self.norm(x, self.weight, self.eps)  # type: ignore[arg-type]  # set from eps above
+
+
+class HeadNorm(SharedRMSNorm):
+    """Megatron's ``q_layernorm`` / ``k_layernorm``: :func:`rms_norm_heads`."""
+
+    norm = staticmethod(rms_norm_heads)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlrun.head_norm import SharedRMSNorm
 from rlrun.triton_support import triton_available
 
 MAX_WIDTH = 16384
@@ -64,18 +65,7 @@ class _RmsNormHidden(torch.autograd.Function):
         return next(grads) if needs_x else None, next(grads) if needs_w else None, None
 
 
-class HiddenNorm(torch.nn.RMSNorm):
-    """Megatron's ``input_layernorm`` / ``pre_mlp_layernorm`` (built by ``build_module`` with the config, the hidden
-    size and epsilon, as Megatron's ``WrappedTorchNorm`` is): ``torch.nn.RMSNorm``'s weight and name,
-    :func:`rms_norm_hidden`'s forward."""
+class HiddenNorm(SharedRMSNorm):
+    """Megatron's ``input_layernorm`` / ``pre_mlp_layernorm``: :func:`rms_norm_hidden`."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        if config.normalization != "RMSNorm":
-            raise ValueError(
-                f"normalization ({config.normalization}) must be RMSNorm because HiddenNorm is the hidden norm of "
-                "RMSNorm models (rlrun.megatron.attention.layer_spec)"
-            )
-        super().__init__(hidden_size, eps=eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_hidden(x, self.weight, self.eps)  # type: ignore[arg-type]  # set from eps above
+    norm = staticmethod(rms_norm_hidden)

@@ -4,22 +4,17 @@ equality is a GPU question: tests/gpu/test_chunked_attention_gpu.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import needs_triton, run_interpreted
 from rlrun import attention_kernel
 from rlrun.bench.engines import bench_spec
 from rlrun.config.schema import RunConfig
 from rlrun.engine.backends import BackendSpec
 from rlrun.engine.backends.embedded import _attention_implementation
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_chunked_varlen_trainer_gives_its_embedded_engine_the_chunked_kernels():
@@ -85,12 +80,7 @@ memory-efficient path (tokens equal, log-probs within 1e-5: fp32 sums in other o
 on them against SDPA's."""
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@needs_triton
 @pytest.mark.parametrize("script", INTERPRETED)
 def test_the_chunked_kernels_under_tritons_interpreter(script):
-    path = os.pathsep.join([str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / script)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(script, timeout=900)

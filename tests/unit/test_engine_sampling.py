@@ -4,18 +4,12 @@ follow softmax(logits / T) after top-k filtering, log-probs taken before filteri
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import needs_triton, run_interpreted
 from rlrun.engine.sampling import SamplingParams, SamplingTensors, filter_probs, row_key, sample_tokens, uniform_noise
-
-REPO = Path(__file__).resolve().parents[2]
 
 NUM_ROWS = 20_000
 
@@ -108,11 +102,7 @@ def test_the_decode_steps_sampler_shortcuts_are_bitwise_the_paths_they_replace(d
     assert new[1].dtype == torch.float32 and len(set(new[0].tolist())) > 10  # draws, not one token
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@needs_triton
 def test_the_greedy_kernel_under_tritons_interpreter():
     """The all-greedy decode step's one launch (on CUDA: tests/gpu/test_triton_kernels_gpu.py)."""
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    script = Path(__file__).parent / "greedy_kernel_interpreted.py"
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted("greedy_kernel_interpreted.py")

@@ -4,21 +4,14 @@ Triton's interpreter (the two sides' layouts bitwise in bf16 is a GPU question: 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from interpreted import needs_triton, run_interpreted
 from rlrun.engine.backends import fused_norm
 from rlrun.head_norm import HeadNorm, kernel_takes, rms_norm_backward, rms_norm_heads
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_off_cuda_both_sides_run_torchs_rms_norm():
@@ -86,10 +79,6 @@ def test_the_engines_decode_queries_and_keys_are_read_in_place(tiny_model_dirs):
     assert aligned_rows(torch.zeros(4, 3, 2, 16).transpose(0, 1)) is None  # rows that flatten to no single stride
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@needs_triton
 def test_the_kernel_under_tritons_interpreter():
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    script = Path(__file__).parent / "head_norm_interpreted.py"
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted("head_norm_interpreted.py")

@@ -4,19 +4,12 @@ module, the engine's names, and, where Triton is installed, the kernel and its g
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from interpreted import needs_triton, run_interpreted
 from rlrun.hidden_norm import HiddenNorm, kernel_takes, rms_norm_hidden
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_off_cuda_both_sides_run_torchs_rms_norm():
@@ -39,10 +32,6 @@ def test_megatrons_hidden_norm_is_torchs_rmsnorm_with_the_shared_forward():
         HiddenNorm(config=TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4), hidden_size=64)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)")
+@needs_triton
 def test_the_kernel_under_tritons_interpreter():
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    script = Path(__file__).parent / "hidden_norm_interpreted.py"
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted("hidden_norm_interpreted.py")
