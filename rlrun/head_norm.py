@@ -8,7 +8,8 @@ decided from the tensors alone (:func:`kernel_takes`), so a trainer and its engi
 agree.
 
 The trainer's side is :class:`HeadNorm` (Megatron's ``q_layernorm`` / ``k_layernorm``, in place of the
-``torch.nn.RMSNorm`` that Megatron's local spec builds), its backward the RMSNorm formula in fp32; the engine's is
+``torch.nn.RMSNorm`` that Megatron's local spec builds), its backward ``F.rms_norm``'s (:class:`KernelRmsNorm`); the
+engine's is
 :func:`rms_norm_heads` as the forward of transformers' ``q_norm`` / ``k_norm``
 (:func:`rlrun.engine.backends.fused_norm.fuse_rms_norms`).
 """
@@ -48,40 +49,34 @@ def aligned_rows(x: torch.Tensor) -> torch.Tensor | None:
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x``'s last dimension (fp32 statistics, one rounding of ``x * rstd * weight``)."""
     if kernel_takes(x):
-        return _RmsNormRows.apply(x, weight, eps)
+        from rlrun.head_norm_kernel import rms_norm_rows
+
+        return KernelRmsNorm.apply(rms_norm_rows, x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-class _RmsNormRows(torch.autograd.Function):
-    """The kernel forward; the backward is RMSNorm's gradient in fp32 from the saved input (not bitwise any other
-    backward: only forwards must agree between trainer and engine)."""
+class KernelRmsNorm(torch.autograd.Function):
+    """A shared norm kernel's forward, ``kernel(x, weight, eps)``; the backward is ``F.rms_norm``'s own, its forward
+    run again from the saved input (one bandwidth-bound pass): not bitwise any other backward, since only forwards
+    must agree between trainer and engine."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        from rlrun.head_norm_kernel import rms_norm_rows
-
+    def forward(ctx: Any, kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, eps: float):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        return rms_norm_rows(x, weight, eps)
+        return kernel(x, weight, eps)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
-        return (*rms_norm_backward(x, weight, ctx.eps, grad), None)
-
-
-def rms_norm_backward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension, in fp32, cast to the inputs'
-    dtypes."""
-    x32, g32, w32 = x.float(), grad.float(), weight.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    normed = x32 * rstd
-    g_normed = g32 * w32
-    grad_x = rstd * (g_normed - normed * (g_normed * normed).mean(-1, keepdim=True))
-    grad_w = (g32 * normed).reshape(-1, x.shape[-1]).sum(0)
-    return grad_x.to(x.dtype), grad_w.to(weight.dtype)
+        needs_x, needs_w = ctx.needs_input_grad[1:3]
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_(needs_x)
+            w_ = weight.detach().requires_grad_(needs_w)
+            y = F.rms_norm(x_, (x.shape[-1],), w_, ctx.eps)
+        wanted = [t for t, needed in ((x_, needs_x), (w_, needs_w)) if needed]
+        grads = iter(torch.autograd.grad(y, wanted, grad))
+        return None, next(grads) if needs_x else None, next(grads) if needs_w else None, None
 
 
 class SharedRMSNorm(torch.nn.RMSNorm):

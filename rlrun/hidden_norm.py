@@ -13,12 +13,10 @@ The trainer's side is :class:`HiddenNorm` (Megatron's ``input_layernorm`` / ``pr
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from rlrun.head_norm import SharedRMSNorm
+from rlrun.head_norm import KernelRmsNorm, SharedRMSNorm
 from rlrun.triton_support import triton_available
 
 MAX_WIDTH = 16384
@@ -35,34 +33,10 @@ def kernel_takes(x: torch.Tensor) -> bool:
 def rms_norm_hidden(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x``'s last dimension (fp32 statistics, one rounding of ``x * rstd * weight``)."""
     if kernel_takes(x):
-        return _RmsNormHidden.apply(x, weight, eps)
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-class _RmsNormHidden(torch.autograd.Function):
-    """The kernel forward; the backward is ``F.rms_norm``'s own (its forward run again from the saved input: one
-    bandwidth-bound pass, where the fp32 formula would be six), not bitwise any other backward: only forwards must
-    agree between trainer and engine."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from rlrun.hidden_norm_kernel import rms_norm_hidden_rows
 
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return rms_norm_hidden_rows(x, weight, eps)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight = ctx.saved_tensors
-        needs_x, needs_w = ctx.needs_input_grad[:2]
-        with torch.enable_grad():
-            x_ = x.detach().requires_grad_(needs_x)
-            w_ = weight.detach().requires_grad_(needs_w)
-            y = F.rms_norm(x_, (x.shape[-1],), w_, ctx.eps)
-        wanted = [t for t, needed in ((x_, needs_x), (w_, needs_w)) if needed]
-        grads = iter(torch.autograd.grad(y, wanted, grad))
-        return next(grads) if needs_x else None, next(grads) if needs_w else None, None
+        return KernelRmsNorm.apply(rms_norm_hidden_rows, x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class HiddenNorm(SharedRMSNorm):

@@ -1,12 +1,10 @@
 """Run by tests/unit/test_hidden_norm.py under Triton's interpreter (TRITON_INTERPRET=1, CPU, fp32): the hidden-norm
 kernel at power-of-two and other widths (a masked tile) within fp32 rounding of ``F.rms_norm``, the same rows from a
-contiguous tensor, a strided view and a misaligned one (both copied first), and its autograd function's gradients
-those of autograd through ``F.rms_norm``."""
+contiguous tensor, a strided view and a misaligned one (both copied first)."""
 
 import torch
 import torch.nn.functional as F
 
-from rlrun.hidden_norm import _RmsNormHidden
 from rlrun.hidden_norm_kernel import rms_norm_hidden_rows
 
 torch.manual_seed(0)
@@ -26,15 +24,4 @@ for dim in (24, 256, 320, 1024):
         )
 assert rms_norm_hidden_rows(torch.empty(0, 2, 64), torch.ones(64), 1e-6).shape == (0, 2, 64)
 
-x = torch.randn(4, 2, 64, dtype=torch.float64) * 2
-w = torch.randn(64, dtype=torch.float64)
-grad = torch.randn(4, 2, 64, dtype=torch.float64)
-x32, w32, grad32 = (t.float() for t in (x, w, grad))
-for needs_w in (True, False):
-    a, b = x32.clone().requires_grad_(), w32.clone().requires_grad_(needs_w)
-    _RmsNormHidden.apply(a, b, 1e-6).backward(grad32)
-    ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_(needs_w)
-    F.rms_norm(ref_x, (64,), ref_w, 1e-6).backward(grad)
-    assert (a.grad.double() - ref_x.grad).abs().max() < 1e-4
-    assert (b.grad is None) if not needs_w else (b.grad.double() - ref_w.grad).abs().max() < 1e-4
 print("ok")

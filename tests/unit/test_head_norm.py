@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from interpreted import needs_triton, run_interpreted
 from rlrun.engine.backends import fused_norm
-from rlrun.head_norm import HeadNorm, kernel_takes, rms_norm_backward, rms_norm_heads
+from rlrun.head_norm import HeadNorm, KernelRmsNorm, kernel_takes, rms_norm_heads
 
 
 def test_off_cuda_both_sides_run_torchs_rms_norm():
@@ -20,14 +20,21 @@ def test_off_cuda_both_sides_run_torchs_rms_norm():
     assert torch.equal(rms_norm_heads(x, w, 1e-6), F.rms_norm(x, (16,), w, 1e-6))
 
 
-def test_the_backward_is_rms_norms_gradient():
-    x = torch.randn(2, 3, 4, 32, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(32, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("needs_w", [True, False])
+def test_a_kernel_norms_backward_is_autograd_through_rms_norm(needs_w):
+    """Whatever the kernel's forward (here a stand-in that doubles), the gradients are ``F.rms_norm``'s from the saved
+    input; a weight without a gradient gets none."""
+    x = torch.randn(2, 3, 4, 32, dtype=torch.float64)
+    w = torch.randn(32, dtype=torch.float64)
     grad = torch.randn(2, 3, 4, 32, dtype=torch.float64)
-    F.rms_norm(x, (32,), w, 1e-6).backward(grad)
-    got_x, got_w = rms_norm_backward(x.detach(), w.detach(), 1e-6, grad)
-    torch.testing.assert_close(got_x, x.grad, rtol=1e-6, atol=1e-6)  # fp32 arithmetic inside
-    torch.testing.assert_close(got_w, w.grad, rtol=1e-5, atol=1e-5)
+    ours = [x.clone().requires_grad_(), w.clone().requires_grad_(needs_w)]
+    out = KernelRmsNorm.apply(lambda a, b, eps: 2 * F.rms_norm(a, (32,), b, eps), *ours, 1e-6)
+    torch.testing.assert_close(out, 2 * F.rms_norm(x, (32,), w, 1e-6))
+    out.backward(grad)
+    ref = [x.clone().requires_grad_(), w.clone().requires_grad_(needs_w)]
+    F.rms_norm(ref[0], (32,), ref[1], 1e-6).backward(grad)
+    torch.testing.assert_close(ours[0].grad, ref[0].grad, rtol=0, atol=0)
+    assert (ours[1].grad is None) if not needs_w else torch.equal(ours[1].grad, ref[1].grad)
 
 
 def test_megatrons_head_norm_is_torchs_rmsnorm_with_the_shared_forward():
