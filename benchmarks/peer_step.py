@@ -303,17 +303,6 @@ def main() -> None:
             str(args.work / f"{name}.json"),
         ]
     trl_vllm = names(args.trl_vllm, "--trl-vllm", TRL_VLLM_VARIANTS)
-    for name in trl_vllm:
-        runs[name] = [
-            args.trl_vllm_python,
-            str(REPO / "benchmarks" / "trl_grpo.py"),
-            *flags,
-            "--use-vllm",
-            "--offload",
-            TRL_VLLM_VARIANTS[name],
-            "--out",
-            str(args.work / f"{name}.json"),
-        ] + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
     profile = [] if args.profile_step is None else ["--profile-step", str(args.profile_step)]
     for spec in [b.strip() for b in args.backends.split(",") if b.strip()]:
         runs[spec] = [
@@ -330,6 +319,18 @@ def main() -> None:
             "--timeout-s",
             str(args.timeout_s),
         ]
+    # TRL with vLLM last: no goal is set against it, so a run that ends early keeps verl's and rlrun's rows
+    for name in trl_vllm:
+        runs[name] = [
+            args.trl_vllm_python,
+            str(REPO / "benchmarks" / "trl_grpo.py"),
+            *flags,
+            "--use-vllm",
+            "--offload",
+            TRL_VLLM_VARIANTS[name],
+            "--out",
+            str(args.work / f"{name}.json"),
+        ] + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
     results: dict[str, dict] = {}
     if args.no_trl and args.reuse_trl:
         raise SystemExit("--no-trl and --reuse-trl must not be given together because one drops TRL; drop one")
