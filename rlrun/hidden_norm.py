@@ -39,6 +39,21 @@ def rms_norm_hidden(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def add_rms_norm_hidden(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm_hidden(residual + x), residual + x)``: one launch where the kernel takes ``x`` and nothing needs a
+    gradient (the engine's decoder layers, ``fused_norm.fuse_residual_norms``), the same bits as the two steps, which
+    run otherwise."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad)
+    if kernel_takes(x) and residual.shape == x.shape and residual.dtype == x.dtype and not grad:
+        from rlrun.hidden_norm_kernel import add_rms_norm_hidden_rows
+
+        return add_rms_norm_hidden_rows(x, residual, weight, eps)
+    summed = residual + x
+    return rms_norm_hidden(summed, weight, eps), summed
+
+
 class HiddenNorm(SharedRMSNorm):
     """Megatron's ``input_layernorm`` / ``pre_mlp_layernorm``: :func:`rms_norm_hidden`."""
 

@@ -23,13 +23,20 @@ from rlrun.triton_support import launch_device
 
 
 @triton.jit
-def _rms_norm_hidden(x, weight, out, eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_hidden(x, residual, weight, out, summed, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr):
     """Row ``program_id`` of ``x`` and ``out`` ([rows, D] contiguous): fp32 statistics, one rounding of
-    ``x * rstd * w``."""
+    ``x * rstd * w``. With ``ADD``, ``x`` is first ``x + residual`` rounded to the input's dtype (as eager PyTorch
+    adds), stored in ``summed``: the same row then runs the same reduction as without."""
     start = tl.program_id(0).to(tl.int64) * D
     d = tl.arange(0, BLOCK_D)
     keep = d < D
-    xs = tl.load(x + start + d, mask=keep, other=0.0).to(tl.float32)
+    xs = tl.load(x + start + d, mask=keep, other=0.0)
+    if ADD:  # in fp32, rounded once to the dtype: eager PyTorch's sum (and the one correctly rounded sum: fp32 has
+        # more than twice bf16's and fp16's precision, so rounding twice cannot differ from rounding once)
+        r = tl.load(residual + start + d, mask=keep, other=0.0)
+        xs = (xs.to(tl.float32) + r.to(tl.float32)).to(x.dtype.element_ty)
+        tl.store(summed + start + d, xs, mask=keep)
+    xs = xs.to(tl.float32)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(xs * xs, axis=0) / D + eps)
     w = tl.load(weight + d, mask=keep, other=0.0).to(tl.float32)
     tl.store(out + start + d, (xs * rstd * w).to(out.dtype.element_ty), mask=keep)
@@ -40,20 +47,36 @@ def warps(dim: int) -> int:
     return 4 if dim <= 2048 else 8 if dim <= 8192 else 16
 
 
-def rms_norm_hidden_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x, (D,), weight, eps)`` for ``x`` [..., D], returned contiguous."""
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned
-    if weight.data_ptr() % 16:  # the same specialisation on both sides whatever buffer holds the weight
-        weight = weight.clone()
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous from a 16-byte aligned base (a fresh copy otherwise): the rows every caller's kernel reads."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    x, weight = _aligned(x), _aligned(weight)  # the same specialisation on both sides whatever buffers hold them
+    residual = None if residual is None else _aligned(residual)
     dim = x.shape[-1]
     out = torch.empty_like(x)
+    summed = None if residual is None else torch.empty_like(x)
     rows = x.numel() // dim
-    if rows == 0:
-        return out
-    with launch_device(x):
-        _rms_norm_hidden[(rows,)](
-            x, weight, out, eps, D=dim, BLOCK_D=triton.next_power_of_2(dim), num_warps=warps(dim),
-            enable_fp_fusion=False,
-        )  # fmt: skip
-    return out
+    if rows:
+        with launch_device(x):
+            _rms_norm_hidden[(rows,)](
+                x, residual, weight, out, summed, eps, D=dim, BLOCK_D=triton.next_power_of_2(dim),
+                ADD=residual is not None, num_warps=warps(dim), enable_fp_fusion=False,
+            )  # fmt: skip
+    return out, summed
+
+
+def rms_norm_hidden_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (D,), weight, eps)`` for ``x`` [..., D], returned contiguous."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm_hidden_rows(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm_hidden_rows(residual + x), residual + x)`` in one launch; ``residual`` shaped as ``x``."""
+    out, summed = _launch(x, residual, weight, eps)
+    assert summed is not None
+    return out, summed

@@ -1,8 +1,8 @@
 """The shared hidden norms (rlrun/hidden_norm.py) on the GPU, bf16: the kernel's rows are bitwise the same from the
 trainer's layout (Megatron's [tokens, 1, hidden]) and from the engine's (a prefill's [B, S, hidden], a decode step's
-[B, 1, hidden], a misaligned view), within one rounding of ``F.rms_norm``, and its gradients are autograd's through
-``F.rms_norm``. Whole runs on both sides' kernels: the SmolLM2 gate (tests/gpu/test_onpolicy_gpu.py) and the tiny
-Qwen3 one (tests/gpu/test_head_norm_gpu.py).
+[B, 1, hidden], a misaligned view), within one rounding of ``F.rms_norm``, the engine's residual add in the same
+launch gives the two steps' bits, and its gradients are autograd's through ``F.rms_norm``. Whole runs on both sides'
+kernels: the SmolLM2 gate (tests/gpu/test_onpolicy_gpu.py) and the tiny Qwen3 one (tests/gpu/test_head_norm_gpu.py).
 
     OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_hidden_norm_gpu.py
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlrun.hidden_norm import kernel_takes, rms_norm_hidden
+from rlrun.hidden_norm import add_rms_norm_hidden, kernel_takes, rms_norm_hidden
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -48,3 +48,15 @@ def test_its_gradients_are_autograds_through_rms_norm():
     F.rms_norm(ref[0], (2048,), ref[1], 1e-6).backward(grad)
     assert torch.equal(ours[0].grad, ref[0].grad)
     torch.testing.assert_close(ours[1].grad, ref[1].grad, rtol=1e-3, atol=1e-3)  # a sum over rows, its order torch's
+
+
+@pytest.mark.parametrize("dim", [576, 2048, 2560])
+def test_the_engines_add_and_norm_in_one_launch_are_the_two_steps(dim):
+    """The engine's decoder layers (``fused_norm.fuse_residual_norms``) against the trainer's add, then norm."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x, residual = (torch.randn(64, 1, dim, device="cuda", generator=gen).mul(3).bfloat16() for _ in range(2))
+    w = torch.randn(dim, device="cuda", generator=gen).bfloat16()
+    with torch.no_grad():
+        normed, summed = add_rms_norm_hidden(x, residual, w, 1e-6)
+    assert torch.equal(summed, residual + x)
+    assert torch.equal(normed, rms_norm_hidden((residual + x).view(-1, 1, dim), w, 1e-6).view_as(normed))

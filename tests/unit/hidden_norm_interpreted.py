@@ -1,11 +1,12 @@
 """Run by tests/unit/test_hidden_norm.py under Triton's interpreter (TRITON_INTERPRET=1, CPU, fp32): the hidden-norm
 kernel at power-of-two and other widths (a masked tile) within fp32 rounding of ``F.rms_norm``, the same rows from a
-contiguous tensor, a strided view and a misaligned one (both copied first)."""
+contiguous tensor, a strided view and a misaligned one (both copied first), and with the residual add in the same
+launch the sum and the rows of the two steps."""
 
 import torch
 import torch.nn.functional as F
 
-from rlrun.hidden_norm_kernel import rms_norm_hidden_rows
+from rlrun.hidden_norm_kernel import add_rms_norm_hidden_rows, rms_norm_hidden_rows
 
 torch.manual_seed(0)
 for dim in (24, 256, 320, 1024):
@@ -22,6 +23,9 @@ for dim in (24, 256, 320, 1024):
             rms_norm_hidden_rows(view, weight, 1e-6),
             rms_norm_hidden_rows(view.clone(memory_format=torch.contiguous_format), weight, 1e-6),
         )
+    residual = torch.randn(3, 5, dim)
+    normed, summed = add_rms_norm_hidden_rows(x, residual, weight, 1e-6)  # the add in the same launch
+    assert torch.equal(summed, residual + x) and torch.equal(normed, rms_norm_hidden_rows(residual + x, weight, 1e-6))
 assert rms_norm_hidden_rows(torch.empty(0, 2, 64), torch.ones(64), 1e-6).shape == (0, 2, 64)
 
 print("ok")

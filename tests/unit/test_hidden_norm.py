@@ -35,3 +35,23 @@ def test_megatrons_hidden_norm_is_torchs_rmsnorm_with_the_shared_forward():
 @needs_triton
 def test_the_kernel_under_tritons_interpreter():
     run_interpreted("hidden_norm_interpreted.py")
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_the_engines_decoder_layers_add_and_normalise_in_one_step_with_the_same_logits(tiny_model_dirs, kind):
+    """Off CUDA the fused layer runs the add and the norm as two steps: the logits are the unfused layer's, bit for
+    bit (on CUDA in bf16 the one launch against the two: tests/gpu/test_hidden_norm_gpu.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlrun.engine.backends import fused_norm
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[kind], dtype=torch.float32).eval()
+    fused_norm.fuse_rms_norms(model)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(tokens).logits
+        assert fused_norm.fuse_residual_norms(model) == model.config.num_hidden_layers
+        got = model(tokens).logits
+    assert torch.equal(got, want)
+    layer = model.model.layers[0]
+    assert layer.forward.__func__ is fused_norm._add_norm_layer_forward

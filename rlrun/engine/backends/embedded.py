@@ -39,7 +39,7 @@ from rlrun.engine.backends.decode_control import DecodeControl, RequestHandle
 from rlrun.engine.backends.decode_graphs import WarmBatch, WarmBatches
 from rlrun.engine.backends.decode_run import SYNC_EVERY, DecodeRun
 from rlrun.engine.backends.fused_experts import expert_slice
-from rlrun.engine.backends.fused_norm import fuse_rms_norms
+from rlrun.engine.backends.fused_norm import fuse_residual_norms, fuse_rms_norms
 from rlrun.engine.backends.fused_projections import fuse_projections
 from rlrun.engine.backends.fused_rope import fuse_rotary
 from rlrun.engine.backends.fused_swiglu import fuse_swiglu
@@ -168,6 +168,7 @@ class EmbeddedEngine:
             .requires_grad_(False)
         )
         fuse_rms_norms(self.model)
+        fuse_residual_norms(self.model)  # on the shared hidden norms: after fuse_rms_norms
         fuse_rotary(self.model)
         self._slices = fuse_projections(self.model)
         """Checkpoint names of the q/k/v and gate/up weights -> their rows of the fused parameters."""

@@ -1,4 +1,4 @@
-"""RMSNorm of a transformers decoder as one ``F.rms_norm`` call.
+"""RMSNorm of a transformers decoder as one ``F.rms_norm`` call, or the kernel the trainer shares.
 
 transformers' Llama-family ``RMSNorm.forward`` is eight kernels (two casts, square, mean, add, rsqrt,
 two multiplies); Qwen3 runs four norms per layer (input, post-attention, per-head query and key), so a
@@ -22,11 +22,11 @@ import types
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from rlrun.engine.backends.same_forward import has_forward_of
 from rlrun.head_norm import rms_norm_heads
-from rlrun.hidden_norm import rms_norm_hidden
+from rlrun.hidden_norm import add_rms_norm_hidden, rms_norm_hidden
 
 HEAD_NORMS = ("q_norm", "k_norm")
 """transformers' names of the per-head query and key norms (the trainer's ``q_layernorm`` / ``k_layernorm``)."""
@@ -59,5 +59,29 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
         if has_forward_of(type(module), LlamaRMSNorm):  # type: ignore[arg-type]  # classes hash; torch types Module.__hash__ oddly
             forward = SHARED_FORWARDS.get(name.rsplit(".", 1)[-1], _fused_forward)
             module.forward = types.MethodType(forward, module)
+            fused += 1
+    return fused
+
+
+def _add_norm_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Llama's decoder layer with the attention's residual add and the post-attention norm in one launch."""
+    residual = hidden_states
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    norm = self.post_attention_layernorm
+    hidden_states, residual = add_rms_norm_hidden(hidden_states, residual, norm.weight, norm.variance_epsilon)
+    return residual + self.mlp(hidden_states)
+
+
+def fuse_residual_norms(model: torch.nn.Module) -> int:
+    """Give every Llama-formula decoder layer of ``model`` whose post-attention norm runs the shared hidden norm
+    (after :func:`fuse_rms_norms`) the forward that adds its attention's output into the residual stream and
+    normalises in one launch; returns how many. The trainer adds, then normalises with the same kernel: the same
+    bits (rlrun/hidden_norm_kernel.py)."""
+    fused = 0
+    for module in model.modules():
+        norm = getattr(module, "post_attention_layernorm", None)
+        shared = getattr(getattr(norm, "forward", None), "__func__", None) is _hidden_forward
+        if shared and has_forward_of(type(module), LlamaDecoderLayer):  # type: ignore[arg-type]  # as above
+            module.forward = types.MethodType(_add_norm_layer_forward, module)
             fused += 1
     return fused
