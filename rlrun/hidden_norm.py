@@ -1,10 +1,11 @@
 """The decoder layers' hidden-state RMSNorms (input and pre-MLP) that the trainer and the embedded engine share.
 
-On CUDA in bf16 with Triton both sides normalise with :func:`rlrun.hidden_norm_kernel.rms_norm_hidden_rows` (one
-launch of about half the time of torch's on a decode step's rows), so they stay bitwise with each other as they were on
-``F.rms_norm``; elsewhere (CPU, fp32) both run ``F.rms_norm``, as before. Which one runs is decided from the tensor
-alone (:func:`kernel_takes`). The final norm (``model.norm``, Megatron's ``final_layernorm``) stays ``F.rms_norm`` on
-both sides: one launch a step.
+On CUDA in bf16 with Triton both sides normalise with :func:`rlrun.hidden_norm_kernel.rms_norm_hidden_rows` (written
+where torch's took 3.6 us a launch on a decode step's rows; not yet timed on a GPU), so they stay bitwise with each
+other as they were on ``F.rms_norm``; elsewhere (CPU, fp32) both run ``F.rms_norm``, as before. Which one runs is
+decided from the tensor alone (:func:`kernel_takes`). The final norm (``model.norm``, Megatron's ``final_layernorm``)
+stays ``F.rms_norm`` on both sides: one launch a step. The engine's decoder layers also add the attention's output
+into the residual stream in the same launch (:func:`add_rms_norm_hidden`).
 
 The trainer's side is :class:`HiddenNorm` (Megatron's ``input_layernorm`` / ``pre_mlp_layernorm`` in
 :func:`rlrun.megatron.attention.layer_spec`), the engine's :func:`rms_norm_hidden` as the forward of transformers'
