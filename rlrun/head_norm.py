@@ -8,20 +8,18 @@ decided from the tensors alone (:func:`kernel_takes`), so a trainer and its engi
 agree.
 
 The trainer's side is :class:`HeadNorm` (Megatron's ``q_layernorm`` / ``k_layernorm``, in place of the
-``torch.nn.RMSNorm`` that Megatron's local spec builds), its backward ``F.rms_norm``'s (:class:`KernelRmsNorm`); the
-engine's is
-:func:`rms_norm_heads` as the forward of transformers' ``q_norm`` / ``k_norm``
+``torch.nn.RMSNorm`` that Megatron's local spec builds), its backward ``F.rms_norm``'s
+(:class:`rlrun.shared_norm.KernelRmsNorm`); the engine's is :func:`rms_norm_heads` as the forward of transformers'
+``q_norm`` / ``k_norm``
 (:func:`rlrun.engine.backends.fused_norm.fuse_rms_norms`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
+from rlrun.shared_norm import KernelRmsNorm, SharedRMSNorm
 from rlrun.triton_support import triton_available
 
 
@@ -53,50 +51,6 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
         return KernelRmsNorm.apply(rms_norm_rows, x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-class KernelRmsNorm(torch.autograd.Function):
-    """A shared norm kernel's forward, ``kernel(x, weight, eps)``; the backward is ``F.rms_norm``'s own, its forward
-    run again from the saved input (one bandwidth-bound pass): not bitwise any other backward, since only forwards
-    must agree between trainer and engine."""
-
-    @staticmethod
-    def forward(ctx: Any, kernel: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, eps: float):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return kernel(x, weight, eps)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight = ctx.saved_tensors
-        needs_x, needs_w = ctx.needs_input_grad[1:3]
-        with torch.enable_grad():
-            x_ = x.detach().requires_grad_(needs_x)
-            w_ = weight.detach().requires_grad_(needs_w)
-            y = F.rms_norm(x_, (x.shape[-1],), w_, ctx.eps)
-        wanted = [t for t, needed in ((x_, needs_x), (w_, needs_w)) if needed]
-        grads = iter(torch.autograd.grad(y, wanted, grad))
-        return None, next(grads) if needs_x else None, next(grads) if needs_w else None, None
-
-
-class SharedRMSNorm(torch.nn.RMSNorm):
-    """A Megatron norm that the engine's counterpart computes alike (built by ``build_module`` with the config, the
-    width and epsilon, as Megatron's ``WrappedTorchNorm`` is): ``torch.nn.RMSNorm``'s weight and name, the shared
-    function's forward."""
-
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        if config.normalization != "RMSNorm":
-            raise ValueError(
-                f"normalization ({config.normalization}) must be RMSNorm because {type(self).__name__} normalises "
-                "RMSNorm models (rlrun.megatron.attention.layer_spec)"
-            )
-        super().__init__(hidden_size, eps=eps)
-
-    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    """The function both sides run (each subclass's)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, self.weight, self.eps)  # type: ignore[arg-type]  # set from eps above
 
 
 class HeadNorm(SharedRMSNorm):

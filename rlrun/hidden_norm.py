@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlrun.head_norm import KernelRmsNorm, SharedRMSNorm
+from rlrun.shared_norm import KernelRmsNorm, SharedRMSNorm
 from rlrun.triton_support import triton_available
 
 MAX_WIDTH = 16384

@@ -52,12 +52,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> list[torch.Tensor]:
+    """The kernel's outputs: ``[out]``, or ``[out, summed]`` with a residual."""
     x, weight = _aligned(x), _aligned(weight)  # the same specialisation on both sides whatever buffers hold them
     residual = None if residual is None else _aligned(residual)
-    dim = x.shape[-1]
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
+    dim = x.shape[-1]
     rows = x.numel() // dim
     if rows:
         with launch_device(x):
@@ -65,7 +66,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                 x, residual, weight, out, summed, eps, D=dim, BLOCK_D=triton.next_power_of_2(dim),
                 ADD=residual is not None, num_warps=warps(dim), enable_fp_fusion=False,
             )  # fmt: skip
-    return out, summed
+    return [out] if summed is None else [out, summed]
 
 
 def rms_norm_hidden_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,5 +79,4 @@ def add_rms_norm_hidden_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm_hidden_rows(residual + x), residual + x)`` in one launch; ``residual`` shaped as ``x``."""
     out, summed = _launch(x, residual, weight, eps)
-    assert summed is not None
     return out, summed

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from interpreted import needs_triton, run_interpreted
 from rlrun.engine.backends import fused_norm
-from rlrun.head_norm import HeadNorm, KernelRmsNorm, kernel_takes, rms_norm_heads
+from rlrun.head_norm import HeadNorm, kernel_takes, rms_norm_heads
+from rlrun.shared_norm import KernelRmsNorm
 
 
 def test_off_cuda_both_sides_run_torchs_rms_norm():

@@ -80,7 +80,7 @@ def fuse_residual_norms(model: torch.nn.Module) -> int:
     fused = 0
     for module in model.modules():
         norm = getattr(module, "post_attention_layernorm", None)
-        shared = getattr(getattr(norm, "forward", None), "__func__", None) is _hidden_forward
+        shared = norm is not None and getattr(norm.forward, "__func__", None) is _hidden_forward
         if shared and has_forward_of(type(module), LlamaDecoderLayer):  # type: ignore[arg-type]  # as above
             module.forward = types.MethodType(_add_norm_layer_forward, module)
             fused += 1
