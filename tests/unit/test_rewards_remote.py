@@ -117,6 +117,15 @@ def test_scores_retries_and_failures(server):
     assert first == {"prompt": "q0", "response": "abcd", "label": 0, "metadata": {"m": 0}}
 
 
+def test_waiting_for_a_slot_does_not_count_against_the_timeout(server):
+    # one slot: "abcd" waits the whole of "slow"'s attempt, longer than timeout_s, and must still be scored
+    fn = load_reward_fn(server.url, RemoteRewardConfig(timeout_s=0.5, max_retries=0, max_concurrency=1))
+    samples = make(["slow", "abcd"])
+    assert score_samples(samples, fn) == 1
+    assert [s.reward for s in samples] == [0.0, 0.4]
+    assert samples[1].reward_error is None
+
+
 def test_concurrency_is_bounded_and_used(server):
     fn = load_reward_fn(server.url, RemoteRewardConfig(max_concurrency=3))
     samples = make([f"r{i}" for i in range(12)])

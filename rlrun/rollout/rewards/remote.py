@@ -3,15 +3,17 @@
 Each sample is one ``POST`` of JSON ``{"prompt", "response", "label", "metadata"}`` (prompt and
 response as text); the server answers with a JSON number or ``{"reward": number}``. Calls are async
 (awaited together by :func:`rlrun.rollout.rewards.score.score_samples`), each attempt is bounded by
-``timeout_s``, connection errors / timeouts / HTTP 429 and 5xx are retried with exponential backoff,
-other HTTP errors fail at once, and at most ``max_concurrency`` requests are in flight (a bounded
-thread pool runs the stdlib HTTP client, so no extra dependency is needed). A sample whose request
-finally fails raises here, which scores it 0 and records the message like any failing reward.
+``timeout_s`` (counted from when its request starts, not while it waits for a free slot), connection
+errors / timeouts / HTTP 429 and 5xx are retried with exponential backoff, other HTTP errors fail at
+once, and at most ``max_concurrency`` requests are in flight (a bounded thread pool runs the stdlib HTTP
+client, so no extra dependency is needed). A sample whose request finally fails raises here, which
+scores it 0 and records the message like any failing reward.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -38,23 +40,38 @@ class RemoteReward:
         self.url = url
         self.cfg = cfg
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="rlrun-reward")
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r})"
 
     async def __call__(self, sample: Sample) -> float:
         body = json.dumps(request_body(sample), default=str).encode()
-        loop = asyncio.get_running_loop()
         attempts = self.cfg.max_retries + 1
         for attempt in range(attempts):
             try:
-                future = loop.run_in_executor(self._pool, self._post, body)
-                return parse_reply(await asyncio.wait_for(future, self.cfg.timeout_s))
-            except (_Retryable, asyncio.TimeoutError) as err:
-                last = str(err) or f"no reply within timeout_s ({self.cfg.timeout_s})"
+                return parse_reply(await self._attempt(body))
+            except _Retryable as err:
+                last = str(err)
                 if attempt + 1 < attempts:
                     await asyncio.sleep(self.cfg.retry_backoff_s * 2**attempt)
         raise RemoteRewardError(f"{self.url}: no reward after {attempts} attempts; last error: {last}")
+
+    async def _attempt(self, body: bytes) -> bytes:
+        """One POST in a pool thread, timed from its start. A slot is held until the thread is done, even
+        after a timeout, so the pool never queues: time spent waiting behind a slow request never counts
+        against another request's ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:  # score_samples runs one event loop per batch
+            self._slots = (loop, asyncio.Semaphore(self.cfg.max_concurrency))
+        async with self._slots[1]:
+            future = loop.run_in_executor(self._pool, self._post, body)
+            done, _ = await asyncio.wait({future}, timeout=self.cfg.timeout_s)
+            if not done:
+                with contextlib.suppress(Exception):  # the thread ends at its own socket timeout
+                    await future
+                raise _Retryable(f"no reply within timeout_s ({self.cfg.timeout_s})")
+            return future.result()
 
     def _post(self, body: bytes) -> bytes:
         request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
