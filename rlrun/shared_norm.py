@@ -45,6 +45,11 @@ class SharedRMSNorm(torch.nn.RMSNorm):
                 f"normalization ({config.normalization}) must be RMSNorm because {type(self).__name__} normalises "
                 "RMSNorm models (rlrun.megatron.attention.layer_spec)"
             )
+        if config.sequence_parallel:  # Megatron's WrappedTorchNorm, which this replaces, refuses it too
+            raise ValueError(
+                f"sequence_parallel must be off because {type(self).__name__}'s weight gradient is not reduced across "
+                "the tensor-parallel ranks that would each see a slice of the sequence (rlrun runs without it)"
+            )
         super().__init__(hidden_size, eps=eps)
 
     norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]

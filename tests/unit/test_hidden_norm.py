@@ -30,6 +30,12 @@ def test_megatrons_hidden_norm_is_torchs_rmsnorm_with_the_shared_forward():
         torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-6), rtol=0, atol=0)
     with pytest.raises(ValueError, match="normalization \\(LayerNorm\\) must be RMSNorm"):
         HiddenNorm(config=TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4), hidden_size=64)
+    sequence_parallel = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, normalization="RMSNorm", tensor_model_parallel_size=2,
+        sequence_parallel=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sequence_parallel must be off"):
+        HiddenNorm(config=sequence_parallel, hidden_size=64)
 
 
 @needs_triton
