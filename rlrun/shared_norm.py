@@ -34,6 +34,15 @@ class KernelRmsNorm(torch.autograd.Function):
         return None, next(grads) if needs_x else None, next(grads) if needs_w else None, None
 
 
+UNSUPPORTED_FLAGS = (
+    "layernorm_zero_centered_gamma",
+    "persist_layer_norm",
+    "sequence_parallel",
+    "memory_efficient_layer_norm",
+)
+"""Megatron config flags that torch's norms (Megatron's ``WrappedTorchNorm``) do not implement."""
+
+
 class SharedRMSNorm(torch.nn.RMSNorm):
     """A Megatron norm that the engine's counterpart computes alike (built by ``build_module`` with the config, the
     width and epsilon, as Megatron's ``WrappedTorchNorm`` is): ``torch.nn.RMSNorm``'s weight and name, the shared
@@ -45,11 +54,12 @@ class SharedRMSNorm(torch.nn.RMSNorm):
                 f"normalization ({config.normalization}) must be RMSNorm because {type(self).__name__} normalises "
                 "RMSNorm models (rlrun.megatron.attention.layer_spec)"
             )
-        if config.sequence_parallel:  # Megatron's WrappedTorchNorm, which this replaces, refuses it too
-            raise ValueError(
-                f"sequence_parallel must be off because {type(self).__name__}'s weight gradient is not reduced across "
-                "the tensor-parallel ranks that would each see a slice of the sequence (rlrun runs without it)"
-            )
+        for flag in UNSUPPORTED_FLAGS:  # Megatron's WrappedTorchNorm, which this replaces, refuses them too
+            if getattr(config, flag):
+                raise ValueError(
+                    f"{flag} must be off because {type(self).__name__} is torch's RMSNorm with a shared forward "
+                    "(plain weight, no sequence-parallel gradient reduction); rlrun never sets it"
+                )
         super().__init__(hidden_size, eps=eps)
 
     norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]

@@ -34,7 +34,7 @@ def test_megatrons_hidden_norm_is_torchs_rmsnorm_with_the_shared_forward():
         num_layers=1, hidden_size=64, num_attention_heads=4, normalization="RMSNorm", tensor_model_parallel_size=2,
         sequence_parallel=True,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="sequence_parallel must be off"):
+    with pytest.raises(ValueError, match="sequence_parallel must be off because HiddenNorm"):
         HiddenNorm(config=sequence_parallel, hidden_size=64)
 
 
