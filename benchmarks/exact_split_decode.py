@@ -44,7 +44,7 @@ def train_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int,
     return out.view(samples, length, heads, dim)
 
 
-def fp32_causal(q, k, v) -> torch.Tensor:
+def _reference(q, k, v) -> torch.Tensor:
     """fp32 causal attention of one sample ([T, H, D] queries, [T, H_kv, D] keys/values)."""
     groups = q.shape[1] // k.shape[1]
     q32, k32, v32 = (
@@ -70,7 +70,7 @@ def exactness(
         q[positions].contiguous(), cache_k, cache_v, counts, 128**-0.5, block_m=decode_m, chunk=chunk
     )
     want = trained[positions]
-    reference = fp32_causal(q, k, v)
+    reference = _reference(q, k, v)
     return {
         "heads": heads, "kv_heads": kv_heads, "length": length, "rows": rows, "chunk": chunk,
         "forward_block_m": forward_m, "decode_block_m": decode_m,

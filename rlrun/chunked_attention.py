@@ -55,15 +55,6 @@ launches no program per empty chunk (at 32K columns, 128 chunks a row)."""
 WARPS = 4
 STAGES = 2
 """Pipeline stages of the forward's key loop."""
-TRANSPOSED_DECODE = False
-"""Off (measured next; docs/engine.md, "A decode tile with the keys as M"). On: the decode multiplies with the keys as M
-(``S^T = K Q^T``, ``O^T = V^T P^T``: a cached head's G query heads padded to :data:`HEADS_AS_N`, not to the 64 rows of
-:data:`BLOCK_M`, of which a Qwen3 decode fills 2), and both sides sum a tile's softmax weights by a multiply with ones
-(``tl.sum`` sums in an order its layout sets, which differs between the orientations). Bitwise with the forward only
-if the tensor cores sum a row-column pair's products alike whichever operand is A: benchmarks/transposed_decode_probe.py
-measures that, benchmarks/chunked_decode_launch.py the kernels with it on."""
-HEADS_AS_N = 16
-"""The transposed decode tile's N: G query heads padded to the narrowest multiply Triton takes (G <= 16 decodes so)."""
 DECODE_STAGES = 3
 """Pipeline stages of the decode's key loop. Stages schedule the loads, not the arithmetic: at 2, 3 and 4 stages (and
 4 or 8 warps) the decode rows were bitwise the forward's at Qwen3-0.6B's, 4B's and SmolLM2's heads, and 3 was the
@@ -73,11 +64,9 @@ benchmarks/results/chunked_decode_launch_h200.json)."""
 
 @triton.jit
 def _chunk_partial(q, k_base, v_base, stride_kn, stride_vn, start, stop, limit, scale,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
-                   SUM_BY_DOT: tl.constexpr):  # fmt: skip
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
     """One chunk's online softmax for a tile of query rows: keys [start, stop), row i seeing keys <= limit[i]
-    (-1: a padding row, which stays at -inf / 0 / 0). SUM_BY_DOT (TRANSPOSED_DECODE): a row's weights summed by a
-    multiply with ones, from the rounded weights the value multiply takes."""
+    (-1: a padding row, which stays at -inf / 0 / 0)."""
     offs_d = tl.arange(0, HEAD)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
@@ -93,44 +82,8 @@ def _chunk_partial(q, k_base, v_base, stride_kn, stride_vn, start, stop, limit, 
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        if SUM_BY_DOT:
-            weights = p.to(v.dtype)
-            ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(v.dtype)  # 16: the narrowest multiply Triton takes
-            column = tl.arange(0, 16)[None, :]
-            l = l * alpha + tl.sum(tl.where(column == 0, tl.dot(weights, ones), 0.0), 1)  # noqa: E741  # column 0 + zeros
-            acc = acc * alpha[:, None] + tl.dot(weights, v)
-        else:
-            l = l * alpha + tl.sum(p, 1)  # noqa: E741
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    return m, l, acc
-
-
-@triton.jit
-def _chunk_partial_keys_m(q, k_base, v_base, stride_kn, stride_vn, start, stop, limit, scale,
-                          HEADS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
-    """:func:`_chunk_partial` with SUM_BY_DOT for a decode tile transposed (TRANSPOSED_DECODE): ``q`` is [HEADS, HEAD]
-    (the G query heads, then padding at limit -1); returns m, l [HEADS] and acc^T [HEAD, HEADS]. Every product is
-    the forward's with its operands swapped, every other step elementwise in the same order."""
-    offs_d = tl.arange(0, HEAD)
-    m = tl.full([HEADS], float("-inf"), tl.float32)
-    l = tl.zeros([HEADS], tl.float32)  # noqa: E741
-    acc = tl.zeros([HEAD, HEADS], tl.float32)
-    ones = tl.full([64, BLOCK_N], 1.0, tl.float32).to(q.dtype)  # 64 rows: the forward's kind of multiply; row 0 kept
-    first_row = tl.arange(0, 64)[:, None] == 0
-    for n0 in range(start, stop, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        inside = offs_n < stop
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=inside[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=inside[:, None], other=0.0)
-        s = tl.dot(k, tl.trans(q)) * scale  # [keys, heads]
-        s = tl.where(inside[:, None] & (offs_n[:, None] <= limit[None, :]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        weights = tl.exp(s - m_safe[None, :]).to(v.dtype)
-        l = l * alpha + tl.sum(tl.where(first_row, tl.dot(ones, weights), 0.0), 0)  # noqa: E741  # row 0 + zeros
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), weights)
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     return m, l, acc
 
@@ -150,7 +103,7 @@ def _causal_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_starts, k_starts,
                       stride_qs, stride_qt, stride_qh, stride_ks, stride_kt, stride_kh,
                       stride_vs, stride_vt, stride_vh, stride_os, stride_ot, stride_oh, stride_lh,
                       GROUPS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD: tl.constexpr, WITH_LSE: tl.constexpr, SUM_BY_DOT: tl.constexpr):  # fmt: skip
+                      HEAD: tl.constexpr, WITH_LSE: tl.constexpr):  # fmt: skip
     """Sample s's ``q_lens[s]`` queries (from ``q_starts[s]``, at positions ``firsts[s]`` on) over its keys (from
     ``k_starts[s]``), causally: a tile of BLOCK_M positions of one head walks its chunks in order. With WITH_LSE, each
     row's log-sum-exp of its scaled scores at ``lse_ptr[head, q_starts[s] + i]``."""
@@ -178,7 +131,7 @@ def _causal_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_starts, k_starts,
     for start in range(0, keys, CHUNK):
         m, l, acc = _chunk_partial(  # noqa: E741
             q, k_base, v_base, stride_kt, stride_vt, start, tl.minimum(start + CHUNK, keys), limit, scale,
-            BLOCK_M, BLOCK_N, HEAD, SUM_BY_DOT,
+            BLOCK_M, BLOCK_N, HEAD,
         )  # fmt: skip
         big_m, big_l, big_acc = _merge(big_m, big_l, big_acc, m, l, acc)
     out = big_acc / big_l[:, None]
@@ -195,54 +148,36 @@ def _causal_attention(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_starts, k_starts,
 def _decode_attention(q_ptr, k_ptr, v_ptr, counts_ptr, part_m, part_l, part_acc, arrivals, out_ptr, scale,
                       stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                       stride_ob, stride_oh, CHUNKS, GROUPS: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
-                      SUM_BY_DOT: tl.constexpr, TRANSPOSED: tl.constexpr, HEADS_N: tl.constexpr):  # fmt: skip
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
     """Chunks c, c + P, c + 2P, ... (P programs a row and cached head) of row b's keys for the G query heads of cached
     head j: each one's (m, l, acc) into the part buffers ([B, H_kv, CHUNKS, G(, HEAD)]: the tile's padding rows are
     not kept); chunks past the row's keys are neither computed nor read. The row and head's last program to arrive
-    (ARRIVALS) merges the parts (:func:`_merge_parts`), so that a decode is one launch. SUM_BY_DOT as the forward's;
-    TRANSPOSED (with it, where G <= HEADS_N): the chunks by :func:`_chunk_partial_keys_m`, the heads padded to
-    HEADS_N."""
+    (ARRIVALS) merges the parts (:func:`_merge_parts`), so that a decode is one launch."""
     row, kv = tl.program_id(0).to(tl.int64), tl.program_id(1)
     count = tl.load(counts_ptr + row)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD)
     heads = offs_m < GROUPS
-    if TRANSPOSED:  # static: the query heads as the multiplies' N, padded to HEADS_N (offs_m stays the merge's rows)
-        offs_q = tl.arange(0, HEADS_N)
-        real = offs_q < GROUPS
-    else:
-        offs_q = offs_m
-        real = heads
     q = tl.load(
-        q_ptr + row * stride_qb + (kv * GROUPS + offs_q)[:, None] * stride_qh + offs_d[None, :],
-        mask=real[:, None],
+        q_ptr + row * stride_qb + (kv * GROUPS + offs_m)[:, None] * stride_qh + offs_d[None, :],
+        mask=heads[:, None],
         other=0.0,
     )
-    limit = tl.where(real, count - 1, -1)
+    limit = tl.where(heads, count - 1, -1)
     k_base = k_ptr + row * stride_kb + kv * stride_kh
     v_base = v_ptr + row * stride_vb + kv * stride_vh
     pair = row * tl.num_programs(1) + kv  # this row and cached head: its counter, its CHUNKS parts
     first_part = pair * CHUNKS
     for chunk in range(tl.program_id(2), tl.cdiv(count, CHUNK), tl.num_programs(2)):
         start = chunk * CHUNK
-        if TRANSPOSED:
-            m, l, acc = _chunk_partial_keys_m(  # noqa: E741
-                q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
-                HEADS_N, BLOCK_N, HEAD,
-            )  # fmt: skip
-        else:
-            m, l, acc = _chunk_partial(  # noqa: E741
-                q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
-                BLOCK_M, BLOCK_N, HEAD, SUM_BY_DOT,
-            )  # fmt: skip
+        m, l, acc = _chunk_partial(  # noqa: E741
+            q, k_base, v_base, stride_kn, stride_vn, start, tl.minimum(start + CHUNK, count), limit, scale,
+            BLOCK_M, BLOCK_N, HEAD,
+        )  # fmt: skip
         at = first_part + chunk
-        tl.store(part_m + at * GROUPS + offs_q, m, mask=real)
-        tl.store(part_l + at * GROUPS + offs_q, l, mask=real)
-        if TRANSPOSED:  # acc^T: [HEAD, heads]
-            tl.store(part_acc + (at * GROUPS + offs_q)[None, :] * HEAD + offs_d[:, None], acc, mask=real[None, :])
-        else:
-            tl.store(part_acc + (at * GROUPS + offs_q)[:, None] * HEAD + offs_d[None, :], acc, mask=real[:, None])
+        tl.store(part_m + at * GROUPS + offs_m, m, mask=heads)
+        tl.store(part_l + at * GROUPS + offs_m, l, mask=heads)
+        tl.store(part_acc + (at * GROUPS + offs_m)[:, None] * HEAD + offs_d[None, :], acc, mask=heads[:, None])
     tl.debug_barrier()  # every thread's parts stored before the arrival releases them
     counter = arrivals + pair
     if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
@@ -322,8 +257,7 @@ def causal(
             *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *out.stride()[:3],
             logsumexp.stride(0) if logsumexp is not None else 0,
             GROUPS=heads // key.shape[2], CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD=dim,
-            WITH_LSE=logsumexp is not None, SUM_BY_DOT=TRANSPOSED_DECODE, num_warps=WARPS, num_stages=STAGES,
-            enable_fp_fusion=False,
+            WITH_LSE=logsumexp is not None, num_warps=WARPS, num_stages=STAGES, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
@@ -383,8 +317,7 @@ def decode(
         _decode_attention[(rows, kv_heads, min(chunks, MAX_SPLITS))](
             query, key, value, counts, part_m, part_l, part_acc, arrivals, out, scale, query.stride(0), query.stride(1),
             *key.stride()[:3], *value.stride()[:3], out.stride(0), out.stride(1), chunks,
-            GROUPS=heads // kv_heads, CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD=dim,
-            SUM_BY_DOT=TRANSPOSED_DECODE, TRANSPOSED=TRANSPOSED_DECODE and heads // kv_heads <= HEADS_AS_N,
-            HEADS_N=HEADS_AS_N, num_warps=WARPS, num_stages=DECODE_STAGES, enable_fp_fusion=False,
+            GROUPS=heads // kv_heads, CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD=dim, num_warps=WARPS,
+            num_stages=DECODE_STAGES, enable_fp_fusion=False,
         )  # fmt: skip
     return out
