@@ -7,15 +7,25 @@ a layer at M = 64, benchmarks/results/decode_profile_qwen3-1.7b_b64_75a0e49_h200
 order. The on-policy gates run SmolLM2 and a tiny Qwen3, whose widths may never pick one. This measures, for each
 projection of a shape (the fused q/k/v and gate/up both sides run, the output and down projections, the LM head), the
 elements of ``X[:M] @ W.T`` that differ from the same rows of ``X @ W.T`` at the trainer's M, with cuBLAS's reduced-
-precision split-K reductions allowed (torch's default) and not.
+precision split-K reductions allowed (torch's default) and not, and each decode GEMM's time.
 
-    PYTHONPATH=$PWD python3 benchmarks/gemm_row_exactness.py --out benchmarks/results/gemm_row_exactness_h200.json
+Session 23 found the down projection (and 4B's output projection) rounding apart at decode M. A zero cuBLAS workspace
+(``CUBLAS_WORKSPACE_CONFIG=:0:0``, read when the process first uses cuBLAS) leaves cuBLAS no split-K kernel; whether it
+makes the rows bitwise, and what it costs, takes two runs: the first saves the trainer's rows under the default
+workspace (``--save-rows``), the second, with the variable set, compares its decode rows with them
+(``--against-rows``: the engine alone without a workspace) as well as with its own trainer GEMM (both sides without):
+
+    PYTHONPATH=$PWD python3 benchmarks/gemm_row_exactness.py --out benchmarks/results/gemm_row_exactness_h200.json \
+        --save-rows /tmp/rows.pt
+    CUBLAS_WORKSPACE_CONFIG=:0:0 PYTHONPATH=$PWD python3 benchmarks/gemm_row_exactness.py \
+        --out benchmarks/results/gemm_row_exactness_workspace0_h200.json --against-rows /tmp/rows.pt
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -41,13 +51,39 @@ def projections(hidden: int, query: int, kv: int, mlp: int) -> dict[str, tuple[i
     }
 
 
-def differing(k: int, n: int, tokens: int, device: str, dtype: torch.dtype) -> dict[str, int]:
-    """Elements of each decode batch's rows that differ from the trainer's GEMM of ``tokens`` rows."""
+def timed_us(fn, iters: int = 50) -> float | None:
+    """Mean device time of ``fn`` after a warm-up (CUDA events); None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def differing(
+    k: int, n: int, tokens: int, device: str, dtype: torch.dtype, saved: torch.Tensor | None
+) -> tuple[dict, torch.Tensor]:
+    """Elements of each decode batch's rows that differ from the trainer's GEMM of ``tokens`` rows (and from
+    ``saved``, another run's trainer rows, where given), each decode GEMM's time; and the trainer's first rows."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, k, device=device, generator=gen).to(dtype)
     w = (torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype)
     trained = torch.nn.functional.linear(x, w)
-    return {f"m{m}": int((torch.nn.functional.linear(x[:m].clone(), w) != trained[:m]).sum()) for m in DECODE_ROWS}
+    out: dict = {}
+    for m in DECODE_ROWS:
+        rows = x[:m].clone()
+        decoded = torch.nn.functional.linear(rows, w)
+        out[f"m{m}"] = int((decoded != trained[:m]).sum())
+        if saved is not None:
+            out[f"m{m}_vs_saved"] = int((decoded != saved[:m].to(device)).sum())
+        us = timed_us(lambda rows=rows: torch.nn.functional.linear(rows, w))
+        out[f"m{m}_us"] = None if us is None else round(us, 2)
+    return out, trained[: max(DECODE_ROWS)].cpu()
 
 
 def main() -> None:
@@ -56,12 +92,17 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--save-rows", help="write the trainer's first rows of every GEMM here (torch.save)")
+    parser.add_argument("--against-rows", help="also compare the decode rows with a --save-rows file's")
     args = parser.parse_args()
     dtype = torch.bfloat16
     record: dict = {"benchmark": "gemm_row_exactness", "command": "python3 " + " ".join(sys.argv)}
     record["torch"] = torch.__version__
     record["hardware"] = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    record["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     record["tokens"], record["results"] = args.tokens, {}
+    against = torch.load(args.against_rows) if args.against_rows else {}
+    rows: dict[str, torch.Tensor] = {}
     matmul = torch.backends.cuda.matmul
     kept = matmul.allow_bf16_reduced_precision_reduction
     try:
@@ -70,10 +111,13 @@ def main() -> None:
             for shape in args.shapes.split(","):
                 for name, (k, n) in projections(*SHAPES[shape]).items():
                     key = f"{shape}/{name}/reduced_precision_reduction_{reduced}"
-                    record["results"][key] = {"k": k, "n": n, **differing(k, n, args.tokens, args.device, dtype)}
+                    counts, rows[key] = differing(k, n, args.tokens, args.device, dtype, against.get(key))
+                    record["results"][key] = {"k": k, "n": n, **counts}
                     print(key, record["results"][key], flush=True)
     finally:
         matmul.allow_bf16_reduced_precision_reduction = kept
+    if args.save_rows:
+        torch.save(rows, args.save_rows)
     with open(args.out, "w") as handle:
         handle.write(json.dumps(record, indent=2) + "\n")
 
