@@ -43,7 +43,10 @@ def _emit(kind: str, results: Any, out: Path | None, echo: bool = True) -> None:
 
 @bench_app.command("rollout")
 def rollout(
-    shape: Annotated[str, typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny.")] = "qwen3-0.6b",
+    shape: Annotated[
+        str,
+        typer.Option(help="qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b or tiny; comma-separated for several, in order."),
+    ] = "qwen3-0.6b",
     batch: Annotated[str, typer.Option(help="Rows decoded at once; comma-separated for several, e.g. 64,128.")] = "64",
     prompt_len: int = 128,
     new_tokens: int = 256,
@@ -90,6 +93,12 @@ def rollout(
 
     from rlrun.bench.rollout import bench_rollout
 
+    shapes = _shape_names(shape)
+    if profile is not None and len(shapes) > 1:
+        raise typer.BadParameter(
+            f"--profile ({profile}) takes one --shape, not {len(shapes)} ({shape}), because its tables are named by "
+            "batch only; profile one shape a run"
+        )
     batches = _positive_ints("--batch", batch)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
@@ -102,22 +111,24 @@ def rollout(
             if long_tail
             else None
         )
-        try:
-            results = bench_rollout_backends(
-                names,
-                shape,
-                batches,
-                prompt_len,
-                new_tokens,
-                dtype,
-                run_dir,
-                hbm_bytes_per_s=hbm_gbps * 1e9,
-                long_tail=workload,
-                profile=profile,
-            )
-        except ValueError as exc:  # options that cannot run together (--profile with SGLang)
-            raise typer.BadParameter(str(exc)) from None
-        _emit("rollout", results, out)
+        results = []
+        for one in shapes:  # the file grows shape by shape: a stopped run keeps the shapes it finished
+            try:
+                results += bench_rollout_backends(
+                    names,
+                    one,
+                    batches,
+                    prompt_len,
+                    new_tokens,
+                    dtype,
+                    run_dir,
+                    hbm_bytes_per_s=hbm_gbps * 1e9,
+                    long_tail=workload,
+                    profile=profile,
+                )
+            except ValueError as exc:  # options that cannot run together (--profile with SGLang)
+                raise typer.BadParameter(str(exc)) from None
+            _emit("rollout", results, out, echo=one == shapes[-1])
         return
     if long_tail:
         raise typer.BadParameter(
@@ -128,7 +139,7 @@ def rollout(
 
     results = [
         bench_rollout(
-            shape,
+            one,
             b,
             prompt_len,
             new_tokens,
@@ -137,9 +148,27 @@ def rollout(
             hbm_bytes_per_s=hbm_gbps * 1e9,
             profile=None if profile is None else profile_path(profile, b, batches),
         )
+        for one in shapes
         for b in batches
     ]
     _emit("rollout", results, out)
+
+
+def _shape_names(value: str) -> list[str]:
+    """``qwen3-0.6b,1.7b`` as its shapes' names, each one the benchmarks know, none twice (in either spelling)."""
+    from rlrun.bench.shapes import get_shape
+
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise typer.BadParameter(f"--shape ({value!r}) names no shape; set e.g. --shape qwen3-0.6b,qwen3-1.7b")
+    try:
+        shapes = [get_shape(name) for name in names]
+    except ValueError as exc:
+        raise typer.BadParameter(f"--shape: {exc}") from None
+    twice = sorted({n for n, s in zip(names, shapes, strict=True) if shapes.count(s) > 1})
+    if twice:
+        raise typer.BadParameter(f"--shape ({value}) names {', '.join(twice)} twice; name each shape once")
+    return names
 
 
 def _positive_ints(flag: str, value: str) -> list[int]:

@@ -17,7 +17,8 @@
 #               the gate), engine-vs-trainer exactness (tests/gpu), the sampler's shortcuts bitwise (bf16 logits,
 #               tabulated noise, no unread full-vocabulary draw)
 #   bench_qwen3-0.6b  rlrun bench rollout, qwen3-0.6b shape, batch 64 and 128: greedy, sampled and the long-tail
-#   bench_qwen3-1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json
+#   bench_qwen3-1.7b  call (docs/engine.md "Measuring it") -> $OUT/bench_rollout_<shape>.json; both shapes in one run:
+#               bench_qwen3-0.6b,qwen3-1.7b with BENCH_TIMEOUT_S=1200 under scripts/gpu/background.sh (~12 minutes)
 #   tail_<shape>  scripts/engine_refill_steps.py at batch 64 and 128 (the bench's long-tail call, in process, embedded
 #               only): counted and timed with the tail in smaller batches and kept whole -> $OUT/tail_<shape>_b<batch>.json
 #   profile_<shape>   rlrun bench rollout --profile at batch 64 (in process, with HF generate): the kernel-time
@@ -35,10 +36,10 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 
 . "$(dirname "$0")/run_steps.sh"  # logged_step
 
-bench() {
-    logged_step "bench_$1" 540 "$PY" -m rlrun bench rollout --shape "$1" --backends "$BACKENDS" --batch "${BATCH:-64,128}" \
-        --prompt-len 128 --new-tokens "${NEW_TOKENS:-256}" --long-tail --long-tail-max "${LONG_TAIL_MAX:-1024}" \
-        --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_$1.json"
+bench() {  # $1: one shape, or several comma-separated (one run; past a call's 10 minutes: BENCH_TIMEOUT_S, background.sh)
+    logged_step "bench_${1//,/_}" "${BENCH_TIMEOUT_S:-540}" "$PY" -m rlrun bench rollout --shape "$1" --backends "$BACKENDS" \
+        --batch "${BATCH:-64,128}" --prompt-len 128 --new-tokens "${NEW_TOKENS:-256}" --long-tail \
+        --long-tail-max "${LONG_TAIL_MAX:-1024}" --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_${1//,/_}.json"
 }
 
 profile() {

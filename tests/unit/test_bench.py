@@ -143,3 +143,34 @@ def test_bench_rollout_refuses_profile_with_sglang(tmp_path):
     result = CliRunner().invoke(bench_app, args, env={"COLUMNS": "400"})  # one line: the message is not wrapped
     assert result.exit_code != 0 and "without the backends sglang because the profiler" in result.output
     assert not (tmp_path / "k.txt").exists()
+
+
+@pytest.mark.parametrize(
+    ("shapes", "extra", "message"),
+    [
+        ("tiny,nope", [], "shape ('nope') must be one of"),
+        ("qwen3-0.6b,0.6b", [], "names 0.6b, qwen3-0.6b twice"),
+        ("tiny,qwen3-0.6b", ["--profile", "k.txt"], "takes one --shape, not 2"),
+    ],
+)
+def test_bench_rollout_checks_every_shape_before_running_any(tmp_path, shapes, extra, message):
+    from typer.testing import CliRunner
+
+    from rlrun.bench.cli import bench_app
+
+    extra = [str(tmp_path / e) if e.endswith(".txt") else e for e in extra]
+    args = [
+        "rollout",
+        "--shape",
+        shapes,
+        "--batch",
+        "2",
+        "--new-tokens",
+        "2",
+        "--out",
+        str(tmp_path / "r.json"),
+        *extra,
+    ]
+    result = CliRunner().invoke(bench_app, args, env={"COLUMNS": "400"})  # one line: the message is not wrapped
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert not (tmp_path / "r.json").exists()  # the valid first shape did not run
