@@ -52,6 +52,6 @@ fi
 if [[ "$LOCK" == requirements/cpu.txt && "${RLRUN_UNLOCKED:-0}" != 1 ]]; then
   rm -rf "$VENV/triton-interpreter"
   "${uv[@]}" --no-deps --target "$VENV/triton-interpreter" -r "$INTERPRETER" ||
-    echo "install.sh: Triton's interpreter ($INTERPRETER) did not install; the kernel tests will skip" >&2
+    echo "install.sh: Triton's interpreter ($INTERPRETER) did not install; the kernel tests will skip (to retry: rm $stamp)" >&2
 fi
 touch "$stamp"
