@@ -37,9 +37,10 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 . "$(dirname "$0")/run_steps.sh"  # logged_step
 
 bench() {  # $1: one shape, or several comma-separated (one run; past a call's 10 minutes: BENCH_TIMEOUT_S, background.sh)
-    logged_step "bench_${1//,/_}" "${BENCH_TIMEOUT_S:-540}" "$PY" -m rlrun bench rollout --shape "$1" --backends "$BACKENDS" \
+    local name=${1//,/_}
+    logged_step "bench_$name" "${BENCH_TIMEOUT_S:-540}" "$PY" -m rlrun bench rollout --shape "$1" --backends "$BACKENDS" \
         --batch "${BATCH:-64,128}" --prompt-len 128 --new-tokens "${NEW_TOKENS:-256}" --long-tail \
-        --long-tail-max "${LONG_TAIL_MAX:-1024}" --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_${1//,/_}.json"
+        --long-tail-max "${LONG_TAIL_MAX:-1024}" --run-dir /tmp/rlrun-bench --out "$OUT/bench_rollout_$name.json"
 }
 
 profile() {
