@@ -9,7 +9,10 @@
 #   bash scripts/gpu/background.sh start NAME -- CMD [ARGS...]   # CMD sees OUT=/tmp/bg/NAME/out
 #   bash scripts/gpu/background.sh wait NAME SECONDS              # exit 0: ended (its rc in NAME.rc); 3: still running
 #
-# State lives in /tmp/bg/NAME: log (CMD's stdout and stderr), rc (written when CMD ends), out/ (CMD's $OUT).
+# State lives in /tmp/bg/NAME: log (CMD's stdout and stderr), rc (written when CMD ends), out/ (CMD's $OUT), tree/
+# (the checkout CMD runs in). CMD runs in a copy of the checkout's top-level entries (not its dot-folders: the staging
+# pieces), because every later device call re-sends the working tree into the repository root: a run reading the
+# checkout while a call rewrote it failed once (2026-12-04: verl's input writer could not import rlrun.bench.engines).
 set -uo pipefail
 ROOT=${BG_ROOT:-/tmp/bg}
 OUT=${OUT:-/tmp/out}
@@ -21,7 +24,9 @@ start() {
   [ $# -gt 0 ] || usage
   local dir=$ROOT/$name
   if [ -f "$dir/pid" ] && [ ! -f "$dir/rc" ]; then echo "$name is already running (pid $(cat "$dir/pid"))" >&2; exit 1; fi
-  rm -rf "$dir"; mkdir -p "$dir/out"
+  rm -rf "$dir"; mkdir -p "$dir/out" "$dir/tree"
+  cp -a ./* "$dir/tree/" || { echo "copying the checkout into $dir/tree failed" >&2; exit 1; }
+  cd "$dir/tree"
   OUT=$dir/out setsid bash -c '"$@"; echo $? > "'"$dir"'/rc"' bash "$@" > "$dir/log" 2>&1 < /dev/null &
   echo $! > "$dir/pid"
   echo "started $name (pid $!): $*"
