@@ -60,7 +60,18 @@ class BackendTraits:
     profiles_in_process: bool = False
     """Its engine is rlrun's ``EmbeddedEngine``, which ``rlrun bench rollout --profile`` builds and steps in the
     bench's own process (the profiler sees only that process's kernels; SGLang decodes in its scheduler's)."""
+    worker_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Variables its worker process starts with, over the trainer's environment (``EngineClient.spawn``'s
+    ``extra_env`` over these)."""
 
+
+EXACT_GEMM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
+"""The embedded worker's cuBLAS has no workspace, so no split-K kernel: a decode batch's rows of every projection
+then round as the trainer's rows of the same tokens do. With the default workspace the down projection at decode
+batch sizes is a split-K kernel that rounds apart (Qwen3-0.6B/1.7B/4B widths on the H200; every projection bitwise
+with it, at up to +2.4 us a GEMM from M = 16 up and
++11 us for 0.6B's down projection at M = 1: benchmarks/results/gemm_row_exactness_workspace0_h200.json,
+docs/on_policy.md). cuBLAS reads it when the process first uses it, hence an environment variable."""
 
 BACKENDS: dict[str, BackendTraits] = {
     "embedded": BackendTraits(
@@ -71,6 +82,7 @@ BACKENDS: dict[str, BackendTraits] = {
         server_arg_names=("max_running_requests", "chunked_prefill_size"),
         routed_experts_args={},
         profiles_in_process=True,
+        worker_env=EXACT_GEMM_ENV,
     ),
     "sglang": BackendTraits(
         factory="rlrun.engine.backends.sglang:SglangBackend",
