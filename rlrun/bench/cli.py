@@ -194,7 +194,7 @@ def sync(
     """Megatron -> embedded engine weight sync: seconds and GB/s per shape (median of REPEATS after a warm-up)."""
     from rlrun.bench.sync import bench_sync
 
-    shapes = [s.strip() for s in shape.split(",") if s.strip()]
+    shapes = _shape_names(shape)
     names = tuple(b.strip() for b in backends.split(",") if b.strip())
     results = []
     for result in bench_sync(shapes, run_dir, bucket_bytes=bucket_mib * 2**20, repeats=repeats, backends=names):

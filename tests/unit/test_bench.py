@@ -174,3 +174,17 @@ def test_bench_rollout_checks_every_shape_before_running_any(tmp_path, shapes, e
     result = CliRunner().invoke(bench_app, args, env={"COLUMNS": "400"})  # one line: the message is not wrapped
     assert result.exit_code != 0 and message in result.output, result.output
     assert not (tmp_path / "r.json").exists()  # the valid first shape did not run
+
+
+@pytest.mark.parametrize(
+    ("shapes", "message"), [("tiny,nope", "shape ('nope') must be one of"), (",", "names no shape")]
+)
+def test_bench_sync_checks_its_shapes_as_rollout_does(tmp_path, shapes, message):
+    from typer.testing import CliRunner
+
+    from rlrun.bench.cli import bench_app
+
+    args = ["sync", "--shape", shapes, "--run-dir", str(tmp_path), "--out", str(tmp_path / "s.json")]
+    result = CliRunner().invoke(bench_app, args, env={"COLUMNS": "400"})  # one line: the message is not wrapped
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert not (tmp_path / "s.json").exists()
