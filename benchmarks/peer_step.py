@@ -41,6 +41,7 @@ from typing import get_args
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import add_settings_args, settings_from  # noqa: E402
 
+from rlrun.bench.busy_processes import busy_processes  # noqa: E402
 from rlrun.bench.logged import run_logged  # noqa: E402
 from rlrun.bench.step import ATTENTION_SUFFIX, HEAD_SUFFIX, WARMUP_STEPS, StepSettings, Variant  # noqa: E402
 from rlrun.config.schema import RecomputeMode  # noqa: E402
@@ -216,6 +217,11 @@ def table(settings: StepSettings, results: dict[str, dict], ratios: dict[str, di
             f"| {label} | {step_cell(body)} | {phases} | {body['median_tokens_per_s']:.0f} | {vs_trl} "
             f"| {vs_verl} | {vs_trl_vllm} | {gap_cell(body)} |"
         )
+    for name, result in results.items():
+        busy = result.get("host_before", {}).get("busy_processes")
+        if busy:
+            shown = "; ".join(f"{p['command'][:60] or p['name']} ({p['pid']}) {p['cpu_fraction']}" for p in busy[:5])
+            lines.append(f"busy before {name} (cores): {shown}")
     return "\n".join(lines)
 
 
@@ -349,7 +355,10 @@ def main() -> None:
                 raise SystemExit(f"{name!r} must be in {run_flag} or in {flag}, not both; drop one")
             results[name] = reused_result(args.work / f"{name}.json", settings, flag)
     for name, cmd in runs.items():
+        # what used the CPU just before: a host-bound peer (vLLM's scheduler) pays for a leftover or a neighbour
+        host = busy_processes()
         results[name] = run_json(name, cmd, Path(cmd[cmd.index("--out") + 1]), args.timeout_s + 60)
+        results[name]["host_before"] = host
         write_record(args.out, settings, results)  # after every run: a later timeout keeps what finished
     print(table(settings, results, compare(results)))
 

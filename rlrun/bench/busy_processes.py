@@ -1,0 +1,49 @@
+"""Which processes are using the CPU right now: taken between a comparison's runs, where nothing of the
+benchmark's should run, it shows a leftover of an earlier run (a Ray daemon, an engine's scheduler) or a neighbour
+that a host-bound peer's timings would pay for. Read from /proc, so Linux only."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ticks() -> dict[int, tuple[str, int]]:
+    """pid -> (command name, user + system CPU ticks so far) of every live process."""
+    ticks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, tail = stat.read_text().rsplit(")", 1)
+        except OSError:  # the process ended meanwhile
+            continue
+        fields = tail.split()  # fields[0] is the state, the 3rd field of stat(5); utime and stime are its 14th, 15th
+        ticks[int(stat.parent.name)] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]))
+    return ticks
+
+
+def _command(pid: int, limit: int = 160) -> str:
+    """The start of ``pid``'s command line ("" once it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
+    except OSError:
+        return ""
+
+
+def busy_processes(window_s: float = 1.0, min_fraction: float = 0.05) -> dict:
+    """The 1-minute load average and every process that used at least ``min_fraction`` of one core during the
+    next ``window_s`` seconds, busiest first (this process left out)."""
+    before = _cpu_ticks()
+    time.sleep(window_s)
+    after = _cpu_ticks()
+    busy = []
+    for pid, (name, ticks) in after.items():
+        if pid == os.getpid() or pid not in before:
+            continue
+        fraction = (ticks - before[pid][1]) / TICKS_PER_S / window_s
+        if fraction >= min_fraction:
+            busy.append({"pid": pid, "name": name, "cpu_fraction": round(fraction, 2), "command": _command(pid)})
+    busy.sort(key=lambda p: -p["cpu_fraction"])
+    return {"loadavg_1m": os.getloadavg()[0], "busy_processes": busy}
