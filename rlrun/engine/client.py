@@ -156,8 +156,8 @@ class EngineClient:
         """Start a worker for ``spec`` and wait (up to ``startup_timeout_s``) until it answers ``health``.
 
         ``extra_env`` adds variables to the worker's environment only (SGLANG_* switches, say), over the backend's
-        ``worker_env``; ``name``
-        prefixes its endpoint and log file, ``{name}-{rank}`` (a second worker per rank needs its own).
+        ``worker_env``; ``name`` prefixes its endpoint and log file, ``{name}-{rank}`` (a second worker per rank
+        needs its own).
         """
         if spec.tp_size > 1 and not spec.traits.shards_over_tp:
             raise ValueError(

@@ -69,9 +69,9 @@ EXACT_GEMM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
 """The embedded worker's cuBLAS has no workspace, so no split-K kernel: a decode batch's rows of every projection
 then round as the trainer's rows of the same tokens do. With the default workspace the down projection at decode
 batch sizes is a split-K kernel that rounds apart (Qwen3-0.6B/1.7B/4B widths on the H200; every projection bitwise
-with it, at up to +2.4 us a GEMM from M = 16 up and
-+11 us for 0.6B's down projection at M = 1: benchmarks/results/gemm_row_exactness_workspace0_h200.json,
-docs/on_policy.md). cuBLAS reads it when the process first uses it, hence an environment variable."""
+without it, at up to +2.4 us a GEMM from M = 16 up and +11 us for 0.6B's down projection at M = 1:
+benchmarks/results/gemm_row_exactness_workspace0_h200.json, docs/on_policy.md). cuBLAS reads it when the process
+first uses it, hence an environment variable."""
 
 BACKENDS: dict[str, BackendTraits] = {
     "embedded": BackendTraits(
