@@ -155,7 +155,7 @@ class EngineClient:
     ) -> EngineClient:
         """Start a worker for ``spec`` and wait (up to ``startup_timeout_s``) until it answers ``health``.
 
-        ``extra_env`` adds variables to the worker's environment only (SGLANG_* switches, say), over the backend's
+        ``extra_env`` adds variables to the worker's environment only (SGLANG_* switches, say), over the spec's
         ``worker_env``; ``name`` prefixes its endpoint and log file, ``{name}-{rank}`` (a second worker per rank
         needs its own).
         """
@@ -188,7 +188,7 @@ class EngineClient:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=_worker_env(token, {**spec.traits.worker_env, **(extra_env or {})}),
+                env=_worker_env(token, {**spec.worker_env, **(extra_env or {})}),
                 process_group=0,
             )
         client = cls(

@@ -61,8 +61,8 @@ class BackendTraits:
     """Its engine is rlrun's ``EmbeddedEngine``, which ``rlrun bench rollout --profile`` builds and steps in the
     bench's own process (the profiler sees only that process's kernels; SGLang decodes in its scheduler's)."""
     worker_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Variables its worker process starts with, over the trainer's environment (``EngineClient.spawn``'s
-    ``extra_env`` over these)."""
+    """Variables its worker process starts with, over the trainer's environment (``BackendSpec.worker_env``;
+    ``EngineClient.spawn``'s ``extra_env`` over these)."""
 
 
 EXACT_GEMM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
@@ -140,11 +140,15 @@ class BackendSpec:
     factory: str = ""
     """The backend's ``BackendTraits.factory`` (filled from ``BACKENDS``): the worker process imports it
     without having to know the trainer's registrations."""
+    worker_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The backend's ``BackendTraits.worker_env``, filled with ``factory`` (so a process that spawns a worker
+    from a spec needs no registration either)."""
 
     def __post_init__(self) -> None:
-        traits = backend_traits(self.backend) if not self.factory else None
-        if traits is not None:
+        if not self.factory:
+            traits = backend_traits(self.backend)
             object.__setattr__(self, "factory", traits.factory)
+            object.__setattr__(self, "worker_env", {**traits.worker_env, **self.worker_env})
         if self.base_gpu_id is None:
             object.__setattr__(self, "base_gpu_id", int(os.environ.get("LOCAL_RANK", 0)))
 
