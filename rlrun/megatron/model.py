@@ -157,7 +157,7 @@ def build_gpt(
         rotary_percent=arch.rope.rotary_percent if arch.rope is not None else 1.0,
     )
     if arch.rope is not None:
-        arch.rope.apply_to(gpt.rotary_pos_emb)  # scaled RoPE: transformers' frequencies (rlrun/megatron/rope.py)
+        arch.rope.apply_to(gpt.rotary_pos_emb)  # transformers' frequencies, from the host (rlrun/megatron/rope.py)
     # The local spec's torch RMSNorm ignores params_dtype; cast the whole model like Megatron's
     # Float16Module does (RoPE's inv_freq is a plain attribute and stays fp32).
     gpt = gpt.to(device=parallel.device, dtype=config.params_dtype)

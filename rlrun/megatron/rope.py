@@ -21,8 +21,9 @@ Why not Megatron's own: its ``rope_scaling=True`` (llama3) hard-codes ``low_freq
 (``RotaryEmbedding._apply_scaling`` receives only ``factor``), and ``GPTModel`` with
 ``position_embedding_type='yarn'`` drops the attention factor (``rotary_pos_emb, _ = self.rotary_pos_emb(...)``
 in ``gpt_model.py``). So the model keeps Megatron's plain ``RotaryEmbedding`` and gets ``inv_freq`` from
-here (``apply_to``); YaRN's factor scales ``q`` and ``k`` alike (``cos`` and ``sin`` are both multiplied), so
-it multiplies every attention score by ``a ** 2``, which is ``softmax_scale = a ** 2 / sqrt(head_dim)``.
+here (``apply_to``, every variant, computed on the host as transformers computes it); YaRN's factor scales ``q``
+and ``k`` alike (``cos`` and ``sin`` are both multiplied), so it multiplies every attention score by ``a ** 2``,
+which is ``softmax_scale = a ** 2 / sqrt(head_dim)``.
 
 Refused: ``dynamic`` (its frequencies depend on the length of the batch being run, and Megatron's are fixed
 at build) and ``longrope`` (two frequency tables switched by sequence length); both named in the error.
@@ -114,9 +115,14 @@ class Rope:
         return interpolation * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
 
     def apply_to(self, rotary) -> None:
-        """Give Megatron's ``RotaryEmbedding`` these frequencies (before its first forward: it caches)."""
-        if self.rope_type == "default":
-            return  # Megatron's own formula is the same
+        """Give Megatron's ``RotaryEmbedding`` these frequencies (before its first forward: it caches).
+
+        Also for ``default``, whose formula Megatron shares: Megatron evaluates it on the GPU
+        (``use_cpu_initialization`` off), while transformers, and so the embedded engine, evaluates it on the host
+        when the model loads, and the two ``pow`` implementations may round a frequency one ulp apart. A position
+        times a frequency one ulp off is a different angle, so at long positions some bf16 ``cos`` / ``sin``
+        round apart and the engine stops being the trainer bit for bit (docs/on_policy.md). Computed here on the
+        host, then moved, both sides hold the same bits."""
         rotary.inv_freq = self.inv_freq().to(rotary.inv_freq.device)
         rotary.forward.cache_clear()
 

@@ -102,13 +102,19 @@ def test_megatron_llama3_scaling_hard_codes_its_parameters():
         assert torch.equal(ours, megatron) is equal, case
 
 
-def test_apply_to_sets_megatron_rotary_frequencies():
+@pytest.mark.parametrize("case", ["default", "yarn_qwen"])
+def test_apply_to_sets_megatron_rotary_frequencies(case):
+    """Also the default variant, whose formula Megatron shares but evaluates on the GPU: here its table is made one
+    ulp off (as a device's ``pow`` may round), and ``apply_to`` must replace it with transformers' host-computed
+    one, the table the embedded engine rotates by."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    rope = rope_from_config({**BASE, "rope_scaling": CASES["yarn_qwen"][1]}, 16, Path("c"))
+    base, scaling = CASES[case]
+    rope = rope_from_config({**base, "rope_scaling": scaling}, 16, Path("c"))
     rotary = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=50000.0, use_cpu_initialization=True)
+    rotary.inv_freq = torch.nextafter(rotary.inv_freq, torch.zeros_like(rotary.inv_freq))
     rope.apply_to(rotary)
-    assert torch.equal(rotary.inv_freq, rope.inv_freq())
+    assert torch.equal(rotary.inv_freq, _hf(dict(base) | {"rope_scaling": scaling})[0])
 
 
 @pytest.mark.parametrize(
