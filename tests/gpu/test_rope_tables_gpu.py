@@ -49,8 +49,8 @@ def _engine_tables(cfg: dict, head_dim: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _trainer_tables(cfg: dict, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Megatron's bf16 cos and sin as the trainer has them, and how many of Megatron's own GPU-computed
-    frequencies differ from the ones rlrun gives it."""
+    """Megatron's bf16 cos and sin as the trainer has them, and how many of the frequencies Megatron computed on the
+    GPU (its default formula: a scaled variant differs in all it scales) differ from the ones rlrun gives it."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from rlrun.megatron.rope import rope_from_config
@@ -75,5 +75,5 @@ def test_trainer_and_engine_rotate_by_the_same_bits(family):
     apart = int((engine_cos != trainer_cos).sum() + (engine_sin != trainer_sin).sum())
     assert apart == 0, (
         f"{apart} of {2 * engine_cos.numel()} bf16 cos/sin values differ "
-        f"({gpu_computed_apart} of Megatron's own GPU frequencies differed from the host's)"
+        f"({gpu_computed_apart} of Megatron's own GPU-computed frequencies differed from the ones rlrun gave it)"
     )
