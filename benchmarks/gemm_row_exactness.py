@@ -19,6 +19,11 @@ workspace (``--save-rows``), the second, with the variable set, compares its dec
         --save-rows /tmp/rows.pt
     CUBLAS_WORKSPACE_CONFIG=:0:0 PYTHONPATH=$PWD python3 benchmarks/gemm_row_exactness.py \
         --out benchmarks/results/gemm_row_exactness_workspace0_h200.json --against-rows /tmp/rows.pt
+
+The engine also runs its projections at a prefill's M (prompts x prompt length, or a chunk of it), and the trainer
+its LM head at a chunk's M (~1,766 tokens of Qwen3's vocabulary, ``rlrun.megatron.token_stats.CHUNK_BYTES``):
+``--rows`` sets the engine's M values, ``--tokens`` the trainer's, ``--only`` the projections (e.g. ``--rows 16384
+--only qkv,o,gate_up,down``; ``--tokens 1766 --only lm_head``).
 """
 
 from __future__ import annotations
@@ -53,17 +58,18 @@ def projections(hidden: int, query: int, kv: int, mlp: int) -> dict[str, tuple[i
 
 
 def differing(
-    k: int, n: int, tokens: int, device: str, dtype: torch.dtype, saved: torch.Tensor | None
+    k: int, n: int, tokens: int, device: str, dtype: torch.dtype, saved: torch.Tensor | None, engine_rows: list[int]
 ) -> tuple[dict, torch.Tensor]:
-    """Elements of each decode batch's rows that differ from the trainer's GEMM of ``tokens`` rows (and from
-    ``saved``, another run's trainer rows, where given), each decode GEMM's time; and the trainer's first rows."""
+    """Elements of each engine batch's rows (``engine_rows``: M values) that differ from the trainer's GEMM of
+    ``tokens`` rows (and from ``saved``, another run's trainer rows, where given), each engine GEMM's time; and the
+    trainer's first rows."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, k, device=device, generator=gen).to(dtype)
     w = (torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype)
     trained = torch.nn.functional.linear(x, w)
     saved = None if saved is None else saved.to(device)
     out: dict = {}
-    for m in DECODE_ROWS:
+    for m in engine_rows:
         rows = x[:m].clone()
         decoded = torch.nn.functional.linear(rows, w)
         out[f"m{m}"] = int((decoded != trained[:m]).sum())
@@ -71,13 +77,19 @@ def differing(
             out[f"m{m}_vs_saved"] = int((decoded != saved[:m]).sum())
         if rows.is_cuda:  # captured, as the engine's decode step is
             out[f"m{m}_us"] = round(graph_timed_us(lambda rows=rows: torch.nn.functional.linear(rows, w), 50), 2)
-    return out, trained[: max(DECODE_ROWS)].cpu()
+    return out, trained[: max(engine_rows)].cpu()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=20480, help="the trainer's M (a micro-batch's tokens)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--rows",
+        default=",".join(map(str, DECODE_ROWS)),
+        help="the engine's M values: decode batches (the default), or a prefill's tokens (prompts x prompt length)",
+    )
+    parser.add_argument("--only", help="comma-separated projections: qkv, o, gate_up, down, lm_head (default: all)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-rows", help="write the trainer's first rows of every GEMM here (torch.save)")
@@ -88,7 +100,16 @@ def main() -> None:
     record["torch"] = torch.__version__
     record["hardware"] = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     record["CUBLAS_WORKSPACE_CONFIG"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    record["tokens"], record["results"] = args.tokens, {}
+    names = set(projections(*SHAPES["qwen3-0.6b"]))
+    only = set(args.only.split(",")) if args.only else names
+    if not only <= names:
+        parser.error(f"--only ({args.only}) must name projections among {sorted(names)}")
+    engine_rows = [int(m) for m in args.rows.split(",")]
+    if max(engine_rows) > args.tokens:
+        parser.error(
+            f"--rows ({args.rows}) must be at most --tokens ({args.tokens}): they are the trainer's first rows"
+        )
+    record["tokens"], record["engine_rows"], record["results"] = args.tokens, engine_rows, {}
     against = torch.load(args.against_rows) if args.against_rows else {}
     rows: dict[str, torch.Tensor] = {}
     matmul = torch.backends.cuda.matmul
@@ -98,8 +119,11 @@ def main() -> None:
             matmul.allow_bf16_reduced_precision_reduction = reduced
             for shape in args.shapes.split(","):
                 for name, (k, n) in projections(*SHAPES[shape]).items():
+                    if name not in only:
+                        continue
                     key = f"{shape}/{name}/reduced_precision_reduction_{reduced}"
-                    counts, rows[key] = differing(k, n, args.tokens, args.device, dtype, against.get(key))
+                    saved = against.get(key)
+                    counts, rows[key] = differing(k, n, args.tokens, args.device, dtype, saved, engine_rows)
                     record["results"][key] = {"k": k, "n": n, **counts}
                     print(key, record["results"][key], flush=True)
     finally:
