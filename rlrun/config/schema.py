@@ -704,9 +704,10 @@ class AlgorithmConfig(Section):
     max_logprob_gap: float | None = Field(None, gt=0)
     """The on-policy gate: stop the run when a step's ``train/logprob_gap`` (token mean |trainer - engine|
     log-prob) exceeds this, and at step 0 unless the policy ratio is exactly 1 and the old-policy KL exactly
-    0 (``train/abs_log_ratio``, ``train/approx_kl``). None: off. The embedded engine and the trainer agree
-    bitwise on CUDA on the gated runs (SmolLM2, a tiny Qwen3; a Qwen3-1.7B shape at 640 tokens was 3.8e-3 apart,
-    docs/on_policy.md) and to ~1e-7 in fp32 on CPU, so 1e-6 holds there; SGLang needs more."""
+    0 (``train/abs_log_ratio``, ``train/approx_kl``). None: off. On CUDA in bf16 the embedded engine and the
+    trainer agree bitwise on the gated runs (SmolLM2, a tiny Qwen3), so 1e-6 holds there; a Qwen3-1.7B shape at
+    640 tokens was 3.8e-3 apart; in fp32 the two sides' kernels round apart (~1e-5 on the real SmolLM2, CPU or
+    CUDA; docs/on_policy.md); SGLang needs more."""
     rollout_data_postprocess: str | None = None
     """``fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None`` called on every
     rank after advantages are computed and before training; may edit the micro-batches in place."""
