@@ -12,6 +12,7 @@ Each engine run is preceded by an untimed run of the same shape, which captures 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from pathlib import Path
 
@@ -83,6 +84,9 @@ class RolloutResult:
     """engine tokens/s / bound tokens/s."""
     decode_profile: DecodeProfile | None = None
     """With ``--profile``: where a decode step of the sampled call spends its time (rlrun/bench/decode_profile.py)."""
+    cublas_workspace_config: str | None = None
+    """``CUBLAS_WORKSPACE_CONFIG`` of the process: the embedded worker's (``EXACT_GEMM_ENV``) unless the caller set
+    another, so the engine here runs the GEMMs a training run's engine runs (transformers' generate shares it)."""
 
 
 GREEDY = {"temperature": 0.0}
@@ -124,12 +128,19 @@ def bench_rollout(
     profile: Path | None = None,
 ) -> RolloutResult:
     """Time one warm run of the embedded engine and of HF ``generate`` on the same weights in memory; ``profile``:
-    also profile decode steps of the sampled call (its kernel-time table written there)."""
+    also profile decode steps of the sampled call (its kernel-time table written there).
+
+    The engine runs in this process, not in a worker, so the process takes the worker's environment
+    (``EXACT_GEMM_ENV``: cuBLAS without a workspace, read when cuBLAS first runs, so before any GEMM here) where the
+    caller has not set those variables."""
     from transformers import AutoModelForCausalLM
 
+    from rlrun.engine.backends import EXACT_GEMM_ENV
     from rlrun.engine.backends.embedded import DTYPES, EmbeddedEngine
     from rlrun.engine.backends.fused_rope import unfused
 
+    for key, value in EXACT_GEMM_ENV.items():
+        os.environ.setdefault(key, value)
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
         model_dir = write_random_model(get_shape(shape), Path(tmp), DTYPES[dtype], device)
@@ -176,4 +187,5 @@ def bench_rollout(
         speedup_vs_hf=greedy.tokens_per_s / hf_tp.tokens_per_s,
         fraction_of_bound=greedy.tokens_per_s / bound.tokens_per_s,
         decode_profile=decode,
+        cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     )

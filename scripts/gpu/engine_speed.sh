@@ -45,8 +45,8 @@ bench() {  # $1: one shape, or several comma-separated (one run; past a call's 1
 
 profile() {
     local base="$OUT/decode_profile_$1_b64"
-    # the engine in this process as its worker runs it (EXACT_GEMM_ENV in rlrun/engine/backends/__init__.py)
-    CUBLAS_WORKSPACE_CONFIG=:0:0 logged_step "profile_$1" 280 "$PY" -m rlrun bench rollout --shape "$1" --batch 64 --prompt-len 128 --new-tokens 256 \
+    # bench rollout's in-process engine takes the worker's cuBLAS setting itself (EXACT_GEMM_ENV, rlrun/bench/rollout.py)
+    logged_step "profile_$1" 280 "$PY" -m rlrun bench rollout --shape "$1" --batch 64 --prompt-len 128 --new-tokens 256 \
         --profile "$base.txt" --out "$base.json"
     head -n 45 "$base.txt" | cut -c1-190
     "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1]))["results"][0]

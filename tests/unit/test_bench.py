@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlrun.bench.shapes import SHAPES, Shape
+from rlrun.engine.backends import EXACT_GEMM_ENV
 
 
 def expected_params(s: Shape) -> int:
@@ -26,6 +27,7 @@ def expected_params(s: Shape) -> int:
 def run_bench(tmp_path, *args: str) -> dict:
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("CUBLAS_WORKSPACE_CONFIG", None)  # what bench rollout sets itself
     subprocess.run(
         [sys.executable, "-m", "rlrun", "bench", *args, "--out", str(out)],
         check=True,
@@ -79,6 +81,7 @@ def test_bench_rollout_tiny_cpu(tmp_path):
     )
     r = record["results"][0]
     _check_decode_profile(r["decode_profile"], tmp_path / "kernels.txt", SHAPES["tiny"], batch, 6, hbm_gbps)
+    assert r["cublas_workspace_config"] == EXACT_GEMM_ENV["CUBLAS_WORKSPACE_CONFIG"]  # the engine worker's
     weight_bytes = expected_params(SHAPES["tiny"]) * 4  # float32 on CPU
     assert (r["num_params"], r["weight_bytes"], r["dtype"]) == (
         expected_params(SHAPES["tiny"]),
