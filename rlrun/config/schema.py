@@ -1016,6 +1016,14 @@ class RunConfig(Section):
                 f"{interval - 1} steps earlier, and the gate would stop the first step between syncs; "
                 "set algorithm.keep_old_actor: true"
             )
+        if algo.max_logprob_gap is not None and self.rollout.partial_rollout:
+            raise ValueError(
+                f"algorithm.max_logprob_gap ({algo.max_logprob_gap}) must be unset with rollout.partial_rollout "
+                "because a carried group was sampled by earlier weights (a finished group beyond the batch wholly, "
+                "a continued sample's first tokens), so its gap to the training weights is the policy's change, "
+                "not a kernel difference, and the gate would stop the first step that trains one; correct it with "
+                "algorithm.tis or rollout.partial_rollout_mask_offpolicy and unset algorithm.max_logprob_gap"
+            )
         return self
 
     def _teacher_engine_fits(self) -> None:

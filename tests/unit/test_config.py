@@ -185,6 +185,16 @@ def test_sync_interval_refuses_an_old_actor_that_changes_nothing_and_a_gate_that
         load_config(path, ["engine.sync_interval=2", "engine.max_restarts=1"])
 
 
+def test_partial_rollout_refuses_the_on_policy_gate(tmp_path):
+    """Carried groups are sampled by earlier weights: the gate would stop the first step that trains one
+    (tests/integration/test_metrics_glossary.py's partial-rollout run measured a gap of 0.26-0.33 there)."""
+    path = write(tmp_path, "{}\n")
+    partial = ["rollout.partial_rollout=true", "rollout.over_sampling_prompts=8"]
+    with pytest.raises(ConfigError, match=r"max_logprob_gap \(0.0001\) must be unset with rollout.partial_rollout"):
+        load_config(path, [*partial, "algorithm.max_logprob_gap=1e-4"])
+    assert load_config(path, partial).algorithm.max_logprob_gap is None
+
+
 def test_sync_is_due_every_interval_steps():
     from rlrun.trainer.loop import sync_due
 
