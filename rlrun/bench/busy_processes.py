@@ -8,20 +8,14 @@ import os
 import time
 from pathlib import Path
 
+from rlrun.bench.procfs import process_stats
+
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_ticks() -> dict[int, tuple[str, int]]:
-    """pid -> (command name, user + system CPU ticks so far) of every live process."""
-    ticks = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            head, tail = stat.read_text().rsplit(")", 1)
-        except OSError:  # the process ended meanwhile
-            continue
-        fields = tail.split()  # fields[0] is the state, the 3rd field of stat(5); utime and stime are its 14th, 15th
-        ticks[int(stat.parent.name)] = (head.split("(", 1)[1], int(fields[11]) + int(fields[12]))
-    return ticks
+    """pid -> (command name, user + system CPU ticks so far: stat(5)'s 14th and 15th fields) of every live process."""
+    return {pid: (name, int(fields[11]) + int(fields[12])) for pid, name, fields in process_stats()}
 
 
 def _command(pid: int, limit: int = 160) -> str:

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from rlrun.bench.procfs import process_stats
+
 
 def run_logged(
     cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
@@ -43,17 +45,9 @@ def run_logged_session(
 
 
 def session_pids(sid: int) -> list[int]:
-    """The live processes of session ``sid`` (``/proc/<pid>/stat``: ``pid (comm) state ppid pgrp session
-    ...``); zombies, dead and waiting for their parent to reap them, are left out."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
+    """The live processes of session ``sid`` (stat(5)'s 6th field); zombies, dead and waiting for their parent to
+    reap them, are left out."""
+    return [pid for pid, _, fields in process_stats() if int(fields[3]) == sid and fields[0] != "Z"]
 
 
 def end_session(sid: int, wait_s: float = 30.0) -> None:
