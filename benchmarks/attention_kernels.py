@@ -4,11 +4,12 @@ Why: at 32k tokens per sample attention is most of a train step (benchmarks/resu
 profile_train_qwen3-4b_32k_full_h200.txt: 80% of CUDA time in sm80 attention kernels), so the trainer's
 kernel decides its MFU. This compares, on the packed ``[T, heads, dim]`` layout the trainer attends:
 
-* ``efficient``: the memory-efficient kernel trainer and engine share (rlrun.attention_kernel.causal_varlen), with
+* ``efficient``: the memory-efficient kernel trainer and engine share (rlrun.kernels.attention.causal_varlen), with
   FlashAttention-2's backward behind it on bf16/fp16 (the trainer's path since commit 0f63c17);
 * ``efficient_own_bwd``: the memory-efficient kernel forward and backward, grouped key/value heads repeated (the
   trainer's path before that commit);
-* ``chunked``: rlrun's chunked Triton forward (``model.packed_attention: chunked_varlen``, rlrun.chunked_attention),
+* ``chunked``: rlrun's chunked Triton forward (``model.packed_attention: chunked_varlen``,
+rlrun.kernels.chunked_attention),
   FlashAttention-2's backward fed its log-sum-exp;
 * ``flash``: FlashAttention-2's varlen kernel (``aten._flash_attention_forward``);
 * ``cudnn_dense``: cuDNN's fused attention through SDPA, one call per sample (``model.packed_attention:
@@ -31,7 +32,7 @@ import sys
 
 import torch
 
-from rlrun import attention_kernel
+from rlrun.kernels import attention as attention_kernel
 
 SHAPES = {
     "qwen3-4b_1x32k": (32, 8, 128, [32768]),

@@ -21,7 +21,7 @@ import triton
 from decode_attention import emit, graph_timed_us  # benchmarks/, the script's folder
 from exact_split_decode import train_forward
 
-from rlrun import chunked_attention
+from rlrun.kernels import chunked_attention
 
 SETTINGS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
 """(warps, stages) of the decode kernel (the module's: ``WARPS``, ``DECODE_STAGES``)."""

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from decode_attention import emit  # benchmarks/, the script's folder
 
-from rlrun.bench.shapes import get_shape, write_random_model
-from rlrun.bench.timing import hardware, timer
-from rlrun.engine.backends.embedded import DTYPES, EmbeddedEngine
+from rlrun.engine.embedded.engine import DTYPES, EmbeddedEngine
+from rlrun.tools.bench.shapes import get_shape, write_random_model
+from rlrun.tools.bench.timing import hardware, timer
 
 
 def measure(

@@ -6,7 +6,7 @@ mask bias, the kernel the trainer runs so that log-probs agree bitwise) is ~1.5 
 result stays independent of how many queries share the call. This measures, for one decode step's attention of one
 layer (``G = H / H_kv`` query heads per cached head presented as G query rows, as the engine does):
 
-* ``efficient_bias``: today's engine path (``rlrun.attention_kernel.masked``, cache ``[rows, kv_heads, len, dim]``,
+* ``efficient_bias``: today's engine path (``rlrun.kernels.attention.masked``, cache ``[rows, kv_heads, len, dim]``,
   a mask bias over the read columns);
 * ``efficient_seqlen``: the same kernel without a bias: packed rows (``cu_seqlens``) and each row's key count as a
   device tensor (``seqlen_k``), cache ``[rows, len, kv_heads, dim]``;
@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from rlrun import attention_kernel
+from rlrun.kernels import attention as attention_kernel
 
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-1.7b": (16, 8, 128), "qwen3-4b": (32, 8, 128)}
 """(query heads, key/value heads, head width) of each shape's attention."""

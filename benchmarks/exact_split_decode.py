@@ -4,7 +4,8 @@ Why (issue 29; docs/engine.md, "Where SGLang's remaining lead is"): the embedded
 trainer's memory-efficient kernel, one thread block per (row, cached head) walking the row's keys in order, at
 1.6-2.6 TB/s on the H200 (benchmarks/decode_attention.py). A split-KV decode (a row's keys over several blocks, the
 parts merged) keeps the GPU busier, but its sums round differently from a trainer that walks the keys in one pass.
-The pair is rlrun's (``rlrun/chunked_attention.py``, ``model.packed_attention: chunked_varlen``): both sides split
+The pair is rlrun's (``rlrun/kernels/chunked_attention.py``, ``model.packed_attention: chunked_varlen``): both sides
+split
 each row's keys into chunks of ``CHUNK`` keys from key 0, run the same online softmax over a chunk and merge the
 chunks in order with one formula; the forward walks its chunks in a loop, the decode computes them in parallel and
 merges them after. Each side's tile height (query rows a tile: the forward's consecutive positions, the decode's G
@@ -29,7 +30,7 @@ import torch
 import triton
 from decode_attention import emit, graph_timed_us  # benchmarks/, the script's folder
 
-from rlrun import chunked_attention
+from rlrun.kernels import chunked_attention
 
 BLOCK_MS = (16, 64)
 """Query rows a tile, tried on each side (forward and decode may differ: rlrun runs 64 and 16)."""
@@ -84,7 +85,7 @@ def decode_speed(batch: int, length: int, chunk: int, block_m: int, iters: int, 
     """The split decode against the engine's path (``attention_kernel.decode``), Qwen3-0.6B's heads (16, 8, 128): every
     row reads ``length`` keys of a cache of ``cache_len`` columns (``length``: a full cache; more: the engine's whole
     cache early in a long generation, where most chunks are empty)."""
-    from rlrun.attention_kernel import DecodeRows, decode, positions_per_row
+    from rlrun.kernels.attention import DecodeRows, decode, positions_per_row
 
     heads, kv_heads, dim, device = 16, 8, 128, torch.device("cuda")
     columns = cache_len or length
@@ -107,7 +108,7 @@ def decode_speed(batch: int, length: int, chunk: int, block_m: int, iters: int, 
 
 def train_speed(samples: int, length: int, chunk: int, block_m: int, iters: int) -> dict:
     """The trainer forward against the memory-efficient varlen forward (the trainer's now), Qwen3-0.6B's heads."""
-    from rlrun import attention_kernel
+    from rlrun.kernels import attention as attention_kernel
 
     heads, kv_heads, dim, device = 16, 8, 128, torch.device("cuda")
     q = torch.randn(samples, length, heads, dim, device=device, dtype=torch.bfloat16)

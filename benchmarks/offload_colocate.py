@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlrun.bench.logged import run_logged  # noqa: E402
-from rlrun.bench.shapes import get_shape, write_random_model  # noqa: E402
-from rlrun.bench.step import TORCHRUN_ENV  # noqa: E402
+from rlrun.tools.bench.logged import run_logged  # noqa: E402
+from rlrun.tools.bench.shapes import get_shape, write_random_model  # noqa: E402
+from rlrun.tools.bench.step import TORCHRUN_ENV  # noqa: E402
 from tests.tiny_models import make_tokenizer  # noqa: E402
 
 RUNS = {"offload_on": (True, True), "offload_on_keep_nccl": (True, False), "offload_off": (False, False)}

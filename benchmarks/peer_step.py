@@ -10,7 +10,7 @@ and the issues' goals, and prints a table. A run that fails is recorded with its
 still run.
 
 ``--backends`` lists rlrun variants, each ``BACKEND`` plus optional suffixes (the names
-``rlrun.bench.step.Variant.label`` gives): ``_resident`` (``--offload off``: trainer and engine both stay
+``rlrun.tools.bench.step.Variant.label`` gives): ``_resident`` (``--offload off``: trainer and engine both stay
 on the device, as TRL's do), ``_keepnccl`` (``--teardown-nccl off``) and ``_varlen`` or ``_persample``
 (``--packed-attention flash_varlen`` / ``per_sample``; without either, ``auto``: varlen on CUDA in bf16).
 TRL runs once, first. ``--verl`` lists verl variants: ``verl`` (offload on: SGLang freed during training,
@@ -41,10 +41,10 @@ from typing import get_args
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import add_settings_args, settings_from  # noqa: E402
 
-from rlrun.bench.busy_processes import busy_processes  # noqa: E402
-from rlrun.bench.logged import run_logged  # noqa: E402
-from rlrun.bench.step import ATTENTION_SUFFIX, HEAD_SUFFIX, WARMUP_STEPS, StepSettings, Variant  # noqa: E402
 from rlrun.config.schema import RecomputeMode  # noqa: E402
+from rlrun.tools.bench.busy_processes import busy_processes  # noqa: E402
+from rlrun.tools.bench.logged import run_logged  # noqa: E402
+from rlrun.tools.bench.step import ATTENTION_SUFFIX, HEAD_SUFFIX, WARMUP_STEPS, StepSettings, Variant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"sglang": 4.0, "embedded": 2.5}

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer (transformers generate, or vLLM colocated) on the inputs of ``rlrun bench step``: seconds per step.
 
-Same model directory and prompts (``rlrun.bench.step.prepare_inputs``: a random-init model of the shape
+Same model directory and prompts (``rlrun.tools.bench.step.prepare_inputs``: a random-init model of the shape
 with a WordLevel tokenizer over its vocabulary, ``prompts`` rows of ``prompt_len`` words), same group size
 (``num_generations`` = samples), same fixed response length (``min_new_tokens`` = ``max_completion_length``
 = new_tokens, so EOS cannot end a response), same sampling (temperature 1, no top-k/top-p), learning rate,
@@ -18,7 +18,7 @@ rollout), its sampler held to the same work: ``min_tokens`` = new_tokens (vLLM's
 ``min_new_tokens``), ``vllm_max_model_length`` = prompt + response. ``--offload on`` turns on vLLM's sleep
 mode (level 2: weights and KV cache freed after each rollout, weights re-pushed at the next), vLLM taking
 0.3 of the device; ``off`` keeps it resident at 0.15: the SGLang fractions of rlrun's two rows
-(rlrun.bench.step). TRL's default importance-sampling correction recomputes the old log-probs with the
+(rlrun.tools.bench.step). TRL's default importance-sampling correction recomputes the old log-probs with the
 training model (an extra forward rlrun and the transformers mode do not run); it is off unless
 ``--vllm-is-correction``, so all sides do the same work.
 
@@ -28,7 +28,7 @@ Timing: a step is the optimizer step as the trainer's callbacks see it (``on_ste
 remainder (forward/backward of every micro-batch and the optimizer). With vLLM, ``sync_weights`` (the push of
 the training weights into vLLM) and ``offload`` (vLLM's sleep and wake-ups) are phases of their own; every
 phase counts its own seconds, without those of the phases inside it. Medians leave out the warm-up steps
-(``rlrun.bench.step.WARMUP_STEPS``, as rlrun's runs do).
+(``rlrun.tools.bench.step.WARMUP_STEPS``, as rlrun's runs do).
 
     python benchmarks/trl_grpo.py --work runs/bench_step --shape qwen3-0.6b --steps 5 --out trl.json
     python benchmarks/trl_grpo.py --work runs/bench_step --shape qwen3-0.6b --steps 5 --use-vllm --offload on
@@ -54,8 +54,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlrun.bench.engines import SGLANG_SERVER_ARGS  # noqa: E402
-from rlrun.bench.step import (  # noqa: E402
+from rlrun.tools.bench.engines import SGLANG_SERVER_ARGS  # noqa: E402
+from rlrun.tools.bench.step import (  # noqa: E402
     RESIDENT_SGLANG_MEM_FRACTION,
     WARMUP_STEPS,
     StepSettings,

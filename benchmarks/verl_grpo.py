@@ -1,7 +1,7 @@
 """verl's GRPO (FSDP trainer, SGLang rollout, colocated) on the inputs of ``rlrun bench step``: seconds per step.
 
 The same work as benchmarks/trl_grpo.py and ``rlrun bench step``: the random-init model directory and prompts
-of ``rlrun.bench.step.prepare_inputs`` (the prompts go into a parquet file as one user message each, and a
+of ``rlrun.tools.bench.step.prepare_inputs`` (the prompts go into a parquet file as one user message each, and a
 chat template that only joins the messages' text keeps each prompt exactly ``prompt_len`` tokens), the group
 size (``rollout.n``), the fixed response length (``rollout.ignore_eos`` with ``response_length`` = new_tokens),
 sampling at temperature 1 without top-k/top-p, the learning rate with no warm-up and no weight decay, gradient
@@ -26,11 +26,11 @@ every ``--replay-poll-s`` (0.1 s; ``2`` for verl's own; benchmarks/verl_plugins.
 ``--offload on``: the colocated hybrid engine frees SGLang's weights and KV cache during training
 (``free_cache_engine``) and FSDP moves parameters and optimizer state to host memory during rollout
 (``param_offload`` / ``optimizer_offload``), SGLang taking 0.3 of the device; ``off``: both stay resident,
-SGLang taking 0.15 (rlrun's two settings, rlrun.bench.step).
+SGLang taking 0.15 (rlrun's two settings, rlrun.tools.bench.step).
 
 Timing is verl's own: its trainer's ``timing_s/<phase>`` metrics per step (gen, old_log_prob, ref, adv,
 update_actor, update_weights, ... whichever ran), written by its ``file`` logger; ``step`` is
-``timing_s/step``. Medians leave out the warm-up steps (``rlrun.bench.step.WARMUP_STEPS``, as rlrun's and
+``timing_s/step``. Medians leave out the warm-up steps (``rlrun.tools.bench.step.WARMUP_STEPS``, as rlrun's and
 TRL's do). The output is the record benchmarks/peer_step.py reads (the keys trl_grpo.py writes).
 
     python benchmarks/verl_grpo.py --work /tmp/peer_qwen3-0.6b --shape qwen3-0.6b --steps 5 --offload on \\
@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import add_settings_args, settings_from, write_result  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlrun.bench.engines import SGLANG_SERVER_ARGS  # noqa: E402
-from rlrun.bench.logged import run_logged_session  # noqa: E402
-from rlrun.bench.step import RESIDENT_SGLANG_MEM_FRACTION, WARMUP_STEPS, StepSettings, prepare_inputs  # noqa: E402
+from rlrun.tools.bench.engines import SGLANG_SERVER_ARGS  # noqa: E402
+from rlrun.tools.bench.logged import run_logged_session  # noqa: E402
+from rlrun.tools.bench.step import RESIDENT_SGLANG_MEM_FRACTION, WARMUP_STEPS, StepSettings, prepare_inputs  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -232,7 +232,7 @@ def check_config(args: list[str]) -> dict:
 
 def run_verl(args: list[str], run_dir: Path, timeout_s: float, replay_poll_s: float) -> tuple[Path, str | None]:
     """``python -m verl.trainer.main_ppo ARGS`` in a session of its own, ended afterwards with Ray's workers
-    (rlrun.bench.logged.run_logged_session); returns the metrics file its ``file`` logger wrote, and why the run
+    (rlrun.tools.bench.logged.run_logged_session); returns the metrics file its ``file`` logger wrote, and why the run
     stopped early (None when it finished). A run that reaches ``timeout_s`` after more than the warm-up steps
     keeps the steps it logged (verl's start-up alone took ~5 minutes on the H200, so a limit that falls during
     the last step should not lose the others)."""

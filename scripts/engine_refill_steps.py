@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from rlrun.bench.engines import LongTail
-from rlrun.bench.shapes import get_shape, write_random_model
-from rlrun.engine.backends import decode_run
-from rlrun.engine.backends.decode_graphs import WarmBatch
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.embedded import decode_run
+from rlrun.engine.embedded.decode_graphs import WarmBatch
+from rlrun.engine.embedded.engine import EmbeddedEngine
+from rlrun.tools.bench.engines import LongTail
+from rlrun.tools.bench.shapes import get_shape, write_random_model
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlrun.engine.backends import BackendSpec
 from rlrun.engine.client import EngineClient
+from rlrun.engine.registry import BackendSpec
 
 FAKES_DIR = Path(__file__).parent / "fakes"
 BACKENDS = ("embedded", "sglang")

@@ -206,7 +206,7 @@ def _source_order(problem: str) -> tuple[int, str]:
 
 def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
     from rlrun.data.source import load_source_factory
-    from rlrun.hooks import HookSpecError
+    from rlrun.preflight.hooks import HookSpecError
     from rlrun.rollout.hook_specs import HOOK_LOADERS
     from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
 

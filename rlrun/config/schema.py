@@ -23,7 +23,7 @@ from rlrun.algo.specs import (
     TISLevel,
     TISMode,
 )
-from rlrun.engine.backends import backend_traits
+from rlrun.engine.registry import backend_traits
 
 
 class Section(BaseModel):
@@ -122,7 +122,7 @@ class ModelConfig(Section):
     packed_attention: PackedAttention = "auto"
     """How the trainer attends packed rows (several samples in one row) without TransformerEngine:
     ``per_sample``, one attention call per sample (everywhere; slow: host-bound at RL batch sizes);
-    ``chunked_varlen``, rlrun's chunked Triton kernels (CUDA, bfloat16; rlrun/chunked_attention.py), which the
+    ``chunked_varlen``, rlrun's chunked Triton kernels (CUDA, bfloat16; rlrun/kernels/chunked_attention.py), which the
     embedded engine then runs too, its decode split over thread blocks and still bitwise the trainer's forward, so
     trainer and engine log-probs agree (docs/on_policy.md; SGLang does not run them: off-policy with engine.backend
     sglang, as every kernel is); ``efficient_varlen``, one memory-efficient varlen call per layer for the whole row
@@ -132,7 +132,7 @@ class ModelConfig(Section):
     because no engine runs that kernel); ``cudnn_per_sample``, cuDNN's fused attention, one call per sample (CUDA,
     bfloat16; for long samples: 4x the memory-efficient kernel at 32K tokens on an H200, slower below ~2K tokens;
     off-policy like flash_varlen); ``auto``, chunked_varlen on CUDA in bfloat16 where Triton is, efficient_varlen
-    elsewhere on CUDA (float32), else per_sample (rlrun.attention_kernel.auto_packed_attention). Unpacked rows (one
+    elsewhere on CUDA (float32), else per_sample (rlrun.kernels.attention.auto_packed_attention). Unpacked rows (one
     sample per row) run the same kernel as packed ones."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of the whole actor (``LoraConfig``); None: full fine-tuning."""

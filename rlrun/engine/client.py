@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 import rlrun
-from rlrun.engine.backends import BackendSpec
 from rlrun.engine.payload import iter_buckets, serialize_for_tp_ranks, tensor_checksum
+from rlrun.engine.registry import BackendSpec
 from rlrun.engine.rpc import Endpoint, RpcClient, RpcError, choose_endpoint
 from rlrun.engine.types import EngineStatus, GenResult, OpResult
 from rlrun.engine.worker import AUTHKEY_ENV, TOKEN_ENV

@@ -56,9 +56,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rlrun.engine.backends import BackendSpec
 from rlrun.engine.client import EngineClient
 from rlrun.engine.payload import iter_buckets, serialize_flattened_bucket
+from rlrun.engine.registry import BackendSpec
 from rlrun.engine.rpc import RpcPeerDiedError, RpcTimeoutError
 from rlrun.runtime.deaths import WatchedProcess
 

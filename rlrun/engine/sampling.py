@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlrun.triton_support import triton_available
+from rlrun.kernels.triton_support import triton_available
 
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, sample index) pairs apart
 GREEDY_TEMPERATURE_EPS = 1e-6
@@ -308,7 +308,7 @@ def sample_tokens(
     (``triton_kernels.greedy_tokens``: the trainer's formula, within fp32 rounding of the eager path's).
     """
     if not t.sample and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and triton_available():
-        from rlrun.engine.backends.triton_kernels import greedy_tokens
+        from rlrun.engine.embedded.triton_kernels import greedy_tokens
 
         if kept_out is not None:
             kept_out.fill_(-1)

@@ -35,7 +35,7 @@ class FinishReason(TypedDict):
 class RoutedExperts(TypedDict):
     """``data``: SGLang's ``meta_info["routed_experts"]``, base64 of int32 expert ids of shape
     ``[prompt_tokens + completion_tokens - 1, layers, topk]``; ``topk`` (which SGLang leaves to the
-    caller's model config) makes it self-describing. ``rlrun.engine.backends.routing_record.decode``."""
+    caller's model config) makes it self-describing. ``rlrun.engine.embedded.routing_record.decode``."""
 
     data: str
     topk: int

@@ -28,8 +28,8 @@ import threading
 import time
 import uuid
 
-from rlrun.engine.backends import BackendSpec, EngineBackend, load_backend
 from rlrun.engine.lifecycle import EngineLifecycle
+from rlrun.engine.registry import BackendSpec, EngineBackend, load_backend
 from rlrun.engine.rpc import RpcServer
 from rlrun.engine.sampling import per_prompt_params
 from rlrun.engine.types import EngineStatus, GenResult, OpResult
@@ -226,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rlrun.engine.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--endpoint", required=True, help="ZMQ address to bind (ipc://... or tcp://127.0.0.1:PORT)")
     parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process dies")
-    parser.add_argument("--spec", required=True, help="BackendSpec as JSON (rlrun.engine.backends)")
+    parser.add_argument("--spec", required=True, help="BackendSpec as JSON (rlrun.engine.registry)")
     return parser.parse_args(argv)
 
 

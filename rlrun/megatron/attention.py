@@ -22,7 +22,7 @@ samples of 640 tokens made 3,584 SDPA calls forward and as many backward per ste
 attended in one varlen call per layer:
 
 * ``efficient_varlen`` (:class:`EfficientVarlenCoreAttention`, CUDA, any dtype; what ``auto`` picks there):
-  the memory-efficient kernel that the embedded engine runs too (:mod:`rlrun.attention_kernel`), so the
+  the memory-efficient kernel that the embedded engine runs too (:mod:`rlrun.kernels.attention`), so the
   trainer's log-probs equal the engine's (bitwise on the H200 for prompts the engine did not left-pad;
   BENCHMARKS.md "On-policy exactness"). On CUDA the per-sample and unpacked paths run that kernel too.
 * ``flash_varlen`` (:class:`FlashVarlenCoreAttention`, CUDA, bf16): FlashAttention-2's varlen kernel. Fast,
@@ -62,12 +62,12 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from rlrun import attention_kernel
 from rlrun.config.schema import BF16_KERNEL_ATTENTION, PackedAttention
-from rlrun.head_norm import HeadNorm
-from rlrun.hidden_norm import HiddenNorm
+from rlrun.kernels import attention as attention_kernel
+from rlrun.kernels.head_norm import HeadNorm
+from rlrun.kernels.hidden_norm import HiddenNorm
+from rlrun.kernels.triton_support import triton_available
 from rlrun.runtime.host_to_device import to_device
-from rlrun.triton_support import triton_available
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -90,7 +90,7 @@ def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> ty
     """The core attention class: TransformerEngine's when importable, else packed rows attended per sample or
     in one varlen call per layer (``efficient_varlen``: CUDA; ``flash_varlen``: CUDA, bfloat16), or per sample
     on cuDNN (``cudnn_per_sample``: CUDA, bfloat16), or on the chunked kernels (``chunked_varlen``: CUDA, bfloat16);
-    ``auto``: :func:`rlrun.attention_kernel.auto_packed_attention`, the embedded engine's kernels. ``dtype`` is
+    ``auto``: :func:`rlrun.kernels.attention.auto_packed_attention`, the embedded engine's kernels. ``dtype`` is
     ``model.dtype`` (its default here too)."""
     if packed_attention not in get_args(PackedAttention):
         raise ValueError(
@@ -129,7 +129,7 @@ def layer_spec(
     arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, packed_attention: str = "auto", dtype: str = "float32"
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's local GPT layer spec (RMSNorm, QK-norm when ``arch`` has it) with a fused core attention and the
-    norms the embedded engine shares (:mod:`rlrun.head_norm`, :mod:`rlrun.hidden_norm`).
+    norms the embedded engine shares (:mod:`rlrun.kernels.head_norm`, :mod:`rlrun.kernels.hidden_norm`).
 
     MoE models get Megatron's ``MoELayer`` as the MLP, with ``SequentialMLP`` experts (one local MLP per
     expert: no grouped-GEMM kernel, so it runs on CPU; ``rlrun.megatron.moe`` maps its weights). When only
@@ -170,9 +170,10 @@ def _layer_spec(arch: ModelArch, moe: bool, attention: type) -> ModuleSpec:
     )
     # get_gpt_layer_local_spec builds fresh submodule objects on every call, so this edits no shared state.
     spec.submodules.self_attention.submodules.core_attention = attention
-    # the hidden norms: the engine's kernel on CUDA in bf16 (rlrun.hidden_norm); the final norm stays Megatron's
+    # the hidden norms: the engine's kernel on CUDA in bf16 (rlrun.kernels.hidden_norm); the final norm stays Megatron's
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenNorm
-    if arch.qk_norm and arch.mla is None:  # per-head QK-norm: the engine's kernel on CUDA in bf16 (rlrun.head_norm)
+    # per-head QK-norm: the engine's kernel on CUDA in bf16 (rlrun.kernels.head_norm)
+    if arch.qk_norm and arch.mla is None:
         spec.submodules.self_attention.submodules.q_layernorm = HeadNorm
         spec.submodules.self_attention.submodules.k_layernorm = HeadNorm
     if arch.mla is not None and arch.mla.q_lora_rank is None:  # no query latent, so no norm on it
@@ -294,7 +295,7 @@ class SDPACoreAttention(MegatronModule):
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over ``[B, heads, S, dim]``; key/value may have fewer (grouped) heads. On CUDA the
-        engine's kernel (rlrun.attention_kernel), elsewhere SDPA."""
+        engine's kernel (rlrun.kernels.attention), elsewhere SDPA."""
         return attention_kernel.causal(q, k, v, self.softmax_scale, self.dropout_p if self.training else 0.0)
 
 
@@ -310,7 +311,7 @@ def _device_bounds(packed_seq_params) -> torch.Tensor:
 
 class EfficientVarlenCoreAttention(SDPACoreAttention):
     """:class:`SDPACoreAttention` with packed rows in one memory-efficient varlen call per layer (CUDA, any
-    dtype): the kernel the embedded engine runs (rlrun.attention_kernel), so both compute the same log-probs."""
+    dtype): the kernel the embedded engine runs (rlrun.kernels.attention), so both compute the same log-probs."""
 
     def _packed(self, query, key, value, packed_seq_params) -> torch.Tensor:
         return attention_kernel.causal_varlen(
@@ -326,7 +327,8 @@ class EfficientVarlenCoreAttention(SDPACoreAttention):
 
 class ChunkedVarlenCoreAttention(SDPACoreAttention):
     """:class:`SDPACoreAttention` on the chunked kernels (``model.packed_attention: chunked_varlen``,
-    rlrun.chunked_attention): the embedded engine's then, whose decode splits each row's keys over thread blocks and
+    rlrun.kernels.chunked_attention): the embedded engine's then, whose decode splits each row's keys over thread
+    blocks and
     stays bitwise this forward; FlashAttention-2's backward. Packed rows in one call per layer, unpacked rows packed
     for it. Heads the kernels do not take (``attention_kernel.chunked_kernel_takes``) run the memory-efficient
     kernel, as the engine's do."""

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlrun import attention_kernel
+from rlrun.kernels import attention as attention_kernel
 
 
 def _group():

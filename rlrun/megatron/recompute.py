@@ -1,7 +1,7 @@
 """Activation recompute (``train.recompute``): which activations the backward pass recomputes instead of keeping.
 
 A transformer layer keeps, per token, its inputs and every intermediate its backward needs; at long
-responses these dominate device memory (``rlrun doctor`` estimates them per token: ``rlrun.memory_estimate``).
+responses these dominate device memory (``rlrun doctor`` estimates them per token: ``rlrun.tools.memory_estimate``).
 Megatron's recompute options, on the local spec:
 
 * ``selective``: the core attention and the dense MLP run under ``tensor_parallel.checkpoint``; each keeps

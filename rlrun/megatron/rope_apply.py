@@ -21,8 +21,8 @@ import weakref
 
 import torch
 
+from rlrun.kernels.triton_support import triton_available
 from rlrun.runtime.host_to_device import to_device
-from rlrun.triton_support import triton_available
 
 _cos_sin_cache: dict[str, tuple] = {}
 _positions_cache: dict[str, tuple] = {}
@@ -100,7 +100,7 @@ def _cos_sin(
 
 
 def _kernel_covers(t: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether the Triton rotation (rlrun/rope_kernel.py) takes ``t [S, B, H, D]`` under ``cos [S, 1, 1, D]``:
+    """Whether the Triton rotation (rlrun/kernels/rope.py) takes ``t [S, B, H, D]`` under ``cos [S, 1, 1, D]``:
     CUDA with Triton installed, even D, unit stride along D, one dtype."""
     return (
         t.is_cuda
@@ -116,7 +116,7 @@ def _kernel_covers(t: torch.Tensor, cos: torch.Tensor) -> bool:
 def _rotate_with_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` of ``x [S, B, H, D]`` by the shared kernel, which reads ``[B, H, S, D]``
     views and ``[B, S, D]`` cos/sin (broadcast over the batch: stride 0)."""
-    from rlrun.rope_kernel import rope_qk
+    from rlrun.kernels.rope import rope_qk
 
     if x.stride(-1) != 1:
         x = x.contiguous()

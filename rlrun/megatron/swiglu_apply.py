@@ -1,4 +1,4 @@
-"""Megatron's gated SiLU MLP activation by the shared Triton kernel (rlrun/swiglu_kernel.py); the same forward bits.
+"""Megatron's gated SiLU MLP activation by the shared Triton kernel (rlrun/kernels/swiglu.py); the same forward bits.
 
 rlrun builds Megatron with ``bias_activation_fusion=False`` (rlrun/megatron/hf_config.py), so megatron-core 0.16.1's
 ``MLP.forward`` chunks the fc1 output ``[T, (B), 2F/tp]`` into gate and up and computes ``silu(gate) * up`` eagerly:
@@ -20,7 +20,7 @@ split per rank as Megatron splits it.
 
 The forward is eager PyTorch's ``silu(gate) * up`` bit for bit (the kernel's docstring says how), so the trainer's
 log-probs stay the engine's (docs/on_policy.md; the engine runs the same kernel,
-rlrun/engine/backends/fused_swiglu.py). The backward computes in fp32 and rounds once.
+rlrun/engine/embedded/fused_swiglu.py). The backward computes in fp32 and rounds once.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlrun.triton_support import triton_available
+from rlrun.kernels.triton_support import triton_available
 
 
 def patch_swiglu() -> None:
@@ -100,13 +100,13 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _forward_kernel(x: torch.Tensor) -> torch.Tensor:
-    from rlrun.swiglu_kernel import swiglu_forward
+    from rlrun.kernels.swiglu import swiglu_forward
 
     return swiglu_forward(x)
 
 
 def _backward_kernel(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    from rlrun.swiglu_kernel import swiglu_backward
+    from rlrun.kernels.swiglu import swiglu_backward
 
     return swiglu_backward(x, grad)
 

@@ -30,9 +30,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from rlrun.kernels.triton_support import triton_available
 from rlrun.megatron import wgrad_fusion
 from rlrun.runtime.dist import all_reduce
-from rlrun.triton_support import triton_available
 
 CHUNK_BYTES = 1 << 30
 """fp32 bytes of one chunk's ``[tokens, V_local]`` slice: two such buffers live at a time."""

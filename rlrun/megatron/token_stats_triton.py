@@ -17,7 +17,7 @@ which run on the CPU and are the reference in tests/gpu/test_token_stats_gpu.py)
 inside a row and the rounding of ``exp`` differ, by a few fp32 ulps.
 
 LAUNCH_DEVICE: Triton launches on the current CUDA device and its stream, so each launch runs under
-:func:`rlrun.triton_support.launch_device` of its tensors (rlrun.engine.backends.triton_kernels says why).
+:func:`rlrun.kernels.triton_support.launch_device` of its tensors (rlrun.engine.embedded.triton_kernels says why).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlrun.triton_support import launch_device
+from rlrun.kernels.triton_support import launch_device
 
 BLOCK = 4096
 """Vocabulary columns one program reads per iteration."""

@@ -116,7 +116,7 @@ def _routed_experts(result, prompt_len: int):
         return None
     import torch
 
-    from rlrun.engine.backends.routing_record import decode
+    from rlrun.engine.embedded.routing_record import decode
 
     experts = decode(result["routed_experts"], prompt_len + len(result["output_ids"]))
     return torch.cat([experts, experts[-1:]])

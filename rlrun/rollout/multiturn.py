@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlrun.data.sample import Prompt, Sample
-from rlrun.hooks import HookSpecError, resolve_hook
+from rlrun.preflight.hooks import HookSpecError, resolve_hook
 
 SIGNATURE = "async fn(traj: Trajectory) -> None | list[Sample]"
 FLUSH_WAIT_S = 0.005

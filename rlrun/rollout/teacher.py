@@ -25,8 +25,8 @@ class TeacherEngine:
 
     @classmethod
     def spawn(cls, cfg: RunConfig, rank: int, run_dir: Path) -> TeacherEngine:
-        from rlrun.engine.backends import BackendSpec
         from rlrun.engine.client import EngineClient
+        from rlrun.engine.registry import BackendSpec
 
         opd = cfg.algorithm.opd
         assert opd.teacher_path is not None, "check_algorithm pairs teacher_path with kl_coef"

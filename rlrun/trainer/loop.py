@@ -44,7 +44,7 @@ from rlrun.data.sample import Sample
 from rlrun.data.source import PromptSource
 from rlrun.data.transfer import all_gather, scatter_from_rank0
 from rlrun.engine.group import EngineGroup
-from rlrun.metrics import MetricsLogger, PhaseTimer
+from rlrun.observability.metrics import MetricsLogger, PhaseTimer
 from rlrun.rollout.collect import RolloutRuntime
 from rlrun.rollout.debug_data import maybe_save_train_data
 from rlrun.runtime.dist import Parallel
@@ -81,7 +81,7 @@ def run(cfg: RunConfig) -> bool:
     asks to checkpoint and stop. A dead rank or engine worker ends every rank within seconds
     (rlrun/runtime/watchdog.py); the engine worker never outlives this call. Returns whether the process
     must end without Python's teardown (``Offloader.needs_hard_exit``: the CLI then calls ``os._exit``)."""
-    from rlrun.profiler import profile_step
+    from rlrun.observability.profiler import profile_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
     from rlrun.runtime.preemption import StopRequest
     from rlrun.runtime.watchdog import Watchdog
@@ -150,8 +150,8 @@ def run(cfg: RunConfig) -> bool:
 def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
     from transformers import AutoTokenizer
 
-    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.group import GroupLayout
+    from rlrun.engine.registry import BackendSpec
 
     run_dir = Path(cfg.logging.run_dir)
     if parallel.is_rank0:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Literal, ParamSpec, TypeVar
 import torch
 
 from rlrun.config.schema import OffloadConfig
-from rlrun.metrics import PhaseTimer
+from rlrun.observability.metrics import PhaseTimer
 from rlrun.runtime import reloadable_groups
 from rlrun.runtime.processes import process_tree
 from rlrun.trainer.optimizer_state import FlatOptimizerState, streams_state

@@ -1,5 +1,5 @@
 """Which head widths the memory-efficient attention kernel takes, per dtype, against
-``rlrun.attention_kernel.kernel_has_head_dims``: one JSON line per case.
+``rlrun.kernels.attention.kernel_has_head_dims``: one JSON line per case.
 
 Each case runs in its own process: for some widths the kernel does not refuse but launches and fails on the
 device ("misaligned address"), which leaves that process's CUDA context unusable.
@@ -41,7 +41,7 @@ def run_case(dtype_name: str, qk: int, v_dim: int) -> dict:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from rlrun.attention_kernel import kernel_has_head_dims
+    from rlrun.kernels.attention import kernel_has_head_dims
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     case = {"dtype": dtype_name, "qk": qk, "v": v_dim, "kernel_has_head_dims": kernel_has_head_dims(dtype, qk, v_dim)}

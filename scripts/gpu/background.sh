@@ -12,7 +12,7 @@
 # State lives in /tmp/bg/NAME: log (CMD's stdout and stderr), rc (written when CMD ends), out/ (CMD's $OUT), tree/
 # (the checkout CMD runs in). CMD runs in a copy of the checkout's top-level entries (not its dot-folders: the staging
 # pieces), because every later device call re-sends the working tree into the repository root: a run reading the
-# checkout while a call rewrote it failed once (2026-12-04: verl's input writer could not import rlrun.bench.engines).
+# checkout while a call rewrote it failed once (2026-12-04: verl's input writer could not import rlrun.tools.bench.engines).
 set -uo pipefail
 ROOT=${BG_ROOT:-/tmp/bg}
 OUT=${OUT:-/tmp/out}

@@ -45,7 +45,7 @@ bench() {  # $1: one shape, or several comma-separated (one run; past a call's 1
 
 profile() {
     local base="$OUT/decode_profile_$1_b64"
-    # bench rollout's in-process engine takes the worker's cuBLAS setting itself (EXACT_GEMM_ENV, rlrun/bench/rollout.py)
+    # bench rollout's in-process engine takes the worker's cuBLAS setting itself (EXACT_GEMM_ENV, rlrun/tools/bench/rollout.py)
     logged_step "profile_$1" 280 "$PY" -m rlrun bench rollout --shape "$1" --batch 64 --prompt-len 128 --new-tokens 256 \
         --profile "$base.txt" --out "$base.json"
     head -n 45 "$base.txt" | cut -c1-190

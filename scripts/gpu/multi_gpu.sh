@@ -22,7 +22,7 @@
 #               (tp_size 2), one CUDA-IPC payload per engine TP rank; needs the sglang venv
 #               (/root/sgl, sglang_session.md calls 1-5 and `bash scripts/gpu/sglang_device.sh install`)
 #   summary     scripts/gpu/summarise_multi_gpu.py layouts -> $OUT/multi_gpu_layouts.json
-#   scaling     `rlrun bench step` (rlrun/bench/step.py bench_step) at 1 rank and at each of $SCALE_RANKS
+#   scaling     `rlrun bench step` (rlrun/tools/bench/step.py bench_step) at 1 rank and at each of $SCALE_RANKS
 #               (default 2), SCALE_SETTINGS' prompts per rank -> $OUT/weak_scaling.json (efficiency t(1)/t(N))
 # A layout step on a machine that lost the baseline (cold start) runs prepare and baseline first.
 #
@@ -52,7 +52,7 @@ fi
 # policy term at step 0 has ratio 1 in every layout), and a reward on token ids gives every group spread.
 # RLRUN_MULTI_GPU_SETS adds KEY=VALUE pairs to every run (e.g. offload.teardown_nccl=false for a retry).
 COMMON=(model.path=$MODEL model.dtype=$DTYPE train.num_steps=3 offload.colocate=true "${SIZE[@]}"
-        rollout.reward=rlrun.bench.step:even_token_reward rollout.ignore_eos=true
+        rollout.reward=rlrun.tools.bench.step:even_token_reward rollout.ignore_eos=true
         algorithm.skip_tied_groups=false algorithm.entropy_coef=0.01 checkpoint.save_interval=0
         ${RLRUN_MULTI_GPU_SETS:-})
 
@@ -121,7 +121,7 @@ step_scaling() {
   local bench='
 import dataclasses, json, sys
 from pathlib import Path
-from rlrun.bench.step import StepSettings, bench_step
+from rlrun.tools.bench.step import StepSettings, bench_step
 ranks, work, per_rank = int(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
 settings = StepSettings(**{**per_rank, "prompts": per_rank["prompts"] * ranks})  # the same prompts per rank
 result = bench_step(settings, work, timeout_s=270, ranks=ranks)

@@ -4,7 +4,7 @@ The engine (rlrun's EmbeddedEngine) samples responses with its log-probs; then t
 second time in transformers with a probe attention function, score the packed samples the way the trainer
 does (one row, positions restarting per sample) with each candidate kernel. Reported per candidate: mean and
 max |trainer - engine| log-prob and the fraction of tokens that agree bitwise. Two engine kernels (the shared
-memory-efficient one, and SDPA's own choice, the engine before rlrun.attention_kernel) and two prompt sets
+memory-efficient one, and SDPA's own choice, the engine before rlrun.kernels.attention) and two prompt sets
 (equal lengths, as the quickstart's; mixed lengths, which the engine left-pads). Also times forward+backward
 of the varlen kernels on larger packed rows.
 
@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AutoModelForCausalLM
 
-from rlrun import attention_kernel
-from rlrun.engine.backends import static_cache
-from rlrun.engine.backends.embedded import EmbeddedEngine
-from rlrun.engine.backends.fused_norm import fuse_rms_norms
+from rlrun.engine.embedded import static_cache
+from rlrun.engine.embedded.engine import EmbeddedEngine
+from rlrun.engine.embedded.fused_norm import fuse_rms_norms
+from rlrun.kernels import attention as attention_kernel
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -71,7 +71,7 @@ def probe_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def sdpa_masked(query, key, value, mask, scale=None, bias=None):
-    """The engine's attention before rlrun.attention_kernel: SDPA's own kernel choice under the mask (``bias``,
+    """The engine's attention before rlrun.kernels.attention: SDPA's own kernel choice under the mask (``bias``,
     the shared kernel's additive form of the mask, unused)."""
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
 

@@ -1,5 +1,5 @@
 """Write the random-init Qwen3-0.6B-shaped model that configs/gpu/sglang_colocate.yaml trains: bf16
-safetensors (rlrun.bench.shapes) plus the tests' byte-level ChatML tokenizer (tests/tiny_models.py),
+safetensors (rlrun.tools.bench.shapes) plus the tests' byte-level ChatML tokenizer (tests/tiny_models.py),
 which the trainer uses for prompts; SGLang runs with skip_tokenizer_init and never reads it.
 
     python scripts/gpu/prepare_model.py /root/models/qwen3-0.6b-random [--shape qwen3-0.6b] [--device cuda]
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from rlrun.bench.shapes import get_shape, write_random_model  # noqa: E402
+from rlrun.tools.bench.shapes import get_shape, write_random_model  # noqa: E402
 from tests.tiny_models import make_tokenizer  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Times ``rope_qk`` of rlrun/rope_kernel.py (Triton, CUDA) at the trainer's and the embedded engine's shapes; JSON.
+"""Times ``rope_qk`` of rlrun/kernels/rope.py (Triton, CUDA) at the trainer's and the embedded engine's shapes; JSON.
 
 * trainer: the queries, then the keys, of a packed micro-batch (``--tokens``), one tensor a call as
   ``rlrun.megatron.rope_apply`` calls it: ``[S, 1, H, D]`` viewed as ``[1, H, S, D]``, an empty key view, cos and
@@ -14,7 +14,7 @@ formula's time is printed beside it for reference.
 
     python scripts/gpu/rope_kernel_bench.py --out rope_kernel_bench.json
     # another version of the kernel, on the same device in the same session:
-    git show REV:rlrun/rope_kernel.py > /tmp/rope_kernel_rev.py
+    git show REV:rlrun/kernels/rope.py > /tmp/rope_kernel_rev.py
     python scripts/gpu/rope_kernel_bench.py --kernel /tmp/rope_kernel_rev.py --out rope_kernel_bench_rev.json
 """
 
@@ -31,10 +31,10 @@ from kernel_timing import REPO, median_us, report
 
 
 def load_rope_qk(path: Path | None) -> Callable[..., None]:
-    """``rope_qk`` of the package, or of a copy of rlrun/rope_kernel.py at ``path``."""
+    """``rope_qk`` of the package, or of a copy of rlrun/kernels/rope.py at ``path``."""
     if path is None:
         sys.path.insert(0, str(REPO))
-        from rlrun.rope_kernel import rope_qk
+        from rlrun.kernels.rope import rope_qk
 
         return rope_qk
     spec = importlib.util.spec_from_file_location("rope_kernel_under_test", path)
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iters", type=int, default=20, help="calls a timing")
     parser.add_argument("--repeats", type=int, default=25, help="timings, of which the median is printed")
-    parser.add_argument("--kernel", type=Path, help="a copy of rlrun/rope_kernel.py to time instead of the package's")
+    parser.add_argument("--kernel", type=Path, help="a copy of rlrun/kernels/rope.py to time instead of the package's")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -138,7 +138,7 @@ def main() -> None:
     for batch in args.decode_batches:
         case = decode_case(batch, args.q_heads, args.k_heads, args.head_dim, dtype, gen)
         rows.append(measure(f"decode_b{batch}", case, rope_qk, args, graph=True))
-    report(rows, args, kernel=str(args.kernel or "rlrun/rope_kernel.py"))
+    report(rows, args, kernel=str(args.kernel or "rlrun/kernels/rope.py"))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 against the TP=1 DP=1 baseline trained on the same saved samples, within the tolerance of the runs'
 dtype; the engine.tp=2 run's engine-vs-trainer log-prob gap after each weight sync.
 ``scaling OUT_JSON BENCH_JSON...``: weak-scaling efficiency t(1)/t(N) from ``rlrun bench step`` results
-(rlrun/bench/step.py StepResult as JSON) with the same samples per rank.
+(rlrun/tools/bench/step.py StepResult as JSON) with the same samples per rank.
 
     python scripts/gpu/summarise_multi_gpu.py layouts /tmp/runs/multi_gpu $OUT/multi_gpu_layouts.json
     python scripts/gpu/summarise_multi_gpu.py scaling $OUT/weak_scaling.json \

@@ -37,8 +37,8 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 import verl_grpo  # noqa: E402
 import verl_plugins  # noqa: E402
 
-from rlrun.bench.shapes import get_shape  # noqa: E402
-from rlrun.bench.step import StepSettings, prompt_rows, write_word_tokenizer  # noqa: E402
+from rlrun.tools.bench.shapes import get_shape  # noqa: E402
+from rlrun.tools.bench.step import StepSettings, prompt_rows, write_word_tokenizer  # noqa: E402
 
 
 def check_config() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.trl_grpo import VLLM_ENV  # noqa: E402
-from rlrun.bench.step import StepSettings, prepare_inputs  # noqa: E402
+from rlrun.tools.bench.step import StepSettings, prepare_inputs  # noqa: E402
 
 NEW_TOKENS = 16
 

@@ -62,7 +62,7 @@ def test_bf16_kernels_match_per_sample_attention_packed_and_unpacked(kernel):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize(("qk_dim", "v_dim"), [(128, 128), (192, 128), (20, 10), (12, 12), (16, 8), (24, 20)])
 def test_the_shared_kernel_runs_exactly_on_the_head_widths_it_is_said_to_take(dtype, qk_dim, v_dim):
-    """rlrun.attention_kernel.kernel_has_head_dims against the kernel itself, in a process of its own (for some
+    """rlrun.kernels.attention.kernel_has_head_dims against the kernel itself, in a process of its own (for some
     widths the kernel fails on the device and leaves the CUDA context unusable): where it says no, the kernel
     does not run (so the trainer and the engine fall back to SDPA alike); where it says yes, the kernel runs and
     agrees with SDPA's math, and so does the engine's masked call."""
@@ -72,7 +72,7 @@ def test_the_shared_kernel_runs_exactly_on_the_head_widths_it_is_said_to_take(dt
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
     from attention_kernel_widths import in_own_process
 
-    from rlrun import attention_kernel
+    from rlrun.kernels import attention as attention_kernel
 
     case = in_own_process((dtype, qk_dim, v_dim))
     assert case["kernel"] in ("ok", "error"), case
@@ -106,7 +106,7 @@ def test_flash_backward_is_the_efficient_kernels_gradient(lengths, dim):
     """``causal_varlen`` under autograd: the forward is the memory-efficient kernel's, bit for bit (the engine's
     numbers); the gradients, by FlashAttention-2's backward from that forward's output and log-sum-exp, equal the
     memory-efficient kernel's own backward to bf16 rounding (and are as close as it to an fp32 reference)."""
-    from rlrun import attention_kernel
+    from rlrun.kernels import attention as attention_kernel
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = sum(lengths)

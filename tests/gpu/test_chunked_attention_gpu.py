@@ -1,4 +1,5 @@
-"""The chunked kernels (rlrun.chunked_attention) on the GPU, bf16: the engine's split decode and its prefill over the
+"""The chunked kernels (rlrun.kernels.chunked_attention) on the GPU, bf16: the engine's split decode and its prefill
+over the
 cache are bitwise the trainer's forward (each side at its own tile height), the forward agrees with an fp32 reference,
 and its gradients (FlashAttention-2's backward fed the forward's log-sum-exp) with the reference's.
 
@@ -10,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun import attention_kernel
+from rlrun.kernels import attention as attention_kernel
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from rlrun import chunked_attention  # noqa: E402  (Triton: CUDA machines only)
+from rlrun.kernels import chunked_attention  # noqa: E402  (Triton: CUDA machines only)
 
 LENGTHS = [700, 1, 129, 640, 768, 64, 300, 511]
 """Samples of a packed row, each ending on, before or after a chunk (256) and tile (64, 16) boundary."""

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_chunked_prefill_is_bitwise_the_one_forward_prefill(tmp_path, dtype):
-    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from rlrun.engine.embedded.engine import EmbeddedEngine
     from tests.tiny_models import make_tiny_model
 
     model = make_tiny_model("qwen3", tmp_path / "m", seed=2)

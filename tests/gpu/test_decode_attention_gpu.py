@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun import attention_kernel
-from rlrun.attention_kernel import DecodeRows, decode, positions_per_row
+from rlrun.kernels import attention as attention_kernel
+from rlrun.kernels.attention import DecodeRows, decode, positions_per_row
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 def test_decode_by_key_counts_is_bitwise_the_masked_decode_bucketed_or_whole_and_stays_warm(
     tmp_path, monkeypatch, dtype
 ):
-    from rlrun.engine.backends import decode_graphs, static_cache
-    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from rlrun.engine.embedded import decode_graphs, static_cache
+    from rlrun.engine.embedded.engine import EmbeddedEngine
     from tests.tiny_models import make_tiny_model
 
     engine = EmbeddedEngine(make_tiny_model("qwen3", tmp_path / "m", seed=2), seed=0, dtype=dtype, device="cuda")
@@ -52,8 +52,8 @@ def test_a_long_tail_goes_on_in_a_smaller_captured_batch_with_the_whole_batchs_t
     16 (views of the same buffers, its own captured steps) and run to the end there. In fp32 the tokens are the whole
     batch's, and the log-probs agree to GEMM rounding (cuBLAS may tile 16 rows and 32 rows differently); a second
     call replays the same smaller batch's graphs."""
-    from rlrun.engine.backends import decode_run
-    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from rlrun.engine.embedded import decode_run
+    from rlrun.engine.embedded.engine import EmbeddedEngine
     from tests.tiny_models import make_tiny_model
 
     engine = EmbeddedEngine(make_tiny_model("qwen3", tmp_path / "m", seed=2), seed=0, dtype="float32", device="cuda")

@@ -44,7 +44,7 @@ def test_fused_gemm_is_the_separate_gemms_to_one_rounding(dtype, hidden, parts, 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama", "mistral"])
 def test_engine_generates_the_same_with_and_without_fused_projections(tmp_path, monkeypatch, kind):
-    from rlrun.engine.backends import embedded
+    from rlrun.engine.embedded import engine as embedded
     from tests.tiny_models import make_tiny_model
 
     model = make_tiny_model(kind, tmp_path / "m", seed=3)

@@ -1,4 +1,5 @@
-"""The shared QK-norm (rlrun/head_norm.py) on the GPU, bf16: the kernel's rows are bitwise the same from the engine's
+"""The shared QK-norm (rlrun/kernels/head_norm.py) on the GPU, bf16: the kernel's rows are bitwise the same from the
+engine's
 layout (query and key heads read in place from its fused q/k/v output) and from the trainer's (Megatron's queries
 reshaped contiguous, its keys a strided view of ``mixed_qkv``), within one rounding of ``F.rms_norm``, its gradients
 within rounding of autograd's; and a whole run of a tiny Qwen3 (QK-norm, which the SmolLM2 gate has not) stays
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlrun.head_norm import aligned_rows, kernel_takes, rms_norm_heads
+from rlrun.kernels.head_norm import aligned_rows, kernel_takes, rms_norm_heads
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

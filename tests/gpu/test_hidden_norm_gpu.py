@@ -1,4 +1,5 @@
-"""The shared hidden norms (rlrun/hidden_norm.py) on the GPU, bf16: the kernel's rows are bitwise the same from the
+"""The shared hidden norms (rlrun/kernels/hidden_norm.py) on the GPU, bf16: the kernel's rows are bitwise the same from
+the
 trainer's layout (Megatron's [tokens, 1, hidden]) and from the engine's (a prefill's [B, S, hidden], a decode step's
 [B, 1, hidden], a misaligned view), within one rounding of ``F.rms_norm``, the engine's residual add in the same
 launch gives the two steps' bits, and its gradients are autograd's through ``F.rms_norm``. Whole runs on both sides'
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlrun.hidden_norm import add_rms_norm_hidden, kernel_takes, rms_norm_hidden
+from rlrun.kernels.hidden_norm import add_rms_norm_hidden, kernel_takes, rms_norm_hidden
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

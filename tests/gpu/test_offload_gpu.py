@@ -93,8 +93,8 @@ def test_a_sleep_keeps_the_activation_cache_where_the_last_rollout_fits(release_
 
 
 def test_embedded_engine_release_returns_weights_and_cache(tmp_path):
-    from rlrun.bench.shapes import get_shape, write_random_model
-    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from rlrun.engine.embedded.engine import EmbeddedEngine
+    from rlrun.tools.bench.shapes import get_shape, write_random_model
 
     # What earlier tests in this process left in torch's allocator (the sleep test above keeps its 1 GiB
     # trainer-region pool) is not the engine's: the release is measured against it.
@@ -132,8 +132,8 @@ def test_embedded_engine_release_returns_weights_and_cache(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
 def test_embedded_engine_on_a_second_gpu_captures_its_decode_step_there(tmp_path):
     """An engine process serves one GPU that need not be cuda:0 (rank r's engine is on cuda:r)."""
-    from rlrun.bench.shapes import get_shape, write_random_model
-    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from rlrun.engine.embedded.engine import EmbeddedEngine
+    from rlrun.tools.bench.shapes import get_shape, write_random_model
 
     model_dir = write_random_model(get_shape("tiny"), tmp_path / "m", torch.bfloat16, "cpu")
     greedy = {"max_new_tokens": 16, "temperature": 0.0}
@@ -222,7 +222,7 @@ def test_the_trainer_region_holds_the_state_and_nothing_more(tmp_path):
     Adam left a square root of the second moments there, 4 bytes a parameter: 13.4 GB moved for the 10.7 GB state
     of a 0.6B model; rlrun.megatron.train.fuse_adam), and the optimizer's part of it comes back through its own
     host copy, bit for bit."""
-    from rlrun.bench.shapes import get_shape, write_random_model
+    from rlrun.tools.bench.shapes import get_shape, write_random_model
 
     model_dir = write_random_model(get_shape("qwen3-0.6b"), tmp_path / "m", torch.bfloat16, "cuda")
     torch.cuda.empty_cache()

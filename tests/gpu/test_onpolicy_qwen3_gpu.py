@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.bench.step import StepSettings, Variant, bench_step
+from rlrun.tools.bench.step import StepSettings, Variant, bench_step
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

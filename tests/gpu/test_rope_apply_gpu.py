@@ -1,4 +1,4 @@
-"""On a GPU, the trainer's RoPE runs the Triton rotation (rlrun/rope_kernel.py, through rlrun/megatron/rope_apply.py)
+"""On a GPU, the trainer's RoPE runs the Triton rotation (rlrun/kernels/rope.py, through rlrun/megatron/rope_apply.py)
 and its queries, keys and their gradients are Megatron's eager ones bit for bit.
 
     OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_rope_apply_gpu.py

@@ -2,7 +2,7 @@
 position up to 32K, at the RoPE settings of the families people train.
 
 The engine's are transformers': its rotary module computes the frequencies on the host when the model loads
-(``from_pretrained``, then ``.to(device)``: rlrun/engine/backends/embedded.py) and ``cos`` / ``sin`` in its
+(``from_pretrained``, then ``.to(device)``: rlrun/engine/embedded/engine.py) and ``cos`` / ``sin`` in its
 forward. The trainer's are Megatron's ``RotaryEmbedding`` built on the GPU, as rlrun builds it, given rlrun's
 frequencies (rlrun/megatron/rope.py, ``apply_to``), with rope_apply's ``cos`` / ``sin``. Megatron alone computes the
 default variant's frequencies on the GPU, whose ``pow`` may round one apart from the host's; a frequency one ulp off

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 def test_captured_decode_step_records_every_forwarded_tokens_experts(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlrun.engine.backends.embedded import EmbeddedEngine
-    from rlrun.engine.backends.routing_record import decode
+    from rlrun.engine.embedded.engine import EmbeddedEngine
+    from rlrun.engine.embedded.routing_record import decode
     from tests.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model("qwen3_moe", tmp_path / "moe", seed=3)
@@ -44,7 +44,7 @@ def test_captured_decode_step_records_every_forwarded_tokens_experts(tmp_path):
 def test_moe_decode_step_is_captured_in_each_engine_dtype(tmp_path, dtype):
     """float32 decodes with transformers' batched_mm experts kernel (its grouped_mm cannot be captured there),
     bfloat16 keeps grouped_mm; prefill keeps the load-time kernel in both."""
-    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from rlrun.engine.embedded.engine import EmbeddedEngine
     from tests.tiny_models import make_tiny_model
 
     engine = EmbeddedEngine(make_tiny_model("qwen3_moe", tmp_path / "moe", seed=3), dtype=dtype, device="cuda")

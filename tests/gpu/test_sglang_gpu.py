@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlrun.bench.engines import SGLANG_SERVER_ARGS
 from rlrun.runtime.processes import process_alive, process_tree
+from rlrun.tools.bench.engines import SGLANG_SERVER_ARGS
 
 ON_FAKE = os.environ.get("RLRUN_SGLANG_SUITE_ON_FAKE") == "1"
 pytestmark = pytest.mark.slow if ON_FAKE else pytest.mark.gpu
@@ -82,7 +82,7 @@ def parallel():
 
 @pytest.fixture(scope="module")
 def model_dir(parallel, tmp_path_factory) -> Path:
-    from rlrun.bench.shapes import get_shape, write_random_model
+    from rlrun.tools.bench.shapes import get_shape, write_random_model
 
     path = write_random_model(
         get_shape(SHAPE), tmp_path_factory.mktemp("model"), getattr(torch, DTYPE), str(parallel.device)
@@ -95,8 +95,8 @@ def model_dir(parallel, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory, record):
     """Started before the trainer allocates (SGLang sizes its KV cache from free memory), memory saver on."""
-    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
+    from rlrun.engine.registry import BackendSpec
 
     extra_env = {}
     if ON_FAKE:

@@ -1,8 +1,8 @@
-"""On a GPU, the SwiGLU kernel (rlrun/swiglu_kernel.py) computes eager PyTorch's ``F.silu(gate) * up`` bit for bit
+"""On a GPU, the SwiGLU kernel (rlrun/kernels/swiglu.py) computes eager PyTorch's ``F.silu(gate) * up`` bit for bit
 (exhaustively over every bf16 and fp16 gate value, on random and edge values, row-strided inputs), its backward is
 fp32 autograd's to one rounding, the trainer's patched Megatron MLP (rlrun/megatron/swiglu_apply.py) gives Megatron's
 forward bits and its gradients to one rounding, and the engine's MLP with the kernel
-(rlrun/engine/backends/fused_swiglu.py) is the MLP without it, bit for bit.
+(rlrun/engine/embedded/fused_swiglu.py) is the MLP without it, bit for bit.
 
     OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider tests/gpu/test_swiglu_gpu.py
 """
@@ -40,7 +40,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def kernel(x: torch.Tensor) -> torch.Tensor:
-    from rlrun.swiglu_kernel import swiglu_forward
+    from rlrun.kernels.swiglu import swiglu_forward
 
     return swiglu_forward(x)
 
@@ -108,7 +108,7 @@ def test_forward_is_eager_on_edge_values(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("lead", "ffn", "extra"), [((4096,), 6144, 0), ((300, 2), 1537, 0), ((129,), 768, 64)])
 def test_backward_is_fp32_autograd_to_one_rounding(dtype, lead, ffn, extra):
-    from rlrun.swiglu_kernel import swiglu_backward
+    from rlrun.kernels.swiglu import swiglu_backward
 
     g = torch.Generator(device="cuda").manual_seed(3)
     x = (4 * torch.randn(*lead, 2 * ffn + extra, device="cuda", generator=g)).to(dtype)[..., : 2 * ffn]
@@ -149,8 +149,8 @@ def test_patched_megatron_mlp_is_megatrons(dtype, ffn, bias):
 def test_engine_mlp_with_the_kernel_is_the_mlp_without(tmp_path, kind, dtype):
     from transformers import AutoModelForCausalLM
 
-    from rlrun.engine.backends.fused_projections import fuse_projections
-    from rlrun.engine.backends.fused_swiglu import fuse_swiglu
+    from rlrun.engine.embedded.fused_projections import fuse_projections
+    from rlrun.engine.embedded.fused_swiglu import fuse_swiglu
     from tests.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(kind, tmp_path / "m", seed=3)
@@ -173,7 +173,7 @@ def test_engine_mlp_with_the_kernel_is_the_mlp_without(tmp_path, kind, dtype):
 
 
 def test_engine_generates_the_same_with_and_without_the_kernel(tmp_path, monkeypatch):
-    from rlrun.engine.backends import embedded
+    from rlrun.engine.embedded import engine as embedded
     from tests.tiny_models import make_tiny_model
 
     model = make_tiny_model("qwen3", tmp_path / "m", seed=3)
@@ -192,7 +192,7 @@ def test_engine_generates_the_same_with_and_without_the_kernel(tmp_path, monkeyp
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_kernel_runs_on_its_tensors_device_not_the_current_one():
-    from rlrun.swiglu_kernel import swiglu_backward
+    from rlrun.kernels.swiglu import swiglu_backward
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 1)

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 def test_kernel_is_transformers_rope_bit_for_bit(dtype, batch, q_heads, k_heads, seq, dim):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from rlrun.engine.backends.fused_rope import kernel_covers, rope_qk
+    from rlrun.engine.embedded.fused_rope import kernel_covers, rope_qk
 
     g = torch.Generator(device="cuda").manual_seed(0)
     # As a decoder layer hands them over: [B, S, H, D] projections viewed as [B, H, S, D].
@@ -48,7 +48,7 @@ def test_calls_the_kernel_would_get_wrong_go_to_transformers():
     gets transformers' function, and with it the gradient (the kernel has no backward)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from rlrun.engine.backends.fused_rope import _fused, kernel_covers
+    from rlrun.engine.embedded.fused_rope import _fused, kernel_covers
 
     q, k = torch.randn(2, 5, 4, 8, device="cuda").transpose(1, 2), torch.randn(2, 2, 5, 8, device="cuda")
     cos, sin = torch.randn(2, 5, 8, device="cuda"), torch.randn(2, 5, 8, device="cuda")
@@ -79,7 +79,7 @@ def scattered(cache: torch.Tensor, new: torch.Tensor, columns: torch.Tensor) -> 
     ("rows", "k_heads", "v_heads", "k_dim", "v_dim"), [(64, 8, 8, 128, 128), (5, 2, 2, 64, 64), (3, 1, 1, 512, 64)]
 )
 def test_kv_column_write_is_the_two_scatters(rows, k_heads, v_heads, k_dim, v_dim):
-    from rlrun.engine.backends.triton_kernels import write_kv_columns
+    from rlrun.engine.embedded.triton_kernels import write_kv_columns
 
     g = torch.Generator(device="cuda").manual_seed(1)
     length = 300
@@ -111,9 +111,9 @@ def test_engine_generates_the_same_with_and_without_its_triton_kernels(tmp_path,
 
     from transformers import AutoConfig
 
-    from rlrun.engine.backends import fused_rope, static_cache
-    from rlrun.engine.backends.embedded import EmbeddedEngine
-    from rlrun.engine.backends.routing_record import RouterContractError
+    from rlrun.engine.embedded import fused_rope, static_cache
+    from rlrun.engine.embedded.engine import EmbeddedEngine
+    from rlrun.engine.embedded.routing_record import RouterContractError
     from tests.tiny_models import make_tiny_model
 
     model = make_tiny_model(kind, tmp_path / "m", seed=3, config_overrides=overrides)
@@ -147,8 +147,8 @@ def test_kernels_run_on_their_tensors_device_not_the_current_one():
     engine): Triton would launch on cuda:0 and its stream; the results must still be the eager ones."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from rlrun.engine.backends.fused_rope import rope_qk
-    from rlrun.engine.backends.triton_kernels import write_kv_columns
+    from rlrun.engine.embedded.fused_rope import rope_qk
+    from rlrun.engine.embedded.triton_kernels import write_kv_columns
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 1)
@@ -169,7 +169,7 @@ def test_kernels_run_on_their_tensors_device_not_the_current_one():
 
 @pytest.mark.parametrize(("rows", "vocab"), [(64, 151936), (128, 151936), (7, 49152)])
 def test_the_greedy_pick_is_the_first_argmax_and_its_log_softmax(rows, vocab):
-    from rlrun.engine.backends.triton_kernels import greedy_tokens
+    from rlrun.engine.embedded.triton_kernels import greedy_tokens
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (4 * torch.randn(rows, vocab, device="cuda", generator=g)).bfloat16()

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlrun.bench.step import StepSettings, Variant, bench_step, prepare_inputs
+from rlrun.tools.bench.step import StepSettings, Variant, bench_step, prepare_inputs
 
 pytestmark = pytest.mark.slow
 

@@ -40,9 +40,9 @@ def _round_trips(hf_dirs: dict[str, str], out_root: str) -> dict:
     import torch.distributed as dist
 
     from rlrun.config.schema import CheckpointConfig
-    from rlrun.convert import HfToMcore, McoreToHf
     from rlrun.megatron import build_model, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.tools.convert import HfToMcore, McoreToHf
     from rlrun.trainer.checkpoint import ACTOR, Checkpointer
 
     parallel = init_distributed(tp=2, pp=1, seed=0)

@@ -18,7 +18,7 @@ import pytest
 
 import rlrun
 from engine_contract import pid_alive, spawn_engine, wait_for_inflight, wait_until_dead
-from rlrun.engine.backends import BackendSpec
+from rlrun.engine.registry import BackendSpec
 from rlrun.engine.rpc import RpcPeerDiedError, RpcUnresponsiveError
 
 pytestmark = pytest.mark.slow
@@ -86,7 +86,7 @@ TRAINER = textwrap.dedent("""
     from pathlib import Path
     # As in a terminal: a test runner started in the background (``cmd &``) passes SIGINT on ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from rlrun.engine.backends import BackendSpec
+    from rlrun.engine.registry import BackendSpec
     from rlrun.engine.client import EngineClient
     with EngineClient.spawn(BackendSpec("embedded", sys.argv[1], 0), run_dir=Path(sys.argv[2]), rank=0) as engine:
         print(engine.process.pid, flush=True)

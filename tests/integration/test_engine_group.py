@@ -74,8 +74,8 @@ def _logprob_gap(model, prompts: list[list[int]], results: list[dict]) -> tuple[
 
 
 def _group_run(model_dir: str, run_dir: str) -> dict:
-    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.group import EngineGroup, EngineGroupError, GroupLayout
+    from rlrun.engine.registry import BackendSpec
     from rlrun.megatron import build_model, export_hf_weights, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 

@@ -190,7 +190,7 @@ def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
     worker over the 0.5.17 fake: one result per backend, full-length outputs, the bound's formula, the
     sync's bytes equal to the tiny model's parameter bytes (a parameter-count formula, float32), and its
     median and GB/s the formulas of its own timings."""
-    from rlrun.bench.shapes import SHAPES
+    from rlrun.tools.bench.shapes import SHAPES
 
     s = SHAPES["tiny"]
     attention = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2 + 2 * s.head_dim

@@ -116,7 +116,7 @@ def test_silent_peer_on_another_host_is_declared_dead_after_the_timeout(monkeypa
     the step and phase the main thread is in. Real TCPStore, no thread."""
     import torch.distributed as dist
 
-    from rlrun.metrics import PhaseTimer
+    from rlrun.observability.metrics import PhaseTimer
     from rlrun.runtime import watchdog as wd
     from rlrun.runtime.dist import free_port
 

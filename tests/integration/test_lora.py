@@ -48,11 +48,11 @@ def pg_loss(batch: MicroBatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, di
 
 def _lora_worker(hf_dir: str, tp: int, batch: MicroBatch, out_dir: str, pp: int = 1) -> dict:
     from rlrun.config.schema import LoraConfig
-    from rlrun.convert import McoreToHf
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
     from rlrun.megatron import checkpoint as mcore_ckpt
     from rlrun.megatron.peft_export import write_peft_adapter
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.tools.convert import McoreToHf
     from rlrun.trainer.checkpoint import ACTOR, ADAPTER, HF_FILES, copy_hf_files
 
     parallel = init_distributed(tp=tp, pp=pp, seed=0)

@@ -155,8 +155,8 @@ def test_export_round_trips_exactly(kind, megatron_run, moe_dirs):
 def _convert_worker(hf_dir: str, out_root: str) -> None:
     from pathlib import Path
 
-    from rlrun.convert import HfToMcore, McoreToHf
     from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.tools.convert import HfToMcore, McoreToHf
     from rlrun.trainer.checkpoint import ACTOR
 
     parallel = init_distributed(tp=1, pp=1, seed=0)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def smollm2():
     """The teacher, prepared here when no earlier test or run did (``rlrun prepare smollm2``; safe when another
     test worker prepares it at the same time)."""
-    from rlrun.prepare import prepare_smollm2
+    from rlrun.tools.prepare import prepare_smollm2
 
     return prepare_smollm2(SMOLLM2)
 
@@ -103,7 +103,7 @@ def test_embedded_score_tokens_equal_an_hf_forward_at_a_temperature(kind, tiny_m
     record alone): several sequences of other lengths and starts, T = 0.7."""
     from transformers import AutoModelForCausalLM
 
-    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from rlrun.engine.embedded.engine import EmbeddedEngine
 
     path = tiny_moe_dir if kind == "qwen3_moe" else tiny_model_dirs[kind]
     engine, reference = EmbeddedEngine(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -51,8 +51,8 @@ def collect_steps(model_dir: str, run_dir: str, data: str, reward: str):
     from engine_contract import FAKES_DIR
     from rlrun.config.schema import RunConfig
     from rlrun.data.prompts import PromptDataset, PromptSampler
-    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
+    from rlrun.engine.registry import BackendSpec
     from rlrun.rollout.collect import RolloutRuntime
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 

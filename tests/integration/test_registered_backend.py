@@ -14,7 +14,7 @@ import pytest
 
 from engine_contract import FAKES_DIR
 from rlrun.config.schema import RunConfig
-from rlrun.engine.backends import BACKENDS, BackendSpec, BackendTraits, register_backend
+from rlrun.engine.registry import BACKENDS, BackendSpec, BackendTraits, register_backend
 
 RLRUN = Path(__file__).resolve().parents[2] / "rlrun"
 RECORDING = BackendTraits(

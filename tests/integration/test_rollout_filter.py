@@ -36,8 +36,8 @@ def collect_scenarios(model_dir: str, run_dir: str, scenarios: list[tuple[dict, 
 
     from rlrun.config.schema import RunConfig
     from rlrun.data.prompts import PromptDataset, PromptSampler
-    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
+    from rlrun.engine.registry import BackendSpec
     from rlrun.rollout.collect import RolloutRuntime
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 

@@ -48,8 +48,8 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
 def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
+    from rlrun.engine.registry import BackendSpec
 
     model_dir = tiny_model_dirs["qwen2"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

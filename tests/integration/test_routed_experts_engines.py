@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_contract import spawn_engine
-from rlrun.engine.backends.routing_record import decode
+from rlrun.engine.embedded.routing_record import decode
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow

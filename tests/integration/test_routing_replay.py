@@ -25,7 +25,7 @@ def _engine_samples(hf_dir: str):
     lengths and ignore_eos give equal sample lengths (for a plain 2-row micro-batch)."""
     from rlrun.config.schema import RolloutConfig
     from rlrun.data.sample import Prompt
-    from rlrun.engine.backends.embedded import EmbeddedEngine
+    from rlrun.engine.embedded.engine import EmbeddedEngine
     from rlrun.rollout.driver import generate_samples
     from tiny_models import make_tokenizer
 

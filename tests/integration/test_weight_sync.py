@@ -14,8 +14,8 @@ TOL = 1e-4
 def _engine_vs_trainer(model_dir: str, run_dir: str, tp: int):
     from rlrun.data.batch import collate
     from rlrun.data.sample import Prompt, Sample
-    from rlrun.engine.backends import BackendSpec
     from rlrun.engine.client import EngineClient
+    from rlrun.engine.registry import BackendSpec
     from rlrun.megatron import build_model, compute_logprobs, export_hf_weights, make_optimizer, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 

@@ -6,9 +6,10 @@ in one prefill, in prefill chunks and with continuous batching; every prefill an
 import tempfile
 from pathlib import Path
 
-from rlrun import chunked_attention
-from rlrun.engine.backends import embedded, static_cache
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.embedded import engine as embedded
+from rlrun.engine.embedded import static_cache
+from rlrun.engine.embedded.engine import EmbeddedEngine
+from rlrun.kernels import chunked_attention
 from tiny_models import make_tiny_model
 
 model = make_tiny_model("qwen3", Path(tempfile.mkdtemp()) / "m", seed=2)

@@ -4,7 +4,7 @@ programs than chunks too), its arrival counters zero after each decode."""
 
 import torch
 
-from rlrun import chunked_attention as ca
+from rlrun.kernels import chunked_attention as ca
 
 torch.manual_seed(0)
 H, KV, D, L = 4, 2, 16, 160

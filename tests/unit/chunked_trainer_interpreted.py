@@ -8,7 +8,8 @@ import dataclasses
 import torch
 
 from core_attention import make_core_attention
-from rlrun import attention_kernel, chunked_attention
+from rlrun.kernels import attention as attention_kernel
+from rlrun.kernels import chunked_attention
 from rlrun.megatron.attention import ChunkedVarlenCoreAttention, SDPACoreAttention, packed_seq_params
 
 HEADS, KV_HEADS, DIM = 4, 2, 16

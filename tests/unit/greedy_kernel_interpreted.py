@@ -5,7 +5,7 @@ float64 ``log_softmax``."""
 
 import torch
 
-from rlrun.engine.backends.triton_kernels import greedy_tokens
+from rlrun.engine.embedded.triton_kernels import greedy_tokens
 
 torch.manual_seed(0)
 for rows, vocab in ((3, 5000), (4, 9000), (2, 4096), (1, 100)):

@@ -6,7 +6,7 @@ misaligned view (copied first) gives the same rows, each within fp32 rounding of
 import torch
 import torch.nn.functional as F
 
-from rlrun.head_norm_kernel import rms_norm_rows
+from rlrun.kernels.head_norm_kernel import rms_norm_rows
 
 torch.manual_seed(0)
 B, S, HQ, HKV, D = 3, 5, 4, 2, 32

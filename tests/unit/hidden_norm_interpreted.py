@@ -6,7 +6,7 @@ launch the sum and the rows of the two steps."""
 import torch
 import torch.nn.functional as F
 
-from rlrun.hidden_norm_kernel import add_rms_norm_hidden_rows, rms_norm_hidden_rows
+from rlrun.kernels.hidden_norm_kernel import add_rms_norm_hidden_rows, rms_norm_hidden_rows
 
 torch.manual_seed(0)
 for dim in (24, 256, 320, 1024):

@@ -74,8 +74,8 @@ def test_packed_seq_params_reads_position_ids():
 def test_layer_spec_swaps_only_the_core_attention_and_the_norms(tiny_model_dirs):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from rlrun.head_norm import HeadNorm
-    from rlrun.hidden_norm import HiddenNorm
+    from rlrun.kernels.head_norm import HeadNorm
+    from rlrun.kernels.hidden_norm import HiddenNorm
     from rlrun.megatron.attention import SDPACoreAttention, layer_spec, transformer_engine_attention
     from rlrun.megatron.hf_config import ModelArch
 
@@ -92,8 +92,8 @@ def test_layer_spec_swaps_only_the_core_attention_and_the_norms(tiny_model_dirs)
 
 
 def test_packed_attention_choice_is_checked():
+    from rlrun.kernels.triton_support import triton_available
     from rlrun.megatron.attention import SDPACoreAttention, core_attention, transformer_engine_attention
-    from rlrun.triton_support import triton_available
 
     with pytest.raises(ValueError, match="model.packed_attention"):
         core_attention("flash")
@@ -106,7 +106,7 @@ def test_packed_attention_choice_is_checked():
         for varlen in ("flash_varlen", "efficient_varlen", "cudnn_per_sample"):
             with pytest.raises(ValueError, match="needs CUDA"):
                 core_attention(varlen)
-    else:  # the engine's kernels (rlrun.attention_kernel.auto_packed_attention): chunked in bf16 where Triton is
+    else:  # the engine's kernels (rlrun.kernels.attention.auto_packed_attention): chunked in bf16 where Triton is
         chunked = "ChunkedVarlenCoreAttention" if triton_available() else "EfficientVarlenCoreAttention"
         assert core_attention("auto", "bfloat16").__name__ == chunked
         assert core_attention("auto", "float32").__name__ == "EfficientVarlenCoreAttention"
@@ -166,7 +166,7 @@ def test_varlen_call_fits_the_kernel_schema_and_its_autograd(kind):
     ],
 )
 def test_the_shared_kernel_takes_head_widths_of_whole_16_byte_multiples(dtype, widths, takes):
-    from rlrun import attention_kernel
+    from rlrun.kernels import attention as attention_kernel
 
     assert attention_kernel.kernel_has_head_dims(dtype, *widths) is takes
     query = torch.zeros(1, 1, 1, widths[0], dtype=dtype)
@@ -174,7 +174,7 @@ def test_the_shared_kernel_takes_head_widths_of_whole_16_byte_multiples(dtype, w
 
 
 def test_efficient_varlen_refuses_heads_the_kernel_has_none_for():
-    from rlrun import attention_kernel
+    from rlrun.kernels import attention as attention_kernel
 
     q = torch.zeros(8, 2, 20, dtype=torch.bfloat16)
     v = torch.zeros(8, 2, 10, dtype=torch.bfloat16)
@@ -187,7 +187,7 @@ def test_efficient_varlen_refuses_heads_the_kernel_has_none_for():
 def test_flash_logsumexp_puts_each_token_s_row_where_flashattention_reads_it():
     """The memory-efficient kernel keeps a packed row's log-sum-exp per sample (``[samples, heads, max_len padded]``,
     rows from 0 in each sample); FlashAttention-2's varlen backward reads it per token (``[heads, tokens]``)."""
-    from rlrun.attention_kernel import _flash_logsumexp
+    from rlrun.kernels.attention import _flash_logsumexp
 
     lengths, heads, padded = [3, 1, 5], 2, 32
     samples = torch.arange(len(lengths)).view(-1, 1, 1)

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from rlrun.bench.shapes import SHAPES, Shape
-from rlrun.engine.backends import EXACT_GEMM_ENV
+from rlrun.engine.registry import EXACT_GEMM_ENV
+from rlrun.tools.bench.shapes import SHAPES, Shape
 
 
 def expected_params(s: Shape) -> int:
@@ -116,12 +116,12 @@ def _check_decode_profile(p: dict, table, s: Shape, batch: int, prompt_len: int,
 
 
 def test_kernel_categories_of_h200_kernel_and_cpu_op_names():
-    from rlrun.bench.decode_profile import category
+    from rlrun.tools.bench.decode_profile import category
 
     names = {
         "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)": "attention",
         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
-        "_decode_attention": "attention",  # rlrun/chunked_attention.py's kernels
+        "_decode_attention": "attention",  # rlrun/kernels/chunked_attention.py's kernels
         "_causal_attention": "attention",
         "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
@@ -140,7 +140,7 @@ def test_kernel_categories_of_h200_kernel_and_cpu_op_names():
 def test_bench_rollout_refuses_profile_with_sglang(tmp_path):
     from typer.testing import CliRunner
 
-    from rlrun.bench.cli import bench_app
+    from rlrun.tools.bench.cli import bench_app
 
     args = ["rollout", "--shape", "tiny", "--backends", "embedded,sglang", "--profile", str(tmp_path / "k.txt")]
     result = CliRunner().invoke(bench_app, args, env={"COLUMNS": "400"})  # one line: the message is not wrapped
@@ -159,7 +159,7 @@ def test_bench_rollout_refuses_profile_with_sglang(tmp_path):
 def test_bench_rollout_checks_every_shape_before_running_any(tmp_path, shapes, extra, message):
     from typer.testing import CliRunner
 
-    from rlrun.bench.cli import bench_app
+    from rlrun.tools.bench.cli import bench_app
 
     extra = [str(tmp_path / e) if e.endswith(".txt") else e for e in extra]
     args = [
@@ -185,7 +185,7 @@ def test_bench_rollout_checks_every_shape_before_running_any(tmp_path, shapes, e
 def test_bench_sync_checks_its_shapes_as_rollout_does(tmp_path, shapes, message):
     from typer.testing import CliRunner
 
-    from rlrun.bench.cli import bench_app
+    from rlrun.tools.bench.cli import bench_app
 
     args = ["sync", "--shape", shapes, "--run-dir", str(tmp_path), "--out", str(tmp_path / "s.json")]
     result = CliRunner().invoke(bench_app, args, env={"COLUMNS": "400"})  # one line: the message is not wrapped

@@ -1,4 +1,4 @@
-"""rlrun/bench/logged.py run_logged_session: a command's daemons in process groups of their own (as Ray's
+"""rlrun/tools/bench/logged.py run_logged_session: a command's daemons in process groups of their own (as Ray's
 workers are) do not outlive it, whether it exits or times out. Real processes, found through /proc."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rlrun.bench.logged import run_logged_session
+from rlrun.tools.bench.logged import run_logged_session
 
 DAEMON = (
     "import subprocess, sys, time; "

@@ -1,4 +1,4 @@
-"""``rlrun bench step`` variants (rlrun/bench/step.py Variant) and their names in benchmarks/peer_step.py.
+"""``rlrun bench step`` variants (rlrun/tools/bench/step.py Variant) and their names in benchmarks/peer_step.py.
 
 References: the config schema (load_config parses what run_config writes), the offload fields the loop
 reads, and the round trip label -> parse_variant -> flags.
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlrun.bench.engines import SGLANG_SERVER_ARGS
-from rlrun.bench.step import RESIDENT_SGLANG_MEM_FRACTION, StepSettings, Variant, run_config
 from rlrun.config import load_config
+from rlrun.tools.bench.engines import SGLANG_SERVER_ARGS
+from rlrun.tools.bench.step import RESIDENT_SGLANG_MEM_FRACTION, StepSettings, Variant, run_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from peer_step import parse_variant, variant_flags  # noqa: E402
@@ -145,8 +145,8 @@ def test_reused_trl_result_must_have_run_the_same_work(tmp_path):
 
 
 def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
-    from rlrun.bench.step import WARMUP_STEPS, summarise
-    from rlrun.bench.trace_ops import PhaseProfile
+    from rlrun.tools.bench.step import WARMUP_STEPS, summarise
+    from rlrun.tools.bench.trace_ops import PhaseProfile
 
     settings = StepSettings(shape="tiny", prompts=2, samples=4, new_tokens=6, steps=6)
     step_s = [40.0, 20.0, 3.0, 5.0, 90.0, 4.0]  # one-time costs in 0 and 1, the profiler's in 4

@@ -1,4 +1,4 @@
-"""rlrun/bench/trace_ops.py against torch's own key_averages (CPU ops) and a hand-built trace (device time).
+"""rlrun/tools/bench/trace_ops.py against torch's own key_averages (CPU ops) and a hand-built trace (device time).
 
 References: ``prof.key_averages()`` of the same profile for calls and self CPU time of the ops inside the
 phase; for kernels, the sums written into the hand-built trace.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from rlrun.bench.trace_ops import phase_profile
+from rlrun.tools.bench.trace_ops import phase_profile
 
 
 def test_cpu_table_matches_key_averages(tmp_path):

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from rlrun.bench.shapes import SHAPES
-from rlrun.bench.train import matmul_params, training_flops
+from rlrun.tools.bench.shapes import SHAPES
+from rlrun.tools.bench.train import matmul_params, training_flops
 
 
 def counted_flops(lengths: list[int]) -> float:

@@ -1,4 +1,4 @@
-"""rlrun/bench/busy_processes.py: a process spinning on a core is listed, a sleeping one is not (the spinner
+"""rlrun/tools/bench/busy_processes.py: a process spinning on a core is listed, a sleeping one is not (the spinner
 shares the cores with whatever else runs, so it is asked for a tenth of one)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from rlrun.bench.busy_processes import busy_processes
+from rlrun.tools.bench.busy_processes import busy_processes
 
 
 def test_a_spinning_process_is_listed_and_a_sleeping_one_is_not():

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from interpreted import needs_triton, run_interpreted
-from rlrun import attention_kernel
-from rlrun.bench.engines import bench_spec
 from rlrun.config.schema import RunConfig
-from rlrun.engine.backends import BackendSpec
-from rlrun.engine.backends.embedded import _attention_implementation
+from rlrun.engine.embedded.engine import _attention_implementation
+from rlrun.engine.registry import BackendSpec
+from rlrun.kernels import attention as attention_kernel
+from rlrun.tools.bench.engines import bench_spec
 
 
 def test_a_chunked_varlen_trainer_gives_its_embedded_engine_the_chunked_kernels():

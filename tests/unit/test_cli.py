@@ -107,7 +107,7 @@ def test_validate_ok_and_show_without_heavy_imports(good_config):
         result.stdout.startswith(f"ok: {good_config}: model ") and "3 steps of 4 prompts x 8 samples" in result.stdout
     )
     modules = imported_modules(result.stderr)
-    probe = {"rlrun.config.load", "rlrun.inputs", "rlrun.data.prompt_files", "typer"}
+    probe = {"rlrun.config.load", "rlrun.preflight.inputs", "rlrun.data.prompt_files", "typer"}
     assert probe <= modules  # the probe sees imports
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from rlrun.engine.backends.decode_slots import SlotTable
+from rlrun.engine.embedded.decode_slots import SlotTable
 
 
 def test_slot_table_tracks_held_slots_and_filled_columns():

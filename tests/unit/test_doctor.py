@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from rlrun.cli import app
 from rlrun.config.schema import RunConfig
-from rlrun.doctor import config_checks, package_checks
+from rlrun.tools.doctor import config_checks, package_checks
 
 
 def by_name(checks):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlrun.config import RunConfig
-from rlrun.engine.backends.embedded import EmbeddedEngine
-from rlrun.engine.backends.static_cache import prefill_mask
+from rlrun.engine.embedded.engine import EmbeddedEngine
+from rlrun.engine.embedded.static_cache import prefill_mask
 
 PROMPTS = [[72, 101, 108, 108, 111, 5, 6, 7, 8, 9, 10], [257, 9, 44], [1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31]]
 

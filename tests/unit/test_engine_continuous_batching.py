@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.engine.backends import decode_run
-from rlrun.engine.backends.decode_batch import row_bucket
-from rlrun.engine.backends.decode_control import RequestHandle
-from rlrun.engine.backends.decode_graphs import WarmBatch
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.embedded import decode_run
+from rlrun.engine.embedded.decode_batch import row_bucket
+from rlrun.engine.embedded.decode_control import RequestHandle
+from rlrun.engine.embedded.decode_graphs import WarmBatch
+from rlrun.engine.embedded.engine import EmbeddedEngine
 from rlrun.engine.kept_set import decode_kept_ids
 from rlrun.engine.sampling import SamplingParams, row_rids
 

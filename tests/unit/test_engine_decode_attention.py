@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlrun import attention_kernel
-from rlrun.attention_kernel import DecodeRows, decode, positions_per_row
-from rlrun.engine.backends import decode_graphs, decode_run, static_cache
-from rlrun.engine.backends.decode_batch import row_bucket
-from rlrun.engine.backends.decode_graphs import WarmBatch
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.embedded import decode_graphs, decode_run, static_cache
+from rlrun.engine.embedded.decode_batch import row_bucket
+from rlrun.engine.embedded.decode_graphs import WarmBatch
+from rlrun.engine.embedded.engine import EmbeddedEngine
+from rlrun.kernels import attention as attention_kernel
+from rlrun.kernels.attention import DecodeRows, decode, positions_per_row
 
 
 def test_packed_positions_are_each_rows_columns_of_a_cache_slice():

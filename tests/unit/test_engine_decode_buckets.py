@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.engine.backends import decode_graphs
-from rlrun.engine.backends.decode_batch import BatchShape, DecodeBatch, row_bucket
-from rlrun.engine.backends.decode_graphs import WarmBatch, WarmBatches, read_len
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.embedded import decode_graphs
+from rlrun.engine.embedded.decode_batch import BatchShape, DecodeBatch, row_bucket
+from rlrun.engine.embedded.decode_graphs import WarmBatch, WarmBatches, read_len
+from rlrun.engine.embedded.engine import EmbeddedEngine
 
 pytestmark = pytest.mark.slow  # loads models
 

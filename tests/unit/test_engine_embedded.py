@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_contract import hf_greedy, hf_logprobs
-from rlrun.engine.backends.decode_control import DecodeControl
-from rlrun.engine.backends.embedded import SYNC_EVERY, EmbeddedEngine
+from rlrun.engine.embedded.decode_control import DecodeControl
+from rlrun.engine.embedded.engine import SYNC_EVERY, EmbeddedEngine
 from rlrun.engine.sampling import SamplingParams, filter_probs, row_rids
 from tiny_models import FAMILY_KINDS
 
@@ -229,7 +229,7 @@ def test_stop_string_found_after_a_host_sync_cuts_only_its_row(tiny_model_dirs):
 def test_moe_decode_picks_a_capturable_experts_kernel_only_where_the_default_cannot_be_captured(
     tiny_moe_dir, tiny_model_dirs
 ):
-    from rlrun.engine.backends.embedded import CAPTURABLE_DECODE_EXPERTS, _decode_experts_implementation
+    from rlrun.engine.embedded.engine import CAPTURABLE_DECODE_EXPERTS, _decode_experts_implementation
 
     moe = hf_model(tiny_moe_dir)
     assert _decode_experts_implementation(moe, torch.device("cuda")) == CAPTURABLE_DECODE_EXPERTS
@@ -240,7 +240,7 @@ def test_moe_decode_picks_a_capturable_experts_kernel_only_where_the_default_can
 def test_moe_decode_with_the_capturable_experts_kernel_samples_the_same_tokens(tiny_moe_dir):
     """The decode step's kernel switch (forced on CPU here) changes neither tokens nor log-probs, and prefill
     keeps the load-time kernel."""
-    from rlrun.engine.backends.embedded import CAPTURABLE_DECODE_EXPERTS
+    from rlrun.engine.embedded.engine import CAPTURABLE_DECODE_EXPERTS
 
     params = {"max_new_tokens": 12, "temperature": 1.0, "n": 2, "ignore_eos": True, "sampling_seed": 4}
     default = EmbeddedEngine(tiny_moe_dir, seed=0)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rlrun.engine.backends.embedded_backend import EmbeddedBackend
+from rlrun.engine.embedded.backend import EmbeddedBackend
 from rlrun.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # loads a model

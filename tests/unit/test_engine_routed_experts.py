@@ -4,8 +4,8 @@ against the HF model's own router run over the whole sequence (prompt + output) 
 import pytest
 import torch
 
-from rlrun.engine.backends.embedded import EmbeddedEngine
-from rlrun.engine.backends.routing_record import decode, encode
+from rlrun.engine.embedded.engine import EmbeddedEngine
+from rlrun.engine.embedded.routing_record import decode, encode
 from tests.tiny_models import make_tiny_model
 
 
@@ -100,7 +100,7 @@ def test_routers_of_an_older_transformers_are_refused_with_the_reason(tmp_path):
     top_k): the engine says so instead of recording the wrong tensor (seen on the H200 under SGLang's pin)."""
     from transformers import AutoModelForCausalLM
 
-    from rlrun.engine.backends.routing_record import RouterContractError, RouterRecorder
+    from rlrun.engine.embedded.routing_record import RouterContractError, RouterRecorder
 
     model_dir = make_tiny_model("glm4_moe", tmp_path / "glm4_moe", seed=3)
     engine = EmbeddedEngine(model_dir, seed=0)

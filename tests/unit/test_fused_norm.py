@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlrun.engine.backends.fused_norm import fuse_rms_norms
+from rlrun.engine.embedded.fused_norm import fuse_rms_norms
 
 
 class OnePlusWeightRMSNorm(torch.nn.Module):

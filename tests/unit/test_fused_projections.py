@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlrun.engine.backends.embedded import EmbeddedEngine
-from rlrun.engine.backends.fused_projections import FusedProjection, ProjectionPart, fuse_projections
+from rlrun.engine.embedded.engine import EmbeddedEngine
+from rlrun.engine.embedded.fused_projections import FusedProjection, ProjectionPart, fuse_projections
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

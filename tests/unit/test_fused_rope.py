@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from rlrun.engine.backends import fused_rope
+from rlrun.engine.embedded import fused_rope
 from tests.tiny_models import make_tiny_model
 
 

@@ -1,4 +1,4 @@
-"""The per-head QK-norm that trainer and engine share (rlrun/head_norm.py): which side runs what, its backward
+"""The per-head QK-norm that trainer and engine share (rlrun/kernels/head_norm.py): which side runs what, its backward
 against autograd through ``F.rms_norm`` (the independent reference), and, where Triton is installed, the kernel under
 Triton's interpreter (the two sides' layouts bitwise in bf16 is a GPU question: tests/gpu/test_head_norm_gpu.py)."""
 
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from interpreted import needs_triton, run_interpreted
-from rlrun.engine.backends import fused_norm
-from rlrun.head_norm import HeadNorm, kernel_takes, rms_norm_heads
-from rlrun.shared_norm import KernelRmsNorm
+from rlrun.engine.embedded import fused_norm
+from rlrun.kernels.head_norm import HeadNorm, kernel_takes, rms_norm_heads
+from rlrun.kernels.shared_norm import KernelRmsNorm
 
 
 def test_off_cuda_both_sides_run_torchs_rms_norm():
@@ -64,8 +64,8 @@ def test_the_engines_head_and_hidden_norms_get_the_shared_forwards(tiny_model_di
 def test_the_engines_decode_queries_and_keys_are_read_in_place(tiny_model_dirs):
     """The q/k norms' inputs of a decode step ([B, 1, heads, D] views of the fused q/k/v output, whose size-1 dimension
     carries a stride of its own) are rows the kernel reads without a copy; so are Megatron's (sequence, batch 1)."""
-    from rlrun.engine.backends.fused_projections import fuse_projections
-    from rlrun.head_norm import aligned_rows
+    from rlrun.engine.embedded.fused_projections import fuse_projections
+    from rlrun.kernels.head_norm import aligned_rows
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen3"], dtype=torch.bfloat16).eval()
     fuse_projections(model)

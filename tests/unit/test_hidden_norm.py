@@ -1,4 +1,4 @@
-"""The hidden-state norms that trainer and engine share (rlrun/hidden_norm.py): which side runs what, Megatron's
+"""The hidden-state norms that trainer and engine share (rlrun/kernels/hidden_norm.py): which side runs what, Megatron's
 module, the engine's names, and, where Triton is installed, the kernel and its gradients under Triton's interpreter
 (the two sides bitwise in bf16 is a GPU question: tests/gpu/test_hidden_norm_gpu.py)."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from interpreted import needs_triton, run_interpreted
-from rlrun.hidden_norm import HiddenNorm, kernel_takes, rms_norm_hidden
+from rlrun.kernels.hidden_norm import HiddenNorm, kernel_takes, rms_norm_hidden
 
 
 def test_off_cuda_both_sides_run_torchs_rms_norm():
@@ -49,7 +49,7 @@ def test_the_engines_decoder_layers_add_and_normalise_in_one_step_with_the_same_
     bit (on CUDA in bf16 the one launch against the two: tests/gpu/test_hidden_norm_gpu.py)."""
     from transformers import AutoModelForCausalLM
 
-    from rlrun.engine.backends import fused_norm
+    from rlrun.engine.embedded import fused_norm
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[kind], dtype=torch.float32).eval()
     fused_norm.fuse_rms_norms(model)

@@ -1,14 +1,14 @@
-"""``rlrun doctor``'s trainer-memory estimate (rlrun/memory_estimate.py) against peaks measured on the H200, and
+"""``rlrun doctor``'s trainer-memory estimate (rlrun/tools/memory_estimate.py) against peaks measured on the H200, and
 what each memory option moves; the optimizer-offload config Megatron is given, and where it is refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlrun.bench.shapes import SHAPES
 from rlrun.config.schema import RunConfig
-from rlrun.doctor import config_checks
-from rlrun.memory_estimate import estimate, rank_params
+from rlrun.tools.bench.shapes import SHAPES
+from rlrun.tools.doctor import config_checks
+from rlrun.tools.memory_estimate import estimate, rank_params
 
 MEASURED_H200 = [("qwen3-0.6b", 32768, 84.3), ("qwen3-1.7b", 16384, 83.7), ("qwen3-4b", 8192, 117.7)]
 """Issue 23's table: ``rlrun bench train --layout packed --samples-per-micro-batch 1``, bf16, Megatron's output
@@ -124,7 +124,7 @@ def test_phase_memory_of_the_4b_64x8k_bench_step_by_hand():
     """Each part against its formula written out with Qwen3-4B's numbers (36 layers, hidden 2560, 32 q / 8 kv heads
     of 128, MLP 9728, tied vocabulary 151936): the rollout holds the engine's 73 GiB KV cache; the train phase
     fits only because the engine has released it (what the reference cycle of issue 23 prevented)."""
-    from rlrun.phase_memory import phase_memory
+    from rlrun.tools.phase_memory import phase_memory
 
     cfg = RunConfig.model_validate({"model": {"dtype": "bfloat16"}, **BENCH_STEP_4B})
     phases = {
@@ -178,7 +178,7 @@ def test_phase_memory_rows_caps_and_fraction_pool():
     """Rows per engine: the round's prompts over ``world / engine.tp`` engines, capped by max_running_requests and
     rounded to the decode batch's row bucket; top-p adds the kept sets; SGLang's pool is its fraction of the
     device, weights included."""
-    from rlrun.phase_memory import engine_awake
+    from rlrun.tools.phase_memory import engine_awake
 
     arch = arch_of("qwen3-0.6b")
     base = {"rollout": {"prompts_per_step": 6, "samples_per_prompt": 5, "max_new_tokens": 100}}

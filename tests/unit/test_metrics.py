@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rlrun.config.schema import RunConfig
-from rlrun.metrics import JsonlSink, MetricsLogger, PhaseTimer, TensorBoardSink
+from rlrun.observability.metrics import JsonlSink, MetricsLogger, PhaseTimer, TensorBoardSink
 
 
 def config(tmp_path, **logging) -> RunConfig:
@@ -97,7 +97,7 @@ def test_missing_wandb_is_a_config_error_naming_the_key(tmp_path):
 def test_profiler_traces_only_the_chosen_step_with_phases_as_ranges(tmp_path):
     import torch
 
-    from rlrun.profiler import profile_step, trace_path
+    from rlrun.observability.profiler import profile_step, trace_path
 
     cfg = config(tmp_path, profile_steps=[1], profile_ranks=[0]).logging
     for step in (0, 1):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlrun.plot import PANELS, PlotError, moving_average, plot_run
+from rlrun.observability.plot import PANELS, PlotError, moving_average, plot_run
 
 REPO = Path(__file__).resolve().parents[2]
 

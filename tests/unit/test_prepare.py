@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlrun.prepare import MARKER, PrepareError, prepare_smollm2, smollm2_gguf_path
+from rlrun.tools.prepare import MARKER, PrepareError, prepare_smollm2, smollm2_gguf_path
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"

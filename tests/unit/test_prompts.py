@@ -103,7 +103,7 @@ def test_non_chatml_default_system_turn_is_refused(rows_file):
 def test_real_smollm2_tokenizer_gives_the_24_token_prompt(tmp_path):
     from transformers import AutoTokenizer
 
-    from rlrun.prepare import smollm2_gguf_path
+    from rlrun.tools.prepare import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.embedded.engine import EmbeddedEngine
 from rlrun.rollout.driver import generate_samples, sampling_params
 from rlrun.rollout.multiturn import run_generate_fn
 

@@ -64,7 +64,7 @@ def test_kernel_covers_cuda_tensors_only():
 
 
 def _fused_qwen3(tiny_model_dirs):
-    from rlrun.engine.backends.fused_projections import fuse_projections
+    from rlrun.engine.embedded.fused_projections import fuse_projections
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen3"], dtype=torch.float32).eval()
     mlps = [m for m in model.modules() if type(m).__name__ == "Qwen3MLP"]
@@ -73,7 +73,7 @@ def _fused_qwen3(tiny_model_dirs):
 
 
 def test_engine_fuses_llama_silu_mlps_with_fused_projections_only(tiny_model_dirs):
-    from rlrun.engine.backends.fused_swiglu import fusable, fuse_swiglu
+    from rlrun.engine.embedded.fused_swiglu import fusable, fuse_swiglu
 
     model, mlps, fuse_projections = _fused_qwen3(tiny_model_dirs)
     assert not any(fusable(m) for m in mlps)  # separate gate/up linears: nothing to read fused
@@ -92,7 +92,7 @@ def test_engine_fuses_llama_silu_mlps_with_fused_projections_only(tiny_model_dir
 def test_engine_forward_on_the_fused_output_is_the_mlps_own(tiny_model_dirs, monkeypatch):
     """The kernel's forward with an eager stand-in for the kernel: bitwise the MLP's own forward (the same GEMM,
     then the same SiLU and multiply), and the MLP's own forward where the kernel does not cover the call."""
-    from rlrun.engine.backends import fused_swiglu
+    from rlrun.engine.embedded import fused_swiglu
 
     model, mlps, fuse_projections = _fused_qwen3(tiny_model_dirs)
     fuse_projections(model)

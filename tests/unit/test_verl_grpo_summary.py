@@ -3,7 +3,7 @@ reaches its time limit after the warm-up keeping the steps it logged (marked as 
 
 verl is not installed here; the rows are what its ``file`` logger writes (``{"step": n, "data": {...}}``), and
 the verl process is stood in for by a function that writes those rows and returns what
-rlrun.bench.logged.run_logged_session returns."""
+rlrun.tools.bench.logged.run_logged_session returns."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import verl_grpo  # noqa: E402
 
-from rlrun.bench.step import WARMUP_STEPS, StepSettings  # noqa: E402
+from rlrun.tools.bench.step import WARMUP_STEPS, StepSettings  # noqa: E402
 
 SETTINGS = StepSettings(shape="tiny", prompts=2, samples=4, prompt_len=8, new_tokens=6, steps=5)
 

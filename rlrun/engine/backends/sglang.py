@@ -38,8 +38,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from rlrun.engine.backends import BackendSpec
 from rlrun.engine.payload import payload_globals
+from rlrun.engine.registry import BackendSpec
 from rlrun.engine.sampling import SamplingParams
 from rlrun.engine.types import FinishReason, GenResult, OpResult
 

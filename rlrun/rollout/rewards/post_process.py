@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rlrun.data.sample import Sample
-from rlrun.hooks import load_hook
+from rlrun.preflight.hooks import load_hook
 from rlrun.rollout.rewards.score import is_finite_reward
 
 SIGNATURE = "fn(samples: list[Sample]) -> list[float]"

@@ -22,9 +22,9 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from rlrun.engine.backends import BackendSpec
-from rlrun.engine.backends.decode_run import ABORTED
-from rlrun.engine.backends.embedded_backend import EmbeddedBackend
+from rlrun.engine.embedded.backend import EmbeddedBackend
+from rlrun.engine.embedded.decode_run import ABORTED
+from rlrun.engine.registry import BackendSpec
 from rlrun.engine.sampling import SamplingParams, row_rids
 from rlrun.engine.types import GenResult
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlrun.engine.backends import BackendSpec
-from rlrun.engine.backends.embedded_backend import EmbeddedBackend
+from rlrun.engine.embedded.backend import EmbeddedBackend
+from rlrun.engine.registry import BackendSpec
 
 
 def build(spec: BackendSpec) -> EmbeddedBackend:

@@ -38,8 +38,8 @@ from multiprocessing import resource_sharer
 
 import torch
 
-from rlrun.engine.backends.decode_control import DecodeControl
-from rlrun.engine.backends.embedded import EmbeddedEngine
+from rlrun.engine.embedded.decode_control import DecodeControl
+from rlrun.engine.embedded.engine import EmbeddedEngine
 from rlrun.engine.payload import tensor_checksum
 from rlrun.engine.sampling import SamplingParams
 from sglang.srt.managers.io_struct import FlushCacheReqOutput

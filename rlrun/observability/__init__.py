@@ -1,0 +1,1 @@
+"""What a run reports: metrics sinks, step-time names, the profiler, plots."""

@@ -1,0 +1,1 @@
+"""Tools around training: environment checks, memory estimates, model preparation and conversion, benchmarks."""
