@@ -24,9 +24,10 @@ class HookSpecError(ValueError):
         super().__init__(self.reason)
 
 
-def resolve_hook(spec: str, num_args: int, allow_async: bool = False) -> Callable:
+def resolve_hook(spec: str, num_args: int | None, allow_async: bool = False) -> Callable:
     """The function named by ``spec`` that accepts ``num_args`` positional arguments (synchronous
-    unless ``allow_async``: rollout hooks run in an event loop, training hooks do not)."""
+    unless ``allow_async``: rollout hooks run in an event loop, training hooks do not). ``num_args`` None
+    leaves the parameters to the caller (a reward's signature is detected from them)."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
         raise HookSpecError("it is not of the form module:function or path/to/file.py:function")
@@ -82,11 +83,13 @@ def _import_file(path: Path):
     return module
 
 
-def _check_signature(spec: str, fn: object, num_args: int, allow_async: bool) -> None:
+def _check_signature(spec: str, fn: object, num_args: int | None, allow_async: bool) -> None:
     if not callable(fn):
         raise HookSpecError(f"'{spec}' is a {type(fn).__name__}, not a function")
     if inspect.iscoroutinefunction(fn) and not allow_async:
         raise HookSpecError("it is async; hooks are called synchronously")
+    if num_args is None:
+        return
     try:
         found = inspect.signature(fn)
     except (TypeError, ValueError):
