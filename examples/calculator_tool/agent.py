@@ -7,7 +7,7 @@
 turns (or a nudge as a ``user`` turn) for up to ``MAX_TURNS`` model turns. Only the model's own
 tokens are trained on: everything the environment appends goes in with loss mask 0.
 
-Protocol (ChatML turns):
+Protocol (turns rendered by the tokenizer's chat template, ``traj.append_message``):
 * the model calls the tool by writing ``<calc>EXPRESSION</calc>`` (an unclosed ``<calc>EXPRESSION``
   at the end of a turn counts too); the environment answers in a ``tool`` turn with the result or
   an error;
@@ -99,14 +99,15 @@ async def generate(traj) -> None:
         if reply is None:
             return
         role, text = reply
-        # A turn cut off at max_new_tokens has no end-of-turn token yet: the environment closes it.
-        close = "" if traj.finish_reason == "stop" else END
-        traj.append_env(f"{close}\n<|im_start|>{role}\n{text}{END}\n{ASSISTANT}")
+        # The tokenizer's chat template closes the model's turn (when it did not end it itself), renders the
+        # reply and opens the next assistant turn.
+        traj.append_message(role, text)
     await traj.generate()
 
 
 def final_turn(response_text: str) -> str:
-    """The last model turn of a response (``response_text`` keeps the ChatML markers)."""
+    """The last model turn of a response (``response_text`` keeps the turn markers; ChatML's here, the
+    template of SmolLM2 and Qwen)."""
     return response_text.rsplit(ASSISTANT, 1)[-1].replace(END, "")
 
 

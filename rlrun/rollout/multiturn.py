@@ -9,8 +9,8 @@ A generate function is ``async def fn(traj: Trajectory) -> None | list[Sample]``
             result = run_tool(reply)
             if result is None:
                 return
-            traj.append_env(f"\\n<|im_start|>tool\\n{result}<|im_end|>\\n<|im_start|>assistant\\n")
-                                                   # tool tokens: context only (loss mask 0)
+            traj.append_message("tool", result)    # rendered by the tokenizer's chat template,
+                                                   # context only (loss mask 0)
 
 The trajectory becomes one :class:`Sample` whose ``response_ids`` are everything after the prompt
 and whose ``loss_mask`` marks which of them the model generated. A trajectory may instead yield several
@@ -41,8 +41,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rlrun.agents.template import ChatTemplate
 from rlrun.data.sample import Prompt, Sample
-from rlrun.preflight.hooks import HookSpecError, resolve_hook
+from rlrun.runtime.hooks import HookSpecError, resolve_hook
 
 SIGNATURE = "async fn(traj: Trajectory) -> None | list[Sample]"
 FLUSH_WAIT_S = 0.005
@@ -151,6 +152,10 @@ class Trajectory:
     """``rollout.skip_special_tokens``: whether the text ``generate`` returns drops special tokens."""
     num_forks: int = 0
     """Contexts opened with :meth:`fork` so far (each gets its own seeds)."""
+    after_model_turn: bool = False
+    """Whether the last tokens appended are a model turn's (what :meth:`append_messages` must follow)."""
+    chat_template: ChatTemplate | None = None
+    """Renders :meth:`append_messages`' turns; None: the tokenizer's template, built on first use."""
 
     async def generate(
         self,
@@ -190,7 +195,31 @@ class Trajectory:
         self.finish_reason = result["finish_reason"]["type"]
         self.matched_stop = result["finish_reason"].get("matched")
         self.weight_version = str(result.get("weight_version", ""))
+        self.after_model_turn = True
         return self.tokenizer.decode(result["output_ids"], skip_special_tokens=self.skip_special_tokens)
+
+    def append_message(self, role: str, content: str, **fields) -> list[int]:
+        """Append one message (``role`` "tool" or "user"; ``fields`` such as ``tool_call_id`` or ``name`` go
+        to the template) after the model's turn, rendered by the tokenizer's chat template together with the
+        closing of that turn and the next generation prompt; loss mask 0. Returns the appended token ids."""
+        return self.append_messages([{"role": role, "content": content, **fields}])
+
+    def append_messages(self, messages: list[dict]) -> list[int]:
+        """Append several messages after the model's turn in one rendering (templates such as Qwen's group
+        consecutive tool results into one turn): the template's closing of the model's turn, the messages and
+        the next generation prompt, with loss mask 0. Call it once between two :meth:`generate` calls."""
+        if not self.after_model_turn:
+            raise ValueError(
+                "traj.append_messages() must follow traj.generate() because the template text it adds closes "
+                "the model's turn and opens the next one; append a turn's messages in one call, after a "
+                "model turn (or use traj.append_env for raw text)"
+            )
+        if self.chat_template is None:
+            self.chat_template = ChatTemplate(self.tokenizer)
+        last = self.response_ids[-1] if self.response_ids else None
+        ids = self.chat_template.encode(self.chat_template.after_model_turn(messages, last, self.prompt.tools))
+        self.append_env_ids(ids)
+        return ids
 
     def append_env(self, text: str) -> list[int]:
         """Append tool / environment text (special tokens such as ``<|im_start|>`` are parsed) with loss
@@ -207,6 +236,7 @@ class Trajectory:
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.after_model_turn = False
 
     def fork(self, prompt: str | list[int]) -> Trajectory:
         """A new context for the same row (its ``index``, ``label`` and ``metadata``) with ``prompt`` as its
@@ -225,6 +255,7 @@ class Trajectory:
             seed=self.seed + _FORK_SEED_STRIDE * self.num_forks,
             max_context_tokens=self.max_context_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            chat_template=self.chat_template,
         )
 
     def to_sample(self) -> Sample:
