@@ -3,7 +3,8 @@
     python configs/data/make_addition.py            # rewrites configs/data/addition_train.jsonl
 
 Deterministic (no randomness; the sampler shuffles per epoch), so the committed file can be checked
-against this generator. Prompt wording and range from shared/reference/quickstart-task.md.
+against this generator. The prompt asks for only the number: the reward's brevity bonus (``first_number``)
+pays for that.
 """
 
 from __future__ import annotations
