@@ -1,4 +1,4 @@
-"""Rollout engines behind one RPC contract (shared/reference/sglang-contract.md, section 5).
+"""Rollout engines behind one RPC contract (docs/engine-contract.md).
 
 ``client.EngineClient`` (trainer side) spawns ``worker`` (a separate process, its own process
 group) which serves a backend on an asyncio loop: ``backends.embedded`` (pure PyTorch, CPU or one

@@ -4,7 +4,7 @@ With ``top_p < 1`` (or top-k, min-p) a token is drawn from the model's distribut
 tokens the filter kept. The engine reports that token's log-prob under the renormalised distribution and
 the kept set itself, and the trainer renormalises its own log-probs over the same set
 (``rlrun.megatron.token_stats.kept_set_logprobs``): the ratio and the gradient are then for the policy that
-sampled (slime PR #2102; DeepSeek-V3.2's "keep sampling mask"; vLLM's sampling-mask replay).
+sampled (slime's and DeepSeek-V3.2's "keep sampling mask"; vLLM's sampling-mask replay).
 
 A response's kept sets are one ``[tokens, width]`` int32 matrix, each row the kept ids (most likely first)
 padded with -1, ``width`` the largest set of the response; on the wire: its bytes (msgpack carries them as binary)

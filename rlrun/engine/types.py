@@ -1,4 +1,4 @@
-"""Wire types of the engine RPC (shared/reference/sglang-contract.md, section 5).
+"""Wire types of the engine RPC (docs/engine-contract.md, "Methods").
 
 They are ``TypedDict``s rather than dataclasses because they cross a msgpack boundary as plain maps
 and must stay field-for-field identical to the contract that the SGLang worker also serves; the

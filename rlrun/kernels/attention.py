@@ -5,7 +5,7 @@ the GPU and the torch version. The engine attends under a boolean mask (left-pad
 read under a column mask), so it never gets FlashAttention; the trainer attends causally without a mask.
 When the two sides run different kernels, each attention output can round differently in bf16, and 30
 layers amplify that to the whole bf16-vs-fp32 difference of a model (0.03-0.05 nats per token on
-SmolLM2-135M with the trainer on FlashAttention's varlen kernel, BENCHMARKS.md "On-policy exactness").
+SmolLM2-135M with the trainer on FlashAttention's varlen kernel, BENCHMARKS.md "Exactness").
 
 So on CUDA both sides call the memory-efficient (xformers/cutlass) kernel directly, never through SDPA's
 choice: the trainer as one varlen call per layer over a packed row (``cu_seqlens``, causal), the engine
@@ -68,7 +68,7 @@ rows, the forward's height, which the decode must share to round alike)."""
 def auto_packed_attention(dtype: str) -> str:
     """``model.packed_attention: auto``'s kernel for a trainer in ``dtype``: ``chunked_varlen`` on CUDA with Triton in
     bfloat16 (the trainer and the embedded engine on the chunked kernels: bitwise, the engine's decode split over thread
-    blocks, the forward faster than the memory-efficient one; BENCHMARKS.md "The pair inside rlrun"),
+    blocks, the forward faster than the memory-efficient one; BENCHMARKS.md "Decode attention: fast and exact"),
     ``efficient_varlen`` elsewhere on CUDA, ``per_sample`` off CUDA."""
     if not torch.cuda.is_available():
         return "per_sample"

@@ -24,7 +24,7 @@ attended in one varlen call per layer:
 * ``efficient_varlen`` (:class:`EfficientVarlenCoreAttention`, CUDA, any dtype; what ``auto`` picks there):
   the memory-efficient kernel that the embedded engine runs too (:mod:`rlrun.kernels.attention`), so the
   trainer's log-probs equal the engine's (bitwise on the H200 for prompts the engine did not left-pad;
-  BENCHMARKS.md "On-policy exactness"). On CUDA the per-sample and unpacked paths run that kernel too.
+  BENCHMARKS.md "Exactness"). On CUDA the per-sample and unpacked paths run that kernel too.
 * ``flash_varlen`` (:class:`FlashVarlenCoreAttention`, CUDA, bf16): FlashAttention-2's varlen kernel. Fast,
   but no engine runs it, so trainer and engine disagree by bf16 rounding amplified over the layers (0.03-0.05
   nats per token on SmolLM2-135M): off-policy, kept for comparison.

@@ -1,7 +1,7 @@
 """Test-only fault points: a real process sends itself a real signal at a named point of its work.
 
 A fault suite that signals a job from outside cannot tell which phase a process is in when the signal
-lands (on a loaded machine issue 27's "mid-rollout" SIGKILL landed in the weight sync). With
+lands (on a loaded machine a "mid-rollout" SIGKILL can land in the weight sync). With
 ``RLRUN_FAULT_DIR`` set, :func:`reached` checks for the file ``DIR/<pid>.<point>``; when it is there,
 the process adds ``time.monotonic()`` to it (when the fault happened: the clock is the machine's),
 renames it to ``<pid>.<point>.fired`` and sends itself the signal the file names (``SIGKILL``,

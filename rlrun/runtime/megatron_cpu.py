@@ -1,7 +1,7 @@
 """Make megatron-core 0.16.1 run on a CPU-only torch build (gloo), for tests and the CPU quickstart.
 
 megatron-core assumes CUDA in a handful of places. Each patch below fixes one of them; all of them
-were found by running Megatron on CPU (see ``shared/reference/megatron-on-cpu.md``):
+were found by running Megatron on CPU:
 
 * ``torch.cuda.current_device`` returns ``cpu``: the rotary embedding moves ``inv_freq`` to
   ``torch.cuda.current_device()`` on every forward.

@@ -3,7 +3,7 @@
 The package ships only ``SmolLM2-135M-Instruct.Q4_1.gguf``. transformers can load it (dequantized to
 a 134.5M-parameter fp32 ``LlamaForCausalLM``) but refuses to ``save_pretrained`` a GGUF-loaded model,
 so the weights are copied into a model built from the same config without ``quantization_config``
-and that one is saved (shared/reference/megatron-on-cpu.md section 6). The result is an ordinary HF
+and that one is saved. The result is an ordinary HF
 directory: config.json, model.safetensors, tokenizer files, generation_config.json with EOS.
 These are the Q4_1-dequantized weights, not the original bf16 release.
 

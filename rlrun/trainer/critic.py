@@ -1,6 +1,6 @@
 """PPO's critic on the actor's ranks: build, values for GAE, one value-loss step, checkpoint state.
 
-Per step (rlrun/trainer/actor.py calls these in this order; slime PR #1856's data flow without Ray):
+Per step (rlrun/trainer/actor.py calls these in this order; slime's actor-critic data flow, without Ray):
 
     fill_values(mbs)      no-grad forward: mb.values = V(prefix) at every position   -> GAE (actor side)
     train(mbs, tokens)    after advantages: one optimizer step on the clipped value loss against

@@ -1,7 +1,7 @@
 """``sglang``: the worker backend hosting ``sglang.Engine`` in the worker process (the only module
 that imports sglang, and only when this backend is built).
 
-It follows shared/reference/sglang-contract.md, sections 3 and 5:
+It follows the engine contract (docs/engine-contract.md, "Processes and transport" and "Methods"):
 
 * **environment**: the worker inherits the trainer's CUDA_VISIBLE_DEVICES and gets
   ``base_gpu_id=LOCAL_RANK``, so a device index in a CUDA IPC handle names the same GPU on both

@@ -22,7 +22,7 @@ BREVITY_CHARS = 20
 
 
 def first_number(sample: Sample) -> float:
-    """Shaped arithmetic reward (shared/reference/quickstart-task.md)::
+    """Shaped arithmetic reward of the quickstart's addition task::
 
         0                                                  if the first integer in the reply != label
         0.5 + 0.5 * max(0, 1 - (len(reply.strip()) - len(answer)) / 20)   if it ended on its own
