@@ -2,21 +2,20 @@
 row's keys in the same chunks, so that the trainer and the embedded engine stay bitwise while the engine's decode
 splits a row's keys over several thread blocks, as SGLang's decode kernels do.
 
-Why (issue 29; docs/engine.md, "Where SGLang's remaining lead is"): the engine's decode attention is the trainer's
-memory-efficient kernel, one thread block per (row, cached head) walking the row's keys in order, which leaves the
-GPU idle at decode's short queries. Splitting a row's keys and merging the parts rounds differently from a trainer that
-walks them in one pass, unless the trainer splits alike. Here both sides split each row's keys into chunks of
+Why (docs/engine.md, "How the engine keeps up with SGLang and stays exact"): the engine's decode attention was the
+trainer's memory-efficient kernel, one thread block per (row, cached head) walking the row's keys in order, which leaves
+the GPU idle at decode's short queries. Splitting a row's keys and merging the parts rounds differently from a trainer
+that walks them in one pass, unless the trainer splits alike. Here both sides split each row's keys into chunks of
 :data:`CHUNK` keys from key 0, run the same online softmax over a chunk (:func:`_chunk_partial`: tiles of
 :data:`BLOCK_N` keys, the same matrix-multiply shapes) and merge the chunks in order by one formula (:func:`_merge`).
 The forward (:func:`causal`) walks a row's chunks in a loop; the decode (:func:`decode`) computes them in parallel and
-merges them after. A chunk past a row's last key, or a key tile past it, changes nothing in the row's sums (a merge
-with -inf / 0 / 0 multiplies by exp(0) = 1 and adds 0), so the forward's longer loops give the decode's result.
+merges them after. A chunk past a row's last key, or a key tile past it, changes nothing in the row's sums (a merge with
+-inf / 0 / 0 multiplies by exp(0) = 1 and adds 0), so the forward's longer loops give the decode's result.
 ``enable_fp_fusion=False`` keeps the compiler from contracting products and sums differently in the two kernels.
 
-Measured on the H200 (``benchmarks/exact_split_decode.py``, BENCHMARKS.md "An exact split-KV pair" and "The pair inside
-rlrun"): decode rows bitwise the forward's rows at one tile height (:data:`BLOCK_M`), the decode 22-33% faster than the
-memory-efficient kernel by key counts at batch 64-128 and 256-2,048 keys, the forward twice the memory-efficient varlen
-forward's rate; the SmolLM2 on-policy gate passes with ``model.packed_attention: chunked_varlen``.
+On the H200 (``benchmarks/exact_split_decode.py``; BENCHMARKS.md, "Decode attention: fast and exact") the decode rows
+are bitwise the forward's rows at one tile height (:data:`BLOCK_M`), both kernels are faster than the memory-efficient
+ones, and the SmolLM2 on-policy gate passes with ``model.packed_attention: chunked_varlen``.
 
 Which heads they take: :func:`rlrun.kernels.attention.chunked_kernel_takes` (importable without Triton).
 

@@ -1,8 +1,8 @@
 """RMSNorm of head vectors read in place (CUDA; imported only where Triton is): Qwen3's per-head query and key norms
 straight from the fused q/k/v projection's output, without the copy that ``F.rms_norm`` makes of a strided input.
 
-Why (issue 29): a Qwen3 decode step ran two such copies and two norm launches a layer, 112 of its 578 launches at
-Qwen3-0.6B (docs/engine.md, "Where a decode step's time goes"). Both sides call this kernel (the embedded engine's
+Why: on ``F.rms_norm`` a Qwen3 decode step runs two such copies and two norm launches a layer, a large share of its
+small launches (docs/engine.md, "Where a decode step's time goes"). Both sides call this kernel (the embedded engine's
 ``q_norm`` / ``k_norm``, the trainer's ``q_layernorm`` / ``k_layernorm``: :mod:`rlrun.kernels.head_norm`), so they stay
 bitwise with each other as they did on ``F.rms_norm``.
 

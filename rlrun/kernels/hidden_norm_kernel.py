@@ -1,9 +1,9 @@
 """RMSNorm of hidden-state rows (CUDA; imported only where Triton is): a decoder layer's input and pre-MLP norms, the
 same kernel on the trainer's and the embedded engine's side (:mod:`rlrun.kernels.hidden_norm`).
 
-Why (issue 29): torch's fused RMSNorm took 3.6 us a launch on a decode step's [64, 2,048] hidden states, 57 launches
-a Qwen3-1.7B step (0.20 of its 3.59 ms: benchmarks/results/decode_profile_qwen3-1.7b_b64_75a0e49_h200.txt), where
-the QK-norm kernel of the same bytes takes 1.8 us. One kernel on both sides keeps them bitwise, as ``F.rms_norm`` on
+Why: a decode step runs two hidden-size norms a layer on a few rows each, where torch's fused RMSNorm takes longer a
+launch than a program-a-row Triton kernel on the same bytes (BENCHMARKS.md, "Embedded engine against SGLang", the
+decode step's profile). One kernel on both sides keeps them bitwise, as ``F.rms_norm`` on
 both did.
 
 SAME_CODE (as :mod:`rlrun.kernels.head_norm_kernel`): a row's sum of squares follows the tile's layout, which Triton

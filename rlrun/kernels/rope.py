@@ -13,9 +13,8 @@ tile). The grid is (position tiles, query head blocks then key head blocks), so 
 (the engine's decode step). ``HEADS`` is the largest power of two dividing both head counts (at most 32 at D=128), so no
 head is masked; ``POSITIONS`` brings a tile to about 4,096 elements: 16-byte loads and stores where the strides allow,
 every thread busy. Why: the first version ran one program per head vector (64 elements a half at D=128, 2-byte accesses,
-half of its 4 warps idle, cos and sin read again for every head), and in the torch profile of a Qwen3-1.7B training step
-on an H200 (4 micro-batches of 20,480 tokens, 28 layers) its 448 calls took 108.6 ms, 0.24 ms a call: about 0.7 TB/s for
-a memory-bound op on a 4.8 TB/s device, ~490k programs a call.
+half of its 4 warps idle, cos and sin read again for every head): a memory-bound op that reached a small fraction of
+the device's bandwidth in a training step's profile (BENCHMARKS.md, "Step against peers").
 scripts/gpu/rope_kernel_bench.py times the trainer's and the engine's shapes.
 
 Used by the embedded engine (``rlrun.engine.embedded.fused_rope``) and by the trainer (``rlrun.megatron.rope_apply``,

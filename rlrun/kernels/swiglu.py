@@ -4,12 +4,12 @@ eager PyTorch's ``F.silu(gate) * up``.
 Why: both sides hold gate and up as the two halves of one GEMM output, ``[..., 2F]`` (Megatron's ``linear_fc1``
 per TP rank: [gate shard | up shard]; the engine's fused ``gate_up_proj``, rlrun/engine/embedded/fused_projections.py).
 Eagerly, Megatron's unfused gated MLP runs ``silu``, a ``mul``, and in the backward ``silu_backward``, two ``mul``
-and the ``cat`` that is the backward of ``torch.chunk``: ~175 ms of a 2.14 s Qwen3-1.7B train step on the H200
-(4 micro-batches of 20,480 tokens, 28 layers, ffn 6144, bf16; torch profiler), ~1.6 ms a layer and micro-batch
-where one read of the inputs and one write of the outputs take ~0.6 ms. The engine's ``act_fn(gate) * up`` reads
-the strided column slices of its fused GEMM output (docs/engine.md: ~0.19 ms of a 3.78 ms decode step went to such
-strided consumers). Here the forward reads gate and up once and writes the product; the backward reads gate, up
-and the output gradient once and writes both input gradients into one ``[..., 2F]`` tensor (no ``cat``).
+and the ``cat`` that is the backward of ``torch.chunk``: several passes over memory where one read of the inputs and
+one write of the outputs would do (a visible share of a train step's profile, BENCHMARKS.md "Step against peers").
+The engine's ``act_fn(gate) * up`` reads the strided column slices of its fused GEMM output, which eager kernels read
+unvectorized (docs/engine.md, "Where a decode step's time goes"). Here the forward reads gate and up once and writes
+the product; the backward reads gate, up and the output gradient once and writes both input gradients into one
+``[..., 2F]`` tensor (no ``cat``).
 
 Exactness (docs/on_policy.md: the trainer and the engine must compute the same bits). PyTorch's CUDA ``silu``
 (aten/src/ATen/native/cuda/ActivationSiluKernel.cu) computes, in fp32 for every floating dtype here,

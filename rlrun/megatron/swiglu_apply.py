@@ -2,9 +2,9 @@
 
 rlrun builds Megatron with ``bias_activation_fusion=False`` (rlrun/megatron/hf_config.py), so megatron-core 0.16.1's
 ``MLP.forward`` chunks the fc1 output ``[T, (B), 2F/tp]`` into gate and up and computes ``silu(gate) * up`` eagerly:
-``silu``, ``mul``, and in the backward ``silu_backward``, two ``mul`` and the ``cat`` of the chunk's gradient, ~175 ms
-of a 2.14 s Qwen3-1.7B train step on the H200. The kernel does the forward in one pass and the backward in another
-that writes the fc1 output's gradient ``[.., 2F]`` at once (about 0.1 s a step less), and keeps only the fc1 output
+``silu``, ``mul``, and in the backward ``silu_backward``, two ``mul`` and the ``cat`` of the chunk's gradient, each a
+pass over memory. The kernel does the forward in one pass and the backward in another that writes the fc1 output's
+gradient ``[.., 2F]`` at once, and keeps only the fc1 output
 for the backward (eager autograd also keeps the SiLU output, ``F`` more values a token and layer).
 
 The hook: ``MLP.forward`` itself, wrapped. The gated path's ``glu`` is a closure inside ``MLP.forward`` (nothing to

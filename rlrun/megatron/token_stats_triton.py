@@ -3,8 +3,8 @@
 Eager PyTorch spends six passes over a chunk's ``[tokens, V]`` logits in fp32 on what are two reductions and
 one elementwise map: the cast-and-shift copy, ``exp``, the sum, a matrix-vector product for ``sum e (z - m)``
 in the forward; the shift again, a multiply-add, ``exp``, a multiply, a scatter and a bf16 cast in the backward.
-On the H200 that was 90 of the 117 ms one 20K-token micro-batch of Qwen3's 152K vocabulary took in the LM head
-(`scripts/gpu/head_cost.py`), a third of the 0.6B train step. Here each pass reads the model-dtype logits once
+Those passes were most of the LM head's time at Qwen3's 152K vocabulary (`scripts/gpu/head_cost.py`; BENCHMARKS.md,
+"The LM head"). Here each pass reads the model-dtype logits once
 and keeps everything else in registers:
 
 * :func:`piece_sums`: per token ``S = sum_v exp(z_v - m)``, the target's ``z_t - m`` (where this rank owns it)

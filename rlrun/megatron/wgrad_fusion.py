@@ -2,8 +2,8 @@
 
 Megatron DDP gives every weight an fp32 ``main_grad``. Without apex's ``fused_weight_gradient_mlp_cuda`` extension,
 each linear layer's backward writes a bf16 weight gradient and DDP's hook adds it into ``main_grad`` with a kernel of
-its own: for a Qwen3-1.7B shape trained on 4 micro-batches of 20,480 tokens, 952 fp32 ``add_`` kernels, 85 ms of a
-2.14 s train phase on an H200 (BENCHMARKS.md, "Step: rlrun vs verl", the profile of the 1.7B resident step).
+its own: one fp32 ``add_`` a weight and micro-batch, a visible share of a train phase (BENCHMARKS.md, "Step against
+peers", the profiles of the 1.7B resident step).
 Megatron's gradient-accumulation fusion has the weight-gradient GEMM add into ``main_grad`` itself, through two
 functions of that extension; torch's ``addmm`` with ``out_dtype`` (CUDA) is the first of them: bf16 operands, fp32
 accumulation, ``beta = 1`` onto the fp32 gradient already there. The sums are the fp32 ones, where the unfused path

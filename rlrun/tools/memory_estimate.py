@@ -22,9 +22,9 @@ dividing the head and MLP terms; no sequence parallelism, so the H terms are who
     selective  2H + 2(q + kv) + q + 2H                          (the core attention and the MLP keep their inputs only)
     full       H per layer, plus one layer's ``none`` activations while it is recomputed
 
-Calibrated against the H200 (issue 23's table, ``rlrun bench train --samples-per-micro-batch 1``): Qwen3-4B at
-8,192 tokens estimates 117.6 GiB against a measured peak of 117.7; tests/unit/test_memory_estimate.py holds the
-measured rows. The allocator's fragmentation, NCCL buffers and the CUDA context (~1-3 GiB) are not counted.
+Calibrated against measured H200 peaks (``rlrun bench train --samples-per-micro-batch 1``; BENCHMARKS.md, "Long
+responses"); tests/unit/test_memory_estimate.py holds the measured rows and how close the estimate must
+come. The allocator's fragmentation, NCCL buffers and the CUDA context (~1-3 GiB) are not counted.
 """
 
 from __future__ import annotations

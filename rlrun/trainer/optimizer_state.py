@@ -4,8 +4,8 @@ so that a wake's copy back runs on a side stream behind the forward and backward
 torch_memory_saver copies a paused region back with a synchronous ``cudaMemcpy`` on the legacy default stream,
 which waits for every kernel queued before it and holds back every kernel after it. The optimizer's state (fp32
 main weights and Adam moments, 12 of the 14 bytes a parameter that a sleep moves) is read by nothing before the
-optimizer step, so its copy back need not hold back the forward pass: at 1.7B parameters it is 20 GB, ~0.5 s of
-each wake at the H200's host bandwidth (BENCHMARKS.md, "Step: rlrun vs verl"). Here it goes in pieces on a stream of
+optimizer step, so its copy back need not hold back the forward pass: at 1.7B parameters it is 20 GB, a large part
+of each wake at a host link's bandwidth (BENCHMARKS.md, "Step against peers"). Here it goes in pieces on a stream of
 its own, queued by a thread of its own a few at a time (:class:`PacedCopy`, ``COPY_PIECE_BYTES``), and the step
 waits for it on the device. The buffers live in the offloader's scratch region (paused and mapped again without a
 copy); the model's weights, which the forward reads first, stay in the trainer region with the saver's synchronous
@@ -37,15 +37,12 @@ P = ParamSpec("P")
 R = TypeVar("R")
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 COPY_PIECE_BYTES = 32 << 20
-"""The wake's copy back goes in pieces of this size, ~0.6 ms each at the H200's ~55 GB/s from the host. The train phase
+"""The wake's copy back goes in pieces of this size, each well under a millisecond from the host. The train phase
 copies each micro-batch's tensors to the device as it goes (``rlrun.runtime.host_to_device``), and such a copy waits
-behind the host-to-device transfers queued before it on the copy engine, on any stream (the kernels after it with it;
-until 2026-12-03 a pageable copy, the host too). Measured on the H200 at 1.7B parameters with the whole 20 GB queued at
-the wake in 64 MB pieces (benchmarks/results/profile_step_qwen3-1.7b_sglang_{offload,resident}_h200.json, steps 2-3):
-the offload row's train phase took 2.21-2.25 s against 1.88-1.90 s resident for the same kernels (1.84 against 1.85 s on
-the device), the host 275 ms longer blocked in ``aten::copy_``; the pieces alone had not shortened it, all of them
-queued at once. So at most ``COPY_PIECES_IN_FLIGHT`` pieces are queued at a time: a micro-batch's copy waits ~1.2 ms at
-most."""
+behind the host-to-device transfers queued before it on the copy engine, on any stream (the kernels after it with it).
+With the whole state queued at the wake, even in pieces, the offload row's train phase was longer than the resident
+one for the same kernels (BENCHMARKS.md, "Step against peers" appendix, the 1.7B runs against verl). So at most
+``COPY_PIECES_IN_FLIGHT`` pieces are queued at a time: a micro-batch's copy waits for two pieces at most."""
 COPY_PIECES_IN_FLIGHT = 2
 """How many pieces of the copy back are queued on the device at once. Two, not one: with one, the copy engine stands
 idle from a piece's end until the copying thread has woken and taken the GIL from the train loop to queue the next;

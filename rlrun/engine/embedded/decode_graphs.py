@@ -71,8 +71,8 @@ class WarmBatch:
             saved = self.batch.snapshot() if self.device.type == "cuda" else None
             # A partial, not a closure over ``self``: a graph that referred back to its WarmBatch made a reference
             # cycle, so dropping the batch (a release, an eviction) left its KV cache alive until a later garbage
-            # collection, after the release's empty_cache: a 4B 64 x 8K rollout's 78 GB stayed on the device
-            # while the trainer trained (issue 23).
+            # collection, after the release's empty_cache: a rollout's whole KV cache stayed on the device while
+            # the trainer trained.
             graph = StepGraph(functools.partial(self.step, self.batch, length), self.device, self.pool)
             if saved is not None:
                 self.batch.restore(saved)

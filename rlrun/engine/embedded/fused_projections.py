@@ -3,9 +3,8 @@
 Why: transformers' decoder layers call ``q_proj``, ``k_proj`` and ``v_proj`` on the same hidden states, then
 ``gate_proj`` and ``up_proj`` on the same input: five GEMMs a layer where two would do. At decode shapes (M = the
 batch) each GEMM is small (2-6 MB of weights for Qwen3-0.6B) and runs far from the bandwidth its bytes would
-allow, so a Qwen3-0.6B decode step spent 1.08 ms in GEMMs reading 1.19 GB of weights (``bench rollout
---profile``, docs/engine.md); the trainer already runs both as single fused GEMMs (Megatron's ``linear_qkv`` and
-``linear_fc1``).
+allow (``bench rollout --profile``, docs/engine.md "Where a decode step's time goes"); the trainer already runs
+both as single fused GEMMs (Megatron's ``linear_qkv`` and ``linear_fc1``).
 
 How, without copying any family's attention or MLP forward: the projections' weights are concatenated along
 their output rows into one parameter (``<module>.qkv_proj`` / ``<module>.gate_up_proj``), and each original

@@ -1,9 +1,9 @@
 """RoPE of a layer's queries and keys as one Triton kernel on CUDA, bit for bit transformers' formula.
 
 transformers' Llama-family ``apply_rotary_pos_emb`` computes ``x * cos + rotate_half(x) * sin`` for the queries
-and again for the keys: ten kernels a layer (four multiplies, two negations, two concatenations, two adds), 280 of
-the 942 a Qwen3-0.6B decode step launched on the H200, each a few microseconds however small its tensor
-(``bench rollout --profile``, benchmarks/results/decode_profile_qwen3-0.6b_b64_h200.txt). The kernel here does
+and again for the keys: ten kernels a layer (four multiplies, two negations, two concatenations, two adds), each a
+few microseconds however small its tensor, a large share of a decode step's launches (docs/engine.md, "Where a decode
+step's time goes"). The kernel here does
 both tensors in one launch and rounds exactly where eager PyTorch rounds: each product to the tensor's dtype, then
 their sum (computed in fp32 from the rounded products, no fused multiply-add). So the rotated tensors are the same
 bits, the engine's log-probs stay the trainer's (docs/on_policy.md), and only the launch count changes.

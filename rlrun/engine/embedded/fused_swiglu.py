@@ -2,8 +2,8 @@
 
 transformers' Llama-family MLP computes ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``. In the engine, gate and up
 are the two column halves of one GEMM output (rlrun/engine/embedded/fused_projections.py), so SiLU and the multiply
-read strided slices, two kernels and an intermediate tensor per layer (docs/engine.md: ~0.19 ms of a 3.78 ms
-decode step went to such strided consumers). The kernel (rlrun/kernels/swiglu.py, the one the trainer's Megatron MLP
+read strided slices, two kernels and an intermediate tensor per layer (docs/engine.md, "Where a decode step's time
+goes"). The kernel (rlrun/kernels/swiglu.py, the one the trainer's Megatron MLP
 runs: rlrun/megatron/swiglu_apply.py) reads the fused output once and writes the product, with eager PyTorch's
 roundings (SiLU in fp32 rounded to the dtype, then the product rounded once): the same bits as the two kernels, so
 the log-probs stay the trainer's (docs/on_policy.md).
