@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
 import json
 import re
@@ -157,30 +158,65 @@ def section_text(section: Section) -> str:
     return "\n".join(lines) + "\n"
 
 
-def algorithm_entries() -> list[tuple[str, type[BaseModel]]]:
-    """The settings models of the algorithm's table entries (estimators, policy losses), when ``rlrun.algo``
-    exposes them as ``SETTINGS``: ``{"algorithm.<kind>.<name>": <pydantic model>}``. Empty until it does."""
-    try:
-        algo = importlib.import_module("rlrun.algo")
-    except ImportError:
-        return []
-    table = getattr(algo, "SETTINGS", None) or {}
-    return sorted(table.items())
+ENTRY_TABLES = (
+    ("algorithm.advantage_estimator", "rlrun.algo.estimators", "ESTIMATORS"),
+    ("algorithm.policy_loss", "rlrun.algo.losses", "POLICY_LOSSES"),
+)
+"""Where the algorithm's entries live: (the config key that names one, module, table). An entry carries its own
+settings model (``settings``) and a one-line ``summary``."""
+
+ENTRIES_INTRO = """\
+## Algorithm entries
+
+`algorithm.advantage_estimator` and `algorithm.policy_loss` name an entry (`policy_loss: gspo`) or name it with
+settings of its own (`policy_loss: {name: gspo, eps_clip: 3.0e-4}`). The `algorithm` section's flat fields of the same
+name (`eps_clip`, `normalize_std`, `gamma`, ...) are the defaults of those settings, in every entry that has one; a key
+in the mapping wins over them. Formulas: [algorithms.md](algorithms.md).
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One estimator or policy loss: the key that names it, its name, its summary, its settings model."""
+
+    key: str
+    name: str
+    summary: str
+    settings: type[BaseModel]
+
+
+def algorithm_entries() -> list[Entry]:
+    """Every entry of the algorithm's tables, in table order; none for a table whose module does not exist."""
+    found = []
+    for key, module, table in ENTRY_TABLES:
+        if importlib.util.find_spec(module) is None:
+            continue
+        for name, entry in getattr(importlib.import_module(module), table).items():
+            found.append(Entry(key, name, getattr(entry, "summary", ""), entry.settings))
+    return found
+
+
+def entry_text(entry: Entry) -> str:
+    lines = [f"### {entry.key}: {entry.name}", ""]
+    if entry.summary:
+        lines += [entry.summary[0].upper() + entry.summary[1:].rstrip(".") + ".", ""]
+    fields = entry.settings.model_fields
+    if not fields:
+        lines.append("No settings of its own.")
+    for name, field in fields.items():
+        lines += _field_entry(name, field, f"{entry.key}.")
+    return "\n".join(lines) + "\n"
 
 
 def render() -> str:
     found = sections()
     entries = algorithm_entries()
-    parts = [HEADER, "Sections: " + ", ".join(f"[{s.key}](#{_anchor(s.key)})" for s in found) + ".\n"]
-    for section in found:
-        parts.append(section_text(section))
+    keys = [s.key for s in found] + (["Algorithm entries"] if entries else [])
+    parts = [HEADER, "Sections: " + ", ".join(f"[{k}](#{_anchor(k)})" for k in keys) + ".\n"]
+    parts += [section_text(section) for section in found]
     if entries:
-        parts.append(
-            "## Algorithm entries\n\nEach advantage estimator and policy loss declares its own settings "
-            "(docs/algorithms.md); they are set under the entry's name.\n"
-        )
-        for key, model in entries:
-            parts.append(section_text(Section(key, model)).replace("## ", "### ", 1))
+        parts.append(ENTRIES_INTRO)
+        parts += [entry_text(entry) for entry in entries]
     return "\n".join(parts)
 
 

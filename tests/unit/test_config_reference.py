@@ -46,6 +46,14 @@ def test_every_field_is_listed_under_its_section_with_its_docstring():
     assert description and description.splitlines()[0] in bodies["model"]
 
 
+def test_every_algorithm_entry_is_listed_with_its_settings():
+    page = config_reference.render()
+    for entry in config_reference.algorithm_entries():
+        body = page.split(f"### {entry.key}: {entry.name}\n", 1)[1].split("\n### ", 1)[0]
+        for name in entry.settings.model_fields:
+            assert f"* **`{name}`**" in body, f"{entry.key}: {entry.name}'s setting {name} is missing"
+
+
 def test_type_and_default_text():
     field = RunConfig.model_fields["model"].annotation.model_fields["lm_head"]
     assert config_reference.type_text(field.annotation) == '"chunked" | "chunked_kept" | "logits"'
@@ -69,3 +77,12 @@ def test_relative_links_in_readme_and_docs_point_at_files():
             if not target.exists() or ROOT not in target.parents:
                 broken.append(f"{page.relative_to(ROOT)}: {link}")
     assert not broken, "links to missing files: " + ", ".join(broken)
+
+
+def test_architecture_names_every_package_and_only_paths_that_exist():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`(rlrun/[\w/]+(?:\.py)?)`", text))
+    assert "rlrun/trainer/loop.py" in named
+    assert [path for path in sorted(named) if not (ROOT / path).exists()] == []
+    packages = {f"rlrun/{p.parent.name}/" for p in (ROOT / "rlrun").glob("*/__init__.py")}
+    assert sorted(packages - named) == [], "packages missing from docs/architecture.md's package map"
