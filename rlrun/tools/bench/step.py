@@ -391,7 +391,7 @@ def launch(config_path: Path, run_dir: Path, timeout_s: float, ranks: int = 1) -
         "train",
         str(config_path),
     ]
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[3])  # rlrun/tools/bench/step.py -> the repository
     env = {
         **TORCHRUN_ENV,
         **os.environ,  # what the caller set wins (OMP_NUM_THREADS=1 on a shared CPU)
