@@ -130,9 +130,9 @@ def _field_entry(name: str, field: FieldInfo, key: str) -> list[str]:
     if nested:
         child = key + name + ("[i]" if nested[0][1] else "")
         facts.append(f"section [{child}](#{_anchor(child)})")
-    elif field.is_required():
+    if field.is_required():
         facts.append("required")
-    else:
+    elif not (nested and isinstance(field.get_default(call_default_factory=True), BaseModel)):
         facts.append(f"default `{default_text(field)}`")
     bound = constraint_text(field)
     if bound:
