@@ -5,11 +5,16 @@ count from the end, either side may be empty) and counts *rows*, not file lines 
 are not rows). Only the selected rows are parsed and checked: rows outside the slice are never
 trained on, so a malformed row there does not stop the run.
 
-Each row is a JSON object (a parquet row is read as one) with the prompt under ``prompt_key`` (a
-string, or a list of ``{"role", "content"}`` chat messages) and the reference answer under
-``label_key``. With ``metadata_key`` set, that key's object becomes ``Prompt.metadata``; without it,
-every other key does. With ``tools_key`` set, that key holds the tool schemas (a list of objects, or
-a JSON string of one) handed to the chat template.
+Each row is a JSON object (a parquet row, or a Hugging Face ``datasets`` row, is read as one) with the
+prompt under ``prompt_key`` (a string, or a list of ``{"role", "content"}`` chat messages) and the reference
+answer under ``label_key``. With ``metadata_key`` set, that key's object becomes ``Prompt.metadata``; without
+it, every other key does. With ``tools_key`` set, that key holds the tool schemas (a list of objects, or a
+JSON string of one) handed to the chat template.
+
+Every key may be dotted, to reach into nested objects: ``label_key: reward_model.ground_truth`` reads
+``row["reward_model"]["ground_truth"]`` (verl's layout); a key that exists as written, dots included,
+wins. A directory (or a ``.csv`` / ``.arrow`` file) is read with the optional ``datasets`` package
+(:mod:`rlrun.data.hf_datasets`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rlrun.data.hf_datasets import datasets_rows, is_datasets_source
 
 Messages = list[dict[str, str]]
 _SLICE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
@@ -78,16 +85,20 @@ def read_rows(
     label_key: str | None = "label",
     metadata_key: str | None = None,
     tools_key: str | None = None,
+    split: str = "train",
 ) -> list[PromptRow]:
     """Parse and check the rows ``spec`` selects (no tokenizer needed; cheap).
 
-    Row ``index`` is the row's position within the selection, so it is 0..len-1 either way.
+    Row ``index`` is the row's position within the selection, so it is 0..len-1 either way. ``split`` picks
+    the split of a ``datasets`` source that has several.
     """
     source = DataSource.parse(spec)
     keys = RowKeys(prompt_key, label_key, metadata_key, tools_key)
-    if not source.path.is_file():
+    if not source.path.exists():
         raise PromptDataError(f"{source.path}: prompt file not found (cwd {Path.cwd()}); set data.path")
-    if source.path.suffix == ".parquet":
+    if is_datasets_source(source.path):
+        raw = datasets_rows(source.path, source.select, split)
+    elif source.path.suffix == ".parquet":
         raw = _parquet_rows(source)
     else:
         raw = _jsonl_rows(source)
@@ -135,9 +146,9 @@ def _check_row(where: str, row: Any, index: int, keys: RowKeys) -> PromptRow:
     if not isinstance(row, dict):
         raise PromptDataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     for key, field in ((keys.prompt, "data.prompt_key"), (keys.label, "data.label_key")):
-        if key is not None and key not in row:
-            raise PromptDataError(f"{where}: missing key '{key}' ({field}); the row has keys {sorted(row)}")
-    prompt = row[keys.prompt]
+        if key is not None and lookup(row, key) is MISSING:
+            raise PromptDataError(f"{where}: missing key '{key}' ({field}); {_keys_seen(row, key)}")
+    prompt = lookup(row, keys.prompt)
     if not _is_prompt(prompt):
         raise PromptDataError(
             f"{where}: '{keys.prompt}' ({_short(prompt)}) must be a non-empty string or a non-empty list of "
@@ -149,15 +160,44 @@ def _check_row(where: str, row: Any, index: int, keys: RowKeys) -> PromptRow:
         index=index,
         where=where,
         prompt=prompt,
-        label=row[keys.label] if keys.label else None,
+        label=lookup(row, keys.label) if keys.label else None,
         metadata=metadata,
         tools=_tools(where, row, keys.tools) if keys.tools else None,
     )
 
 
+MISSING = object()
+"""What :func:`lookup` returns for a key the row does not have (a row's value may itself be None)."""
+
+
+def lookup(row: Any, key: str) -> Any:
+    """``row[key]``, where a dotted ``key`` walks nested objects (``reward_model.ground_truth``); a key present
+    as written, dots included, wins. :data:`MISSING` when any part is absent."""
+    if isinstance(row, dict) and key in row:
+        return row[key]
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
+def _keys_seen(row: dict, key: str) -> str:
+    """The keys at the level where ``key``'s walk stopped, for the error."""
+    value, walked = row, []
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            break
+        value, walked = value[part], [*walked, part]
+    if not isinstance(value, dict):
+        return f"'{'.'.join(walked)}' is a {type(value).__name__}, not an object"
+    return f"the {'.'.join(walked) or 'row'} has keys {sorted(value)}"
+
+
 def _metadata(where: str, row: dict, key: str) -> dict[str, Any]:
-    value = row.get(key)
-    if value is None:
+    value = lookup(row, key)
+    if value is None or value is MISSING:
         return {}
     if not isinstance(value, dict):
         raise PromptDataError(
@@ -168,7 +208,9 @@ def _metadata(where: str, row: dict, key: str) -> dict[str, Any]:
 
 
 def _tools(where: str, row: dict, key: str) -> list[dict[str, Any]] | None:
-    value = row.get(key)
+    value = lookup(row, key)
+    if value is MISSING:
+        return None
     if isinstance(value, str):
         try:
             value = json.loads(value)

@@ -31,7 +31,7 @@ class PromptDataset:
     """The rows ``cfg.path`` selects, tokenized once when constructed (a bad row fails here, before training)."""
 
     def __init__(self, cfg: DataConfig, tokenizer):
-        rows = read_rows(cfg.path, cfg.prompt_key, cfg.label_key, cfg.metadata_key, cfg.tools_key)
+        rows = read_rows(cfg.path, cfg.prompt_key, cfg.label_key, cfg.metadata_key, cfg.tools_key, cfg.split)
         render = (
             ChatRenderer(tokenizer, cfg.system_prompt, cfg.chat_template_kwargs) if cfg.apply_chat_template else None
         )

@@ -99,7 +99,7 @@ def test_builtins_and_module_specs(tmp_path, monkeypatch):
         (
             "firstnumber",
             "not a built-in (first_number, exact_match, math, gsm8k, format_boxed, format_think, dapo, deepscaler, "
-            "f1), "
+            "f1, math_verify), "
             "not an http(s):// URL and not of the form module:function",
         ),
         ("no_such_module_xyz:f", "module 'no_such_module_xyz' not found on sys.path"),
@@ -120,7 +120,9 @@ def test_bad_specs_name_the_spec_and_the_signature(tmp_path, spec, reason):
     assert message.startswith(f"reward '{spec}': {reason}")
     assert (
         message.endswith(
-            "with signature fn(sample: Sample) -> float (or async; per group: fn(samples: list[Sample]) -> list[float])"
+            "with signature fn(sample: Sample) -> float (or async; per group: fn(samples: list[Sample]) -> "
+            "list[float]; verl's compute_score(data_source, solution_str, ground_truth, extra_info=None); TRL's "
+            "fn(prompts, completions, **kwargs) -> list[float])"
         )
         and "\n" not in message
     )

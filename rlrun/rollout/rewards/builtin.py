@@ -3,8 +3,8 @@
 ``math`` / ``gsm8k`` / ``exact_match`` score correctness (1 or 0); ``format_boxed`` / ``format_think``
 score only the shape of the reply, to be mixed into a custom reward; ``first_number`` is the
 quickstart's shaped reward. ``dapo`` (+1 / -1), ``deepscaler`` (1 / 0) and ``f1`` (0..1) are slime's
-``--rm-type`` rewards of those names. Answer extraction and normalisation live in :mod:`.answers`
-(DAPO's own in :mod:`.minerva`).
+``--rm-type`` rewards of those names; ``math_verify`` compares answers as mathematics (:mod:`.mathverify`).
+Answer extraction and normalisation live in :mod:`.answers` (DAPO's own in :mod:`.minerva`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections import Counter
 
 from rlrun.data.sample import Sample
 from rlrun.rollout.rewards.answers import answers_equal, gsm8k_answer, last_boxed, qa_tokens
+from rlrun.rollout.rewards.mathverify import math_verify
 from rlrun.rollout.rewards.minerva import dapo_answer, integer_label
 
 _INTEGER = re.compile(r"-?\d+")
@@ -147,4 +148,8 @@ BUILTIN_REWARDS = {
     "dapo": dapo,
     "deepscaler": deepscaler,
     "f1": f1,
+    "math_verify": math_verify,
 }
+
+LABEL_FREE = frozenset({"format_boxed", "format_think"})
+"""Built-ins that do not read the label; every other one compares it as text."""

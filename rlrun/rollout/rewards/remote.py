@@ -6,8 +6,9 @@ response as text); the server answers with a JSON number or ``{"reward": number}
 ``timeout_s`` (counted from when its request starts, not while it waits for a free slot), connection
 errors / timeouts / HTTP 429 and 5xx are retried with exponential backoff, other HTTP errors fail at
 once, and at most ``max_concurrency`` requests are in flight (a bounded thread pool runs the stdlib HTTP
-client, so no extra dependency is needed). A sample whose request finally fails raises here, which
-scores it 0 and records the message like any failing reward.
+client, so no extra dependency is needed). ``headers`` (e.g. an API key) are sent with every request,
+environment variables expanded when the reward is loaded. A sample whose request finally fails raises here,
+which scores it 0 and records the message like any failing reward.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +42,7 @@ class RemoteReward:
     def __init__(self, url: str, cfg: RemoteRewardConfig = RemoteRewardConfig()):
         self.url = url
         self.cfg = cfg
+        self._headers = {"Content-Type": "application/json", **expand_headers(cfg.headers)}  # secrets: never logged
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="rlrun-reward")
         self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
@@ -74,7 +78,7 @@ class RemoteReward:
             return future.result()
 
     def _post(self, body: bytes) -> bytes:
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(self.url, data=body, headers=self._headers)
         try:
             with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as reply:
                 return reply.read()
@@ -85,6 +89,28 @@ class RemoteReward:
             raise RemoteRewardError(f"{self.url}: HTTP {err.code}: {text}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
             raise _Retryable(f"{type(err).__name__}: {getattr(err, 'reason', err)}") from None
+
+
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def expand_headers(headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` with ``$VAR`` / ``${VAR}`` replaced from the environment; an unset variable raises naming
+    the header and the variable (not the value)."""
+
+    def value(name: str, text: str) -> str:
+        def variable(match: re.Match) -> str:
+            var = match[1] or match[2]
+            if var not in os.environ:
+                raise ValueError(
+                    f"rollout.remote_reward.headers.{name} names the environment variable {var}, which is not set; "
+                    f"export {var} before starting rlrun"
+                )
+            return os.environ[var]
+
+        return _VARIABLE.sub(variable, text)
+
+    return {name: value(name, text) for name, text in headers.items()}
 
 
 def request_body(sample: Sample) -> dict:

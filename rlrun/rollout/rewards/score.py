@@ -2,7 +2,8 @@
 
 Reward functions may be plain or ``async`` (a remote reward model, a sandboxed checker), and may score
 one sample or one whole group at a time. All calls of a batch run in one event loop, at most
-``concurrency`` awaiting at once; plain functions simply run inline.
+``concurrency`` awaiting at once; plain functions simply run inline, or, with a time limit, in reward
+processes that can be killed (:mod:`.processes`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 from rlrun.data.sample import Sample
 from rlrun.rollout.rewards.load import RewardFn
-from rlrun.runtime.deadline import hard_deadline
+from rlrun.rollout.rewards.processes import RewardRaised, RewardTimeoutError, reward_processes
+from rlrun.rollout.rewards.remote import RemoteReward
+from rlrun.rollout.rewards.select import RewardByType
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ def score_samples(
     concurrency: int = 64,
     timeout_s: float | None = None,
     reward_key: str | None = None,
+    processes: int = 4,
 ) -> int:
     """Set ``sample.reward`` for every sample; returns how many samples' rewards failed.
 
@@ -40,9 +44,10 @@ def score_samples(
     group). A reward function that raises, or returns something other than finite numbers (of the
     group's length), gives the sample (or the whole group) reward 0.0 and records
     ``sample.reward_error`` ("ExceptionType: message"); every distinct message is logged once per
-    batch with its count, and the caller logs the returned count as a metric. A batch still scoring after
-    ``timeout_s`` ends the process with the line the reward is stuck on (``rollout.reward_timeout_s``,
-    rlrun/runtime/deadline.py).
+    batch with its count, and the caller logs the returned count as a metric. With ``timeout_s`` each call
+    runs in a reward process (:mod:`.processes`) and one still running after ``timeout_s`` seconds is killed
+    and fails its sample (or group) the same way (``rollout.reward_timeout_s``); an ``http(s)://`` reward
+    stays in the rank, its call cancelled at the limit. ``processes`` bounds the calls in flight then.
     """
     if group_size is not None and len(samples) % group_size:
         raise ValueError(
@@ -54,10 +59,10 @@ def score_samples(
         else [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
     )
     if units:
-        what = f"the reward function {getattr(fn, '__qualname__', fn)} ({len(units)} calls)"
-        fix = "fix the hook, or raise rollout.reward_timeout_s if it needs longer"
-        with hard_deadline(timeout_s, what, fix):
-            asyncio.run(_score_units(units, fn, group_size is not None, concurrency, reward_key))
+        call = _call if timeout_s is None else _limited(timeout_s)
+        if timeout_s is not None:
+            concurrency = min(concurrency, processes)
+        asyncio.run(_score_units(units, fn, call, group_size is not None, concurrency, reward_key))
     errors = Counter(s.reward_error for s in samples if s.reward_error is not None)
     for message, count in errors.items():
         logger.warning("reward failed for %d sample(s): %s", count, message)
@@ -65,7 +70,7 @@ def score_samples(
 
 
 async def _score_units(
-    units: list[list[Sample]], fn: RewardFn, per_group: bool, concurrency: int, reward_key: str | None
+    units: list[list[Sample]], fn: RewardFn, call, per_group: bool, concurrency: int, reward_key: str | None
 ) -> None:
     gate = asyncio.Semaphore(concurrency)
 
@@ -74,12 +79,13 @@ async def _score_units(
             sample.reward, sample.reward_error, sample.reward_components = 0.0, None, None
         try:
             async with gate:
-                result = await _call(fn, unit if per_group else unit[0])
+                result = await call(fn, unit if per_group else unit[0])
             values = _check_group(result, len(unit)) if per_group else [result]
             rewards = [_reward_value(value, reward_key) for value in values]
         except Exception as err:  # noqa: BLE001 - a user hook may raise anything; it is recorded, not hidden
+            message = str(err) if isinstance(err, RewardRaised) else f"{type(err).__name__}: {err}"
             for sample in unit:
-                sample.reward_error = f"{type(err).__name__}: {err}"
+                sample.reward_error = message
             return
         for sample, (reward, components) in zip(unit, rewards, strict=False):
             sample.reward, sample.reward_components = reward, components
@@ -90,6 +96,23 @@ async def _score_units(
 async def _call(fn: RewardFn, argument: Any) -> Any:
     result = fn(argument)
     return await result if inspect.isawaitable(result) else result
+
+
+def _limited(timeout_s: float):
+    """A call that gives up after ``timeout_s``: in a reward process (killed then), or for an http(s):// reward
+    (async I/O in the rank, bounded by its own per-request timeout) cancelled in the rank."""
+
+    async def call(fn: RewardFn, argument: Any) -> Any:
+        if isinstance(fn, RewardByType):
+            fn = fn.fn_for(argument[0].prompt if isinstance(argument, list) else argument.prompt)
+        if isinstance(fn, RemoteReward):
+            try:
+                return await asyncio.wait_for(_call(fn, argument), timeout_s)
+            except asyncio.TimeoutError:
+                raise RewardTimeoutError(f"no reward within rollout.reward_timeout_s ({timeout_s:g} s)") from None
+        return await asyncio.to_thread(reward_processes().call, fn, argument, timeout_s)
+
+    return call
 
 
 def is_finite_reward(value: object) -> bool:
