@@ -185,12 +185,18 @@ class ParallelConfig(Section):
 
 class DataConfig(Section):
     path: str = "configs/data/addition_train.jsonl"
-    """Prompt file: ``.jsonl`` (one JSON object per line) or ``.parquet`` (one row per prompt),
-    optionally sliced as ``path@[start:end]`` (Python slice of the rows, e.g. ``@[:1000]``, ``@[-50:]``)."""
+    """Prompt file: ``.jsonl`` (one JSON object per line) or ``.parquet`` (one row per prompt;
+    verl's layout reads as is), or through the optional ``datasets`` package a directory (``save_to_disk``'s,
+    or data files ``load_dataset`` reads) or a ``.csv`` / ``.arrow`` file; optionally sliced as
+    ``path@[start:end]`` (Python slice of the rows, e.g. ``@[:1000]``, ``@[-50:]``). Every ``*_key`` below may be dotted
+    (``reward_model.ground_truth``) to reach into nested objects (docs/bring-your-own.md)."""
+    split: str = "train"
+    """Split read from a ``datasets`` source that has several (a saved ``DatasetDict``, ``load_dataset``'s)."""
     prompt_key: str = "prompt"
     """Key of the prompt text (or a list of chat messages) in each row."""
     label_key: str | None = "label"
-    """Key of the reference answer passed to the reward function; None when rows have no label."""
+    """Key of the reference answer passed to the reward function; None when rows have no label. A built-in
+    reward compares text, so a key holding an object is refused at load naming the dotted key to use."""
     metadata_key: str | None = None
     """Key of a per-row object handed to rewards and generate hooks as ``prompt.metadata``; None makes
     every other key of the row the metadata."""
@@ -226,6 +232,11 @@ class RemoteRewardConfig(Section):
     """Wait before retry k (0-based) is ``retry_backoff_s * 2**k``."""
     max_concurrency: int = Field(16, ge=1)
     """Requests in flight at once per rank (the server sees up to this times the number of ranks)."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    """HTTP headers sent with every request, e.g. ``{Authorization: "Bearer ${REWARD_TOKEN}"}``: ``$VAR`` and
+    ``${VAR}`` are replaced by environment variables when the reward is loaded (a variable that is not set
+    fails then, naming it). The expanded values go only into the requests (never logged); keep secrets in
+    the environment and name them here, so the YAML and ``config show`` hold only the reference."""
 
 
 class RolloutConfig(Section):
@@ -287,11 +298,15 @@ class RolloutConfig(Section):
     reward_concurrency: int = Field(64, ge=1)
     """How many async reward calls (samples or groups) a rank awaits at once."""
     reward_timeout_s: float | None = Field(None, gt=0)
-    """Longest a rank's reward scoring of one batch may take; past it the rank prints the line the reward
-    function is stuck on and exits, and the job ends as for a dead rank (rlrun/runtime/deadline.py). A
-    plain Python function cannot be interrupted, so this ends the job instead of hanging it: set it for
-    hooks that call out (sandboxes, verifiers). None: no limit. ``http(s)://`` rewards have their own
-    per-request ``remote_reward.timeout_s``."""
+    """Longest one reward call (a sample, or a group with ``reward_per_group``) may take, in seconds. Set, each
+    call runs in one of the rank's reward processes (rlrun/rollout/rewards/processes.py); a call past the limit
+    has its process killed, scores 0 and is counted in ``rollout/reward_errors``, and the run goes on (a hung
+    verifier or sandbox costs one sample, not the job). The function, its sample and its result must pickle
+    (module or file functions do; a closure does not). ``http(s)://`` rewards stay in the rank, cancelled at
+    the limit, with their own per-request ``remote_reward.timeout_s``. None: calls run in the rank, unlimited."""
+    reward_processes: int = Field(4, ge=1)
+    """Reward processes per rank (calls in flight at once) when ``reward_timeout_s`` is set; started on first
+    use and kept for the run."""
     remote_reward: RemoteRewardConfig = RemoteRewardConfig()
     """Timeouts, retries and concurrency for an ``http(s)://`` reward."""
     generate_fn: str | None = None

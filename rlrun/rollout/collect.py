@@ -203,6 +203,7 @@ class RolloutRuntime:
             concurrency=r.reward_concurrency,
             timeout_s=r.reward_timeout_s,
             reward_key=r.reward_key,
+            processes=r.reward_processes,
         )
 
     def collect(self, step: int) -> RolloutBatch | None:
