@@ -315,6 +315,24 @@ class RolloutConfig(Section):
     (rlrun/rollout/multiturn.py; example: examples/calculator_tool). Returning a list makes the trajectory
     several training samples sharing its reward and group score (example: examples/hooks/judge_agent.py).
     None: one engine call per prompt."""
+    agent: str | None = None
+    """Agent code as users write it (rlrun/agents/runner.py, docs/agents.md, example examples/openai_agent):
+    ``module:function`` / ``path/to/file.py:function``, an ``async def agent(client, row) -> float | dict |
+    None`` run once per response, with ``client`` an ``openai.AsyncOpenAI`` on this rank's OpenAI-compatible
+    endpoint (127.0.0.1, its own session, a per-rollout key) and ``row`` the dataset row as a dict. Its
+    requests are recorded token in, token out and trained on the engine's tokens and log-probs; sampling
+    follows ``temperature`` / ``top_p`` / ``top_k`` here whatever a request asks. None: no agent."""
+    agent_concurrency: int = Field(64, ge=1)
+    """Agents a rank runs at once (and engine requests it keeps in flight for them)."""
+    agent_timeout_s: float = Field(600.0, gt=0)
+    """Longest one agent run may take; past it the agent is cancelled, scores 0 and is counted in
+    ``rollout/reward_errors``, and the step goes on."""
+    agent_scores: bool = True
+    """The agent's return value is the reward (a number, or a dict of named scores with ``reward_key``);
+    false: the agent returns nothing and ``reward`` scores its sample (the last turn's text and the tokens)."""
+    agent_tool_parser: Literal["hermes"] = "hermes"
+    """How tool calls are read from the model's text into OpenAI ``tool_calls`` when a request gives ``tools``:
+    ``hermes`` is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen2.5, Qwen3)."""
     rollout_fn: str | None = None
     """Replaces each sampling round's generation on every rank (slime's ``--rollout-function-path``):
     ``module:function`` / ``path/to/file.py:function`` with signature
@@ -377,6 +395,12 @@ class RolloutConfig(Section):
                 f"rollout.generate_fn ('{self.generate_fn}') must be unset with rollout.abort_surplus / "
                 "rollout.partial_rollout because a multi-turn trajectory cannot be aborted and continued from "
                 "its tokens; unset one of them"
+            )
+        if self.agent is not None and (self.generate_fn is not None or self.streams):
+            raise ValueError(
+                f"rollout.agent ('{self.agent}') must be unset with rollout.generate_fn / rollout.abort_surplus / "
+                "rollout.partial_rollout because an agent run is its own multi-turn generation, which cannot be "
+                "aborted and continued from its tokens; unset one of them"
             )
         if self.streams and self.rollout_fn is not None:
             raise ValueError(

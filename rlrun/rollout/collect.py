@@ -70,6 +70,8 @@ class RolloutHooks:
     """Used by rank 0's batch planner (rlrun/trainer/batch.py), after the group scores."""
     rollout_fn: RolloutFn | None = None
     """Replaces the generation of the training rounds (rlrun/rollout/rollout_fn.py); eval generates as usual."""
+    agent: Callable | None = None
+    """``rollout.agent``: unchanged agent code on the rank's OpenAI-compatible endpoint (rlrun/agents/runner.py)."""
 
     @classmethod
     def load(cls, r: RolloutConfig) -> RolloutHooks:
@@ -117,7 +119,7 @@ class RolloutRuntime:
         )
         if sampler is not None and isinstance(runtime.hooks.reward_fn, RewardByType):
             runtime.hooks.reward_fn.check(sampler.dataset.prompts, cfg.data.path)
-        if runtime.hooks.generate_fn is not None:
+        if runtime.hooks.generate_fn is not None or runtime.hooks.agent is not None:
             runtime.max_context_tokens = cfg.rollout.max_context_tokens or model_context_tokens(cfg.model.path)
         if cfg.eval.interval > 0:
             runtime.evaluator = Evaluator(runtime, tokenizer)
@@ -176,7 +178,8 @@ class RolloutRuntime:
 
     def _generate(self, prompts: list[Prompt], r: RolloutConfig, seed: int) -> list[Sample]:
         return generate_samples(
-            self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn, self.max_context_tokens
+            self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn, self.max_context_tokens,
+            agent=self.hooks.agent, model_name=self.cfg.model.path,
         )
 
     def _generate_and_score_here(
@@ -196,6 +199,8 @@ class RolloutRuntime:
     @staticmethod
     def _score(samples: list[Sample], fn, r: RolloutConfig) -> None:
         """Score with ``r``'s reward options: one place for the sampling rounds, the streaming rounds and eval."""
+        if r.agent is not None and r.agent_scores:
+            return  # the agents' returns are the rewards (rlrun/agents/runner.py)
         score_samples(
             samples,
             fn,

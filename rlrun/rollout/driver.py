@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from rlrun.agents.runner import model_name as served_name
+from rlrun.agents.runner import run_agents
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
 from rlrun.rollout.multiturn import run_generate_fn
@@ -58,13 +60,22 @@ def generate_samples(
     generate_fn: Callable | None = None,
     max_context_tokens: int | None = None,
     rid: str | None = None,
+    agent: Callable | None = None,
+    model_name: str = "policy",
 ) -> list[Sample]:
     """``samples_per_prompt`` responses per prompt, prompt-major: one engine call (its rids prefixed ``rid``
     when given), or the custom multi-turn ``generate_fn`` (:mod:`rlrun.rollout.multiturn`, trajectories
-    capped at ``max_context_tokens``) when ``rollout.generate_fn`` is set."""
+    capped at ``max_context_tokens``) when ``rollout.generate_fn`` is set, or ``samples_per_prompt`` runs of
+    ``rollout.agent`` per prompt on an OpenAI-compatible endpoint (:mod:`rlrun.agents.runner`, its model called
+    ``model_name``'s directory name)."""
     if not prompts:
         return []
     n = cfg.samples_per_prompt
+    if agent is not None:
+        sampling = sampling_params(cfg, seed)
+        return run_agents(
+            agent, engine, prompts, cfg, sampling, seed, tokenizer, max_context_tokens, served_name(model_name)
+        )
     if generate_fn is not None:
         return run_generate_fn(
             generate_fn,

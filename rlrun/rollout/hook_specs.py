@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rlrun.agents.runner import load_agent
 from rlrun.config.schema import RolloutConfig
 from rlrun.rollout.filters import load_filter
 from rlrun.rollout.multiturn import load_generate_fn
@@ -19,6 +20,7 @@ from rlrun.rollout.train_samples import SampleToTrain
 
 HOOK_LOADERS: dict[str, Callable[[str], Any]] = {
     "generate_fn": load_generate_fn,
+    "agent": load_agent,
     "reward_post_process": load_reward_post_process,
     "rollout_fn": RolloutFn.load,
     "sample_to_train": SampleToTrain.load,
