@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from rlrun.config import ConfigError, RunConfig, dump_config, load_config
+from rlrun.config import ConfigError, RunConfig, dump_config, read_config
 from rlrun.tools.bench.cli import bench_app
 from rlrun.tools.convert_cli import convert_app
 
@@ -44,25 +44,25 @@ Overrides = Annotated[list[str], typer.Option("--set", metavar="KEY=VALUE", help
 DEFAULT_SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct")
 
 
-def _load(config: Path, overrides: list[str], check_inputs: bool = False) -> RunConfig:
-    """Load the config (and, for validate and train, the files it points at: rlrun/preflight/inputs.py), or print
+def _load(config: Path, overrides: list[str], preflight: bool = False) -> RunConfig:
+    """Load the config (and, for validate and train, check everything it names: ``rlrun.preflight``), or print
     the problems and exit 1."""
-    from rlrun.preflight.inputs import check_inputs as check_files  # light: json only
-
     try:
-        cfg = load_config(config, overrides)
-        if check_inputs:
-            check_files(cfg)
+        loaded = read_config(config, overrides)
+        if not preflight:
+            return loaded.cfg
+        from rlrun.preflight import preflight as check  # light: no torch
+
+        return check(loaded)
     except ConfigError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(1) from None
-    return cfg
 
 
 @app.command()
 def train(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006 - typer reads the default
     """Run RL training (one process per rank; launch with torchrun)."""
-    cfg = _load(config, overrides, check_inputs=True)  # before any rank starts an engine worker
+    cfg = _load(config, overrides, preflight=True)  # before any rank starts an engine worker
     from rlrun.megatron.attention import core_attention
     from rlrun.trainer.loop import run
 
@@ -87,7 +87,7 @@ def config_show(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa:
 @config_app.command("validate")
 def config_validate(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006
     """Check the config, its hooks, the model directories and every prompt row; print ok or the problems."""
-    cfg = _load(config, overrides, check_inputs=True)
+    cfg = _load(config, overrides, preflight=True)
     r = cfg.rollout
     typer.echo(
         f"ok: {config}: model {cfg.model.path}, {cfg.train.num_steps} steps of {r.prompts_per_step} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlrun.preflight.hooks import load_hook
+from rlrun.runtime.hooks import load_hook
 
 if TYPE_CHECKING:
     from rlrun.config.schema import AlgorithmConfig

@@ -8,14 +8,23 @@ the dotted key, the value and what is allowed, e.g.::
     configs/x.yaml:8: unknown key 'rollout.temprature' (did you mean 'temperature'?)
     --set rollout.top_k=abc: rollout.top_k ('abc') must be a valid integer, unable to parse string as an integer
 
-Only pydantic, PyYAML and the reward loader are imported, so ``rlrun config validate`` stays instant
-(no torch, no Megatron).
+A file may start from base configs: a top-level ``base:`` (one path or a list, relative to the file) names
+YAML files merged in order, then the file's own keys over them (mappings merge key by key; any other value
+replaces). A base may have bases of its own. Each key keeps the file and line where it was last written,
+so an error about a key that came from a base names the base file's line.
+
+The loader describes the config only: it imports nothing of rlrun but the schema and reads no file but
+the YAML. What a config names (hooks, model directories, prompt files, the critic's YAML, backend traits)
+is checked by ``rlrun.preflight``, which gets each key's file and line from :class:`LoadedConfig`.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +34,80 @@ from pydantic import BaseModel, ValidationError
 from rlrun.config.schema import RunConfig
 
 _MAX_VALUE_CHARS = 60
+BASE_KEY = "base"
+"""Top-level key naming the base configs of a file (not a ``RunConfig`` section)."""
 
 
 class ConfigError(ValueError):
     """A config mistake the user can fix; ``str(err)`` is one line per problem, no traceback needed."""
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read ``path`` (YAML, sections as in ``RunConfig``), apply ``overrides`` and validate.
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated config and where each of its keys was written, for checks that run after loading."""
+
+    cfg: RunConfig
+    path: Path
+    sources: Mapping[str, str]
+    """Dotted key -> ``file:line`` (the file, a base file, or ``--set key=value``) where it was last set."""
+
+    def where(self, key: str) -> str:
+        """Where ``key`` (or its nearest enclosing section) was set; the config file when nowhere."""
+        return _source(key, dict(self.sources), self.path)
+
+    def error(self, problems: Iterable[tuple[str, str]]) -> ConfigError | None:
+        """One ``ConfigError`` of ``(dotted key, message)`` problems, each line led by its key's place and
+        sorted by file line; None when there are none."""
+        lines = list(dict.fromkeys(f"{self.where(key)}: {message}" for key, message in problems))
+        return ConfigError("\n".join(sorted(lines, key=_source_order))) if lines else None
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), values: dict[str, Any] | None = None
+) -> RunConfig:
+    """``read_config(...).cfg``: the validated config, without the preflight's checks of what it names."""
+    return read_config(path, overrides, values).cfg
+
+
+def read_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), values: dict[str, Any] | None = None
+) -> LoadedConfig:
+    """Read ``path`` (YAML, sections as in ``RunConfig``, after its ``base:`` files), apply ``overrides`` and
+    validate.
 
     Overrides are ``dotted.key=value`` strings (what follows ``--set``); the value is parsed as a YAML
     scalar (``8`` is an int, ``1e-5`` a float, ``true`` a bool, ``null`` None, anything else a string).
-    The reward spec is resolved here too, so a bad hook path fails before any model is loaded.
+    ``values`` are dotted keys with Python values (``rlrun.train``'s keyword overrides), applied last.
+    ``logging.run_dir`` left unset is ``runs/<path's stem>``.
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found (cwd {Path.cwd()}); pass the path of a YAML run config")
+    data, sources = _read_with_bases(path, ())
+    return _validate(data, overrides, values or {}, sources, path, run_name=path.stem)
+
+
+def config_from_dict(
+    data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), values: dict[str, Any] | None = None
+) -> RunConfig:
+    """``load_config`` for a config given as a nested dict (``rlrun.train``'s); ``logging.run_dir`` left unset is
+    ``runs/run``."""
+    return read_config_dict(data, overrides, values).cfg
+
+
+def read_config_dict(
+    data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), values: dict[str, Any] | None = None
+) -> LoadedConfig:
+    """``read_config`` for a config given as a nested dict."""
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"the config must be a mapping of sections (model:, rollout:, ...), got {type(data).__name__}"
+        )
+    return _validate(copy.deepcopy(data), overrides, values or {}, {}, Path("<dict config>"), run_name="run")
+
+
+def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
+    """The data of ``path`` merged over its ``base:`` files (in order), and each key's ``file:line``."""
     text = path.read_text()
     lines = _key_lines(text, path)
     data = yaml.safe_load(text)
@@ -50,18 +117,68 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(
             f"{path}:1: the config must be a mapping of sections (model:, rollout:, ...), got {type(data).__name__}"
         )
-    sources = {key: f"{path}:{line}" for key, line in lines.items()}
+    own = {key: f"{path}:{line}" for key, line in lines.items() if key != BASE_KEY}
+    bases = data.pop(BASE_KEY, None)
+    if bases is None:
+        return data, own
+    where = f"{path}:{lines[BASE_KEY]}"
+    names = [bases] if isinstance(bases, str) else bases
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}: {BASE_KEY} ({bases!r}) must be a path or a list of paths of YAML configs")
+    merged: dict = {}
+    sources: dict[str, str] = {}
+    for name in names:
+        base = path.parent / name
+        if not base.is_file():
+            raise ConfigError(
+                f"{where}: {BASE_KEY} ({name}) must name an existing YAML config because this file starts from it, "
+                f"but {base} does not exist; paths are relative to {path.parent}"
+            )
+        if base.resolve() in chain + (path.resolve(),):
+            raise ConfigError(f"{where}: {BASE_KEY} ({name}) includes itself through its bases; remove the loop")
+        base_data, base_sources = _read_with_bases(base, chain + (path.resolve(),))
+        _merge(merged, base_data)
+        sources.update(base_sources)
+    _merge(merged, data)
+    sources.update(own)
+    return merged, sources
+
+
+def _merge(into: dict, data: dict) -> None:
+    """Merge ``data`` into ``into``: mappings key by key, anything else replaces."""
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = copy.deepcopy(value)
+
+
+def _validate(
+    data: dict,
+    overrides: list[str] | tuple[str, ...],
+    values: dict[str, Any],
+    sources: dict[str, str],
+    path: Path,
+    run_name: str,
+) -> LoadedConfig:
     for override in overrides:
         key, value = _parse_override(override)
         _set_dotted(data, key, value, override)
         sources[key] = f"--set {override}"
+    for key, value in _leaves(values):
+        where = f"rlrun.train({key}={value!r})"
+        _check_known_key(key, where)
+        _set_dotted(data, key, value, where)
+        sources[key] = where
+    logging = data.get("logging")
+    if logging is None or isinstance(logging, dict) and logging.get("run_dir") is None:
+        data["logging"] = {**(logging or {}), "run_dir": f"runs/{run_name}"}
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         problems = [_describe(e, sources, path) for e in err.errors()]
         raise ConfigError("\n".join(sorted(set(problems), key=_source_order))) from None
-    _check_reward(cfg, sources, path)
-    return cfg
+    return LoadedConfig(cfg, path, sources)
 
 
 def dump_config(cfg: RunConfig) -> str:
@@ -110,6 +227,22 @@ def _parse_override(override: str) -> tuple[str, Any]:
         value = raw
     # "a: b" parses as a mapping but means the text; a mapping is written as one: "{a: b}".
     return key, raw if isinstance(value, dict) and not raw.lstrip().startswith("{") else value
+
+
+def _leaves(values: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``{"train": {"num_steps": 2}, "rollout.top_p": 0.9}`` as dotted leaves: a dict under a section key is
+    that section's fields; under any other key it is the value (``rollout.rewards``, ``data.chat_template_kwargs``)."""
+    leaves = []
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        model: type[BaseModel] | None = RunConfig
+        for part in dotted.split("."):
+            model = _section_model(model, part) if model is not None and part in model.model_fields else None
+        if isinstance(value, dict) and model is not None:
+            leaves += _leaves(value, f"{dotted}.")
+        else:
+            leaves.append((dotted, value))
+    return leaves
 
 
 def _check_known_key(key: str, override: str) -> None:
@@ -182,6 +315,11 @@ def _describe(err: dict, sources: dict[str, str], path: Path) -> str:
     if err["type"] == "extra_forbidden":
         return f"{_source(key, sources, path)}: {_unknown_key(key, _model_at(loc[:-1]) or RunConfig)}"
     msg = " ".join(err["msg"].split())
+    if err["type"] == "missing":
+        section = _model_at(loc)
+        if section is not None:  # a missing section: name its required fields
+            key = ", ".join(f"{key}.{name}" for name, field in section.model_fields.items() if field.is_required())
+        return f"{_source(key, sources, path)}: {key} is required (it has no default); set it in the config"
     if err["type"] == "value_error":
         # Cross-field validators already name their key ("parallel.pp must be 1: ..."); point at that key.
         msg = msg.removeprefix("Value error, ")
@@ -202,25 +340,3 @@ def _source_order(problem: str) -> tuple[int, str]:
     head = problem.split(": ", 1)[0]
     line = head.rpartition(":")[2]
     return (int(line) if line.isdigit() else 1 << 30, problem)
-
-
-def _check_reward(cfg: RunConfig, sources: dict[str, str], path: Path) -> None:
-    from rlrun.data.source import load_source_factory
-    from rlrun.preflight.hooks import HookSpecError
-    from rlrun.rollout.hook_specs import HOOK_LOADERS
-    from rlrun.rollout.rewards import RewardSpecError, load_reward_fn
-
-    r = cfg.rollout
-    specs = [("rollout.reward", r.reward)] + [(f"rollout.rewards.{name}", spec) for name, spec in r.rewards.items()]
-    specs += [(f"eval.datasets.{i}.reward", ds.reward) for i, ds in enumerate(cfg.eval.datasets) if ds.reward]
-    checks = [(key, lambda spec=spec: load_reward_fn(spec, r.remote_reward)) for key, spec in specs]
-    hooks = [(name, load, getattr(r, name)) for name, load in HOOK_LOADERS.items()]
-    checks += [(f"rollout.{name}", lambda load=load, spec=spec: load(spec)) for name, load, spec in hooks if spec]
-    if cfg.data.sampler:
-        checks.append(("data.sampler", lambda: load_source_factory(cfg.data.sampler)))
-    for key, check in checks:
-        try:
-            check()
-        except (RewardSpecError, HookSpecError) as err:
-            message = str(err) if str(err).startswith(key) else f"{key}: {err}"
-            raise ConfigError(f"{_source(key, sources, path)}: {message}") from None

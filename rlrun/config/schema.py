@@ -23,8 +23,6 @@ from rlrun.algo.specs import (
     TISLevel,
     TISMode,
 )
-from rlrun.engine.registry import backend_traits
-
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -597,26 +595,6 @@ class EngineConfig(Section):
     prefill forward covers at most that many token slots (prompts x columns; dense models only; unset: one
     forward), so long prompts prefill in column chunks with bounded activations and attention mask (docs/engine.md)."""
 
-    @model_validator(mode="after")
-    def _backend_options(self) -> EngineConfig:
-        traits = backend_traits(self.backend)
-        if self.verify_weights and not traits.supports_checksums:
-            raise ValueError(
-                f"engine.verify_weights (true) must be false with backend {self.backend} because it "
-                f"offers no per-tensor weight checksums; set it to false or use backend embedded"
-            )
-        if self.server_args and not traits.accepts_server_args:
-            raise ValueError(
-                f"engine.server_args must be empty with backend {self.backend} because it reads none; "
-                "remove them or pick a backend that takes server arguments (sglang)"
-            )
-        unknown = sorted(set(self.server_args) - set(traits.server_arg_names or self.server_args))
-        if unknown:
-            raise ValueError(
-                f"engine.server_args keys {unknown} must be among {list(traits.server_arg_names or ())} with "
-                f"backend {self.backend} because it reads only those; remove them"
-            )
-        return self
 
 
 class KLConfig(Section):
@@ -1065,27 +1043,6 @@ class RunConfig(Section):
             )
         return self
 
-    def _teacher_engine_fits(self) -> None:
-        opd = self.algorithm.opd
-        traits = backend_traits(opd.teacher_engine) if opd.teacher_engine is not None else None
-        # The embedded engine's server arguments are the policy engine's (a teacher's scoring is not plumbed to
-        # them); SGLang's (server_arg_names None: any sglang.Engine argument) size its memory too.
-        if opd.teacher_server_args and not (
-            traits is not None and traits.accepts_server_args and traits.server_arg_names is None
-        ):
-            raise ValueError(
-                f"algorithm.opd.teacher_server_args ({opd.teacher_server_args}) must be empty with teacher_engine "
-                f"{opd.teacher_engine} because that teacher only scores tokens and reads none of them; remove them "
-                "or set algorithm.opd.teacher_engine: sglang"
-            )
-        if traits is not None and not traits.scores_any_temperature and self.rollout.temperature != 1.0:
-            raise ValueError(
-                f"rollout.temperature ({self.rollout.temperature}) must be 1 with algorithm.opd.teacher_engine: "
-                f"{opd.teacher_engine} because its prompt log-probs ignore the request's temperature (on the H200, "
-                "scored at 0.7 they are the temperature-1 log-probs) while the student's are taken at "
-                "rollout.temperature; set rollout.temperature: 1 or teacher_engine: embedded"
-            )
-
     @model_validator(mode="after")
     def _rollout_fits_the_step(self) -> RunConfig:
         if self.rollout.streams and self.engine.tp > 1:
@@ -1099,7 +1056,6 @@ class RunConfig(Section):
                 f"engine.tp ({self.engine.tp}) must be 1 with algorithm.opd.teacher_engine because each rank's "
                 "teacher engine scores that rank's own samples; set engine.tp: 1 or unset teacher_engine"
             )
-        self._teacher_engine_fits()
         if self.train.updates_per_rollout > self.rollout.prompts_per_step:
             raise ValueError(
                 f"train.updates_per_rollout ({self.train.updates_per_rollout}) must be <= rollout.prompts_per_step "
@@ -1131,35 +1087,6 @@ class RunConfig(Section):
                     f"algorithm.ref.{key} ({value}) must be unset with model.lora because the LoRA reference is "
                     "the frozen base model (adapters off), never a weight copy; unset it, or unset model.lora"
                 )
-        return self
-
-    @model_validator(mode="after")
-    def _critic_matches_estimator(self) -> RunConfig:
-        algo, critic = self.algorithm, self.critic
-        if algo.routing_replay == "rollout" and backend_traits(self.engine.backend).routed_experts_args is None:
-            raise ValueError(
-                f"algorithm.routing_replay (rollout) must go with an engine that returns routed experts "
-                f"because it replays the engine's expert choices; engine.backend {self.engine.backend} "
-                "cannot; set algorithm.routing_replay: trainer or pick a backend that returns them"
-            )
-        needs_critic = algo.estimator_spec.needs_critic
-        if needs_critic and critic.config is None and algo.custom_advantage is None:
-            raise ValueError(
-                f"algorithm.advantage_estimator ({algo.advantage_estimator}) must come with "
-                "algorithm.custom_advantage or critic.config because its advantages need critic values; "
-                "set critic.config: configs/critic/smollm2.yaml"
-            )
-        if critic.config is not None:
-            if not needs_critic and algo.custom_advantage is None:
-                raise ValueError(
-                    f"critic.config ('{critic.config}') must be unset for advantage_estimator "
-                    f"{algo.advantage_estimator} because only a critic-based estimator (ppo) or a "
-                    f"custom_advantage reads the values; set algorithm.advantage_estimator: ppo or remove "
-                    f"critic.config"
-                )
-            from rlrun.config.critic import load_critic_config
-
-            load_critic_config(self)
         return self
 
     @property

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from rlrun.config.schema import DataConfig
 from rlrun.data.prompts import PromptDataset, PromptSampler
 from rlrun.data.sample import Prompt
-from rlrun.preflight.hooks import load_hook
+from rlrun.runtime.hooks import load_hook
 
 SIGNATURE = "fn(dataset: PromptDataset, seed: int, shuffle: bool) -> PromptSource"
 _MEMBERS = ("dataset", "next_batch", "state_dict", "load_state_dict")

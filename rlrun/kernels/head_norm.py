@@ -31,21 +31,6 @@ def kernel_takes(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and 16 <= dim <= 256 and dim & (dim - 1) == 0 and triton_available()
 
 
-def aligned_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` [..., heads, D] as a [rows, heads, D] view that the kernel reads in place: D contiguous, the row and head
-    strides multiples of 8 elements and the base 16-byte aligned; else None (the kernel then reads a copy). A
-    dimension of size 1 may carry any stride (the engine's decode queries [B, 1, heads, D], views of its fused q/k/v
-    output, have one), which ``view`` ignores: until 2026-12-03 this check did not, and every such query and key
-    was copied first (two launches a layer of a decode step)."""
-    if x.stride(-1) != 1 or x.data_ptr() % 16:
-        return None
-    try:
-        rows = x.view(-1, *x.shape[-2:])
-    except RuntimeError:  # the dimensions above the heads do not flatten to one stride
-        return None
-    return None if rows.stride(0) % 8 or rows.stride(1) % 8 else rows
-
-
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x``'s last dimension (fp32 statistics, one rounding of ``x * rstd * weight``)."""
     if kernel_takes(x):

@@ -10,7 +10,7 @@ SAME_CODE: a row's sum of squares is a reduction whose order follows the tile's 
 the tile's shape, the warps and what it knows of the addresses. So nothing here depends on the caller: the tile is
 ``BLOCK_ROWS(D)`` rows of D, four warps, the row and head strides and the counts are not specialised
 (``do_not_specialize``), the rows are declared 8-element aligned (``tl.multiple_of``; :func:`rms_norm_rows` copies an
-input that is not, or whose base is not 16-byte aligned: :func:`rlrun.kernels.head_norm.aligned_rows`), and
+input that is not, or whose base is not 16-byte aligned: :func:`rlrun.kernels.shared_norm.aligned_rows`), and
 ``enable_fp_fusion=False``. A row then runs the same instructions whether it came from a contiguous tensor (the
 trainer's queries) or a strided view (the engine's queries and keys, the trainer's keys).
 """
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlrun.kernels.head_norm import aligned_rows
+from rlrun.kernels.shared_norm import aligned_rows
 from rlrun.kernels.triton_support import launch_device
 
 TILE = 2048

@@ -1,6 +1,8 @@
 """What the norm kernels that trainer and engine share (:mod:`rlrun.kernels.head_norm`,
 :mod:`rlrun.kernels.hidden_norm`) have in
-common: the autograd function around a kernel's forward, and the Megatron module that runs one."""
+common: the autograd function around a kernel's forward, the Megatron module that runs one, and the in-place
+view of head rows that the head-norm kernel reads (here, not beside its caller, so the kernel module imports
+no module that imports it)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+def aligned_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` [..., heads, D] as a [rows, heads, D] view that the kernel reads in place: D contiguous, the row and head
+    strides multiples of 8 elements and the base 16-byte aligned; else None (the kernel then reads a copy). A
+    dimension of size 1 may carry any stride (the engine's decode queries [B, 1, heads, D], views of its fused q/k/v
+    output, have one), which ``view`` ignores: until 2026-12-03 this check did not, and every such query and key
+    was copied first (two launches a layer of a decode step)."""
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        return None
+    try:
+        rows = x.view(-1, *x.shape[-2:])
+    except RuntimeError:  # the dimensions above the heads do not flatten to one stride
+        return None
+    return None if rows.stride(0) % 8 or rows.stride(1) % 8 else rows
 
 
 class KernelRmsNorm(torch.autograd.Function):

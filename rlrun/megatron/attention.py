@@ -54,7 +54,6 @@ Imports Megatron at import time: import this module lazily, like every Megatron 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TYPE_CHECKING, get_args
 
 import torch
@@ -67,6 +66,7 @@ from rlrun.kernels import attention as attention_kernel
 from rlrun.kernels.head_norm import HeadNorm
 from rlrun.kernels.hidden_norm import HiddenNorm
 from rlrun.kernels.triton_support import triton_available
+from rlrun.megatron.transformer_engine import transformer_engine_attention
 from rlrun.runtime.host_to_device import to_device
 
 if TYPE_CHECKING:
@@ -74,16 +74,6 @@ if TYPE_CHECKING:
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from rlrun.megatron.hf_config import ModelArch
-
-
-@functools.cache
-def transformer_engine_attention() -> type | None:
-    """Megatron's TE core attention class, or None when TransformerEngine is not importable."""
-    try:
-        from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
-    except ImportError:
-        return None
-    return TEDotProductAttention if HAVE_TE else None
 
 
 def core_attention(packed_attention: str = "auto", dtype: str = "float32") -> type:

@@ -51,36 +51,19 @@ from pathlib import Path
 
 import torch
 
+from rlrun.megatron.families import Feature, family_feature
+from rlrun.megatron.families import unsupported as _unsupported
 from rlrun.megatron.mla import MLA_MODEL_TYPES, MLAArch
 from rlrun.megatron.moe import MOE_MODEL_TYPES, MoEArch, MoEOptions, moe_config_kwargs
 from rlrun.megatron.recompute import Recompute
 from rlrun.megatron.rope import Rope, rope_from_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 PARTIAL_ROTARY_MODEL_TYPES = ("glm4_moe",)
 """Families whose transformers code rotates the first ``partial_rotary_factor`` of each head and passes the
 rest through, as Megatron's ``rotary_percent`` does."""
-REFUSED_MODEL_TYPES = {
-    "gemma3_text": "Megatron's TransformerLayer has no norm after the attention and after the MLP (Gemma's "
-    "post_attention_layernorm / post_feedforward_layernorm sandwich), GPTModel has one rotary embedding where "
-    "Gemma 3's sliding and full layers use different rope_theta, and the local spec has no (1 + w) RMSNorm, "
-    "embedding scaling or per-layer sliding-window attention (SDPACoreAttention is full causal)",
-    "gemma3": "it is a vision-language model; its text decoder (gemma3_text) is refused as well",
-    "gemma2": "Megatron's TransformerLayer has no norm after the attention and after the MLP (Gemma's sandwich "
-    "norms), and the local spec has no attention or final logit soft-capping, (1 + w) RMSNorm or sliding layers",
-    "mixtral": "its experts (block_sparse_moe w1/w2/w3) have no entry in rlrun's weight map yet",
-}
-"""Families asked for but not converted, with the missing piece (``model_type`` errors name it)."""
 VOCAB_PAD_MULTIPLE = 128
 """The embedding is padded to a multiple of ``VOCAB_PAD_MULTIPLE * tp`` rows (Megatron's convention):
 each TP rank then holds an equal, aligned vocabulary slice."""
-
-
-def _unsupported(path: Path, field: str, value: object, constraint: str, reason: str) -> ValueError:
-    return ValueError(
-        f"{path}: {field} ({value!r}) must {constraint} because {reason}; use a model without it "
-        f"or extend rlrun/megatron/hf_config.py"
-    )
 
 
 @dataclass(frozen=True)
@@ -200,29 +183,6 @@ def _check_supported_features(cfg: dict, path: Path) -> None:
     for feature in model_features(cfg, path):
         if feature.error is not None:
             raise feature.error
-
-
-@dataclass(frozen=True)
-class Feature:
-    """One thing a ``config.json`` asks of the model, and whether rlrun builds it (``error`` None) or not."""
-
-    name: str
-    detail: str
-    error: ValueError | None = None
-
-    @property
-    def supported(self) -> bool:
-        return self.error is None
-
-
-def family_feature(cfg: dict, path: Path = Path("config.json")) -> Feature:
-    """The ``model_type``: supported, or refused with the missing piece (``REFUSED_MODEL_TYPES``)."""
-    model_type = cfg.get("model_type")
-    if model_type in SUPPORTED_MODEL_TYPES:
-        return Feature("family", str(model_type))
-    reason = REFUSED_MODEL_TYPES.get(model_type, "rlrun only converts these decoder families to Megatron")
-    error = _unsupported(path, "model_type", model_type, f"be one of {SUPPORTED_MODEL_TYPES}", reason)
-    return Feature("family", str(model_type), error)
 
 
 def model_features(cfg: dict, path: Path = Path("config.json")) -> list[Feature]:

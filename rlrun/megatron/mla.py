@@ -200,7 +200,7 @@ def patch_mla_without_te() -> None:
     """
     from megatron.core.transformer import multi_latent_attention
 
-    from rlrun.megatron.attention import transformer_engine_attention
+    from rlrun.megatron.transformer_engine import transformer_engine_attention
 
     if transformer_engine_attention() is None:
         multi_latent_attention.HAVE_TE = False

@@ -3,7 +3,7 @@
 Without this a relative ``model.path`` run from another directory fails only after every engine worker
 has started, with transformers' ``Repo id must be in the form 'repo_name'`` in a worker log. Each problem
 is one line: the key, its value, the directory a relative path was read against (the one rlrun runs
-in) and how to make the file. Hook paths are resolved when the config loads (rlrun/config/load.py).
+in) and how to make the file; the preflight leads it with the key's file and line.
 Stdlib and the prompt-file reader only: ``config validate`` must not import torch.
 """
 
@@ -11,32 +11,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlrun.config import ConfigError, RunConfig
-from rlrun.config.critic import load_critic_config
+from rlrun.config import RunConfig
 from rlrun.data.prompt_files import DataSource, PromptDataError, read_rows
+from rlrun.preflight.critic import load_critic_config
+from rlrun.rollout.rewards.labels import check_text_labels
 
 SMOLLM2_HINT = "run `rlrun prepare smollm2 --out {path}`"
 ADDITION_HINT = "run `python configs/data/make_addition.py` in the repository"
 
 
-def check_inputs(cfg: RunConfig) -> None:
-    """Raise ``ConfigError`` (one line per problem) unless every model directory, prompt file and the
-    critic's config the run reads exist (prompt rows parsed and checked)."""
-    problems = [
-        p
-        for p in (
-            _model_dir("model.path", cfg.model.path),
-            _model_dir("algorithm.ref.path", cfg.algorithm.ref.path, checkpoints_ok=True),
-            _model_dir("algorithm.opd.teacher_path", cfg.algorithm.opd.teacher_path),
-            _file("critic.config", cfg.critic.config, "set critic.config: configs/critic/smollm2.yaml"),
-            _critic_model(cfg),
-            _prompts("data.path", cfg.data.path, cfg),
-            *(_prompts(f"eval.datasets[{i}].path", d.path, cfg, d) for i, d in enumerate(cfg.eval.datasets)),
-        )
-        if p
+def input_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(dotted key, message) for every model directory, prompt file and critic config the run reads that
+    does not exist or does not parse (prompt rows parsed and checked)."""
+    checks = [
+        ("model.path", _model_dir("model.path", cfg.model.path)),
+        ("algorithm.ref.path", _model_dir("algorithm.ref.path", cfg.algorithm.ref.path, checkpoints_ok=True)),
+        ("algorithm.opd.teacher_path", _model_dir("algorithm.opd.teacher_path", cfg.algorithm.opd.teacher_path)),
+        ("critic.config", _file("critic.config", cfg.critic.config, "set critic.config: configs/critic/smollm2.yaml")),
+        ("critic.config", _critic_model(cfg)),
+        ("data.path", _prompts("data.path", cfg.data.path, cfg)),
+        *(
+            (f"eval.datasets.{i}.path", _prompts(f"eval.datasets[{i}].path", d.path, cfg, d))
+            for i, d in enumerate(cfg.eval.datasets)
+        ),
     ]
-    if problems:
-        raise ConfigError("\n".join(problems))
+    return [(key, message) for key, message in checks if message]
 
 
 def _where(value: str) -> str:
@@ -85,12 +84,13 @@ def _critic_model(cfg: RunConfig) -> str | None:
 
 def _prompts(key: str, spec: str, cfg: RunConfig, eval_set=None) -> str | None:
     path = DataSource.parse(spec).path
-    if not path.is_file():
+    if not path.exists():
         fix = ADDITION_HINT if path.name.startswith("addition") else "write the prompt file"
-        return _missing(key, spec, "a prompt file (.jsonl or .parquet)", fix)
+        return _missing(key, spec, "a prompt file (.jsonl or .parquet) or a datasets directory", fix)
     data = eval_set.data_config(cfg.data) if eval_set is not None else cfg.data
     try:
-        read_rows(spec, data.prompt_key, data.label_key, data.metadata_key, data.tools_key)
+        rows = read_rows(spec, data.prompt_key, data.label_key, data.metadata_key, data.tools_key, data.split)
+        check_text_labels(rows, data.label_key, eval_set.reward if eval_set and eval_set.reward else cfg.rollout.reward)
     except PromptDataError as err:
         return f"{key}: {err}"
     return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rlrun.data.sample import Sample
-from rlrun.preflight.hooks import HookSpecError, resolve_hook
+from rlrun.runtime.hooks import HookSpecError, resolve_hook
 
 GroupFilter = Callable[[list[Sample]], bool]
 SIGNATURE = "fn(group: list[Sample]) -> bool"

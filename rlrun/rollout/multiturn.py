@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from rlrun.agents.template import ChatTemplate
 from rlrun.data.sample import Prompt, Sample
-from rlrun.preflight.hooks import HookSpecError, resolve_hook
+from rlrun.runtime.hooks import HookSpecError, resolve_hook
 
 SIGNATURE = "async fn(traj: Trajectory) -> None | list[Sample]"
 FLUSH_WAIT_S = 0.005

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
-from rlrun.preflight.hooks import load_hook
+from rlrun.runtime.hooks import load_hook
 from rlrun.rollout.rewards.score import is_finite_reward
 
 SIGNATURE = "fn(ctx: RolloutContext) -> list[list[Sample]]"

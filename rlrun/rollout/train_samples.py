@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlrun.data.sample import Sample
-from rlrun.preflight.hooks import load_hook
+from rlrun.runtime.hooks import load_hook
 
 SIGNATURE = "fn(sample: Sample) -> list[Sample]"
 

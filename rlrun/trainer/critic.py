@@ -8,7 +8,7 @@ Per step (rlrun/trainer/actor.py calls these in this order; slime's actor-critic
     actor_trains(step)    False during ``critic.num_critic_only_steps``: the actor skips its update
 
 The critic has its own model (rlrun/megatron/value_head.py), optimizer and checkpoint shard; its
-settings are the actor's with the overrides of ``critic.config`` (rlrun/config/critic.py). It shares the
+settings are the actor's with the overrides of ``critic.config`` (rlrun/preflight/critic.py). It shares the
 actor's ranks and parallel layout, so the values never leave the process. With ``offload.train`` it sleeps and
 wakes with the actor, placed as the actor is (rlrun/trainer/offload.py).
 
@@ -52,7 +52,7 @@ class Critic:
         actor is (``Actor.build``)."""
         if not cfg.uses_critic:
             return None
-        from rlrun.config.critic import load_critic_config
+        from rlrun.preflight.critic import load_critic_config
         from rlrun.megatron import make_optimizer_and_scheduler
         from rlrun.megatron.value_head import build_critic_model
 

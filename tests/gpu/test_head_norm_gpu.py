@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlrun.kernels.head_norm import aligned_rows, kernel_takes, rms_norm_heads
+from rlrun.kernels.head_norm import kernel_takes, rms_norm_heads
+from rlrun.kernels.shared_norm import aligned_rows
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlrun.config import load_config
-from rlrun.config.critic import load_critic_config
+from rlrun.preflight.critic import load_critic_config
 from rlrun.config.load import ConfigError
 
 PPO = "algorithm:\n  advantage_estimator: ppo\ncritic:\n  config: {critic}\noptimizer:\n  lr: 2.0e-5\n"

@@ -65,7 +65,7 @@ def test_the_engines_decode_queries_and_keys_are_read_in_place(tiny_model_dirs):
     """The q/k norms' inputs of a decode step ([B, 1, heads, D] views of the fused q/k/v output, whose size-1 dimension
     carries a stride of its own) are rows the kernel reads without a copy; so are Megatron's (sequence, batch 1)."""
     from rlrun.engine.embedded.fused_projections import fuse_projections
-    from rlrun.kernels.head_norm import aligned_rows
+    from rlrun.kernels.shared_norm import aligned_rows
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen3"], dtype=torch.bfloat16).eval()
     fuse_projections(model)

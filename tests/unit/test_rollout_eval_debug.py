@@ -12,7 +12,7 @@ import torch
 from rlrun.config.schema import DataConfig, EvalConfig, RunConfig
 from rlrun.data.batch import collate
 from rlrun.data.sample import Prompt, Sample
-from rlrun.preflight.hooks import HookSpecError
+from rlrun.runtime.hooks import HookSpecError
 from rlrun.rollout.debug_data import load_rollout, save_rollout, save_train_data
 from rlrun.rollout.evaluate import pass_at_k
 from rlrun.rollout.filters import apply_filter, load_filter, nonzero_std

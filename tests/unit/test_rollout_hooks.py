@@ -56,7 +56,7 @@ def group(index: int, lengths: list[int], rewards: list[float]) -> list[Sample]:
 
 
 def test_reward_post_process_length_penalty_and_refusals():
-    from rlrun.preflight.hooks import resolve_hook
+    from rlrun.runtime.hooks import resolve_hook
 
     length_penalty = resolve_hook("examples/hooks/rewards.py:length_penalty", num_args=1)
     samples = group(0, [2, 4, 6], [1.0, 1.0, 0.0]) + group(1, [3, 3], [0.5, 0.5])

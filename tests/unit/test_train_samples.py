@@ -10,7 +10,7 @@ import torch
 
 from rlrun.config.schema import RunConfig
 from rlrun.data.sample import Prompt, Sample
-from rlrun.preflight.hooks import HookSpecError
+from rlrun.runtime.hooks import HookSpecError
 from rlrun.rollout.debug_data import load_rollout, save_rollout
 from rlrun.rollout.multiturn import run_generate_fn
 from rlrun.rollout.train_samples import SampleToTrain, train_samples

@@ -1,7 +1,7 @@
 """Resolve ``rollout.reward`` to a callable: a built-in name, an ``http(s)://`` reward server,
 ``module:function`` or ``path/to/file.py:function``.
 
-User hooks are imported by ``rlrun.preflight.hooks`` (shared with the algorithm hooks). This runs when the config
+User hooks are imported by ``rlrun.runtime.hooks`` (shared with the algorithm hooks). This runs when the config
 is loaded, so a typo in a hook path fails in ``rlrun config validate`` rather than after the model has
 loaded. Hooks may be ``async def``; :func:`rlrun.rollout.rewards.score.score_samples` awaits them.
 """
@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from rlrun.config.schema import RemoteRewardConfig
 from rlrun.data.sample import Sample
-from rlrun.preflight.hooks import HookSpecError, resolve_hook
+from rlrun.runtime.hooks import HookSpecError, resolve_hook
 from rlrun.rollout.rewards.builtin import BUILTIN_REWARDS
 
 RewardFn = Callable[[Sample], float | Awaitable[float]]

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rlrun.data.sample import Sample
-from rlrun.preflight.hooks import load_hook
 from rlrun.rollout.rewards.score import is_finite_reward
+from rlrun.runtime.hooks import load_hook
 
 SIGNATURE = "fn(samples: list[Sample]) -> list[float]"
 RewardPostProcess = Callable[[list[Sample]], list[float]]
