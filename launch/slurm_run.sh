@@ -6,7 +6,9 @@
 #   bash launch/slurm_run.sh CONFIG [--set key=value ...]
 #
 # Environment (all optional):
-#   GPUS_PER_NODE   ranks per node (default: $SLURM_GPUS_ON_NODE, else 8)
+#   GPUS_PER_NODE   ranks per node (default: $SLURM_GPUS_ON_NODE; with no GPU allocated, CPU ranks:
+#                   the GPUs nvidia-smi lists, else 2). A CPU job on a GPU script's defaults:
+#                   GPUS_PER_NODE=2 sbatch --gpus-per-node=0 --cpus-per-task=2 launch/slurm_1node.sbatch CONFIG
 #   RDZV_PORT       rendezvous port on the first node (default 29500)
 #   TORCHRUN        torchrun executable (default: .venv/bin/torchrun if present, else torchrun on PATH)
 #   RLRUN_LOG_DIR   every rank's stdout/stderr (default logs/slurm-$SLURM_JOB_ID); the console shows local rank 0
@@ -19,7 +21,15 @@ shift
 : "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set; run inside a Slurm allocation}"
 
 NNODES=${SLURM_NNODES:-1}
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+if [[ -z ${GPUS_PER_NODE:-} ]]; then
+  if [[ ${SLURM_GPUS_ON_NODE:-0} -gt 0 ]]; then
+    GPUS_PER_NODE=$SLURM_GPUS_ON_NODE
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS_PER_NODE=$(nvidia-smi -L | wc -l)
+  else
+    GPUS_PER_NODE=2
+  fi
+fi
 NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")  # not piped into head: SIGPIPE fails under pipefail
 HEAD_NODE=${NODES%%$'\n'*}
 RDZV_PORT=${RDZV_PORT:-29500}
@@ -30,6 +40,8 @@ LOG_DIR=${RLRUN_LOG_DIR:-logs/slurm-$SLURM_JOB_ID}
 
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# CPU ranks (gloo): one thread each, or the ranks and engine workers oversubscribe the node's cores.
+[[ ${SLURM_GPUS_ON_NODE:-0} -gt 0 ]] || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Fail a hung NCCL collective instead of waiting forever (the process-group timeout applies).
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 
