@@ -4,7 +4,8 @@ Two stages, because group statistics need every response of a prompt while KL te
 that only exist on the rank that trains the sample:
 
 1. ``score_groups`` (rank 0, before the scatter) turns each group's rewards into one scalar score per
-   response with the estimator's group baseline (``GROUP_BASELINES``, picked by ``rlrun.algo.specs``).
+   response with the estimator's group baseline (``GROUP_BASELINES``, named by its ``rlrun.algo.estimators``
+   entry).
 2. ``token_advantages`` / ``reinforce_returns`` / ``gae`` (each rank, after log-probs; picked by
    ``rank_advantages.TOKEN_STAGES``) turn the score, broadcast over the response tokens, plus an optional
    per-token KL penalty into advantages.
@@ -19,14 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlrun.algo import specs
 from rlrun.algo.segments import continues, sample_max
-from rlrun.algo.specs import ESTIMATORS
 
 if TYPE_CHECKING:
+    from rlrun.algo.specs import ChosenEstimator
     from rlrun.config.schema import AlgorithmConfig
 
 WHITEN_EPS = 1e-8
@@ -67,19 +69,20 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
 
 
-GROUP_BASELINES: dict[str, Callable[[torch.Tensor, bool], torch.Tensor]] = {
-    "normalised": lambda rewards, normalize_std: grpo_advantages(rewards, normalize_std=normalize_std),
+GROUP_BASELINES: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
+    "normalised": lambda rewards, settings: grpo_advantages(rewards, normalize_std=settings.normalize_std),
     "mean": lambda rewards, _: grpo_advantages(rewards, normalize_std=False),
     "leave_one_out": lambda rewards, _: rloo_advantages(rewards),
     "none": lambda rewards, _: rewards.clone(),
 }
-"""``specs.GroupBaseline`` -> ``fn(rewards [num_groups, group_size], normalize_std) -> scores`` (same shape)."""
+"""``entries.GroupBaseline`` -> ``fn(rewards [num_groups, group_size], estimator settings) -> scores`` (same
+shape); ``normalised`` reads the setting ``normalize_std``."""
 
 
-def group_scores(rewards: torch.Tensor, estimator: str, normalize_std: bool) -> torch.Tensor:
+def group_scores(rewards: torch.Tensor, estimator: ChosenEstimator) -> torch.Tensor:
     """One scalar per response, ``[num_groups, group_size]``, as slime's rollout reward post-process:
-    the estimator's group baseline (``rlrun.algo.specs``) applied to each group's rewards."""
-    return GROUP_BASELINES[ESTIMATORS[estimator].baseline](rewards, normalize_std)
+    the estimator's group baseline applied to each group's rewards."""
+    return GROUP_BASELINES[estimator.entry.baseline](rewards, estimator.settings)
 
 
 @dataclass
@@ -94,7 +97,7 @@ class ScoredGroups:
 
 def score_groups(cfg: AlgorithmConfig, rewards: torch.Tensor) -> ScoredGroups:
     """Rank 0's group scoring: the configured estimator's scores and the tied-group filter."""
-    scores = group_scores(rewards, cfg.advantage_estimator, cfg.normalize_std)
+    scores = group_scores(rewards, specs.estimator(cfg))
     keep = ~tied_groups(rewards) if cfg.skip_tied_groups else torch.ones(rewards.shape[0], dtype=torch.bool)
     return ScoredGroups(scores, keep)
 

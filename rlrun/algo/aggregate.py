@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rlrun.algo.segments import sample_sum
-from rlrun.algo.specs import Aggregation
+from rlrun.config.schema import Aggregation
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from rlrun.algo.specs import KLEstimator
+from rlrun.config.schema import KLEstimator
 
 LOW_VAR_KL_BOUND = 10.0
 

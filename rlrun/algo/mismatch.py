@@ -21,7 +21,7 @@ import torch
 
 from rlrun.algo.kl import kl_estimate
 from rlrun.algo.segments import sample_sum
-from rlrun.algo.specs import TISLevel, TISMode
+from rlrun.config.schema import TISLevel, TISMode
 
 LOG_RATIO_BOUND = 20.0
 """exp(20) ~ 5e8: bounds the raw ratio so a sequence-level product cannot overflow to inf."""

@@ -2,8 +2,8 @@
 
     loss = agg(w_tis * policy_term) - entropy_coef * agg(entropy) + kl.loss_coef * agg(kl(logp, logp_ref))
 
-``policy_term`` is ``algorithm.policy_loss`` (default: the estimator's, ``rlrun.algo.specs``): PPO-clip,
-GSPO's sequence-ratio clip or CISPO;
+``policy_term`` is ``algorithm.policy_loss`` with its settings (default: the estimator's; chosen by
+``rlrun.algo.specs``, the losses are ``rlrun.algo.losses``);
 ``loss_type: sft`` replaces the whole loss with ``agg(-logp)`` and ``custom`` with the user's function.
 ``agg`` is the configured aggregation (rlrun/algo/aggregate.py). Metrics are masked *sums*; dividing
 them by the step's token count gives token means (and, for the aggregated terms, the configured mean).
@@ -14,16 +14,17 @@ this forward's own log-probs, detached: the same numbers the no-grad forward wou
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from rlrun.algo import specs
 from rlrun.algo.aggregate import Aggregator, StepCounts
+from rlrun.algo.entries import PolicyInputs
 from rlrun.algo.kl import kl_estimate
 from rlrun.algo.mismatch import mismatch_terms, tis_weights
-from rlrun.algo.policy_loss import PolicyLossTerms, cispo_loss, gspo_loss, ppo_clip_loss, sft_loss
+from rlrun.algo.policy_loss import PolicyLossTerms, sft_loss
 from rlrun.algo.validate import CUSTOM_LOSS_SIGNATURE, load_algorithm_hook
 from rlrun.runtime.host_to_device import to_device
 
@@ -43,6 +44,7 @@ class Objective:
 
     def __post_init__(self) -> None:
         self.custom_loss = load_algorithm_hook(self.cfg, "custom_loss")
+        self.policy_loss = specs.policy_loss(self.cfg) if self.cfg.loss_type == "policy" else None
 
     def __call__(self, mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         device = logprobs.device
@@ -62,7 +64,9 @@ class Objective:
         rollout = to_device(mb.rollout_logprobs, device)
         trainer_old = to_device(mb.old_logprobs, device) if mb.old_logprobs is not None else logprobs.detach()
         old = rollout if cfg.use_rollout_logprobs else trainer_old
-        terms = policy_terms(cfg, logprobs, old, to_device(mb.advantages, device), agg.mask, agg.sample_ids)
+        advantages = to_device(mb.advantages, device)
+        inputs = PolicyInputs(logprobs, old, rollout, advantages, agg.mask, agg.sample_ids)
+        terms = self.policy_loss.entry.terms(self.policy_loss.settings, inputs)
         per_token = terms.loss
         metrics: Metrics = {}
         if cfg.tis.mode != "off":
@@ -97,6 +101,7 @@ class Objective:
             approx_kl=agg.token_sum(terms.approx_kl.detach()),
             abs_log_ratio=agg.token_sum((logprobs.detach() - old).abs()),
         )
+        metrics.update({name: agg.token_sum(value.detach()) for name, value in terms.extra.items()})
         return loss, metrics
 
     def _custom(
@@ -125,18 +130,11 @@ def policy_terms(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     sample_ids: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
 ) -> PolicyLossTerms:
-    """The per-token policy term of the configured loss (``sample_ids``: ``rlrun.algo.segments``)."""
-    return POLICY_LOSS_TERMS[cfg.resolved_policy_loss](cfg, logprobs, old_logprobs, advantages, mask, sample_ids)
-
-
-POLICY_LOSS_TERMS: dict[str, Callable[..., PolicyLossTerms]] = {
-    "ppo_clip": lambda cfg, logp, old, adv, mask, samples: ppo_clip_loss(
-        logp, old, adv, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c
-    ),
-    "gspo": lambda cfg, logp, old, adv, mask, samples: gspo_loss(
-        logp, old, adv, mask, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c, samples
-    ),
-    "cispo": lambda cfg, logp, old, adv, mask, samples: cispo_loss(logp, old, adv, cfg.eps_clip, cfg.clip_high),
-}
-"""``specs.PolicyLoss`` -> ``fn(cfg, logprobs, old_logprobs, advantages, mask, sample_ids)``."""
+    """The per-token policy term of the configured loss (``sample_ids``: ``rlrun.algo.segments``; the rollout
+    log-probs default to the old ones)."""
+    chosen = specs.policy_loss(cfg)
+    rollout = old_logprobs if rollout_logprobs is None else rollout_logprobs
+    inputs = PolicyInputs(logprobs, old_logprobs, rollout, advantages, mask, sample_ids)
+    return chosen.entry.terms(chosen.settings, inputs)

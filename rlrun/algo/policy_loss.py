@@ -6,7 +6,7 @@ Every function returns per-token tensors of the input shape; masking and aggrega
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class PolicyLossTerms:
     """1.0 where the ratio was clipped (PPO: the gradient through the ratio is cut)."""
     approx_kl: torch.Tensor
     """old_logprobs - logprobs (GSPO: its sequence mean): the k1 estimate of KL(old || new)."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-token diagnostics of this loss only, logged as masked sums under their names (``train/<name>``)."""
 
 
 def clipped_surrogate(

@@ -13,10 +13,11 @@ caller), so this module stays free of torch.distributed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlrun.algo import specs
 from rlrun.algo.advantages import gae, masked_moments, reinforce_returns, token_advantages, token_rewards, whiten
 from rlrun.algo.kl import kl_estimate
 from rlrun.algo.validate import CUSTOM_ADVANTAGE_SIGNATURE, load_algorithm_hook
@@ -34,6 +35,8 @@ def assign_advantages(cfg: AlgorithmConfig, micro_batches: list[MicroBatch], dp_
     Returns step metrics: the token means of the reward KL and the OPD reverse KL when they are on.
     """
     custom = load_algorithm_hook(cfg, "custom_advantage")
+    estimator = specs.estimator(cfg)
+    stage = TOKEN_STAGES[estimator.entry.token_stage]
     stats = torch.zeros(3)  # sum of reward KL, sum of OPD reverse KL, tokens
     for mb in micro_batches:
         mask = mb.loss_mask
@@ -47,7 +50,9 @@ def assign_advantages(cfg: AlgorithmConfig, micro_batches: list[MicroBatch], dp_
                 * mask
             )
             stats[0] += kl.sum()
-        advantages, returns = _custom(custom, cfg, mb, kl) if custom is not None else _estimate(cfg, mb, kl)
+        advantages, returns = (
+            _custom(custom, cfg, mb, kl) if custom is not None else stage(estimator.settings, cfg, mb, kl)
+        )
         if cfg.opd.kl_coef > 0:
             teacher = _required(mb.teacher_logprobs, "teacher_logprobs")
             reverse_kl = (_required(student, "old_logprobs") - teacher) * mask
@@ -62,30 +67,34 @@ def assign_advantages(cfg: AlgorithmConfig, micro_batches: list[MicroBatch], dp_
     return _metrics(cfg, dp_sum(stats))
 
 
-def _per_sample(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_sample(
+    settings: Any, cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     advantages = token_advantages(mb.advantages, mb.loss_mask, kl, cfg.kl.reward_coef)
     return advantages, advantages
 
 
-def _returns(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    returns = reinforce_returns(mb.advantages, mb.loss_mask, kl, cfg.kl.reward_coef, cfg.gamma, mb.sample_ids)
+def _returns(
+    settings: Any, cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    returns = reinforce_returns(mb.advantages, mb.loss_mask, kl, cfg.kl.reward_coef, settings.gamma, mb.sample_ids)
     return returns, returns
 
 
-def _gae(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae(
+    settings: Any, cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     mask, samples = mb.loss_mask, mb.sample_ids
     rewards = token_rewards(mb.advantages, mask, kl, cfg.kl.reward_coef, samples)
-    return gae(rewards, _required(mb.values, "values (critic)"), mask, cfg.gamma, cfg.lambd, samples)
+    return gae(rewards, _required(mb.values, "values (critic)"), mask, settings.gamma, settings.lambd, samples)
 
 
-TokenStageFn = Callable[["AlgorithmConfig", "MicroBatch", "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+TokenStageFn = Callable[
+    [Any, "AlgorithmConfig", "MicroBatch", "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]
+]
 TOKEN_STAGES: dict[str, TokenStageFn] = {"per_sample": _per_sample, "returns": _returns, "gae": _gae}
-"""``specs.TokenStage`` -> ``fn(cfg, mb, kl) -> (advantages, returns)``, reading the group scores in
-``mb.advantages``."""
-
-
-def _estimate(cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return TOKEN_STAGES[cfg.estimator_spec.token_stage](cfg, mb, kl)
+"""``entries.TokenStage`` -> ``fn(estimator settings, cfg, mb, kl) -> (advantages, returns)``, reading the group
+scores in ``mb.advantages``; ``returns`` reads the setting ``gamma``, ``gae`` also ``lambd``."""
 
 
 def _custom(fn, cfg: AlgorithmConfig, mb: MicroBatch, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

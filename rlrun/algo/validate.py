@@ -1,17 +1,25 @@
-"""Load-time checks of the ``algorithm`` section: incompatible combinations and user hook paths.
+"""Load-time checks of the ``algorithm`` section that need rlrun/algo's tables, and its user hooks' signatures.
 
-Called from the schema's validator, so every message starts with the dotted key it is about (the
-config loader points at that key's file line). Imports no torch: ``rlrun config validate`` stays instant.
+``algorithm_problems(cfg)`` returns every problem as ``(dotted key, message)``, the message in the house
+style (``<key> (<value>) must ... because ...; set ...``); the caller adds the file and line of the key.
+The section's checks of its own fields alone are the schema's (``AlgorithmConfig._compatible``).
+Imports no torch: ``rlrun config validate`` stays instant.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
+from rlrun.algo.entries import settings_of
+from rlrun.algo.estimators import ESTIMATORS
+from rlrun.algo.losses import POLICY_LOSSES
+from rlrun.algo.specs import unknown_name
 from rlrun.runtime.hooks import load_hook
 
 if TYPE_CHECKING:
-    from rlrun.config.schema import AlgorithmConfig
+    from rlrun.config.schema import AlgorithmConfig, RunConfig
 
 CUSTOM_ADVANTAGE_SIGNATURE = "fn(cfg: AlgorithmConfig, mb: MicroBatch, kl: Tensor) -> (advantages, returns)"
 CUSTOM_LOSS_SIGNATURE = "fn(cfg: AlgorithmConfig, mb: MicroBatch, logprobs, entropy, aggregate) -> (loss, metrics)"
@@ -22,15 +30,19 @@ HOOKS = {
     "rollout_data_postprocess": (POSTPROCESS_SIGNATURE, 3),
 }
 
+Problem = tuple[str, str]
 
-def check_algorithm(cfg: AlgorithmConfig) -> None:
-    """Raise ``ValueError`` (key first) on the first problem; resolve every hook path."""
-    for problem in _problems(cfg):
-        raise ValueError(problem)
-    for field, (signature, num_args) in HOOKS.items():
-        spec = getattr(cfg, field)
-        if spec is not None:
-            load_hook(spec, f"algorithm.{field}", signature, num_args)
+
+def algorithm_problems(cfg: RunConfig) -> list[Problem]:
+    """Every problem of ``cfg.algorithm`` that the schema cannot see: names of estimators and losses, their
+    settings and what an estimator requires (whitening, a critic). The user hooks (``HOOKS``) are resolved by
+    the preflight's hook table, which reads their signatures here."""
+    algo = cfg.algorithm
+    problems = _entry_problems(algo)
+    estimator = ESTIMATORS.get(algo.estimator_name)
+    if estimator is not None:
+        problems += _requirement_problems(cfg, estimator)
+    return problems
 
 
 def load_algorithm_hook(cfg: AlgorithmConfig, field: str):
@@ -42,63 +54,67 @@ def load_algorithm_hook(cfg: AlgorithmConfig, field: str):
     return load_hook(spec, f"algorithm.{field}", signature, num_args)
 
 
-def _problems(cfg: AlgorithmConfig):
-    kl, tis, opd = cfg.kl, cfg.tis, cfg.opd
-    if kl.loss_coef > 0 and kl.reward_coef > 0:
-        yield (
-            f"algorithm.kl.reward_coef ({kl.reward_coef}) must be 0 when algorithm.kl.loss_coef "
-            f"({kl.loss_coef}) > 0 because the KL to the reference is either a loss term or a reward "
-            f"penalty, not both; set one of them to 0"
+def _entry_problems(algo: AlgorithmConfig) -> list[Problem]:
+    key = "algorithm.advantage_estimator"
+    if algo.estimator_name not in ESTIMATORS:
+        return [(key, unknown_name(ESTIMATORS, algo.estimator_name, key))]
+    problems = _settings_problems(key, ESTIMATORS[algo.estimator_name], algo, algo.estimator_settings)
+    key = "algorithm.policy_loss"
+    loss = algo.policy_loss_name or ESTIMATORS[algo.estimator_name].policy_loss
+    if loss not in POLICY_LOSSES:
+        return problems + [(key, unknown_name(POLICY_LOSSES, loss, key))]
+    return problems + _settings_problems(key, POLICY_LOSSES[loss], algo, algo.policy_loss_settings)
+
+
+def _settings_problems(key: str, entry: Any, algo: AlgorithmConfig, chosen: dict[str, Any]) -> list[Problem]:
+    try:
+        settings_of(entry.settings, algo, chosen)
+    except ValidationError as err:
+        allowed = ", ".join(entry.settings.model_fields) or "none"
+        problems = []
+        for e in err.errors():
+            field = ".".join(str(p) for p in e["loc"])
+            if e["type"] == "extra_forbidden":
+                message = (
+                    f"{key}.{field} ({e['input']!r}) must be a setting of {entry.name} because the entry reads "
+                    f"only its own settings (its settings: {allowed}); remove it (docs/algorithms.md)"
+                )
+            else:
+                reason = " ".join(e["msg"].split()).removeprefix("Input should ")
+                message = f"{key}.{field} ({e['input']!r}) must {reason[:1].lower()}{reason[1:]}"
+            where = f"{key}.{field}" if field in chosen else f"algorithm.{field}"
+            problems.append((where, message))
+        return problems
+    return []
+
+
+def _requirement_problems(cfg: RunConfig, estimator: Any) -> list[Problem]:
+    algo, critic, name = cfg.algorithm, cfg.critic, cfg.algorithm.estimator_name
+    problems = []
+    if estimator.needs_whitening and not algo.normalize_advantages:
+        problems.append(
+            (
+                "algorithm.normalize_advantages",
+                f"algorithm.normalize_advantages (False) must be true for advantage_estimator {name} because it "
+                "uses batch whitening as its baseline; set algorithm.normalize_advantages: true",
+            )
         )
-    if kl.unbiased and kl.loss_coef == 0:
-        yield (
-            "algorithm.kl.unbiased (True) must go with algorithm.kl.loss_coef > 0 because it re-weights "
-            "the KL loss term; set algorithm.kl.loss_coef or unbiased: false"
+    if estimator.needs_critic and critic.config is None and algo.custom_advantage is None:
+        problems.append(
+            (
+                "algorithm.advantage_estimator",
+                f"algorithm.advantage_estimator ({name}) must come with algorithm.custom_advantage or critic.config "
+                "because its advantages need critic values; set critic.config: configs/critic/smollm2.yaml",
+            )
         )
-    if (cfg.ref.path is not None or cfg.ref.update_interval is not None) and not cfg.uses_ref:
-        yield (
-            "algorithm.ref must stay unset when no KL term is on because nothing would read the "
-            "reference log-probs; set algorithm.kl.loss_coef or algorithm.kl.reward_coef > 0"
+    if critic.config is not None and not estimator.needs_critic and algo.custom_advantage is None:
+        problems.append(
+            (
+                "critic.config",
+                f"critic.config ('{critic.config}') must be unset for advantage_estimator {name} because only a "
+                "critic-based estimator (ppo) or a custom_advantage reads the values; set "
+                "algorithm.advantage_estimator: ppo or remove critic.config",
+            )
         )
-    if cfg.estimator_spec.needs_whitening and not cfg.normalize_advantages:
-        yield (
-            f"algorithm.normalize_advantages (False) must be true for advantage_estimator "
-            f"{cfg.advantage_estimator} because it uses batch whitening as its baseline; "
-            f"set algorithm.normalize_advantages: true"
-        )
-    if cfg.policy_loss is not None and cfg.loss_type != "policy":
-        yield (
-            f"algorithm.policy_loss ({cfg.policy_loss}) must be unset with loss_type {cfg.loss_type} "
-            f"because only loss_type policy has a policy term; remove policy_loss or set loss_type: policy"
-        )
-    if cfg.use_rollout_logprobs and tis.mode != "off":
-        yield (
-            f"algorithm.tis.mode ({tis.mode}) must be off with use_rollout_logprobs because the old "
-            f"policy is then the rollout policy and the TIS ratio is 1; set one of them off"
-        )
-    if cfg.use_rollout_logprobs and cfg.keep_old_actor:
-        yield (
-            "algorithm.keep_old_actor (True) must be false with use_rollout_logprobs because the old "
-            "log-probs come from the engine; set one of them to false"
-        )
-    if tis.clip_low >= tis.clip:
-        yield (
-            f"algorithm.tis.clip_low ({tis.clip_low}) must be < algorithm.tis.clip ({tis.clip}) "
-            f"because they bound the importance ratio from below and above; lower clip_low"
-        )
-    if (opd.kl_coef > 0) != (opd.teacher_path is not None):
-        yield (
-            f"algorithm.opd.teacher_path ({opd.teacher_path}) and algorithm.opd.kl_coef ({opd.kl_coef}) "
-            f"must be set together because distillation needs both a teacher and a weight; set both "
-            f"or neither"
-        )
-    if opd.teacher_engine is not None and opd.kl_coef == 0:
-        yield (
-            f"algorithm.opd.teacher_engine ({opd.teacher_engine}) must come with algorithm.opd.kl_coef > 0 and "
-            "teacher_path because without distillation no teacher is scored; set both or unset teacher_engine"
-        )
-    if (cfg.loss_type == "custom") != (cfg.custom_loss is not None):
-        yield (
-            f"algorithm.custom_loss ({cfg.custom_loss}) must be set exactly when loss_type is custom "
-            f"(it is {cfg.loss_type}); set both or neither"
-        )
+    return problems
+

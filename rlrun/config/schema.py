@@ -11,18 +11,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlrun.algo.specs import (
-    ESTIMATORS,
-    Aggregation,
-    Estimator,
-    EstimatorSpec,
-    KLEstimator,
-    LossType,
-    PolicyLoss,
-    RoutingReplayMode,
-    TISLevel,
-    TISMode,
-)
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -597,6 +585,20 @@ class EngineConfig(Section):
 
 
 
+LossType = Literal["policy", "sft", "custom"]
+"""``algorithm.loss_type``'s values."""
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+"""``algorithm.kl.estimator``'s values (rlrun/algo/kl.py)."""
+TISMode = Literal["off", "clip", "mask"]
+"""``algorithm.tis.mode``'s values (rlrun/algo/mismatch.py)."""
+TISLevel = Literal["token", "sequence", "geometric"]
+"""``algorithm.tis.level``'s values."""
+Aggregation = Literal["token", "sample", "sequence"]
+"""``algorithm.loss_aggregation``'s values (rlrun/algo/aggregate.py)."""
+RoutingReplayMode = Literal["none", "trainer", "rollout"]
+"""``algorithm.routing_replay``'s values (rlrun/megatron/routing_replay.py)."""
+
+
 class KLConfig(Section):
     """KL to the reference model (``algorithm.ref``): a loss term or a reward penalty, never both."""
 
@@ -673,24 +675,39 @@ class OPDConfig(Section):
     """Advantage penalty ``A_t -= kl_coef * (logp_student - logp_teacher)``; > 0 enables distillation."""
 
 
+class AlgoChoice(BaseModel):
+    """An advantage estimator or a policy loss named with its own settings, e.g. ``{name: opsm, delta: 1e-3}``.
+
+    The keys beside ``name`` are the entry's settings (docs/algorithms.md); they are checked against the
+    entry's settings model in rlrun/algo by the preflight (names and settings live with the code).
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1)
+    """The entry: an estimator for ``advantage_estimator``, a loss for ``policy_loss``."""
+
+
 class AlgorithmConfig(Section):
-    advantage_estimator: Estimator = "grpo"
-    """How advantages are computed (one row each in rlrun/algo/specs.py). grpo / gspo / cispo:
-    group-normalised reward; reinforce_plus_plus(_baseline): discounted token returns (with a group-mean
+    advantage_estimator: str | AlgoChoice = "grpo"
+    """How advantages are computed: a name or ``{name: ..., <its settings>}`` (docs/algorithms.md). grpo / gspo /
+    cispo: group-normalised reward; reinforce_plus_plus(_baseline): discounted token returns (with a group-mean
     baseline), need ``normalize_advantages``; rloo: leave-one-out group baseline; ppo: GAE, needs a critic.
     Each implies a ``policy_loss``."""
-    policy_loss: PolicyLoss | None = None
-    """The per-token policy term of ``loss_type: policy``: ``ppo_clip`` (PPO's clipped ratio), ``gspo``
-    (the clipped sequence ratio, arXiv 2507.18071) or ``cispo`` (clipped, detached IS weight times logp,
-    arXiv 2506.13585). None: the estimator's (gspo and cispo theirs, every other ppo_clip)."""
+    policy_loss: str | AlgoChoice | None = None
+    """The per-token policy term of ``loss_type: policy``, a name or ``{name: ..., <its settings>}``: ``ppo_clip``
+    (PPO's clipped ratio), ``gspo`` (the clipped sequence ratio, arXiv 2507.18071), ``cispo`` (clipped, detached
+    IS weight times logp, arXiv 2506.13585) (docs/algorithms.md lists every loss and its settings). None: the
+    estimator's (gspo and cispo theirs, every other ppo_clip)."""
     normalize_std: bool = True
-    """GRPO family: divide the group-centred reward by the group std (False gives Dr.GRPO)."""
+    """Shared default of the estimators' ``normalize_std`` setting (grpo, gspo, cispo): divide the group-centred
+    reward by the group std (False gives Dr.GRPO)."""
     normalize_advantages: bool = False
     """Whiten the advantages over the whole step (all DP ranks, masked mean and unbiased std)."""
     gamma: float = Field(1.0, ge=0, le=1)
-    """Discount of REINFORCE++ returns and of GAE."""
+    """Shared default of the estimators' ``gamma`` setting: discount of REINFORCE++ returns and of GAE."""
     lambd: float = Field(1.0, ge=0, le=1)
-    """GAE lambda."""
+    """Shared default of the ``ppo`` estimator's ``lambd`` setting: GAE's lambda."""
     custom_advantage: str | None = None
     """``module:function`` or ``file.py:function`` replacing the estimator, called per micro-batch as
     ``fn(cfg: AlgorithmConfig, mb: MicroBatch, kl: Tensor) -> (advantages, returns)`` ([B, S-1] each);
@@ -705,11 +722,12 @@ class AlgorithmConfig(Section):
     """token: mean over the step's tokens; sample: mean per sample, then over samples; sequence: token
     sum per sample / ``rollout.max_new_tokens``, then mean over samples (Dr.GRPO)."""
     eps_clip: float = Field(0.2, gt=0)
-    """PPO lower clip range: ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
+    """Shared default of the losses' ``eps_clip`` setting: the ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
     eps_clip_high: float | None = Field(None, gt=0)
-    """PPO upper clip range; None uses ``eps_clip``."""
+    """Shared default of the losses' ``eps_clip_high`` setting: the upper clip range; None uses ``eps_clip``."""
     eps_clip_c: float | None = Field(None, gt=1)
-    """Dual-clip constant c > 1: the loss of a negative-advantage token is at most c * |A|. None disables."""
+    """Shared default of the losses' ``eps_clip_c`` setting (dual-clip, c > 1): the loss of a negative-advantage
+    token is at most c * |A|. None disables."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: ``loss -= entropy_coef * agg(entropy)``."""
     use_rollout_logprobs: bool = False
@@ -738,17 +756,27 @@ class AlgorithmConfig(Section):
     opd: OPDConfig = OPDConfig()
 
     @property
-    def clip_high(self) -> float:
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+    def estimator_name(self) -> str:
+        choice = self.advantage_estimator
+        return choice if isinstance(choice, str) else choice.name
 
     @property
-    def estimator_spec(self) -> EstimatorSpec:
-        return ESTIMATORS[self.advantage_estimator]
+    def estimator_settings(self) -> dict[str, Any]:
+        """The settings written in ``advantage_estimator``'s mapping ({} for a bare name)."""
+        choice = self.advantage_estimator
+        return {} if isinstance(choice, str) else dict(choice.model_extra or {})
 
     @property
-    def resolved_policy_loss(self) -> PolicyLoss:
-        """``policy_loss``, or the estimator's when unset."""
-        return self.policy_loss or self.estimator_spec.policy_loss
+    def policy_loss_name(self) -> str | None:
+        """``policy_loss``'s name; None when unset (rlrun.algo.specs then takes the estimator's)."""
+        choice = self.policy_loss
+        return choice if choice is None or isinstance(choice, str) else choice.name
+
+    @property
+    def policy_loss_settings(self) -> dict[str, Any]:
+        """The settings written in ``policy_loss``'s mapping ({} for a bare name or None)."""
+        choice = self.policy_loss
+        return {} if choice is None or isinstance(choice, str) else dict(choice.model_extra or {})
 
     @property
     def uses_ref(self) -> bool:
@@ -766,10 +794,71 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _compatible(self) -> AlgorithmConfig:
-        from rlrun.algo.validate import check_algorithm
-
-        check_algorithm(self)
+        """Combinations of this section's own fields; what needs rlrun/algo's tables (names, settings, critic,
+        whitening) is ``rlrun.algo.validate.algorithm_problems``, which ``rlrun.preflight`` runs."""
+        for problem in self._term_problems():
+            raise ValueError(problem)
+        for problem in self._source_problems():
+            raise ValueError(problem)
         return self
+
+    def _term_problems(self):
+        kl, tis = self.kl, self.tis
+        if kl.loss_coef > 0 and kl.reward_coef > 0:
+            yield (
+                f"algorithm.kl.reward_coef ({kl.reward_coef}) must be 0 when algorithm.kl.loss_coef "
+                f"({kl.loss_coef}) > 0 because the KL to the reference is either a loss term or a reward "
+                f"penalty, not both; set one of them to 0"
+            )
+        if kl.unbiased and kl.loss_coef == 0:
+            yield (
+                "algorithm.kl.unbiased (True) must go with algorithm.kl.loss_coef > 0 because it re-weights "
+                "the KL loss term; set algorithm.kl.loss_coef or unbiased: false"
+            )
+        if (self.ref.path is not None or self.ref.update_interval is not None) and not self.uses_ref:
+            yield (
+                "algorithm.ref must stay unset when no KL term is on because nothing would read the "
+                "reference log-probs; set algorithm.kl.loss_coef or algorithm.kl.reward_coef > 0"
+            )
+        if self.policy_loss is not None and self.loss_type != "policy":
+            yield (
+                f"algorithm.policy_loss ({self.policy_loss_name}) must be unset with loss_type {self.loss_type} "
+                f"because only loss_type policy has a policy term; remove policy_loss or set loss_type: policy"
+            )
+        if (self.loss_type == "custom") != (self.custom_loss is not None):
+            yield (
+                f"algorithm.custom_loss ({self.custom_loss}) must be set exactly when loss_type is custom "
+                f"(it is {self.loss_type}); set both or neither"
+            )
+        if tis.clip_low >= tis.clip:
+            yield (
+                f"algorithm.tis.clip_low ({tis.clip_low}) must be < algorithm.tis.clip ({tis.clip}) "
+                f"because they bound the importance ratio from below and above; lower clip_low"
+            )
+
+    def _source_problems(self):
+        tis, opd = self.tis, self.opd
+        if self.use_rollout_logprobs and tis.mode != "off":
+            yield (
+                f"algorithm.tis.mode ({tis.mode}) must be off with use_rollout_logprobs because the old "
+                f"policy is then the rollout policy and the TIS ratio is 1; set one of them off"
+            )
+        if self.use_rollout_logprobs and self.keep_old_actor:
+            yield (
+                "algorithm.keep_old_actor (True) must be false with use_rollout_logprobs because the old "
+                "log-probs come from the engine; set one of them to false"
+            )
+        if (opd.kl_coef > 0) != (opd.teacher_path is not None):
+            yield (
+                f"algorithm.opd.teacher_path ({opd.teacher_path}) and algorithm.opd.kl_coef ({opd.kl_coef}) "
+                f"must be set together because distillation needs both a teacher and a weight; set both "
+                f"or neither"
+            )
+        if opd.teacher_engine is not None and opd.kl_coef == 0:
+            yield (
+                f"algorithm.opd.teacher_engine ({opd.teacher_engine}) must come with algorithm.opd.kl_coef > 0 and "
+                "teacher_path because without distillation no teacher is scored; set both or unset teacher_engine"
+            )
 
 
 class OptimizerConfig(Section):

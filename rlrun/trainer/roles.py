@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from rlrun.algo.specs import POLICY_LOSSES
+from rlrun.algo import specs
 from rlrun.megatron.weight_backup import WeightBackup
 
 if TYPE_CHECKING:
@@ -62,8 +62,8 @@ def can_reuse_logprobs(cfg: AlgorithmConfig, num_optimizer_steps: int = 1) -> bo
         and cfg.loss_type == "policy"
         and cfg.kl.reward_coef == 0
         and not cfg.use_rollout_logprobs
-        and not cfg.estimator_spec.needs_critic
-        and POLICY_LOSSES[cfg.resolved_policy_loss].reuses_logprobs
+        and not specs.estimator(cfg).entry.needs_critic
+        and specs.policy_loss(cfg).entry.reuses_logprobs
         and not cfg.keep_old_actor
         and not cfg.uses_teacher
         and cfg.custom_advantage is None

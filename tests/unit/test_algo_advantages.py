@@ -16,6 +16,13 @@ from rlrun.algo.advantages import (
     token_advantages,
     whiten,
 )
+from rlrun.algo.specs import estimator
+from rlrun.config.schema import AlgorithmConfig
+
+
+def scores_of(rewards, name, normalize_std):
+    """Rank 0's group scores of estimator ``name`` with the setting ``normalize_std`` (old configs' flat field)."""
+    return group_scores(rewards, estimator(AlgorithmConfig(advantage_estimator=name, normalize_std=normalize_std)))
 
 
 def ragged_batch(seed=0, lengths=((2, 5), (1, 3), (4, 1), (0, 6)), width=12):
@@ -41,14 +48,12 @@ def test_group_scores_per_estimator():
         mean, std = statistics.mean(group), statistics.stdev(group)
         for name in ("grpo", "gspo", "cispo"):
             expected = [(r - mean) / (std + 1e-6) for r in group]
-            assert group_scores(rewards, name, normalize_std=True)[g].tolist() == pytest.approx(expected, abs=1e-6)
-            assert group_scores(rewards, name, normalize_std=False)[g].tolist() == pytest.approx(
-                [r - mean for r in group]
-            )
-        baseline = group_scores(rewards, "reinforce_plus_plus_baseline", normalize_std=True)[g]
+            assert scores_of(rewards, name, normalize_std=True)[g].tolist() == pytest.approx(expected, abs=1e-6)
+            assert scores_of(rewards, name, normalize_std=False)[g].tolist() == pytest.approx([r - mean for r in group])
+        baseline = scores_of(rewards, "reinforce_plus_plus_baseline", normalize_std=True)[g]
         assert baseline.tolist() == pytest.approx([r - mean for r in group])  # never divided by std
         for name in ("reinforce_plus_plus", "ppo"):
-            assert group_scores(rewards, name, normalize_std=True)[g].tolist() == group
+            assert scores_of(rewards, name, normalize_std=True)[g].tolist() == group
 
 
 def test_token_advantages_with_kl_penalty():

@@ -4,11 +4,18 @@ reference, from rank 0's group scores to the per-token advantages a rank trains 
 import pytest
 import torch
 
+from rlrun.algo import specs
 from rlrun.algo.advantages import group_scores, score_groups
 from rlrun.algo.rank_advantages import assign_advantages
 from rlrun.config.schema import AlgorithmConfig
 from rlrun.data.batch import MicroBatch
 from rlrun.trainer.roles import can_reuse_logprobs
+
+
+def scores_of(rewards, name, normalize_std):
+    return group_scores(
+        rewards, specs.estimator(AlgorithmConfig(advantage_estimator=name, normalize_std=normalize_std))
+    )
 
 
 def reference_rloo(group: list[float]) -> list[float]:
@@ -23,22 +30,22 @@ def test_group_scores_match_the_reference(group_size):
     gen = torch.Generator().manual_seed(group_size)
     rewards = torch.rand(5, group_size, generator=gen).round(decimals=1)
     for normalize_std in (True, False):  # the leave-one-out baseline never divides by a std
-        scores = group_scores(rewards, "rloo", normalize_std)
+        scores = scores_of(rewards, "rloo", normalize_std)
         for got, group in zip(scores.tolist(), rewards.tolist(), strict=True):
             assert got == pytest.approx(reference_rloo(group), abs=1e-6)
 
 
 def test_not_the_grpo_or_mean_baseline():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
-    rloo = group_scores(rewards, "rloo", normalize_std=False)[0]
-    mean = group_scores(rewards, "reinforce_plus_plus_baseline", normalize_std=False)[0]
+    rloo = scores_of(rewards, "rloo", normalize_std=False)[0]
+    mean = scores_of(rewards, "reinforce_plus_plus_baseline", normalize_std=False)[0]
     assert rloo.tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
     assert rloo.tolist() == pytest.approx((mean * 4 / 3).tolist())  # n / (n - 1) times the mean-centred reward
 
 
 def test_rloo_from_rank0_scores_to_token_advantages():
     cfg = AlgorithmConfig(advantage_estimator="rloo", kl={"reward_coef": 0.1, "estimator": "k1"})
-    assert cfg.resolved_policy_loss == "ppo_clip" and not cfg.estimator_spec.needs_critic
+    assert specs.policy_loss(cfg).entry.name == "ppo_clip" and not specs.estimator(cfg).entry.needs_critic
     assert can_reuse_logprobs(AlgorithmConfig(advantage_estimator="rloo"))
     rewards = torch.tensor([[1.0, 0.5, 0.0], [1.0, 1.0, 1.0]])
     scored = score_groups(cfg, rewards)
