@@ -66,14 +66,17 @@ def test_train_refuses_flash_varlen_without_cuda_in_one_line(good_config):
 def test_validate_checks_model_dir_and_prompt_rows(tmp_path, good_config):
     missing_model = rlrun("config", "validate", str(good_config), "--set", f"model.path={tmp_path}/none")
     assert missing_model.returncode == 1
-    assert missing_model.stderr.startswith(f"model.path ({tmp_path}/none) must name a Hugging Face model directory")
+    assert missing_model.stderr.startswith(
+        f"--set model.path={tmp_path}/none: model.path ({tmp_path}/none) must name a Hugging Face model directory"
+    )
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "a", "label": 1}\n{"prompt": "b"}\n')
     bad_rows = rlrun("config", "validate", str(good_config), "--set", f"data.path={rows}")
-    assert bad_rows.returncode == 1 and bad_rows.stderr.startswith(f"data.path: {rows}:2: missing key 'label'")
+    where = f"--set data.path={rows}: data.path: {rows}:2:"
+    assert bad_rows.returncode == 1 and bad_rows.stderr.startswith(f"{where} missing key 'label'")
     rows.write_text('{"prompt": "a", "label": 1}\n{"prompt": "b", "lab')  # truncated mid-write
     cut = rlrun("config", "validate", str(good_config), "--set", f"data.path={rows}")
-    assert cut.returncode == 1 and cut.stderr.startswith(f"data.path: {rows}:2: invalid JSON (Unterminated string")
+    assert cut.returncode == 1 and cut.stderr.startswith(f"{where} invalid JSON (Unterminated string")
 
 
 def test_train_from_another_directory_names_each_missing_input_before_any_process_starts(tmp_path):
@@ -88,12 +91,14 @@ def test_train_from_another_directory_names_each_missing_input_before_any_proces
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     where = f"does not exist relative to {tmp_path} (the directory rlrun runs in)"
+    quickstart = REPO / "configs/quickstart.yaml"
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.splitlines() == [
-        f"model.path (.cache/models/SmolLM2-135M-Instruct) must name a Hugging Face model directory (config.json, "
-        f"weights, tokenizer) because the run reads it, but it {where}; run `rlrun prepare smollm2 --out "
+        f"{quickstart}:13: model.path (.cache/models/SmolLM2-135M-Instruct) must name a Hugging Face model directory "
+        f"(config.json, weights, tokenizer) because the run reads it, but it {where}; run `rlrun prepare smollm2 --out "
         ".cache/models/SmolLM2-135M-Instruct`, or set model.path to an absolute path",
-        f"data.path (configs/data/addition_train.jsonl) must name a prompt file (.jsonl or .parquet) because the run "
+        f"{quickstart}:20: data.path (configs/data/addition_train.jsonl) must name a prompt file (.jsonl or .parquet) "
+        "or a datasets directory because the run "
         f"reads it, but it {where}; run `python configs/data/make_addition.py` in the repository, or set data.path "
         "to an absolute path",
     ]
