@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
+import numbers
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +29,7 @@ from rlrun.agents.template import ChatTemplate
 from rlrun.agents.tool_parsers import TOOL_PARSERS
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
-from rlrun.rollout.rewards.score import is_finite_reward
-from rlrun.runtime.hooks import HookSpecError, resolve_hook
+from rlrun.preflight.hooks import HookSpecError, resolve_hook
 
 logger = logging.getLogger(__name__)
 SIGNATURE = "async fn(client: openai.AsyncOpenAI, row: dict) -> float | dict | None"
@@ -124,6 +125,11 @@ def _settle(sample: Sample, returned, error: str | None, cfg: RolloutConfig) -> 
         sample.reward, sample.reward_components, sample.reward_error = 0.0, None, error
     for part in sample.parts or []:
         part.reward, part.reward_error = sample.reward, sample.reward_error
+
+
+def is_finite_reward(value: object) -> bool:
+    """A finite real number other than a bool (what rewards are held to everywhere)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 def _agent_reward(value, reward_key: str | None) -> tuple[float, dict[str, float] | None]:

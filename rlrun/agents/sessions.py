@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from rlrun.agents.template import ChatTemplate, TemplateError
 from rlrun.data.sample import Prompt, Sample
-from rlrun.rollout.multiturn import trajectory_of
 
 _SEED_STRIDE = 7919  # separates the seeds of one session's requests
 
@@ -190,7 +189,8 @@ class Session:
             eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
             empty = Branch(list(self.prompt.prompt_ids), response_ids=[eos], loss_mask=[0], logprobs=[0.0])
             samples = [self._sample(empty, tokenizer)]
-        return trajectory_of(samples, self.prompt.index)
+        # As a generate function's returned list (rlrun/rollout/multiturn.py): the last sample carries them all.
+        return samples[0] if len(samples) == 1 else dataclasses.replace(samples[-1], parts=samples)
 
     def _sample(self, branch: Branch, tokenizer) -> Sample:
         prompt_text = tokenizer.decode(branch.prompt_ids, skip_special_tokens=False)
