@@ -52,7 +52,12 @@ def rollout(
     new_tokens: int = 256,
     device: Annotated[str | None, typer.Option(help="Default: cuda if available, else cpu.")] = None,
     dtype: Annotated[str | None, typer.Option(help="Default: bfloat16 on cuda, float32 on cpu.")] = None,
-    hbm_gbps: Annotated[float, typer.Option(help="HBM bandwidth for the bound, GB/s (H200: 4800).")] = 4800.0,
+    hbm_gbps: Annotated[
+        float | None,
+        typer.Option(
+            help="HBM bandwidth for the bound, GB/s; default: the card's (H200 4800, H100 SXM 3350). Needed on CPU."
+        ),
+    ] = None,
     backends: Annotated[
         str | None,
         typer.Option(
@@ -122,11 +127,11 @@ def rollout(
                     new_tokens,
                     dtype,
                     run_dir,
-                    hbm_bytes_per_s=hbm_gbps * 1e9,
+                    hbm_bytes_per_s=None if hbm_gbps is None else hbm_gbps * 1e9,
                     long_tail=workload,
                     profile=profile,
                 )
-            except ValueError as exc:  # options that cannot run together (--profile with SGLang)
+            except ValueError as exc:  # options that cannot run together (--profile with SGLang), an unknown card
                 raise typer.BadParameter(str(exc)) from None
             _emit("rollout", results, out, echo=one == shapes[-1])
         return
@@ -137,20 +142,23 @@ def rollout(
         )
     from rlrun.tools.bench.rollout import profile_path
 
-    results = [
-        bench_rollout(
-            one,
-            b,
-            prompt_len,
-            new_tokens,
-            device,
-            dtype,
-            hbm_bytes_per_s=hbm_gbps * 1e9,
-            profile=None if profile is None else profile_path(profile, b, batches),
-        )
-        for one in shapes
-        for b in batches
-    ]
+    try:
+        results = [
+            bench_rollout(
+                one,
+                b,
+                prompt_len,
+                new_tokens,
+                device,
+                dtype,
+                hbm_bytes_per_s=None if hbm_gbps is None else hbm_gbps * 1e9,
+                profile=None if profile is None else profile_path(profile, b, batches),
+            )
+            for one in shapes
+            for b in batches
+        ]
+    except ValueError as exc:  # a card whose bandwidth is not known, without --hbm-gbps (checked before the model)
+        raise typer.BadParameter(str(exc)) from None
     _emit("rollout", results, out)
 
 

@@ -28,7 +28,15 @@ import torch
 from rlrun.engine.registry import BackendSpec, backend_traits
 from rlrun.kernels.attention import engine_kernel_family
 from rlrun.tools.bench.decode_profile import DecodeProfile, profile_decode
-from rlrun.tools.bench.rollout import GREEDY, H200_HBM_BYTES_PER_S, SAMPLED, BandwidthBound, Throughput, profile_path
+from rlrun.tools.bench.rollout import (
+    GREEDY,
+    SAMPLED,
+    BandwidthBound,
+    Throughput,
+    card_hbm_bytes_per_s,
+    kv_bytes_per_token,
+    profile_path,
+)
 from rlrun.tools.bench.shapes import get_shape, write_random_model
 from rlrun.tools.bench.timing import hardware, timer
 
@@ -220,7 +228,7 @@ def bench_rollout_backends(
     new_tokens: int,
     dtype: str,
     run_dir: Path,
-    hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
+    hbm_bytes_per_s: float | None = None,
     seed: int = 0,
     long_tail: LongTail | None = None,
     profile: Path | None = None,
@@ -236,6 +244,9 @@ def bench_rollout_backends(
             "run them without --profile"
         )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if hbm_bytes_per_s is None:  # the card's (rollout.py's bound), before any worker starts
+        hbm_bytes_per_s = card_hbm_bytes_per_s(hardware(device))
+    kv_token_bytes = kv_bytes_per_token(shape, getattr(torch, dtype).itemsize)
     spec = get_shape(shape)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -249,7 +260,7 @@ def bench_rollout_backends(
             generator = torch.Generator().manual_seed(seed)
             prompts = torch.randint(2, spec.vocab, (batch, prompt_len), generator=generator).tolist()
             tail = None if long_tail is None else _long_tail_call(long_tail, batch, prompt_len, spec.vocab, seed)
-            bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
+            bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch, kv_token_bytes, prompt_len, new_tokens)
             for backend in backends:
                 startup_s, runs = _bench_backend(
                     backend, Path(model_dir), run_dir, prompts, new_tokens, dtype, device, tail

@@ -1,9 +1,15 @@
 """``rlrun bench rollout``: embedded-engine output tokens/s vs transformers ``generate`` and vs the
 memory-bandwidth bound, on one random model of a published shape, same batch and lengths, one run.
 
-The bound: a decode step must read every weight once from HBM, so a step takes at least
-``weight_bytes / hbm_bandwidth`` seconds and a batch of B rows makes at most ``B / step_s`` tokens/s
-(KV-cache reads and prefill ignored, so the real bound is a little lower). Every response is forced
+The bound (:class:`BandwidthBound`): a decode step must read every weight once from HBM and, for each of the B rows,
+the K and V of every position it attends to, so at context c a step reads
+``weight_bytes + B * kv_bytes_per_token * c`` bytes, with ``kv_bytes_per_token = layers * 2 * kv_heads * head_dim *
+element_size``. The N tokens of a response come from N forwards at contexts P, P+1, ..., P+N-1 (P the prompt), so
+with ``mean_context = P + (N - 1) / 2`` the call takes at least N steps of ``(weight_bytes + B * kv_bytes_per_token *
+mean_context) / hbm_bytes_per_s`` seconds and makes at most ``B / step_s`` tokens/s (prefill, activations and the
+logits ignored: the real bound is a little lower). ``fraction_of_bound`` is the engine's greedy tokens/s over that.
+The HBM bandwidth is the card's (:func:`card_hbm_bytes_per_s`: H200 4.8 TB/s, H100 SXM 3.35 TB/s) unless given. Every
+response is forced
 to its full length (``ignore_eos`` / ``min_new_tokens``) so both sides emit exactly B x new_tokens.
 Each engine run is preceded by an untimed run of the same shape, which captures its decode step
 (CUDA graph) once, as a long-lived engine does on its first call.
@@ -23,8 +29,28 @@ from rlrun.tools.bench.decode_profile import DecodeProfile, profile_decode
 from rlrun.tools.bench.shapes import get_shape, weight_bytes, write_random_model
 from rlrun.tools.bench.timing import hardware, timer
 
-H200_HBM_BYTES_PER_S = 4.8e12
+HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
+"""Published HBM bandwidth by a name fragment of the CUDA device, first match wins (an H100 that is neither PCIe nor
+NVL is the SXM card, HBM3)."""
 WARMUP_NEW_TOKENS = 4
+
+
+def card_hbm_bytes_per_s(device_name: str) -> float:
+    """The HBM bandwidth of the card called ``device_name`` (``torch.cuda.get_device_name``), bytes/s."""
+    for fragment, rate in HBM_BYTES_PER_S:
+        if fragment in device_name:
+            return rate
+    known = ", ".join(fragment for fragment, _ in HBM_BYTES_PER_S)
+    raise ValueError(
+        f"--hbm-gbps must be set on {device_name!r} because its HBM bandwidth is not known (known: {known}); "
+        "set --hbm-gbps to the card's published bandwidth in GB/s"
+    )
+
+
+def kv_bytes_per_token(shape: str, element_size: int) -> int:
+    """Bytes of K and V one position holds in the cache: ``layers * 2 * kv_heads * head_dim * element_size``."""
+    s = get_shape(shape)
+    return s.layers * 2 * s.kv_heads * s.head_dim * element_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +72,40 @@ class Throughput:
 
 @dataclasses.dataclass(frozen=True)
 class BandwidthBound:
-    """``step_s = weight_bytes / hbm_bytes_per_s``; ``tokens_per_s = batch / step_s``."""
+    """The HBM bound of a decode call (module docstring): ``bytes_per_step = weight_bytes + batch *
+    kv_bytes_per_token * mean_context``, ``mean_context = prompt_len + (new_tokens - 1) / 2``, ``step_s =
+    bytes_per_step / hbm_bytes_per_s``, ``tokens_per_s = batch / step_s``."""
 
     hbm_bytes_per_s: float
     step_s: float
     tokens_per_s: float
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    mean_context: float = 0.0
+    bytes_per_step: float = 0.0
 
     @classmethod
-    def of(cls, weight_bytes: int, hbm_bytes_per_s: float, batch: int) -> BandwidthBound:
-        step_s = weight_bytes / hbm_bytes_per_s
-        return cls(hbm_bytes_per_s=hbm_bytes_per_s, step_s=step_s, tokens_per_s=batch / step_s)
+    def of(
+        cls,
+        weight_bytes: int,
+        hbm_bytes_per_s: float,
+        batch: int,
+        kv_bytes_per_token: int,
+        prompt_len: int,
+        new_tokens: int,
+    ) -> BandwidthBound:
+        mean_context = prompt_len + (new_tokens - 1) / 2
+        nbytes = weight_bytes + batch * kv_bytes_per_token * mean_context
+        step_s = nbytes / hbm_bytes_per_s
+        return cls(
+            hbm_bytes_per_s=hbm_bytes_per_s,
+            step_s=step_s,
+            tokens_per_s=batch / step_s,
+            weight_bytes=weight_bytes,
+            kv_bytes_per_token=kv_bytes_per_token,
+            mean_context=mean_context,
+            bytes_per_step=nbytes,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +174,13 @@ def bench_rollout(
     new_tokens: int,
     device: str,
     dtype: str,
-    hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S,
+    hbm_bytes_per_s: float | None = None,
     seed: int = 0,
     profile: Path | None = None,
 ) -> RolloutResult:
     """Time one warm run of the embedded engine and of HF ``generate`` on the same weights in memory; ``profile``:
-    also profile decode steps of the sampled call (its kernel-time table written there).
+    also profile decode steps of the sampled call (its kernel-time table written there); ``hbm_bytes_per_s``: the
+    bound's bandwidth, by default the card's (:func:`card_hbm_bytes_per_s`).
 
     The engine runs in this process, not in a worker, so the process takes the worker's environment
     (``EXACT_GEMM_ENV``: cuBLAS without a workspace, read when cuBLAS first runs, so before any GEMM here) where the
@@ -142,6 +193,8 @@ def bench_rollout(
 
     for key, value in EXACT_GEMM_ENV.items():
         os.environ.setdefault(key, value)
+    if hbm_bytes_per_s is None:  # before the model is built: an unknown card fails at once
+        hbm_bytes_per_s = card_hbm_bytes_per_s(hardware(torch.device(device)))
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
         model_dir = write_random_model(get_shape(shape), Path(tmp), DTYPES[dtype], device)
@@ -169,7 +222,10 @@ def bench_rollout(
         hf_tokens = _hf_run(model, prompts_dev, new_tokens)
     nbytes = weight_bytes(model)
     hf_tp = Throughput.of(hf_s[0], hf_tokens)
-    bound = BandwidthBound.of(nbytes, hbm_bytes_per_s, batch)
+    element_size = next(model.parameters()).element_size()
+    bound = BandwidthBound.of(
+        nbytes, hbm_bytes_per_s, batch, kv_bytes_per_token(shape, element_size), prompt_len, new_tokens
+    )
     greedy = engine_tp["greedy"]
     return RolloutResult(
         shape=shape,
