@@ -44,6 +44,23 @@ Overrides = Annotated[list[str], typer.Option("--set", metavar="KEY=VALUE", help
 DEFAULT_SMOLLM2 = Path(".cache/models/SmolLM2-135M-Instruct")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from rlrun import __version__
+
+        typer.echo(f"rlrun {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Ray-free RL post-training for LLMs."""
+
+
 def _load(config: Path, overrides: list[str], preflight: bool = False) -> RunConfig:
     """Load the config (and, for validate and train, check everything it names: ``rlrun.preflight``), or print
     the problems and exit 1."""
@@ -128,8 +145,17 @@ def plot(
 def doctor(
     config: Annotated[Path | None, typer.Argument(help="Optional run config to check against this machine.")] = None,
     overrides: Overrides = [],
+    plan: Annotated[
+        bool, typer.Option("--plan", help="Per-GPU memory of the recipe layouts on 8-64 GPUs; exits 1 if one is over.")
+    ] = False,
 ) -> None:  # noqa: B006
     """Versions, GPUs, and what CONFIG would need that this machine lacks; exits 1 if something is missing."""
+    if plan:
+        from rlrun.tools.cluster_plan import markdown, plan as plan_layouts
+
+        rows = plan_layouts()
+        print(markdown(rows))
+        raise typer.Exit(0 if all(r.fits for r in rows) else 1)
     cfg = _load(config, overrides) if config is not None else None
     from rlrun.tools.doctor import print_checks, run_doctor
 

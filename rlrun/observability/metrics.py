@@ -14,12 +14,15 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from torch.profiler import record_function
 
 from rlrun.config.schema import RunConfig
 from rlrun.observability.step_times import STEP_SECONDS, WALL_STEP_SECONDS
+
+if TYPE_CHECKING:
+    from rlrun.data.sample import Sample
 
 
 class PhaseListener(Protocol):
@@ -198,7 +201,14 @@ class MetricsLogger:
         if self.console is not None:
             self.console.phase(self.step, phase)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], samples: list[Sample] | None = None) -> None:
+        """Write the step's metrics to every sink and, with ``logging.log_samples``, the first of its ``samples``
+        (rlrun/observability/samples.py)."""
+        if samples and self.cfg.logging.log_samples:
+            from rlrun.observability.samples import sample_rows, write_samples
+
+            wandb_run = next((sink.run for sink in self.sinks if isinstance(sink, WandbSink)), None)
+            write_samples(self.run_dir, sample_rows(step, samples[: self.cfg.logging.log_samples]), wandb_run)
         now = time.perf_counter()
         record = {k: float(v) for k, v in metrics.items()}
         record[WALL_STEP_SECONDS] = round(now - self._last_record_at, 4)

@@ -30,9 +30,7 @@ from pathlib import Path
 import torch
 
 from rlrun.trainer.checkpoint import ACTOR, ADAPTER, COMPLETE, HF_FILES, Layout, Marker, copy_hf_files
-
-SHARD_BYTES = 5 * 2**30
-"""Largest safetensors file ``mcore-to-hf`` writes; bigger models get an index and several files."""
+from rlrun.trainer.export import save_safetensors
 
 
 class ConvertError(ValueError):
@@ -122,34 +120,6 @@ def mcore_to_hf(ckpt_dir: Path, out_dir: Path, hf_dir: Path | None = None) -> No
     out_dir.mkdir(parents=True, exist_ok=True)
     # Built in fp32: a bf16 checkpoint loads into it exactly, and the export is cast to config.json's dtype.
     _on_ranks(McoreToHf(ckpt_dir, out_dir, source.resolve(), "float32").run, marker.layout.tp, marker.layout.pp)
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype) -> None:
-    """Write ``tensors`` (cast to ``dtype``) as ``model.safetensors``, or as numbered files with an index
-    when they exceed ``SHARD_BYTES``, the way ``save_pretrained`` names them."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        tensor = tensor.to(dtype).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
-        weight_map.update({name: file for name in shard})
-    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
-    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
 def _hf_dtype(hf_files: Path, fallback: str) -> torch.dtype:

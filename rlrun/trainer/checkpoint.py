@@ -192,6 +192,31 @@ def check_layout(step_dir: Path, layout: Layout, fix: str) -> None:
         )
 
 
+def check_model(step_dir: Path, marker: Marker, model_path: str | None, lora: bool, own: bool) -> None:
+    """Raise unless complete checkpoint ``step_dir`` was written for ``model_path`` (and with LoRA adapters exactly
+    when ``lora``); ``own``: it is one of the run's own checkpoints (``checkpoint.resume``), else ``checkpoint.load``'s.
+    Checkpoints that do not record their model (older ones) pass."""
+    if own:
+        fix = (
+            "set logging.run_dir to a new directory for a new run (or checkpoint.resume: none to start fresh in "
+            "this run directory, replacing its checkpoints as the run saves)"
+        )
+    else:
+        fix = "set checkpoint.load to a checkpoint of this model, or unset it"
+    saved = marker.model_path
+    if saved is not None and model_path is not None and os.path.realpath(saved) != os.path.realpath(model_path):
+        raise ValueError(
+            f"model.path ({model_path}) must be the model checkpoint {step_dir} was written for ({saved}) because its "
+            f"weights and optimizer state are that model's; {fix}"
+        )
+    has_adapters = (step_dir / ADAPTER).is_dir()
+    if not marker.weights_only and has_adapters != lora:
+        raise ValueError(
+            f"model.lora ({'set' if lora else 'unset'}) must match checkpoint {step_dir}, written "
+            f"{'with' if has_adapters else 'without'} LoRA adapters, because the trained parameters differ; {fix}"
+        )
+
+
 def read_model_shard(step_dir: Path, parallel: Parallel, fix: str) -> Path:
     """The model checkpoint inside complete checkpoint ``step_dir``, checked against this run's layout, for
     weights loaded beside the actor's (the reference) with ``load_model_shard`` (no optimizer, no RNGs)."""
@@ -240,7 +265,7 @@ class Checkpointer:
     def due(self, step: int, last: bool, stopping: bool) -> bool:
         """Whether to save after ``step`` steps are done."""
         interval = self.cfg.save_interval
-        return stopping or (interval > 0 and (step % interval == 0 or last))
+        return stopping or (last and self.cfg.save_at_end) or (interval > 0 and (step % interval == 0 or last))
 
     def save(
         self,
@@ -379,6 +404,8 @@ class Checkpointer:
             return None
         check_layout(path, self.layout, "or set checkpoint.resume=none (and unset checkpoint.load) to start fresh")
         marker = Marker.read(path)
+        own = path.parent.resolve() == self.dir.resolve()
+        check_model(path, marker, self.model_path, lora=model.lora is not None, own=own)
         if marker.weights_only:
             mcore_ckpt.load_weights(model, path / ACTOR)
             optimizer.reload_model_params()  # bf16 models: the fp32 main weights follow the loaded ones

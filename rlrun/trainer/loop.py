@@ -85,7 +85,9 @@ def run(cfg: RunConfig) -> bool:
     from rlrun.runtime.dist import destroy_distributed, init_distributed
     from rlrun.runtime.preemption import StopRequest
     from rlrun.runtime.watchdog import Watchdog
+    from rlrun.trainer.ahead_step import start_ahead
     from rlrun.trainer.checkpoint import Checkpointer
+    from rlrun.trainer.export import announce_outputs, export_at_end
 
     parallel = init_distributed(
         cfg.parallel.tp,
@@ -96,7 +98,7 @@ def run(cfg: RunConfig) -> bool:
         reloadable_backends=cfg.offload.reloadable_backends,
         cp=cfg.parallel.cp,
     )
-    stop, watchdog, parts = StopRequest.install(), Watchdog.start(parallel), None
+    stop, watchdog, parts, ahead = StopRequest.install(), Watchdog.start(parallel), None, None
     try:
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
             parts = setup(cfg, parallel, watchdog)
@@ -106,12 +108,13 @@ def run(cfg: RunConfig) -> bool:
             watchdog.watch_engine(parts.rollout.teacher.client.watched, role="teacher engine")
         checkpointer = Checkpointer(cfg.checkpoint, cfg.logging.run_dir, parallel, model_path=cfg.model.path)
         resumed = parts.actor.restore(checkpointer, parts.sampler)
-        parts.rollout.restore_carry(checkpointer.restored_carry)
         state = RunState(**resumed) if resumed is not None else RunState()
+        ahead = start_ahead(parts, state, checkpointer.restored_carry)  # rollout.max_staleness > 0 only
         if resumed is not None:
             sync_weights(parts, state.weight_version)  # the engine started from model.path's weights
         if parts.logger is not None:
             parts.logger.start(state.step)
+        announce_outputs(cfg, parallel)
         stopping = False
         # The setup's objects (~0.5M: Megatron, transformers, torch) live for the whole run; frozen, they
         # are not walked again by each collection (the offloader's before every sleep took 0.3 s of it).
@@ -119,7 +122,7 @@ def run(cfg: RunConfig) -> bool:
         while state.step < cfg.train.num_steps and not stopping:
             watchdog.step = state.step
             with profile_step(cfg.logging, parallel.rank, state.step):
-                train_one_step(parts, state)
+                train_one_step(parts, state) if ahead is None else ahead.step(state)
             state.step += 1
             watchdog.step, watchdog.phase = state.step, "stop check"  # step N's save writes step_N
             stopping = stop.agreed(parallel.cpu_group)
@@ -128,15 +131,22 @@ def run(cfg: RunConfig) -> bool:
             last = state.step == cfg.train.num_steps
             if checkpointer.due(state.step, last=last, stopping=stopping):
                 parts.actor.save(
-                    checkpointer, state, parts.sampler, blocking=last or stopping, carry=parts.rollout.carry_state()
+                    checkpointer,
+                    state,
+                    parts.sampler,
+                    blocking=last or stopping,
+                    carry=parts.rollout.carry_state() if ahead is None else ahead.carry_state(),
                 )
         checkpointer.wait()
+        export_at_end(parts.actor.model, cfg, state.step)  # RUN_DIR/model unless checkpoint.export_at_end is off
         watchdog.close(parallel.cpu_group)
     except BaseException as exc:
         watchdog.fail(exc)
         raise
     finally:
         gc.unfreeze()
+        if ahead is not None:
+            ahead.close()
         if parts is not None:
             parts.engine.shutdown()
             if parts.rollout.teacher is not None:
@@ -240,7 +250,7 @@ def train_one_step(parts: Components, state: RunState) -> None:
     recover_engines(parts, state, "sync")  # the restarted engine gets this step's weights; the step stands
     metrics.update(parts.recovery.step_metrics())
     if parts.logger is not None:
-        parts.logger.log(state.step, metrics)
+        parts.logger.log(state.step, metrics, samples)
 
 
 def sync_due(interval: int, step: int, trained: bool) -> bool:

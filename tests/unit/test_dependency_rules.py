@@ -41,7 +41,7 @@ def test_engine_never_imports_megatron_and_only_the_sglang_backend_imports_sglan
 
 def test_components_never_import_the_loop_or_the_cli():
     loops = ("rlrun.trainer.loop", "rlrun.cli")
-    assert offenders(".", loops, allowed=("cli.py", "__main__.py", "loop.py")) == {}
+    assert offenders(".", loops, allowed=("cli.py", "__main__.py", "trainer/loop.py", "trainer/api.py")) == {}
 
 
 def test_the_config_and_its_tables_load_without_torch():
