@@ -952,8 +952,18 @@ class TrainConfig(Section):
 
 class CheckpointConfig(Section):
     save_interval: int = Field(0, ge=0)
-    """Save every N steps and after the last step; 0 saves only when the run is stopped by SIGTERM or
-    SIGUSR1 (Slurm preemption or time limit), which always checkpoints before exiting."""
+    """Save every N steps as well (and after the last step); 0: no periodic checkpoints, only ``save_at_end``'s.
+    SIGTERM or SIGUSR1 (Slurm preemption or time limit) always checkpoints before exiting."""
+    save_at_end: bool = True
+    """Checkpoint after the last step (``step_N``, resumable), so a finished run keeps its trained state; false
+    keeps only ``save_interval``'s and the stop checkpoints."""
+    export_at_end: bool = True
+    """When the run ends (the last step, or stopped by SIGTERM / SIGUSR1) write the policy as a Hugging Face
+    directory, ``RUN_DIR/model`` (safetensors in the trainer's dtype, config and tokenizer files:
+    ``AutoModelForCausalLM.from_pretrained`` loads it), and with ``model.lora`` its adapters in PEFT's format,
+    ``RUN_DIR/model/adapter`` (the safetensors hold the merged weights). Written through a temporary directory,
+    so a reader never sees half of one. False: no export (``rlrun convert mcore-to-hf`` makes one from a
+    checkpoint later)."""
     dir: str | None = None
     """Where checkpoints go (one ``step_NNNNNN`` directory each); None uses ``RUN_DIR/checkpoints``.
     Must be on a filesystem every node sees: each rank writes its own shard."""
@@ -974,8 +984,15 @@ class CheckpointConfig(Section):
 
 
 class LoggingConfig(Section):
-    run_dir: str = "runs/quickstart"
-    """Directory for metrics.jsonl, the resolved config, engine sockets and worker logs."""
+    run_dir: str = Field("runs/run", min_length=1)
+    """Directory for metrics.jsonl, the resolved config, checkpoints, the exported model, engine sockets and worker
+    logs. Unset: ``runs/<the YAML file's name without .yaml>`` (``runs/quickstart`` for configs/quickstart.yaml);
+    ``runs/run`` for a config given to ``rlrun.train`` as a Python dict. A run resumes from the checkpoints found
+    here (``checkpoint.resume``), so two different runs need two directories."""
+    log_samples: int = Field(0, ge=0)
+    """Write this many of each step's samples (prompt, response, reward, finish reason) to
+    ``RUN_DIR/samples.jsonl``, one JSON line each, and, with ``wandb_project``, as a W&B table ``samples``;
+    0: none."""
     console: bool = True
     """Print a one-line summary per step on rank 0 (and, in a terminal, a live progress bar naming the
     current phase)."""
