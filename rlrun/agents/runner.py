@@ -29,7 +29,7 @@ from rlrun.agents.template import ChatTemplate
 from rlrun.agents.tool_parsers import TOOL_PARSERS
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
-from rlrun.preflight.hooks import HookSpecError, resolve_hook
+from rlrun.runtime.hooks import HookSpecError, resolve_hook
 
 logger = logging.getLogger(__name__)
 SIGNATURE = "async fn(client: openai.AsyncOpenAI, row: dict) -> float | dict | None"
