@@ -151,7 +151,8 @@ def doctor(
 ) -> None:  # noqa: B006
     """Versions, GPUs, and what CONFIG would need that this machine lacks; exits 1 if something is missing."""
     if plan:
-        from rlrun.tools.cluster_plan import markdown, plan as plan_layouts
+        from rlrun.tools.cluster_plan import markdown
+        from rlrun.tools.cluster_plan import plan as plan_layouts
 
         rows = plan_layouts()
         print(markdown(rows))

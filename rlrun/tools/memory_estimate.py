@@ -1,7 +1,9 @@
 """The trainer's device memory for one config, estimated before it starts (``rlrun doctor CONFIG``).
 
-Per rank, with ``P`` the parameters it holds (``/ tp / pp``, routed experts ``/ ep``), ``dp`` data-parallel
-ranks and ``T = train.max_tokens_per_micro_batch / parallel.cp`` (one micro-batch is alive at a time at PP=1;
+Per rank, with ``P`` the parameters it holds (``/ tp / pp``, routed experts ``/ pp / ep / etp``), ``dp``
+data-parallel ranks (the optimizer of routed experts shards over the expert data-parallel ranks,
+``dp * tp / (ep * etp)``, Megatron's expert_data_parallel_size) and
+``T = train.max_tokens_per_micro_batch / parallel.cp`` (one micro-batch is alive at a time at PP=1;
 context parallelism's gathered keys and values, ``cp`` times one layer's, are not counted):
 
     static       = P * (w + g + (m + a) / dp_opt)     bf16: w 2, g 4 (fp32 grad buffer), m 4 (fp32 main), a 8
@@ -60,19 +62,30 @@ class MemoryEstimate:
         return self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib + self.lm_head_gib
 
 
-def rank_params(arch: ModelArch, tp: int, pp: int, ep: int) -> float:
+def rank_params(arch: ModelArch, tp: int, pp: int, ep: int, etp: int = 1) -> float:
     """Parameters one rank holds (norms left out: under 0.1%)."""
+    return sum(rank_param_split(arch, tp, pp, ep, etp))
+
+
+def rank_param_split(arch: ModelArch, tp: int, pp: int, ep: int, etp: int = 1) -> tuple[float, float]:
+    """(dense, routed-expert) parameters one rank holds: the routed experts split over ``ep * etp`` ranks
+    of a stage, everything else (attention, shared experts, dense MLPs, router, vocab) over ``tp``."""
     h, d = arch.hidden_size, arch.head_dim
     attention = h * (arch.num_heads + 2 * arch.num_kv_heads) * d + arch.num_heads * d * h
+    routed = 0.0
     if arch.moe is None:
         mlp = 3.0 * h * arch.ffn_hidden_size
     else:
         moe = arch.moe
-        experts = moe.num_experts * 3 * h * moe.ffn_hidden_size / ep + 3 * h * moe.shared_expert_ffn_hidden_size
-        mlp = sum(experts if sparse else 3 * h * arch.ffn_hidden_size for sparse in moe.moe_layers) / arch.num_layers
+        sparse_layers = sum(1 for sparse in moe.moe_layers if sparse)
+        mlp = (
+            sparse_layers * (3 * h * moe.shared_expert_ffn_hidden_size + h * moe.num_experts)
+            + (arch.num_layers - sparse_layers) * 3 * h * arch.ffn_hidden_size
+        ) / arch.num_layers
+        routed = sparse_layers * moe.num_experts * 3 * h * moe.ffn_hidden_size / (pp * ep * etp)
     # the embedding on the first stage, the LM head on the last (one tensor when tied at PP=1)
     vocab = arch.vocab_size * h * (2 if pp == 1 and not arch.tie_embeddings else 1)
-    return (arch.num_layers * (attention + mlp) / pp + vocab) / tp
+    return (arch.num_layers * (attention + mlp) / pp + vocab) / tp, routed
 
 
 def layer_elements_per_token(arch: ModelArch, tp: int, recompute: str) -> float:
@@ -91,12 +104,17 @@ def layer_elements_per_token(arch: ModelArch, tp: int, recompute: str) -> float:
 def estimate(cfg: RunConfig, arch: ModelArch, dp: int) -> MemoryEstimate:
     """The trainer's memory per rank for ``cfg`` at ``dp`` data-parallel ranks (module docstring)."""
     par, opt, train = cfg.parallel, cfg.optimizer, cfg.train
-    params = rank_params(arch, par.tp, par.pp, par.ep)
+    dense, routed = rank_param_split(arch, par.tp, par.pp, par.ep, par.etp)
+    params = dense + routed
     bf16 = cfg.model.dtype == "bfloat16"
     elem = 2 if bf16 else 4
+    expert_dp = max(dp * par.tp * par.cp // (par.ep * par.etp), 1)
     shard = dp if opt.use_distributed_optimizer else 1
-    main = (4 if bf16 else 0) / shard
-    adam = 8 / shard
+    expert_shard = expert_dp if opt.use_distributed_optimizer else 1
+    # sharded state per parameter, averaged over the dense and the routed-expert parameters
+    sharded = (dense / shard + routed / expert_shard) / params
+    main = (4 if bf16 else 0) * sharded
+    adam = 8 * sharded
     offloaded = opt.offload_fraction if opt.cpu_offload else 0.0
     tokens = train.max_tokens_per_micro_batch / par.cp  # context parallelism: each rank holds 1/cp of a row
     layers = arch.num_layers // par.pp
@@ -120,7 +138,7 @@ def estimate(cfg: RunConfig, arch: ModelArch, dp: int) -> MemoryEstimate:
         grads_gib=params * 4 / GIB,
         optimizer_gib=params * (main + adam * (1 - offloaded)) / GIB,
         # the host holds Adam's moments, its own fp32 copy of the weights and a pinned copy of the gradients
-        host_optimizer_gib=params * offloaded * (adam + 8 / shard) / GIB,
+        host_optimizer_gib=params * offloaded * (adam + 8 * sharded) / GIB,
         activations_gib=tokens * (per_token + working * elem) / GIB,
         lm_head_gib=head / GIB,
         activation_bytes_per_token=per_token,
