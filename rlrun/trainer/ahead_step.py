@@ -1,0 +1,148 @@
+"""The loop's step when rollouts are generated ahead of training (``rollout.max_staleness`` K > 0).
+
+The engines generate step n+1 (up to n+K) on a background thread while the trainer trains step n
+(rlrun/rollout/ahead.py); the step itself is the synchronous one with two changes:
+  rollout  waits for this step's batch, launched up to K steps earlier, and logs how many weight versions
+           behind the trainer each sample is (``rollout/versions_behind_*``)
+  sync     exports the trained weights once (a copy the trainer's next update cannot change) and publishes
+           them; the rollout thread pushes them into the engine before the first rollout they may sample
+The importance ratios then compare the trainer's old log-probs against the older sampling policy's; the
+mismatch corrections (``algorithm.tis``) and diagnostics (``train/mismatch_k3``: KL(sampling || trainer))
+apply unchanged. The engine stays resident while the trainer trains (no offload of either).
+
+Exact resume: a checkpoint waits for the rollouts in flight and saves their batches (``rollout_carry.pt``)
+with the sampler cursor past their prompts; a resumed run trains them first, then goes on as the
+uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from rlrun.data.sample import Sample
+from rlrun.observability.metrics import PhaseTimer
+from rlrun.rollout.ahead import Published, RolloutAhead, versions_behind
+from rlrun.rollout.debug_data import maybe_save_train_data
+from rlrun.rollout.tally import RolloutBatch
+from rlrun.trainer.checkpoint import RunState
+
+if TYPE_CHECKING:
+    from rlrun.trainer.loop import Components
+
+CARRY_KIND = "rollout_ahead"
+
+
+class AheadLoop:
+    """One rank's rollout thread and the step that trains while it generates."""
+
+    def __init__(self, parts: Components, first_step: int) -> None:
+        cfg = parts.cfg
+        # Collective (every rank, once): the thread's rollout collectives get a gloo group of their own, so
+        # they never interleave with the ones the trainer runs at the same time on ``cpu_group``.
+        group = dist.new_group(backend="gloo")
+        self.parts = parts
+        self.runtime = dataclasses.replace(parts.rollout, parallel=dataclasses.replace(parts.parallel, cpu_group=group))
+        self.ahead: RolloutAhead[RolloutBatch | None] = RolloutAhead(
+            self.runtime.collect, self._push, cfg.rollout.max_staleness, first_step, end_step=cfg.train.num_steps
+        )
+
+    def _push(self, published: Published) -> None:
+        """On the rollout thread, between rollouts: the engine takes published weights."""
+        self.parts.engine.update_weights(
+            iter(published.weights),
+            weight_version=str(published.version),
+            bucket_bytes=self.parts.cfg.engine.bucket_bytes,
+            verify=self.parts.cfg.engine.verify_weights,
+        )
+
+    def step(self, state: RunState) -> None:
+        """One step (rlrun/trainer/loop.py's, with the rollout waited for and the sync published)."""
+        from rlrun.trainer.loop import scatter_train_batch, sync_due
+
+        parts = self.parts
+        phases, metrics = parts.offloader.phases(PhaseTimer(parts.logger, parts.watchdog)), {}
+        if parts.rollout.eval_due(state.step):
+            self.ahead.drain()  # the engine serves one caller at a time
+            with phases("eval"):
+                metrics.update(parts.rollout.evaluate(state.step))
+        with phases("rollout"):  # only the wait: the rollout ran while earlier steps trained
+            self.ahead.launch_until(state.step)
+            samples = self._take(state, metrics)
+        with phases("scatter"):
+            batch = scatter_train_batch(parts, samples, metrics)
+        if batch.updates:
+            with phases("logprobs"):
+                metrics.update(parts.actor.prepare(batch, state.step))
+                maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, batch.micro_batches)
+            with phases("train"):
+                metrics.update(parts.actor.train(batch, state.step))
+        if sync_due(1, state.step, trained=bool(batch.updates)):
+            with phases("sync"):  # the export is collective; the push happens on the rollout thread
+                state.weight_version += 1
+                weights = [(name, tensor.detach().clone()) for name, tensor in parts.actor.export_weights()]
+                parts.actor.on_weights_synced()
+                self.ahead.publish(state.step, Published(state.weight_version, weights))
+        metrics.update(phases.finish())
+        if parts.logger is not None:
+            parts.logger.log(state.step, metrics, samples)
+
+    def _take(self, state: RunState, metrics: dict[str, float]) -> list[Sample] | None:
+        rollout = self.ahead.take(state.step)
+        if rollout is None:  # not rank 0
+            return None
+        metrics.update(rollout.metrics)
+        metrics.update(versions_behind(state.weight_version, [s.weight_version for s in rollout.samples]))
+        return rollout.samples
+
+    def carry_state(self) -> list | None:
+        """Collective wait, then rank 0's launched, untrained batches as plain data for the checkpoint (the
+        sampler's cursor, saved beside them, is past their prompts)."""
+        batches = self.ahead.drain()
+        if not self.parts.parallel.is_rank0:
+            return None
+        return [
+            {
+                "kind": CARRY_KIND,
+                "step": step,
+                "metrics": dict(b.metrics),
+                "samples": [dataclasses.asdict(s) for s in b.samples],
+            }
+            for step, b in batches.items()
+            if b is not None
+        ]
+
+    def restore(self, state: list | None) -> None:
+        """Take back a checkpoint's batches (rank 0), and on every rank skip launching their steps again."""
+        from rlrun.data.transfer import scatter_from_rank0
+
+        parallel = self.parts.parallel
+        rows = (state or []) if parallel.is_rank0 else []
+        if any(not isinstance(row, dict) or row.get("kind") != CARRY_KIND for row in rows):
+            raise ValueError(
+                "rollout.max_staleness (> 0) cannot resume this checkpoint because its rollout_carry.pt holds "
+                "partial-rollout groups, not batches generated ahead; set rollout.max_staleness: 0 and "
+                "rollout.partial_rollout: true as the saving run had, or checkpoint.resume: none"
+            )
+        plan = [[row["step"] for row in rows]] * parallel.world_size if parallel.is_rank0 else None
+        by_step = {row["step"]: row for row in rows}
+        for step in scatter_from_rank0(plan, parallel.cpu_group):
+            row = by_step.get(step)
+            batch = RolloutBatch([Sample.from_dict(s) for s in row["samples"]], row["metrics"]) if row else None
+            self.ahead.put(step, batch)
+
+    def close(self) -> None:
+        self.ahead.close()
+
+
+def start_ahead(parts: Components, state: RunState, carry: list | None) -> AheadLoop | None:
+    """Collective, after a restore: the rollout thread with the checkpoint's batches (``rollout.max_staleness``
+    > 0), or None for the synchronous loop, given the checkpoint's partial-rollout carry instead."""
+    if parts.cfg.rollout.max_staleness == 0:
+        parts.rollout.restore_carry(carry)
+        return None
+    ahead = AheadLoop(parts, state.step)
+    ahead.restore(carry)
+    return ahead
