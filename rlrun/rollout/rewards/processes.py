@@ -10,7 +10,7 @@ scores the sample (or group) 0 and counts it in ``rollout/reward_errors``.
 
 Functions cross by reference: a module function by its import path; one loaded from a file
 (``path/to/file.py:function``, or a script's ``__main__``) by its file and name, loaded again in the worker
-(:func:`function_from_file`). Workers die with their rank (``PR_SET_PDEATHSIG``) and at its exit.
+(:func:`function_from_file`). Workers end with their rank (they watch it) and are killed at its exit.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import types
 from typing import Any
 
 _HEADER = struct.Struct("<Q")
+READY = b"ready"
+"""A worker's first message: it has imported what it needs and reads requests."""
 
 
 class RewardTimeoutError(TimeoutError):
@@ -81,8 +83,13 @@ def read_message(stream) -> bytes | None:
     return stream.read(_HEADER.unpack(header)[0])
 
 
+STARTUP_S = 300.0
+"""Longest a reward process may take to start (imports on a busy machine); not counted against a call."""
+
+
 class _Worker:
-    """One reward process and its pipes."""
+    """One reward process and its pipes; constructed once it has said it is ready, so a call's time limit
+    counts the call only."""
 
     def __init__(self) -> None:
         self.process = subprocess.Popen(
@@ -90,6 +97,10 @@ class _Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+        ready, _, _ = select.select([self.process.stdout], [], [], STARTUP_S)
+        if not ready or read_message(self.process.stdout) != READY:
+            self.kill()
+            raise RewardProcessError(f"a reward process did not start within {STARTUP_S:g} s")
 
     def call(self, request: bytes, timeout_s: float) -> Any:
         write_message(self.process.stdin, request)

@@ -1,30 +1,32 @@
 """A reward process (:mod:`.processes`): reads pickled ``(function, argument)`` requests on stdin, answers each
 with a pickled ``(True, value)`` or ``(False, "Type: message")``. Started as
 ``python -m rlrun.rollout.rewards.worker <parent pid>``; what the reward prints goes to stderr, so it cannot
-corrupt the replies. Ends at the end of stdin, or with its parent (``PR_SET_PDEATHSIG``)."""
+corrupt the replies. Ends at the end of stdin, or when its parent is gone."""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import inspect
 import os
 import pickle
-import signal
 import sys
+import threading
+import time
 
-from rlrun.rollout.rewards.processes import read_message, write_message
-
-_PR_SET_PDEATHSIG = 1
+from rlrun.rollout.rewards.processes import READY, read_message, write_message
 
 
 def _die_with(parent_pid: int) -> None:
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the worker still ends at the end of its stdin
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    """End this process when the rank that started it is gone, even while a reward hangs in it. (Not
+    ``PR_SET_PDEATHSIG``: that fires when the parent *thread* ends, and workers are started from short-lived
+    scoring threads.)"""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
         os._exit(0)
+
+    threading.Thread(target=watch, name="rlrun-reward-parent-watch", daemon=True).start()
 
 
 def _call(fn, argument):
@@ -37,6 +39,7 @@ def main() -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the reward's prints go to stderr
     requests = sys.stdin.buffer
+    write_message(replies, READY)
     while (request := read_message(requests)) is not None:
         try:
             fn, argument = pickle.loads(request)
