@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from rlrun.kernels.triton_support import triton_available
-
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, sample index) pairs apart
 GREEDY_TEMPERATURE_EPS = 1e-6
 """SGLang's ``_SAMPLING_EPS``: a temperature below it means greedy decoding."""
@@ -304,15 +302,9 @@ def sample_tokens(
     are then the sampling distribution's, renormalised over that set: ``log p(t) - log sum_{k kept} p(k)``.
     Without ``kept_out`` they are log_softmax(logits / T) before any filter (SGLang's).
 
-    With every row greedy on CUDA (and Triton), one kernel picks the tokens and their log-probs
-    (``triton_kernels.greedy_tokens``: the trainer's formula, within fp32 rounding of the eager path's).
+    The embedded engine's decode step takes a Triton kernel instead where every row is greedy on CUDA
+    (``rlrun.engine.embedded.decode_batch``).
     """
-    if not t.sample and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and triton_available():
-        from rlrun.engine.embedded.triton_kernels import greedy_tokens
-
-        if kept_out is not None:
-            kept_out.fill_(-1)
-        return greedy_tokens(logits, t.temperature)
     logprobs = torch.log_softmax(torch.div(logits, t.temperature[:, None]), dim=-1)  # fp32 temperature: fp32
     tokens = logprobs.argmax(dim=-1)
     log_mass = None

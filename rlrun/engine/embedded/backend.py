@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from rlrun.engine.embedded.decode_control import DecodeControl, RequestHandle
-from rlrun.engine.embedded.engine import EarlyDelivery, EmbeddedEngine
+from rlrun.engine.embedded.decode_control import DecodeControl, EarlyDelivery, RequestHandle
+from rlrun.engine.embedded.engine import EmbeddedEngine
 from rlrun.engine.payload import deserialize_flattened_bucket, tensor_checksum
 from rlrun.engine.registry import BackendSpec
 from rlrun.engine.sampling import SamplingParams, row_rids

@@ -21,6 +21,7 @@ import torch
 
 from rlrun.engine.embedded.static_cache import StaticKVCache
 from rlrun.engine.sampling import SamplingTensors, sample_tokens, uniform_noise
+from rlrun.kernels.triton_support import triton_available
 
 
 class Finish(enum.IntEnum):
@@ -203,7 +204,7 @@ class DecodeBatch:
         sampling = self.sampling if slots is None else self.sampling.take(slots)
         kept = None if self.kept_ids is None else self.kept_ids.new_empty(len(rows), self.kept_ids.shape[-1])
         noise = None if self.noise is None else self.noise[rows, step]
-        token, logprob = sample_tokens(logits, sampling, step, kept, noise)
+        token, logprob = _sample(logits, sampling, step, kept, noise)
         if kept is not None and self.kept_ids is not None:  # both or neither
             self.kept_ids[rows, step] = kept
         self.tokens[rows, step] = token
@@ -263,3 +264,21 @@ class DecodeBatch:
         self.lengths[row] = length
         self.finish[row] = Finish.STOP_STRING
         self.active[row] = False
+
+
+def _sample(
+    logits: torch.Tensor,
+    sampling: SamplingTensors,
+    step: torch.Tensor,
+    kept: torch.Tensor | None,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_tokens``, or with every row greedy on CUDA (and Triton) one kernel that picks the tokens and their
+    log-probs (``triton_kernels.greedy_tokens``: the trainer's formula, within fp32 rounding of the eager path's)."""
+    if not sampling.sample and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and triton_available():
+        from rlrun.engine.embedded.triton_kernels import greedy_tokens
+
+        if kept is not None:
+            kept.fill_(-1)
+        return greedy_tokens(logits, sampling.temperature)
+    return sample_tokens(logits, sampling, step, kept, noise)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+
+from rlrun.engine.types import GenResult
 
 
 class RequestHandle:
@@ -116,3 +118,20 @@ class DecodeControl:
         """True when no decode loop can touch the weights: none runs, or all wait at a checkpoint."""
         with self._cond:
             return self._num_running == self._num_parked
+
+
+class EarlyDelivery:
+    """Parts of one decode batch (the rows of each merged generate call) and where their results go."""
+
+    def __init__(self, parts: Sequence[Sequence[int]], callback: Callable[[int, list[GenResult]], None]) -> None:
+        self.parts = [list(p) for p in parts]
+        self.callback = callback
+        """``callback(part, results)``, called on the decode thread once per part delivered early."""
+        self.delivered = [False] * len(self.parts)
+
+    def deliver_done(self, done: Mapping[int, GenResult]) -> None:
+        """Hand over each part whose rows all have results in ``done`` (by row), once."""
+        for k, rows in enumerate(self.parts):
+            if not self.delivered[k] and all(b in done for b in rows):
+                self.delivered[k] = True
+                self.callback(k, [done[b] for b in rows])

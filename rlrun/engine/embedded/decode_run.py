@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from rlrun.engine.embedded.decode_batch import BatchShape, DecodeBatch, Finish, row_bucket
-from rlrun.engine.embedded.decode_control import DecodeControl, RequestHandle
+from rlrun.engine.embedded.decode_control import DecodeControl, EarlyDelivery, RequestHandle
 from rlrun.engine.embedded.decode_graphs import read_len
 from rlrun.engine.embedded.decode_slots import SlotTable, StopStringSlots
 from rlrun.engine.embedded.routing_record import encode
@@ -27,7 +27,29 @@ from rlrun.engine.sampling import KEPT_SET_WIDTH, SamplingParams, SamplingTensor
 from rlrun.engine.types import FinishReason, GenResult, RoutedExperts
 
 if TYPE_CHECKING:
-    from rlrun.engine.embedded.engine import EarlyDelivery, EmbeddedEngine
+    from rlrun.engine.embedded.decode_graphs import WarmBatch
+    from rlrun.engine.embedded.routing_record import RouterRecorder
+
+
+class DecodeHost(Protocol):
+    """What a decode run reads of its engine (``EmbeddedEngine``), so this module need not import it."""
+
+    device: torch.device
+    vocab_size: int
+    tokenizer: Any
+    weight_version: str
+    router_recorder: RouterRecorder | None
+    _prefill_experts: torch.Tensor | None
+
+    def synchronize(self) -> None: ...
+
+    def _row_key(self, params: SamplingParams, prompt: list[int], sample_index: int) -> int: ...
+
+    def _stop_id_matrix(self, row_params: Sequence[SamplingParams]) -> torch.Tensor: ...
+
+    def _batch_for(self, shape: BatchShape) -> WarmBatch: ...
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]: ...
 
 SYNC_EVERY = 16
 """Decode steps between host looks at the batch (rows ended? stop strings? slots to refill?): more steps
@@ -67,7 +89,7 @@ class DecodeRun:
 
     def __init__(
         self,
-        engine: EmbeddedEngine,
+        engine: DecodeHost,
         prompts: list[list[int]],
         params: list[SamplingParams],
         request: RequestHandle,

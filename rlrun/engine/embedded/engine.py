@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlrun.engine.embedded.decode_batch import BatchShape, DecodeBatch
-from rlrun.engine.embedded.decode_control import DecodeControl, RequestHandle
+from rlrun.engine.embedded.decode_control import DecodeControl, EarlyDelivery, RequestHandle
 from rlrun.engine.embedded.decode_graphs import WarmBatch, WarmBatches
 from rlrun.engine.embedded.decode_run import SYNC_EVERY, DecodeRun
 from rlrun.engine.embedded.fused_experts import expert_slice
@@ -67,23 +67,6 @@ the experts the batch hit, so neither can be captured as a CUDA graph; ``batched
 (token, expert) pair, no data-dependent shape) can, at little cost for decode's few tokens. Probed on the
 H200 (torch 2.11, transformers 5.17): float32 grouped_mm and eager fail capture, batched_mm captures;
 bfloat16 grouped_mm captures, so bf16 keeps it (it does not gather one weight copy per pair)."""
-
-
-class EarlyDelivery:
-    """Parts of one decode batch (the rows of each merged generate call) and where their results go."""
-
-    def __init__(self, parts: Sequence[Sequence[int]], callback: Callable[[int, list[GenResult]], None]) -> None:
-        self.parts = [list(p) for p in parts]
-        self.callback = callback
-        """``callback(part, results)``, called on the decode thread once per part delivered early."""
-        self.delivered = [False] * len(self.parts)
-
-    def deliver_done(self, done: Mapping[int, GenResult]) -> None:
-        """Hand over each part whose rows all have results in ``done`` (by row), once."""
-        for k, rows in enumerate(self.parts):
-            if not self.delivered[k] and all(b in done for b in rows):
-                self.delivered[k] = True
-                self.callback(k, [done[b] for b in rows])
 
 
 def _decode_experts_implementation(model, device: torch.device) -> str | None:
