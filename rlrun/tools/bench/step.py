@@ -368,7 +368,7 @@ def run_config(
             "updates_per_rollout": settings.updates_per_rollout,
             "max_tokens_per_micro_batch": settings.micro_batch_samples * sample_len,
         },
-        "checkpoint": {"save_interval": 0, "resume": "none"},
+        "checkpoint": {"save_interval": 0, "resume": "none", "save_at_end": False, "export_at_end": False},
         "logging": {
             "run_dir": str(run_dir),
             "console": True,
