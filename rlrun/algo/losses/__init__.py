@@ -8,7 +8,9 @@ functions, so ``rlrun config validate`` reads this table without torch.
 from __future__ import annotations
 
 from rlrun.algo.entries import PolicyLoss
-from rlrun.algo.losses import cispo, gspo, ppo_clip
+from rlrun.algo.losses import cispo, gspo, opsm, ppo_clip
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {entry.name: entry for entry in (ppo_clip.ENTRY, gspo.ENTRY, cispo.ENTRY)}
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    entry.name: entry for entry in (ppo_clip.ENTRY, gspo.ENTRY, cispo.ENTRY, opsm.ENTRY)
+}
 """``algorithm.policy_loss``'s names -> their entries."""
