@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlrun.data.errors import PromptDataError
+
 _FILE_BUILDERS = {".csv": "csv", ".arrow": "arrow"}
 _SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 
@@ -29,11 +31,9 @@ def datasets_rows(path: Path, select: Callable[[int], range], split: str) -> lis
     try:
         import datasets
     except ImportError:
-        from rlrun.data.prompt_files import PromptDataError
-
         raise PromptDataError(
             f"{path}: reading a directory or {'/'.join(_FILE_BUILDERS)} file needs the datasets package; "
-            "pip install datasets (or rlrun[data]), or convert the data to .jsonl / .parquet"
+            "pip install datasets (or rlrun[datasets]), or convert the data to .jsonl / .parquet"
         ) from None
     table = _load(datasets, path, split)
     selected = select(len(table))
@@ -42,8 +42,6 @@ def datasets_rows(path: Path, select: Callable[[int], range], split: str) -> lis
 
 
 def _load(datasets, path: Path, split: str):
-    from rlrun.data.prompt_files import PromptDataError
-
     saved = path.is_dir() and any((path / name).is_file() for name in _SAVED_MARKERS)
     try:
         if saved:

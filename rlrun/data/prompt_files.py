@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlrun.data.errors import PromptDataError
 from rlrun.data.hf_datasets import datasets_rows, is_datasets_source
+
+__all__ = ["MISSING", "DataSource", "Messages", "PromptDataError", "PromptRow", "RowKeys", "lookup", "read_rows"]
 
 Messages = list[dict[str, str]]
 _SLICE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
-
-
-class PromptDataError(ValueError):
-    """A prompt file or row the user must fix; the message names the file and line."""
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def math_verify(sample: Sample) -> float:
         from math_verify.errors import TimeoutException
     except ImportError:
         raise RuntimeError(
-            "rollout.reward math_verify needs the math-verify package; pip install math-verify (or rlrun[rewards])"
+            "rollout.reward math_verify needs the math-verify package; pip install math-verify (or rlrun[math])"
         ) from None
     limit = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     _warm_up(parse, verify, limit)
