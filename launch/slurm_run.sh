@@ -60,4 +60,19 @@ if [[ ${RLRUN_DRY_RUN:-0} == 1 ]]; then
   exit 0
 fi
 mkdir -p "$LOG_DIR"
-exec "${CMD[@]}"
+# A stop signal (SIGUSR1 before the time limit, SIGTERM) makes the ranks checkpoint and exit 0, but torchrun then
+# re-raises the signal it forwarded and exits 1, so the job would read FAILED. When rank 0's log shows the stop
+# and the checkpoint after it, the job ends 0 instead (COMPLETED): submitting it again continues.
+STARTED="$LOG_DIR/.started-$$"  # a requeued job shares LOG_DIR: read only this run's logs
+touch "$STARTED"
+rc=0
+"${CMD[@]}" || rc=$?
+if ((rc != 0)); then
+  for log in $(find "$LOG_DIR" -path '*/attempt_*/0/stdout.log' -newer "$STARTED"); do
+    if awk '/received: checkpointing and stopping/ {s = 1} s && /checkpoint saved/ {ok = 1} END {exit !ok}' "$log"; then
+      echo "[slurm_run] ranks checkpointed and stopped on a signal (torchrun exited $rc); resubmit to continue"
+      exit 0
+    fi
+  done
+fi
+exit "$rc"
