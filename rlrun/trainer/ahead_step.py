@@ -28,9 +28,10 @@ from rlrun.rollout.ahead import Published, RolloutAhead, versions_behind
 from rlrun.rollout.debug_data import maybe_save_train_data
 from rlrun.rollout.tally import RolloutBatch
 from rlrun.trainer.checkpoint import RunState
+from rlrun.trainer.components import scatter_train_batch, sync_due
 
 if TYPE_CHECKING:
-    from rlrun.trainer.loop import Components
+    from rlrun.trainer.components import Components
 
 CARRY_KIND = "rollout_ahead"
 
@@ -60,8 +61,6 @@ class AheadLoop:
 
     def step(self, state: RunState) -> None:
         """One step (rlrun/trainer/loop.py's, with the rollout waited for and the sync published)."""
-        from rlrun.trainer.loop import scatter_train_batch, sync_due
-
         parts = self.parts
         phases, metrics = parts.offloader.phases(PhaseTimer(parts.logger, parts.watchdog)), {}
         if parts.rollout.eval_due(state.step):
