@@ -108,7 +108,7 @@ def config_validate(config: ConfigPath, overrides: Overrides = []) -> None:  # n
     r = cfg.rollout
     typer.echo(
         f"ok: {config}: model {cfg.model.path}, {cfg.train.num_steps} steps of {r.prompts_per_step} "
-        f"prompts x {r.samples_per_prompt} samples, reward {r.reward}"
+        f"prompts x {r.samples_per_prompt} samples, reward {r.reward or f'from the agent {r.agent}'}"
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlrun.config.schema import RunConfig
+from rlrun.config.schema import REQUIRED_KEYS, RunConfig, required_message
 
 _MAX_VALUE_CHARS = 60
 BASE_KEY = "base"
@@ -316,10 +316,7 @@ def _describe(err: dict, sources: dict[str, str], path: Path) -> str:
         return f"{_source(key, sources, path)}: {_unknown_key(key, _model_at(loc[:-1]) or RunConfig)}"
     msg = " ".join(err["msg"].split())
     if err["type"] == "missing":
-        section = _model_at(loc)
-        if section is not None:  # a missing section: name its required fields
-            key = ", ".join(f"{key}.{name}" for name, field in section.model_fields.items() if field.is_required())
-        return f"{_source(key, sources, path)}: {key} is required (it has no default); set it in the config"
+        return "\n".join(f"{_source(key, sources, path)}: {_required(key)}" for key in _missing_keys(loc))
     if err["type"] == "value_error":
         # Cross-field validators already name their key ("parallel.pp must be 1: ..."); point at that key.
         msg = msg.removeprefix("Value error, ")
@@ -333,6 +330,21 @@ def _describe(err: dict, sources: dict[str, str], path: Path) -> str:
     else:
         text = f"{key} ({value}): {msg[:1].lower()}{msg[1:]}"
     return f"{_source(key, sources, path)}: {text}"
+
+
+def _missing_keys(loc: tuple[str, ...]) -> list[str]:
+    """The dotted keys a missing ``loc`` stands for: the key itself, or a missing section's required keys
+    (``rollout``'s is ``rollout.reward``, which a validator requires)."""
+    key = ".".join(loc)
+    section = _model_at(loc)
+    if section is None:
+        return [key]
+    own = [f"{key}.{name}" for name, field in section.model_fields.items() if field.is_required()]
+    return list(dict.fromkeys(own + [k for k in REQUIRED_KEYS if k.startswith(f"{key}.")])) or [key]
+
+
+def _required(key: str) -> str:
+    return required_message(key) if key in REQUIRED_KEYS else f"{key} is required (it has no default); set it"
 
 
 def _source_order(problem: str) -> tuple[int, str]:

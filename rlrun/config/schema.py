@@ -1,7 +1,8 @@
 """The typed schema of one rlrun run.
 
 Every section is a pydantic model with ``extra="forbid"`` so a misspelt key fails at load time.
-Each field has a default that works for the CPU quickstart; docstrings say what the field means.
+Each field has a default that works for the CPU quickstart, except the keys of ``REQUIRED_KEYS`` (the model,
+the prompts and the reward), which every config sets; docstrings say what the field means.
 Derived values are properties; the config is never mutated after loading.
 """
 
@@ -14,6 +15,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+REQUIRED_KEYS: dict[str, str] = {
+    "model.path": "set it to a Hugging Face directory or hub id",
+    "data.path": "set it to a prompt file (.jsonl, .parquet) or a datasets directory",
+    "rollout.reward": "set it to a built-in reward (math, gsm8k, exact_match, ...), an http(s):// reward server or "
+    "module:function, or leave it unset with rollout.agent whose return is the reward (rollout.agent_scores)",
+}
+"""The keys with no default (no model, prompts or reward fits every run; the quickstart configs set them), each
+with the fix its error names: ``<file>: <key> is required: <fix>``."""
+
+
+def required_message(key: str) -> str:
+    """The error of a missing ``REQUIRED_KEYS`` key, as the loader and the validators word it."""
+    return f"{key} is required: {REQUIRED_KEYS[key]}"
 
 
 LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"]
@@ -99,8 +115,9 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str = ".cache/models/SmolLM2-135M-Instruct"
-    """Hugging Face model directory (config.json + safetensors + tokenizer files)."""
+    path: str
+    """Hugging Face model directory (config.json + safetensors + tokenizer files) or hub id (docs/models.md).
+    Required: no model fits every run (the quickstart configs name .cache/models/SmolLM2-135M-Instruct)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trainer. float32 on CPU; bfloat16 on GPU."""
     moe: MoEConfig = MoEConfig()
@@ -170,8 +187,8 @@ class ParallelConfig(Section):
 
 
 class DataConfig(Section):
-    path: str = "configs/data/addition_train.jsonl"
-    """Prompt file: ``.jsonl`` (one JSON object per line) or ``.parquet`` (one row per prompt;
+    path: str
+    """Required. Prompt file: ``.jsonl`` (one JSON object per line) or ``.parquet`` (one row per prompt;
     verl's layout reads as is), or through the optional ``datasets`` package a directory (``save_to_disk``'s,
     or data files ``load_dataset`` reads) or a ``.csv`` / ``.arrow`` file; optionally sliced as
     ``path@[start:end]`` (Python slice of the rows, e.g. ``@[:1000]``, ``@[-50:]``). Every ``*_key`` below may be dotted
@@ -255,14 +272,15 @@ class RolloutConfig(Section):
     into the text rewards read. The engine returns token ids only, so this is the trainer's decode; the
     trained tokens are the same either way. A multi-turn sample's ``response_text`` always keeps them, so
     its turns stay visible."""
-    reward: str = "first_number"
+    reward: str | None = None
     """Reward function: a built-in name (math, gsm8k, exact_match, format_boxed, format_think,
     first_number; slime's dapo, deepscaler, f1: rlrun/rollout/rewards/builtin.py), an ``http(s)://`` URL
     of a reward server (see ``remote_reward``), or ``module:function`` / ``path/to/file.py:function``
     with signature ``fn(sample: Sample) -> float`` (plain or ``async def``; the sample carries the
     response text, finish_reason and the prompt's label and metadata). Resolved when the config is
     loaded. A reward that raises scores 0 and is counted in ``rollout/reward_errors`` and logged with
-    its message."""
+    its message. Required, unless ``agent`` is set with ``agent_scores`` (the agent's return is then the
+    reward and this is never called): None only there."""
     rewards: dict[str, str] = Field(default_factory=dict)
     """Multi-task data: named reward functions (each a spec as ``reward`` takes) that a row selects by its
     metadata's ``reward_type_key`` value (slime's per-sample ``rm_type``); rows without that key use
@@ -384,6 +402,8 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _over_sampling_covers_a_batch(self) -> RolloutConfig:
+        if self.reward is None and not (self.agent is not None and self.agent_scores):
+            raise ValueError(required_message("rollout.reward"))
         if self.streams and self.generate_fn is not None:
             raise ValueError(
                 f"rollout.generate_fn ('{self.generate_fn}') must be unset with rollout.abort_surplus / "
@@ -1079,10 +1099,10 @@ class CriticConfig(Section):
 
 
 class RunConfig(Section):
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
-    data: DataConfig = DataConfig()
-    rollout: RolloutConfig = RolloutConfig()
+    data: DataConfig
+    rollout: RolloutConfig
     eval: EvalConfig = EvalConfig()
     debug: DebugConfig = DebugConfig()
     engine: EngineConfig = EngineConfig()

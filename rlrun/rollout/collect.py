@@ -62,7 +62,8 @@ class RolloutHooks:
     """The rollout's user-replaceable functions, resolved from ``rollout.*`` specs (each optional one is a row of
     :data:`rlrun.rollout.hook_specs.HOOK_LOADERS`, under its config key's name)."""
 
-    reward_fn: Callable
+    reward_fn: Callable | None
+    """None only when the agent's return is the reward (``rollout.agent`` with ``agent_scores``, no ``reward``)."""
     generate_fn: Callable | None
     dynamic_filter: GroupFilter | None
     reward_post_process: RewardPostProcess | None = None
@@ -77,7 +78,7 @@ class RolloutHooks:
     def load(cls, r: RolloutConfig) -> RolloutHooks:
         """Import every hook the config names; raises ``RewardSpecError`` / ``HookSpecError`` naming the key
         (cheap: call it when the config is loaded, so a bad path fails before any model loads)."""
-        return cls(reward_fn=load_rewards(r), **load_hooks(r))
+        return cls(reward_fn=None if r.reward is None else load_rewards(r), **load_hooks(r))
 
 
 @dataclass

@@ -77,7 +77,8 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 BASE = {
     "model": {"path": "unused", "dtype": "bfloat16"},
-    "rollout": {"prompts_per_step": 128, "samples_per_prompt": 16, "max_new_tokens": 4096},
+    "data": {"path": "unused"},
+    "rollout": {"prompts_per_step": 128, "samples_per_prompt": 16, "max_new_tokens": 4096, "reward": "math"},
     "engine": {"backend": "sglang", "server_args": {"mem_fraction_static": 0.7}},
     "train": {"max_tokens_per_micro_batch": 16384},
     "offload": {"train": True, "rollout": True},

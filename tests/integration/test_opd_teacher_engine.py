@@ -73,14 +73,14 @@ def test_teacher_engine_scores_equal_the_teachers_hf_forward(tmp_path, tiny_mode
 def _check_tokenizers(student_dir: str, teacher_dir: str) -> str | None:
     from transformers import AutoTokenizer
 
-    from rlrun.config.schema import RunConfig
+    from minimal_config import run_config
     from rlrun.rollout.teacher import check_teacher_tokenizer
     from rlrun.runtime.dist import destroy_distributed, init_distributed
 
     parallel = init_distributed(1, 1, 0)
     try:
         opd = {"teacher_path": teacher_dir, "kl_coef": 0.2, "teacher_engine": "embedded"}
-        cfg = RunConfig.model_validate({"model": {"path": student_dir}, "algorithm": {"opd": opd}})
+        cfg = run_config({"model": {"path": student_dir}, "algorithm": {"opd": opd}})
         try:
             check_teacher_tokenizer(cfg, AutoTokenizer.from_pretrained(student_dir), parallel)
         except ValueError as err:

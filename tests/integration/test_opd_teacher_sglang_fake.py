@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine_contract import FAKES_DIR
+from minimal_config import run_config
 from rlrun.config.schema import RunConfig
 from rlrun.data.sample import Prompt, Sample
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def config(model_dir, **opd) -> RunConfig:
     rollout = opd.pop("rollout", {})
-    return RunConfig.model_validate(
+    return run_config(
         {
             "model": {"path": str(model_dir)},
             "rollout": rollout,

@@ -78,7 +78,7 @@ def collect_steps(model_dir, data, reward, scenarios):
     import torch
     from transformers import AutoTokenizer
 
-    from rlrun.config.schema import RunConfig
+    from minimal_config import run_config
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.rollout.collect import RolloutRuntime
     from rlrun.rollout.streaming import carry_from_state
@@ -89,7 +89,7 @@ def collect_steps(model_dir, data, reward, scenarios):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         for rollout in scenarios:
-            cfg = RunConfig.model_validate(
+            cfg = run_config(
                 {
                     "model": {"path": model_dir},
                     "data": {"path": data, "apply_chat_template": False, "shuffle": False},

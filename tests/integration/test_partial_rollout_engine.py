@@ -49,7 +49,7 @@ def collect_steps(model_dir: str, run_dir: str, data: str, reward: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine_contract import FAKES_DIR
-    from rlrun.config.schema import RunConfig
+    from minimal_config import run_config
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.engine.client import EngineClient
     from rlrun.engine.registry import BackendSpec
@@ -60,7 +60,7 @@ def collect_steps(model_dir: str, run_dir: str, data: str, reward: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         weights = [(n, t.detach()) for n, t in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()]
-        cfg = RunConfig.model_validate(
+        cfg = run_config(
             {
                 "model": {"path": model_dir},
                 "data": {"path": data, "shuffle": False},

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine_contract import FAKES_DIR
+from minimal_config import run_config
 from rlrun.config.schema import RunConfig
 from rlrun.engine.registry import BACKENDS, BackendSpec, BackendTraits, register_backend
 
@@ -34,7 +35,7 @@ def recording_backend():
 
 
 def config(model_dir, record_to, **algorithm) -> RunConfig:
-    return RunConfig.model_validate(
+    return run_config(
         {
             "model": {"path": str(model_dir)},
             "engine": {"backend": "recording", "server_args": {"record_to": str(record_to)}},
@@ -51,31 +52,31 @@ def test_traits_decide_the_config_and_the_spec(recording_backend, tmp_path):
     assert cfg.engine.server_args == {"record_to": str(tmp_path / "spec.json")}  # the config is not modified
     assert BackendSpec.from_config(config(tmp_path, "x"), seed=5).server_args == {"record_to": "x"}
     with pytest.raises(ValueError, match=r"engine.verify_weights \(true\) must be false with backend recording"):
-        RunConfig.model_validate({"engine": {"backend": "recording", "verify_weights": True}})
+        run_config({"engine": {"backend": "recording", "verify_weights": True}})
     with pytest.raises(
         ValueError,
         match=r"engine.server_args keys \['a'\] must be among \['max_running_requests', 'chunked_prefill_size'\]",
     ):
-        RunConfig.model_validate({"engine": {"server_args": {"a": 1, "max_running_requests": 8}}})
+        run_config({"engine": {"server_args": {"a": 1, "max_running_requests": 8}}})
     with pytest.raises(ValueError, match=r"engine.server_args must be empty with backend blind because it reads"):
         register_backend("blind", dataclasses.replace(RECORDING, accepts_server_args=False))
         try:
-            RunConfig.model_validate({"engine": {"backend": "blind", "server_args": {"a": 1}}})
+            run_config({"engine": {"backend": "blind", "server_args": {"a": 1}}})
         finally:
             del BACKENDS["blind"]
     with pytest.raises(ValueError, match=r"engine.backend \('nope'\) must be one of \['embedded', 'recording'"):
-        RunConfig.model_validate({"engine": {"backend": "nope"}})
+        run_config({"engine": {"backend": "nope"}})
     register_backend("blind", dataclasses.replace(RECORDING, routed_experts_args=None))
     try:
         with pytest.raises(ValueError, match=r"algorithm.routing_replay \(rollout\) must go with an engine that"):
-            RunConfig.model_validate({"engine": {"backend": "blind"}, "algorithm": {"routing_replay": "rollout"}})
+            run_config({"engine": {"backend": "blind"}, "algorithm": {"routing_replay": "rollout"}})
     finally:
         del BACKENDS["blind"]
 
 
 def test_sglang_gets_routed_experts_only_for_rollout_replay():
     def spec(**algorithm):
-        cfg = RunConfig.model_validate(
+        cfg = run_config(
             {"engine": {"backend": "sglang", "server_args": {"mem_fraction_static": 0.5}}, "algorithm": algorithm}
         )
         return BackendSpec.from_config(cfg, seed=0)
@@ -83,7 +84,7 @@ def test_sglang_gets_routed_experts_only_for_rollout_replay():
     routed = {"mem_fraction_static": 0.5, "enable_return_routed_experts": True}
     assert spec(routing_replay="rollout").server_args == routed
     assert spec(routing_replay="trainer").server_args == {"mem_fraction_static": 0.5}
-    assert BackendSpec.from_config(RunConfig(), seed=0).server_args == {}  # embedded returns them unasked
+    assert BackendSpec.from_config(run_config(), seed=0).server_args == {}  # embedded returns them unasked
 
 
 def test_a_worker_builds_the_registered_backend(recording_backend, tiny_model_dirs, tmp_path):

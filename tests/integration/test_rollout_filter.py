@@ -34,7 +34,7 @@ def collect_scenarios(model_dir: str, run_dir: str, scenarios: list[tuple[dict, 
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rlrun.config.schema import RunConfig
+    from minimal_config import run_config
     from rlrun.data.prompts import PromptDataset, PromptSampler
     from rlrun.engine.client import EngineClient
     from rlrun.engine.registry import BackendSpec
@@ -49,7 +49,7 @@ def collect_scenarios(model_dir: str, run_dir: str, scenarios: list[tuple[dict, 
             BackendSpec("embedded", str(model_dir), parallel.rank), run_dir=Path(run_dir), rank=parallel.rank
         ) as engine:
             for overrides, num_steps in scenarios:
-                cfg = RunConfig.model_validate({**overrides, "model": {"path": model_dir}, "train": {"seed": SEED}})
+                cfg = run_config({**overrides, "model": {"path": model_dir}, "train": {"seed": SEED}})
                 sampler = PromptSampler(PromptDataset(cfg.data, tokenizer), seed=SEED) if parallel.is_rank0 else None
                 runtime = RolloutRuntime.build(cfg, parallel, engine, tokenizer, sampler)
                 batches = [runtime.collect(step) for step in range(num_steps)]

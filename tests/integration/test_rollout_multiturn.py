@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlrun.config.schema import DataConfig, RolloutConfig
+from minimal_config import rollout_config
+from rlrun.config.schema import DataConfig
 from rlrun.data.prompts import PromptDataset
 from rlrun.rollout.driver import sampling_params
 from rlrun.rollout.multiturn import load_generate_fn, run_generate_fn
@@ -57,7 +58,7 @@ def test_loss_mask_covers_exactly_the_models_tokens(tiny_model_dirs, tmp_path):
     rows.write_text("".join(f'{{"prompt": "What is {a} * 7 + 1?", "label": {a * 7 + 1}}}\n' for a in (12, 34, 56)))
     data = DataConfig(path=str(rows), system_prompt=SYSTEM)
     prompts = PromptDataset(data, tokenizer).prompts
-    cfg = RolloutConfig(samples_per_prompt=4, max_new_tokens=6, generate_fn=f"{AGENT}:generate")
+    cfg = rollout_config(samples_per_prompt=4, max_new_tokens=6, generate_fn=f"{AGENT}:generate")
     with EngineClient.spawn(BackendSpec("embedded", str(model_dir), 0), run_dir=tmp_path, rank=0) as engine:
         recorder = RecordingEngine(engine)
         samples = run_generate_fn(

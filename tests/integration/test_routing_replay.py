@@ -23,7 +23,7 @@ TEMPERATURE = 1.0
 def _engine_samples(hf_dir: str):
     """Samples from an engine whose router weights differ slightly from the trainer's; equal prompt
     lengths and ignore_eos give equal sample lengths (for a plain 2-row micro-batch)."""
-    from rlrun.config.schema import RolloutConfig
+    from minimal_config import rollout_config
     from rlrun.data.sample import Prompt
     from rlrun.engine.embedded.engine import EmbeddedEngine
     from rlrun.rollout.driver import generate_samples
@@ -36,7 +36,7 @@ def _engine_samples(hf_dir: str):
             if name.endswith("mlp.gate.weight"):
                 param.add_(0.15 * param.abs().mean() * torch.randn(param.shape, generator=gen))
     prompts = [Prompt(index=i, prompt_ids=[(7 * i + j) % 250 for j in range(6)], prompt_text="") for i in range(3)]
-    cfg = RolloutConfig(max_new_tokens=12, temperature=TEMPERATURE, samples_per_prompt=2, top_p=1.0)
+    cfg = rollout_config(max_new_tokens=12, temperature=TEMPERATURE, samples_per_prompt=2, top_p=1.0)
     engine.eos_token_ids = set()  # fixed lengths: no sample ends early
     return generate_samples(engine, prompts, cfg, seed=5, tokenizer=make_tokenizer())
 

@@ -47,16 +47,16 @@ def make_update_batches(vocab_size: int, dp_rank: int):
 
 def _updates_worker(hf_dir: str, hand_driven: bool) -> dict:
     import rlrun.trainer.roles
+    from minimal_config import run_config
     from rlrun.algo.aggregate import StepCounts
     from rlrun.algo.objective import Objective
-    from rlrun.config.schema import RunConfig
     from rlrun.megatron import build_model, export_hf_weights, make_optimizer_and_scheduler, train_step
     from rlrun.runtime.dist import destroy_distributed, init_distributed
     from rlrun.trainer.actor import Actor, TrainerHooks, dp_sum
     from rlrun.trainer.batch import TrainBatch, Update
     from rlrun.trainer.roles import ModelRoles
 
-    cfg = RunConfig.model_validate(
+    cfg = run_config(
         {
             "train": {"updates_per_rollout": NUM_UPDATES, "num_steps": 3},
             "optimizer": {"lr": 1e-2, "clip_grad": 0.0, "lr_decay_style": "linear", "min_lr": 0.0},

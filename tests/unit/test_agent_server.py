@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from minimal_config import rollout_config
 from rlrun.agents.runner import run_agents
 from rlrun.agents.server import AgentServer
 from rlrun.agents.sessions import Session
 from rlrun.agents.template import ChatTemplate
 from rlrun.agents.tool_parsers import TOOL_PARSERS
-from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt
 from tests.agent_engine import ScriptedEngine
 from tests.tiny_models import make_tokenizer
@@ -193,7 +193,7 @@ def test_agents_that_raise_or_time_out_score_zero_and_are_counted():
     tokenizer = make_tokenizer()
     engine = ScriptedEngine(tokenizer, ["right"])
     prompts = [Prompt(i, [1, 2], f"question {i}") for i in range(2)]
-    cfg = RolloutConfig(samples_per_prompt=3, reward="first_number", agent="x.py:agent", agent_timeout_s=8.0)
+    cfg = rollout_config(samples_per_prompt=3, reward="first_number", agent="x.py:agent", agent_timeout_s=8.0)
     samples = run_agents(_agent, engine, prompts, cfg, SAMPLING, 0, tokenizer, 512)
     assert [s.group_index for s in samples] == [0, 0, 0, 1, 1, 1]
     assert [s.reward for s in samples] == [1.0, 0.0, 0.0] * 2

@@ -11,6 +11,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
+from minimal_config import run_config
 from rlrun.algo.rank_advantages import assign_advantages
 from rlrun.algo.validate import algorithm_problems, load_algorithm_hook
 from rlrun.config.schema import AlgorithmConfig, CriticConfig, RunConfig
@@ -220,7 +221,7 @@ def test_teacher_engine_refusals():
     required = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rollout": {"reward": "exact_match"}}
 
     def run(**sections):
-        return RunConfig.model_validate(
+        return run_config(
             {**required, **sections, "rollout": {**required["rollout"], **sections.get("rollout", {})}}
         )
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from interpreted import needs_triton, run_interpreted
-from rlrun.config.schema import RunConfig
+from minimal_config import run_config
 from rlrun.engine.embedded.engine import _attention_implementation
 from rlrun.engine.registry import BackendSpec
 from rlrun.kernels import attention as attention_kernel
@@ -20,7 +20,7 @@ from rlrun.tools.bench.engines import bench_spec
 def test_a_chunked_varlen_trainer_gives_its_embedded_engine_the_chunked_kernels():
     # on CPU: auto is per_sample there, so its engine the memory-efficient family
     for attention, kernel in (("chunked_varlen", "chunked"), ("auto", "efficient"), ("flash_varlen", "efficient")):
-        cfg = RunConfig.model_validate({"model": {"packed_attention": attention}})
+        cfg = run_config({"model": {"packed_attention": attention}})
         spec = BackendSpec.from_json(BackendSpec.from_config(cfg, seed=0).to_json())  # as the worker reads it
         assert spec.attention_kernel == kernel
     assert bench_spec("embedded_chunked", Path("m"), "bfloat16", 0).attention_kernel == "chunked"
@@ -47,7 +47,7 @@ def _on_cuda_with_triton(monkeypatch, triton: bool = True) -> None:
 )
 def test_auto_on_a_gpu_puts_trainer_and_engine_on_one_kernel_family(monkeypatch, model, cp, triton, trainer, engine):
     _on_cuda_with_triton(monkeypatch, triton)
-    cfg = RunConfig.model_validate({"model": model, "parallel": {"cp": cp}})
+    cfg = run_config({"model": model, "parallel": {"cp": cp}})
     assert BackendSpec.from_config(cfg, seed=0).attention_kernel == engine
     if cfg.model.packed_attention == "auto":
         assert attention_kernel.auto_packed_attention(cfg.model.dtype) == trainer

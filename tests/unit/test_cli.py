@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from minimal_config import write_config
 from rlrun.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,14 +32,13 @@ def imported_modules(stderr: str) -> set[str]:
 @pytest.fixture
 def good_config(tmp_path, tiny_model_dirs) -> Path:
     path = tmp_path / "good.yaml"
-    path.write_text(f"model:\n  path: {tiny_model_dirs['llama']}\nrollout:\n  temperature: 0.5\n")
-    return path
+    return write_config(path, f"model:\n  path: {tiny_model_dirs['llama']}\nrollout:\n  temperature: 0.5\n")
 
 
 @pytest.mark.parametrize("command", ["validate", "show"])
 def test_bad_config_is_one_line_on_stderr_without_traceback(tmp_path, command):
     path = tmp_path / "bad.yaml"
-    path.write_text("rollout:\n  temperature: 0.5\n  temprature: 2\n")
+    write_config(path, "rollout:\n  temperature: 0.5\n  temprature: 2\n")
     result = rlrun("config", command, str(path))
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr == f"{path}:3: unknown key 'rollout.temprature' (did you mean 'temperature'?)\n"

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from rlrun.config import ConfigError, RunConfig, dump_config, load_config
+from minimal_config import REQUIRED, write_config
+from rlrun.config import ConfigError, RunConfig, dump_config, load_config, read_config
+from rlrun.config.schema import REQUIRED_KEYS, required_message
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
-    return path
+    """``text`` as run.yaml over a base file of the required keys (its own lines unchanged)."""
+    return write_config(tmp_path / "run.yaml", text)
 
 
 def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
@@ -34,7 +35,7 @@ def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
         ("model:\n  dtype: fp16\n", ":2: model.dtype ('fp16') must be 'float32' or 'bfloat16'"),
         ("rollout:\n  temprature: 0.5\n", ":2: unknown key 'rollout.temprature' (did you mean 'temperature'?)"),
         ("modle:\n  path: x\n", ":1: unknown key 'modle' (did you mean 'model'?)"),
-        ("data:\n  zzz: 1\n", ":2: unknown key 'data.zzz' (allowed: path, prompt_key, label_key,"),
+        ("data:\n  zzz: 1\n", ":2: unknown key 'data.zzz' (allowed: path, split, prompt_key, label_key,"),
         ("train: 5\n", ":1: train (5) must be a valid dictionary or instance of TrainConfig"),
         # cross-field (model validator): points at the key the validator names, not just the section
         (
@@ -62,9 +63,13 @@ def test_every_problem_is_reported_once_per_line_in_file_order(tmp_path):
     assert [line.split(": ", 1)[0] for line in lines] == [f"{path}:2", f"{path}:3", f"{path}:5"]
 
 
-def test_reward_spec_is_checked_at_load_time(tmp_path):
+def test_reward_spec_is_checked_by_the_preflight(tmp_path):
+    from rlrun.preflight import preflight
+
     path = write(tmp_path, "rollout:\n  reward: no_such_module_xyz:score\n")
-    message = error_of(path)
+    with pytest.raises(ConfigError) as info:
+        preflight(read_config(path))
+    message = str(info.value)
     assert message.startswith(f"{path}:2: rollout.reward: reward 'no_such_module_xyz:score': module")
     assert "fn(sample: Sample) -> float" in message
 
@@ -124,8 +129,27 @@ def test_bad_overrides(tmp_path, override, expected):
     assert error_of(write(tmp_path, "rollout:\n  top_p: 1\n"), (override,)) == expected
 
 
-def test_empty_file_gives_defaults_and_dump_round_trips(tmp_path):
-    assert load_config(write(tmp_path, "")) == RunConfig()
+def test_empty_file_names_the_required_keys(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    expected = sorted(f"{path}: {required_message(key)}" for key in REQUIRED_KEYS)
+    assert sorted(error_of(path).splitlines()) == expected
+    assert required_message("model.path") == "model.path is required: set it to a Hugging Face directory or hub id"
+    path.write_text("model:\n  path: m\ndata:\n  path: d.jsonl\nrollout:\n  temperature: 0.5\n")
+    assert error_of(path) == f"{path}:5: {required_message('rollout.reward')}"  # the rollout section's line
+
+
+def test_an_agent_whose_return_is_the_reward_needs_no_reward(tmp_path):
+    path = write(tmp_path, "rollout:\n  agent: examples/openai_agent/agent.py:agent\n")
+    assert load_config(path, ["rollout.reward=null"]).rollout.reward is None
+    message = error_of(path, ("rollout.reward=null", "rollout.agent_scores=false"))
+    assert message == f"--set rollout.reward=null: {required_message('rollout.reward')}"
+
+
+def test_required_keys_alone_give_defaults_and_dump_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, ""))
+    assert cfg == RunConfig.model_validate({**REQUIRED, "logging": {"run_dir": "runs/run"}})  # runs/<file's stem>
+    assert cfg.rollout.temperature == 1.0 and cfg.data.shuffle  # every other key its default
     cfg = load_config(
         write(tmp_path, "rollout:\n  temperature: 0.7\noptimizer:\n  lr: 1.0e-6\n"),
         ["data.system_prompt=Be brief.", "train.num_steps=3"],
@@ -133,7 +157,7 @@ def test_empty_file_gives_defaults_and_dump_round_trips(tmp_path):
     dumped = tmp_path / "dumped.yaml"
     dumped.write_text(dump_config(cfg))
     assert load_config(dumped) == cfg
-    assert cfg != RunConfig()
+    assert cfg.logging.run_dir == "runs/run" and cfg.train.num_steps == 3
 
 
 def test_quickstart_config_matches_the_measured_recipe():
@@ -155,16 +179,14 @@ def test_colocate_turns_both_offloads_on_unless_set(tmp_path):
 
 
 def test_more_updates_per_rollout_than_groups_is_refused_by_name(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("rollout:\n  prompts_per_step: 2\n")
+    path = write(tmp_path, "rollout:\n  prompts_per_step: 2\n")
     with pytest.raises(ConfigError, match=r"train.updates_per_rollout \(3\) must be <= rollout.prompts_per_step \(2\)"):
         load_config(path, ["train.updates_per_rollout=3"])
     assert load_config(path, ["train.updates_per_rollout=2", "train.epochs_per_rollout=2"]).train.updates_per_step == 4
 
 
 def test_context_parallelism_refuses_a_kernel_it_would_not_run(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("parallel:\n  cp: 2\n")
+    path = write(tmp_path, "parallel:\n  cp: 2\n")
     for kernel in ("flash_varlen", "cudnn_per_sample"):
         with pytest.raises(ConfigError, match=rf"model.packed_attention \({kernel}\) would have no effect"):
             load_config(path, [f"model.packed_attention={kernel}"])

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import pytest
 
-from rlrun.config import load_config
-from rlrun.preflight.critic import load_critic_config
+from minimal_config import write_config
+from rlrun.config import load_config, read_config
 from rlrun.config.load import ConfigError
+from rlrun.preflight import preflight
+from rlrun.preflight.critic import load_critic_config
 
 PPO = "algorithm:\n  advantage_estimator: ppo\ncritic:\n  config: {critic}\noptimizer:\n  lr: 2.0e-5\n"
+
+
+def checked(run, overrides=()):
+    """What ``rlrun config validate`` / ``train`` do: load, then the preflight (which reads the critic's file)."""
+    return preflight(read_config(run, overrides))
 
 
 def write(tmp_path, critic_yaml: str, run_yaml: str = PPO):
     critic = tmp_path / "critic.yaml"
     critic.write_text(critic_yaml)
-    run = tmp_path / "run.yaml"
-    run.write_text(run_yaml.format(critic=critic))
+    run = write_config(tmp_path / "run.yaml", run_yaml.format(critic=critic))
     return run, critic
 
 
@@ -68,26 +74,25 @@ def test_critic_without_overrides_is_the_actor_copy(tmp_path):
         ("critic: {}\n", "must hold 'models:', a list of {role, overrides} entries"),
     ],
 )
-def test_bad_critic_files_fail_at_load(tmp_path, critic_yaml, expected):
+def test_bad_critic_files_fail_at_preflight(tmp_path, critic_yaml, expected):
     run, critic = write(tmp_path, critic_yaml)
     with pytest.raises(ConfigError) as info:
-        load_config(run)
+        checked(run)
     message = str(info.value)
     assert expected in message and f"critic.config ('{critic}')" in message, message
     assert message.startswith(f"{run}:4: "), message  # points at the critic.config line
 
 
 def test_ppo_needs_a_critic_and_a_critic_needs_ppo(tmp_path):
-    run = tmp_path / "run.yaml"
-    run.write_text("algorithm:\n  advantage_estimator: ppo\n")
+    run = write_config(tmp_path / "run.yaml", "algorithm:\n  advantage_estimator: ppo\n")
     with pytest.raises(ConfigError, match=r"advantage_estimator \(ppo\) must come with .*critic.config"):
-        load_config(run)
+        checked(run)
     _, critic = write(tmp_path, "models:\n  - role: critic\n")
-    run.write_text(f"critic:\n  config: {critic}\n")
+    write_config(run, f"critic:\n  config: {critic}\n")
     with pytest.raises(ConfigError, match=r"critic.config \('.*'\) must be unset for advantage_estimator grpo"):
-        load_config(run)
-    with pytest.raises(ConfigError, match=r"critic.config \('/no/such.yaml'\) must be an existing YAML file"):
-        load_config(run, ["algorithm.advantage_estimator=ppo", "critic.config=/no/such.yaml"])
+        checked(run)
+    with pytest.raises(ConfigError, match=r"critic.config \(/no/such.yaml\) must name an existing file"):
+        checked(run, ["algorithm.advantage_estimator=ppo", "critic.config=/no/such.yaml"])
 
 
 def test_the_actors_lora_is_not_the_critics(tmp_path):
@@ -96,4 +101,4 @@ def test_the_actors_lora_is_not_the_critics(tmp_path):
     assert cfg.model.lora is not None and load_critic_config(cfg).model.lora is None  # the critic trains it all
     critic_path.write_text("models:\n  - role: critic\n    overrides:\n      model.lora.rank: 8\n")
     with pytest.raises(ConfigError, match=r"critic overrides \(\['model.lora.rank'\]\) must not set model.lora"):
-        load_config(run)
+        checked(run)

@@ -8,8 +8,8 @@ from importlib import metadata
 
 from typer.testing import CliRunner
 
+from minimal_config import run_config, write_config
 from rlrun.cli import app
-from rlrun.config.schema import RunConfig
 from rlrun.tools.doctor import config_checks, package_checks
 
 
@@ -25,7 +25,7 @@ def test_packages_report_the_installed_versions():
 
 def test_config_requirements(tiny_model_dirs, tmp_path):
     (tmp_path / "ckpt").mkdir()
-    cfg = RunConfig.model_validate(
+    cfg = run_config(
         {
             "model": {"path": str(tiny_model_dirs["llama"])},
             "engine": {"backend": "sglang"},
@@ -41,12 +41,12 @@ def test_config_requirements(tiny_model_dirs, tmp_path):
     tensorboard_found = importlib.util.find_spec("tensorboard") is not None
     assert checks["logging.tensorboard"].status == ("ok" if tensorboard_found else "missing")
     assert checks["checkpoint.resume"].status == "missing" and "COMPLETE" in checks["checkpoint.resume"].detail
-    missing_model = RunConfig.model_validate({"model": {"path": str(tmp_path / "nowhere")}})
+    missing_model = run_config({"model": {"path": str(tmp_path / "nowhere")}})
     assert by_name(config_checks(missing_model, num_gpus=0))["model.path"].status == "missing"
 
 
 def test_world_size_must_be_a_multiple_of_tp(monkeypatch):
-    cfg = RunConfig.model_validate({"parallel": {"tp": 2}})
+    cfg = run_config({"parallel": {"tp": 2}})
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert by_name(config_checks(cfg, num_gpus=0))["parallel"].status == "missing"
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -55,14 +55,14 @@ def test_world_size_must_be_a_multiple_of_tp(monkeypatch):
 
 def test_cli_exits_1_when_something_is_missing(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text(f"model:\n  path: {tmp_path / 'nowhere'}\n")
+    write_config(config, f"model:\n  path: {tmp_path / 'nowhere'}\n")
     result = CliRunner().invoke(app, ["doctor", str(config)])
     assert result.exit_code == 1
     assert "model.path" in result.output and "missing" in result.output
 
 
 def test_model_family_and_features_are_listed(family_model_dirs, tmp_path):
-    cfg = RunConfig.model_validate({"model": {"path": str(family_model_dirs["qwen2_yarn"])}})
+    cfg = run_config({"model": {"path": str(family_model_dirs["qwen2_yarn"])}})
     checks = by_name(config_checks(cfg, num_gpus=0))
     assert checks["model.family"].status == "ok" and checks["model.family"].detail == "qwen2 (supported)"
     assert checks["model: RoPE"].status == "ok" and "yarn" in checks["model: RoPE"].detail
@@ -73,7 +73,7 @@ def test_model_family_and_features_are_listed(family_model_dirs, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     refused = {**config, "model_type": "gemma3_text", "use_sliding_window": True, "sliding_window": 64}
     (tmp_path / "config.json").write_text(json.dumps(refused))
-    checks = by_name(config_checks(RunConfig.model_validate({"model": {"path": str(tmp_path)}}), num_gpus=0))
+    checks = by_name(config_checks(run_config({"model": {"path": str(tmp_path)}}), num_gpus=0))
     assert checks["model.family"].status == "missing" and "(1 + w) RMSNorm" in checks["model.family"].detail
     assert checks["model: attention span"].status == "missing"
     assert checks["model: RoPE"].status == "ok"

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.config import RunConfig
+from minimal_config import run_config
 from rlrun.engine.embedded.engine import EmbeddedEngine
 from rlrun.engine.embedded.static_cache import prefill_mask
+from rlrun.preflight.engine import engine_problems
 
 PROMPTS = [[72, 101, 108, 108, 111, 5, 6, 7, 8, 9, 10], [257, 9, 44], [1, 2, 3, 4, 5, 6, 7, 8, 9], [30, 31]]
 
@@ -78,7 +79,9 @@ def test_chunked_prefill_size_is_refused_where_it_cannot_act(tiny_moe_dir, tiny_
 
 
 def test_the_config_takes_it_as_an_embedded_server_argument():
-    cfg = RunConfig.model_validate({"engine": {"server_args": {"chunked_prefill_size": 8192}}})
+    cfg = run_config({"engine": {"server_args": {"chunked_prefill_size": 8192}}})
     assert cfg.engine.server_args == {"chunked_prefill_size": 8192}
-    with pytest.raises(ValueError, match=r"keys \['chunk_size'\] must be among \['max_running_requests', 'chunked_p"):
-        RunConfig.model_validate({"engine": {"server_args": {"chunk_size": 8192}}})
+    assert engine_problems(cfg) == []
+    [(key, message)] = engine_problems(run_config({"engine": {"server_args": {"chunk_size": 8192}}}))
+    assert key == "engine.server_args"
+    assert message.startswith("engine.server_args keys ['chunk_size'] must be among ['max_running_requests', 'chunked")

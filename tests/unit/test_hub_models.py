@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from rlrun.config.schema import RunConfig
+from minimal_config import run_config
 from rlrun.data.hub import ModelPathError, resolve_model_path, with_local_model_paths
 from tiny_models import make_tiny_model
 
@@ -32,7 +32,7 @@ def test_hub_id_resolves_to_the_cached_snapshot(hub_cache, tmp_path):
     assert resolve_model_path(f"acme/tiny-qwen2@{COMMIT}") == str(hub_cache)
     local = tmp_path / "tiny"
     assert resolve_model_path(str(local)) == str(local)  # a directory on disk is used as is
-    cfg = RunConfig.model_validate(
+    cfg = run_config(
         {"model": {"path": "acme/tiny-qwen2"}, "data": {"path": "d.jsonl"}, "rollout": {"reward": "math"}}
     )
     resolved = with_local_model_paths(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from minimal_config import run_config
 from rlrun.config.schema import RunConfig
 from rlrun.tools.bench.shapes import SHAPES
 from rlrun.tools.doctor import config_checks
@@ -37,7 +38,7 @@ def arch_of(shape_name: str):
 def config(tokens: int, **sections) -> RunConfig:
     model = {"dtype": "bfloat16", **sections.pop("model", {})}
     train = {"max_tokens_per_micro_batch": tokens, **sections.pop("train", {})}
-    return RunConfig.model_validate({"model": model, "train": train, **sections})
+    return run_config({"model": model, "train": train, **sections})
 
 
 @pytest.mark.parametrize("shape, tokens, peak_gib", MEASURED_H200)
@@ -74,7 +75,7 @@ def test_each_option_lowers_what_it_should():
 
 
 def test_doctor_reports_the_estimate(tiny_model_dirs):
-    cfg = RunConfig.model_validate({"model": {"path": str(tiny_model_dirs["llama"])}, "train": {"recompute": "full"}})
+    cfg = run_config({"model": {"path": str(tiny_model_dirs["llama"])}, "train": {"recompute": "full"}})
     check = {c.name: c for c in config_checks(cfg, num_gpus=0)}["memory: trainer"]
     assert check.status == "info" and "train.recompute full" in check.detail and "GiB per rank" in check.detail
 
@@ -94,14 +95,14 @@ def test_offload_config_is_what_megatron_accepts_and_refused_where_it_cannot_wor
         with pytest.raises(ValueError, match=reason):
             optimizer_config(dtype, distributed, device, cpu_offload=True, **adam)
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
-        RunConfig.model_validate({"optimizer": {"cpu_offload": True}})
+        run_config({"optimizer": {"cpu_offload": True}})
 
 
 def test_context_parallel_scope_and_share():
     with pytest.raises(ValueError, match="parallel.cp"):
-        RunConfig.model_validate({"parallel": {"cp": 2, "pp": 2}})
+        run_config({"parallel": {"cp": 2, "pp": 2}})
     with pytest.raises(ValueError, match="critic's values are not gathered"):
-        RunConfig.model_validate(
+        run_config(
             {"parallel": {"cp": 2}, "algorithm": {"advantage_estimator": "ppo"}, "critic": {"config": "x.yaml"}}
         )
     arch = arch_of("qwen3-4b")
@@ -126,7 +127,7 @@ def test_phase_memory_of_the_4b_64x8k_bench_step_by_hand():
     fits only because the engine has released it (what the reference cycle of issue 23 prevented)."""
     from rlrun.tools.phase_memory import phase_memory
 
-    cfg = RunConfig.model_validate({"model": {"dtype": "bfloat16"}, **BENCH_STEP_4B})
+    cfg = run_config({"model": {"dtype": "bfloat16"}, **BENCH_STEP_4B})
     phases = {
         p.phase: p for p in phase_memory(cfg, arch_of("qwen3-4b"), dp=1, world=1, device_gib=139.8, prompt_tokens=128)
     }
@@ -150,7 +151,7 @@ def test_phase_memory_of_the_4b_64x8k_bench_step_by_hand():
     assert train["engine context"] == pytest.approx(0.8e9 / gib) and "engine weights" not in train
     assert phases["train"].total_gib == pytest.approx(100.75 - params * 4 / gib, abs=0.01)  # foreach: 100.75
     # Megatron's host-offload optimizer steps its device half with foreach Adam: that half's temporary is back
-    hybrid = RunConfig.model_validate(
+    hybrid = run_config(
         {
             "model": {"dtype": "bfloat16"},
             **BENCH_STEP_4B,
@@ -166,7 +167,7 @@ def test_phase_memory_of_the_4b_64x8k_bench_step_by_hand():
     assert sync["engine weights"] == rollout["engine weights"] and sync["sync bucket"] == 0.5
     assert not any(name.startswith("engine KV") for name in sync)
     # the engine kept resident: its KV cache stays through training, and the train phase no longer fits
-    resident = RunConfig.model_validate({"model": {"dtype": "bfloat16"}, **BENCH_STEP_4B, "offload": {"train": True}})
+    resident = run_config({"model": {"dtype": "bfloat16"}, **BENCH_STEP_4B, "offload": {"train": True}})
     train = {p.phase: p for p in phase_memory(resident, arch_of("qwen3-4b"), 1, 1, 139.8, 128)}["train"]
     awake_engine = phases["rollout"].total_gib - rollout["trainer asleep"]
     assert train.total_gib == pytest.approx(phases["train"].total_gib - 0.8e9 / gib + awake_engine)
@@ -182,15 +183,15 @@ def test_phase_memory_rows_caps_and_fraction_pool():
 
     arch = arch_of("qwen3-0.6b")
     base = {"rollout": {"prompts_per_step": 6, "samples_per_prompt": 5, "max_new_tokens": 100}}
-    cfg = RunConfig.model_validate(base)
+    cfg = run_config(base)
     assert "engine KV cache (16 rows x 128)" in engine_awake(cfg, arch, world=2, device_gib=None, prompt_tokens=20)
-    capped = RunConfig.model_validate({**base, "engine": {"server_args": {"max_running_requests": 20}}})
+    capped = run_config({**base, "engine": {"server_args": {"max_running_requests": 20}}})
     assert "engine KV cache (32 rows x 256)" in engine_awake(capped, arch, 1, None, 30)  # 30 rows -> bucket 32
-    top_p = RunConfig.model_validate({"rollout": {**base["rollout"], "top_p": 0.9}})
+    top_p = run_config({"rollout": {**base["rollout"], "top_p": 0.9}})
     plain, kept = engine_awake(cfg, arch, 1, None, 20), engine_awake(top_p, arch, 1, None, 20)
     extra = kept["engine decode buffers"] - plain["engine decode buffers"]
     assert extra == pytest.approx(32 * 128 * 512 * 8 / 2**30)  # int64 kept set of 512 per row and column
-    sglang = RunConfig.model_validate(
+    sglang = run_config(
         {"engine": {"backend": "sglang", "tp": 2, "server_args": {"mem_fraction_static": 0.3}}}
     )
     parts = engine_awake(sglang, arch, 2, device_gib=100.0, prompt_tokens=20)
@@ -199,7 +200,7 @@ def test_phase_memory_rows_caps_and_fraction_pool():
 
 
 def test_doctor_fails_a_phase_over_the_device_and_names_the_fields(tiny_model_dirs):
-    cfg = RunConfig.model_validate(
+    cfg = run_config(
         {
             "model": {"path": str(tiny_model_dirs["llama"])},
             "data": {"path": "configs/data/addition_train.jsonl"},

@@ -8,12 +8,13 @@ import time
 
 import pytest
 
+from minimal_config import run_config
 from rlrun.config.schema import RunConfig
 from rlrun.observability.metrics import JsonlSink, MetricsLogger, PhaseTimer, TensorBoardSink
 
 
 def config(tmp_path, **logging) -> RunConfig:
-    return RunConfig.model_validate({"logging": {"run_dir": str(tmp_path), **logging}, "train": {"num_steps": 5}})
+    return run_config({"logging": {"run_dir": str(tmp_path), **logging}, "train": {"num_steps": 5}})
 
 
 def test_jsonl_resume_drops_the_steps_that_run_again(tmp_path):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlrun.config.schema import EvalConfig, EvalDatasetConfig, RolloutConfig
+from minimal_config import rollout_config, write_config
+from rlrun.config.schema import EvalConfig, EvalDatasetConfig
 from rlrun.data.sample import Prompt, Sample
 from rlrun.rollout.rewards import score_samples
 from rlrun.rollout.rewards.breakdown import reward_breakdown
@@ -21,7 +22,7 @@ def sample(index: int, text: str, label, **metadata) -> Sample:
 
 
 def test_metadata_selects_the_reward_and_dict_rewards_train_on_reward_key():
-    r = RolloutConfig(
+    r = rollout_config(
         reward="exact_match",
         rewards={"add": f"{HOOKS}:addition", "calc": f"{HOOKS}:calculator"},
         reward_key="correct",
@@ -62,11 +63,11 @@ def test_metadata_selects_the_reward_and_dict_rewards_train_on_reward_key():
     assert isinstance(fn, RewardByType)
     with pytest.raises(ValueError, match=r"data.jsonl row 9: metadata reward_type \('dapo'\) must name one of"):
         fn.check([sample(9, "", 1, reward_type="dapo").prompt], "data.jsonl")
-    assert not isinstance(load_rewards(RolloutConfig()), RewardByType)  # no table: the plain reward
+    assert not isinstance(load_rewards(rollout_config()), RewardByType)  # no table: the plain reward
 
 
 def test_eval_sets_fall_back_to_eval_then_rollout_settings_and_before_train():
-    rollout = RolloutConfig(temperature=0.9, max_new_tokens=32, stop=["\n"], rewards={"calc": f"{HOOKS}:calculator"})
+    rollout = rollout_config(temperature=0.9, max_new_tokens=32, stop=["\n"], rewards={"calc": f"{HOOKS}:calculator"})
     own = EvalDatasetConfig(
         name="a", path="p", samples_per_prompt=3, temperature=0.5, stop=[], reward="exact_match", reward_key="k"
     )
@@ -104,16 +105,16 @@ def test_eval_before_train_false_skips_only_step_0():
     assert due(True) == [0, 2, 4] and due(False) == [2, 4]
 
 
-def test_config_load_resolves_every_named_reward_and_eval_reward(tmp_path):
-    from rlrun.config.load import ConfigError, load_config
+def test_the_preflight_resolves_every_named_reward_and_eval_reward(tmp_path):
+    from rlrun.config.load import ConfigError, load_config, read_config
+    from rlrun.preflight import preflight
 
-    path = tmp_path / "c.yaml"
-    path.write_text("rollout:\n  rewards:\n    calc: examples/multi_task/rewards.py:nope\n")
+    path = write_config(tmp_path / "c.yaml", "rollout:\n  rewards:\n    calc: examples/multi_task/rewards.py:nope\n")
     with pytest.raises(ConfigError, match=r"rollout.rewards.calc: reward 'examples/multi_task/rewards.py:nope'"):
-        load_config(path)
-    path.write_text("eval:\n  interval: 1\n  datasets: [{name: a, path: p, reward: 'no_such_builtin'}]\n")
+        preflight(read_config(path))
+    write_config(path, "eval:\n  interval: 1\n  datasets: [{name: a, path: p, reward: 'no_such_builtin'}]\n")
     with pytest.raises(ConfigError, match=r"eval.datasets.0.reward: reward 'no_such_builtin'"):
-        load_config(path)
+        preflight(read_config(path))
     assert load_config("configs/multi_task.yaml").rollout.rewards["calc"].endswith("rewards.py:calculator")
 
 

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from rlrun.config.schema import RolloutConfig, RunConfig
+from minimal_config import rollout_config, run_config
 from rlrun.data.sample import Prompt, Sample
 from rlrun.rollout.streaming import mask_older_weights
 
 
 def test_streaming_config_refusals():
-    assert RolloutConfig(partial_rollout=True).streams and not RolloutConfig().streams
+    assert rollout_config(partial_rollout=True).streams and not rollout_config().streams
     with pytest.raises(ValueError, match="rollout.generate_fn .* must be unset with rollout.abort_surplus"):
-        RolloutConfig(abort_surplus=True, generate_fn="examples/calculator_tool/agent.py:generate")
+        rollout_config(abort_surplus=True, generate_fn="examples/calculator_tool/agent.py:generate")
     with pytest.raises(ValueError, match="must come with rollout.partial_rollout"):
-        RolloutConfig(partial_rollout_mask_offpolicy=True)
+        rollout_config(partial_rollout_mask_offpolicy=True)
     with pytest.raises(ValueError, match=r"engine.tp \(2\) must be 1"):
-        RunConfig.model_validate({"rollout": {"partial_rollout": True}, "engine": {"tp": 2}})
+        run_config({"rollout": {"partial_rollout": True}, "engine": {"tp": 2}})
     with pytest.raises(ValueError, match=r"engine.max_restarts \(1\) must be 0 with rollout.abort_surplus"):
-        RunConfig.model_validate({"rollout": {"abort_surplus": True}, "engine": {"max_restarts": 1}})
-    assert RunConfig.model_validate({"engine": {"max_restarts": 1}}).engine.max_restarts == 1
+        run_config({"rollout": {"abort_surplus": True}, "engine": {"max_restarts": 1}})
+    assert run_config({"engine": {"max_restarts": 1}}).engine.max_restarts == 1
 
 
 def test_mask_older_weights_zeroes_exactly_the_older_spans():
@@ -69,7 +69,7 @@ def test_carry_survives_the_checkpoint_format_and_a_run_without_partial_rollout_
     assert torch.equal(back.kept_ids, sample.kept_ids) and torch.equal(back.routed_experts, sample.routed_experts)
 
     def runtime(partial: bool) -> RolloutRuntime:
-        cfg = RunConfig.model_validate({"rollout": {"partial_rollout": partial}})
+        cfg = run_config({"rollout": {"partial_rollout": partial}})
         return RolloutRuntime(cfg=cfg, parallel=None, engine=None, tokenizer=None, sampler=None, hooks=None)
 
     with pytest.raises(ValueError, match=r"rollout.partial_rollout \(false\) must be true .* carries 1 drawn"):

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlrun.config.schema import DataConfig, EvalConfig, RunConfig
+from minimal_config import data_config, run_config
+from rlrun.config.schema import EvalConfig
 from rlrun.data.batch import collate
 from rlrun.data.sample import Prompt, Sample
-from rlrun.runtime.hooks import HookSpecError
 from rlrun.rollout.debug_data import load_rollout, save_rollout, save_train_data
 from rlrun.rollout.evaluate import pass_at_k
 from rlrun.rollout.filters import apply_filter, load_filter, nonzero_std
+from rlrun.runtime.hooks import HookSpecError
 
 
 @pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (4, 0), (4, 1), (4, 3), (5, 2), (6, 6)])
@@ -34,13 +35,13 @@ def test_eval_and_debug_config_checks():
     with pytest.raises(ValueError, match=r"names \(\['a', 'a'\]\) must be unique"):
         EvalConfig(datasets=[{"name": "a", "path": "x"}, {"name": "a", "path": "y"}])
     with pytest.raises(ValueError, match="debug.rollout_only .* must be false when debug.load_rollout_data is set"):
-        RunConfig.model_validate({"debug": {"rollout_only": True, "load_rollout_data": "d"}})
+        run_config({"debug": {"rollout_only": True, "load_rollout_data": "d"}})
     with pytest.raises(
         ValueError, match=r"rollout.over_sampling_prompts \(2\) must be >= rollout.prompts_per_step \(4\)"
     ):
-        RunConfig.model_validate({"rollout": {"prompts_per_step": 4, "over_sampling_prompts": 2}})
+        run_config({"rollout": {"prompts_per_step": 4, "over_sampling_prompts": 2}})
     ds = EvalConfig(datasets=[{"name": "a", "path": "e.jsonl@[:5]", "prompt_key": "question"}]).datasets[0]
-    data = ds.data_config(DataConfig(system_prompt="S", label_key="answer"))
+    data = ds.data_config(data_config(system_prompt="S", label_key="answer"))
     assert (data.path, data.prompt_key, data.label_key, data.system_prompt, data.shuffle) == (
         "e.jsonl@[:5]",
         "question",
@@ -134,7 +135,7 @@ def test_rollout_hooks_load_from_the_config(tmp_path):
     assert hooks.dynamic_filter is nonzero_std
     sync = tmp_path / "sync_gen.py"
     sync.write_text("def generate(traj):\n    return None\n")
-    cfg = RunConfig.model_validate({"rollout": {"generate_fn": f"{sync}:generate"}}).rollout
+    cfg = run_config({"rollout": {"generate_fn": f"{sync}:generate"}}).rollout
     with pytest.raises(
         HookSpecError,
         match=r"rollout.generate_fn \('.*'\) must be an async def with signature "

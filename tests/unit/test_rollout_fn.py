@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlrun.config.schema import RolloutConfig, RunConfig
+from minimal_config import rollout_config, run_config, write_config
 from rlrun.data.sample import Prompt, Sample
 from rlrun.rollout.rollout_fn import RolloutContext, RolloutFn
 
@@ -17,27 +17,27 @@ EXAMPLE = "examples/hooks/rollout_fn.py:mixed_budgets"
 
 def test_refused_where_it_would_have_no_effect_or_conflict():
     with pytest.raises(ValueError, match=r"rollout.rollout_fn \('.*'\) must be unset with rollout.abort_surplus"):
-        RolloutConfig(rollout_fn=EXAMPLE, partial_rollout=True)
+        rollout_config(rollout_fn=EXAMPLE, partial_rollout=True)
     with pytest.raises(ValueError, match=r"rollout.rollout_fn_scores \(true\) must come with rollout.rollout_fn"):
-        RolloutConfig(rollout_fn_scores=True)
+        rollout_config(rollout_fn_scores=True)
     with pytest.raises(ValueError, match=r"must not come with rollout.reward_per_group \(True\)"):
-        RolloutConfig(rollout_fn=EXAMPLE, rollout_fn_scores=True, reward_per_group=True)
+        rollout_config(rollout_fn=EXAMPLE, rollout_fn_scores=True, reward_per_group=True)
     with pytest.raises(ValueError, match=r"must be unset with debug.load_rollout_data because the loaded"):
-        RunConfig.model_validate({"rollout": {"rollout_fn": EXAMPLE}, "debug": {"load_rollout_data": "/x"}})
-    assert RolloutConfig(rollout_fn=EXAMPLE, rollout_fn_scores=True).rollout_fn_scores
+        run_config({"rollout": {"rollout_fn": EXAMPLE}, "debug": {"load_rollout_data": "/x"}})
+    assert rollout_config(rollout_fn=EXAMPLE, rollout_fn_scores=True).rollout_fn_scores
 
 
-def test_config_load_names_the_key_and_the_signature(tmp_path):
-    from rlrun.config.load import ConfigError, load_config
+def test_the_preflight_names_the_key_and_the_signature(tmp_path):
+    from rlrun.config.load import ConfigError, read_config
+    from rlrun.preflight import preflight
 
-    path = tmp_path / "c.yaml"
-    path.write_text("rollout:\n  rollout_fn: examples/hooks/rollout_fn.py:missing\n")
+    path = write_config(tmp_path / "c.yaml", "rollout:\n  rollout_fn: examples/hooks/rollout_fn.py:missing\n")
     with pytest.raises(
         ConfigError,
         match=r"rollout.rollout_fn \('examples/hooks/rollout_fn.py:missing'\) must name a function with signature "
         r"fn\(ctx: RolloutContext\) -> list\[list\[Sample\]\], but 'examples/hooks/rollout_fn.py' has no attribute",
     ):
-        load_config(path)
+        preflight(read_config(path))
 
 
 def prompts(num: int) -> list[Prompt]:
@@ -49,7 +49,7 @@ def answer(prompt: Prompt, tokens: list[int], reward: float = 0.0) -> Sample:
 
 
 def context(ps: list[Prompt], n: int = 2) -> RolloutContext:
-    return RolloutContext(3, 1, ps, 7, RolloutConfig(samples_per_prompt=n), None, None, lambda *a: [])
+    return RolloutContext(3, 1, ps, 7, rollout_config(samples_per_prompt=n), None, None, lambda *a: [])
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,7 @@ def runtime(tmp_path, **rollout):
         "    return [samples[i * n : (i + 1) * n][::-1] for i in range(len(ctx.prompts))]\n"
     )
     r = {"samples_per_prompt": 2, "reward": f"{tmp_path}/hooks.py:reward", **rollout}
-    cfg = RunConfig.model_validate({"rollout": r})
+    cfg = run_config({"rollout": r})
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: str(ids))
     return RolloutRuntime(cfg, SimpleNamespace(), Engine(), tokenizer, None, RolloutHooks.load(cfg.rollout))
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlrun.config.schema import DataConfig, RunConfig
+from minimal_config import data_config, run_config, write_config
 from rlrun.data.prompts import PromptSampler
 from rlrun.data.sample import Prompt, Sample
 from rlrun.data.source import build_source
@@ -31,8 +31,8 @@ class Rows:
 
 def test_data_sampler_round_robin_balances_sources_and_resumes_exactly():
     rows = Rows(["a"] * 6 + ["b"] * 2)
-    assert isinstance(build_source(DataConfig(), rows, seed=0), PromptSampler)
-    cfg = DataConfig(sampler="examples/hooks/sources.py:round_robin")
+    assert isinstance(build_source(data_config(), rows, seed=0), PromptSampler)
+    cfg = data_config(sampler="examples/hooks/sources.py:round_robin")
     source = build_source(cfg, rows, seed=3)
     first = source.next_batch(5)
     assert [p.metadata["source"] for p in first] == ["a", "b", "a", "b", "a"]
@@ -43,7 +43,7 @@ def test_data_sampler_round_robin_balances_sources_and_resumes_exactly():
     assert [p.index for p in resumed.next_batch(7)] == rest
     assert sorted(p.index for p in first if p.metadata["source"] == "b") == [6, 7]  # a pass before a repeat
 
-    bad = DataConfig(sampler="examples/hooks/rewards.py:length_penalty")  # 1 argument, not 3
+    bad = data_config(sampler="examples/hooks/rewards.py:length_penalty")  # 1 argument, not 3
     with pytest.raises(ValueError, match=r"data.sampler \('examples/hooks/rewards.py:length_penalty'\) must name"):
         build_source(bad, rows, seed=0)
 
@@ -73,7 +73,7 @@ def test_collect_applies_the_post_process_after_saving_raw_rewards(tmp_path):
     from rlrun.rollout.collect import RolloutHooks, RolloutRuntime
 
     save_rollout(tmp_path, 0, group(0, [2, 4], [1.0, 1.0]))
-    cfg = RunConfig.model_validate(
+    cfg = run_config(
         {
             "rollout": {"reward_post_process": "examples/hooks/rewards.py:length_penalty"},
             "debug": {"load_rollout_data": str(tmp_path)},
@@ -86,14 +86,17 @@ def test_collect_applies_the_post_process_after_saving_raw_rewards(tmp_path):
     assert batch.metrics["rollout/reward_before_post_process"] == 1.0
 
 
-def test_config_load_resolves_the_hooks(tmp_path):
-    from rlrun.config.load import ConfigError, load_config
+def test_the_preflight_resolves_the_hooks(tmp_path):
+    """Hooks are resolved by the preflight (what ``config validate`` and ``train`` run), not by the loader."""
+    from rlrun.config.load import ConfigError, load_config, read_config
+    from rlrun.preflight import preflight
 
     path = tmp_path / "c.yaml"
     for key, text in (
         ("rollout.reward_post_process", "rollout:\n  reward_post_process"),
         ("data.sampler", "data:\n  sampler"),
     ):
-        path.write_text(f"{text}: examples/hooks/rewards.py:missing\n")
+        write_config(path, f"{text}: examples/hooks/rewards.py:missing\n")
+        assert load_config(path)  # the loader describes the config only
         with pytest.raises(ConfigError, match=rf"{key} \('examples/hooks/rewards.py:missing'\) must name a function"):
-            load_config(path)
+            preflight(read_config(path))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from rlrun.config.schema import RolloutConfig
+from minimal_config import rollout_config
 from rlrun.data.sample import Prompt
 from rlrun.engine.embedded.engine import EmbeddedEngine
 from rlrun.rollout.driver import generate_samples, sampling_params
@@ -29,10 +29,10 @@ class Recording:
 
 def test_config_validates_stops():
     with pytest.raises(ValueError, match=r"rollout.stop \(\['a', ''\]\) must hold non-empty strings"):
-        RolloutConfig(stop=["a", ""])
+        rollout_config(stop=["a", ""])
     with pytest.raises(ValueError, match="rollout.stop_token_ids"):
-        RolloutConfig(stop_token_ids=[-1])
-    assert "stop" not in sampling_params(RolloutConfig(), 0)  # unset: the engine sees the params it always saw
+        rollout_config(stop_token_ids=[-1])
+    assert "stop" not in sampling_params(rollout_config(), 0)  # unset: the engine sees the params it always saw
 
 
 def test_stop_strings_and_token_ids_end_responses(tiny_model_dirs):
@@ -41,17 +41,17 @@ def test_stop_strings_and_token_ids_end_responses(tiny_model_dirs):
     engine = Recording(EmbeddedEngine(model_dir, seed=0))
     prompt = Prompt(index=0, prompt_ids=tokenizer("hello there")["input_ids"], prompt_text="hello there")
     base = {"samples_per_prompt": 1, "max_new_tokens": 12, "temperature": GREEDY, "ignore_eos": False}
-    [free] = generate_samples(engine, [prompt], RolloutConfig(**base), 0, tokenizer)
+    [free] = generate_samples(engine, [prompt], rollout_config(**base), 0, tokenizer)
     assert len(free.response_ids) >= 6, "the greedy reference must run long enough to place a stop in it"
     stop_token = free.response_ids[3]
     first = free.response_ids.index(stop_token)
-    [by_id] = generate_samples(engine, [prompt], RolloutConfig(**base, stop_token_ids=[stop_token]), 0, tokenizer)
+    [by_id] = generate_samples(engine, [prompt], rollout_config(**base, stop_token_ids=[stop_token]), 0, tokenizer)
     assert by_id.response_ids == free.response_ids[: first + 1] and by_id.finish_reason == "stop"
     assert engine.params[-1]["stop_token_ids"] == [stop_token]
 
     text = tokenizer.decode(free.response_ids[:5])
     stop = text[-2:] if len(text.strip()) >= 2 else text
-    [by_text] = generate_samples(engine, [prompt], RolloutConfig(**base, stop=[stop]), 0, tokenizer)
+    [by_text] = generate_samples(engine, [prompt], rollout_config(**base, stop=[stop]), 0, tokenizer)
     assert engine.params[-1]["stop"] == [stop] and by_text.finish_reason == "stop"
     assert stop in tokenizer.decode(by_text.response_ids)
     assert free.response_ids[: len(by_text.response_ids)] == by_text.response_ids  # a prefix of the free run
@@ -64,8 +64,8 @@ def test_skip_special_tokens_controls_the_reward_text(tiny_model_dirs):
     prompt = Prompt(index=0, prompt_ids=[1, 2, 3], prompt_text="")
     base = {"samples_per_prompt": 1, "max_new_tokens": 3, "temperature": GREEDY}
     fake = FixedEngine([5, eos])
-    [kept] = generate_samples(fake, [prompt], RolloutConfig(**base, skip_special_tokens=False), 0, tokenizer)
-    [skipped] = generate_samples(fake, [prompt], RolloutConfig(**base), 0, tokenizer)
+    [kept] = generate_samples(fake, [prompt], rollout_config(**base, skip_special_tokens=False), 0, tokenizer)
+    [skipped] = generate_samples(fake, [prompt], rollout_config(**base), 0, tokenizer)
     assert kept.response_text == tokenizer.decode([5, eos]) != skipped.response_text == tokenizer.decode([5])
 
 
@@ -98,7 +98,7 @@ def test_generate_fn_turns_pass_their_own_stops(tiny_model_dirs):
         await traj.generate(stop=["</tool_call>"], stop_token_ids=[9])
         await traj.generate()  # back to the run's stops
 
-    cfg = RolloutConfig(samples_per_prompt=2, stop=["\n\n"], max_new_tokens=4)
+    cfg = rollout_config(samples_per_prompt=2, stop=["\n\n"], max_new_tokens=4)
     prompt = Prompt(index=0, prompt_ids=[1, 2], prompt_text="")
     samples = run_generate_fn(agent, fake, [prompt], 2, sampling_params(cfg, 3), 3, tokenizer, 64)
     assert [s.response_ids for s in samples] == [[7, 8, 7, 8]] * 2

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlrun.config.schema import RunConfig
+from minimal_config import run_config
 from rlrun.data.sample import Prompt, Sample
-from rlrun.runtime.hooks import HookSpecError
 from rlrun.rollout.debug_data import load_rollout, save_rollout
 from rlrun.rollout.multiturn import run_generate_fn
 from rlrun.rollout.train_samples import SampleToTrain, train_samples
+from rlrun.runtime.hooks import HookSpecError
 from rlrun.trainer.batch import BatchPlanner
 
 PER_TURN = "examples/hooks/train_samples.py:per_turn"
@@ -90,7 +90,7 @@ def test_a_trajectory_returning_a_list_yields_its_parts():
 
 
 def test_the_planner_trains_every_part_with_its_trajectorys_score():
-    cfg = RunConfig.model_validate({"rollout": {"samples_per_prompt": 2, "prompts_per_step": 2}})
+    cfg = run_config({"rollout": {"samples_per_prompt": 2, "prompts_per_step": 2}})
     trajectories = []
     for g, rewards in enumerate([(1.0, 0.0), (0.0, 3.0)]):
         for k, reward in enumerate(rewards):
@@ -127,7 +127,7 @@ def test_sample_to_train_hook_splits_turns():
     assert (first.prompt.prompt_ids, first.response_ids) == ([1, 2], [10, 11])
     assert (second.prompt.prompt_ids, second.response_ids) == ([1, 2, 10, 11, 90, 91], [12])
     assert first.loss_mask is None and len(second.rollout_logprobs) == 1
-    cfg = RunConfig.model_validate({"rollout": {"samples_per_prompt": 2, "prompts_per_step": 1}})
+    cfg = run_config({"rollout": {"samples_per_prompt": 2, "prompts_per_step": 1}})
     group = [multi, sample(3, [1, 2], [13, 14], reward=1.0)]
     metrics = {}
     BatchPlanner(cfg, [0], 1, pad_token_id=0, sample_to_train=hook).plan(group, metrics)

@@ -273,7 +273,7 @@ def _memory_options(recompute: str, num_layers: int | None, lm_head: str, offloa
 
     try:
         train = TrainConfig(recompute=recompute, recompute_num_layers=num_layers)
-        model = ModelConfig(lm_head=lm_head)
+        model = ModelConfig(path="unused", lm_head=lm_head)  # only lm_head is checked here
         opt = OptimizerConfig(cpu_offload=offload, use_distributed_optimizer=offload, offload_fraction=fraction)
     except ValidationError as exc:
         raise typer.BadParameter(str(exc)) from None
