@@ -130,13 +130,12 @@ class ModelConfig(Section):
     trainer and engine log-probs agree (docs/on_policy.md; SGLang does not run them: off-policy with engine.backend
     sglang, as every kernel is); ``efficient_varlen``, one memory-efficient varlen call per layer for the whole row
     (CUDA, any dtype), which the embedded engine then runs too (exact as well; its decode one thread block a row and
-    head); ``flash_varlen``, one
-    FlashAttention-2 varlen call per layer (CUDA, bfloat16; off-policy by 0.03-0.05 nats per token in bf16
-    because no engine runs that kernel); ``cudnn_per_sample``, cuDNN's fused attention, one call per sample (CUDA,
-    bfloat16; for long samples: 4x the memory-efficient kernel at 32K tokens on an H200, slower below ~2K tokens;
-    off-policy like flash_varlen); ``auto``, chunked_varlen on CUDA in bfloat16 where Triton is, efficient_varlen
-    elsewhere on CUDA (float32), else per_sample (rlrun.kernels.attention.auto_packed_attention). Unpacked rows (one
-    sample per row) run the same kernel as packed ones."""
+    head); ``flash_varlen``, one FlashAttention-2 varlen call per layer (CUDA, bfloat16; off-policy in bf16 because no
+    engine runs that kernel: BENCHMARKS.md, "Exactness"); ``cudnn_per_sample``, cuDNN's fused attention, one call per
+    sample (CUDA, bfloat16; the fastest for long samples, the slowest for short ones: BENCHMARKS.md, "The attention
+    kernel at long context"; off-policy like flash_varlen); ``auto``, chunked_varlen on CUDA in bfloat16 where Triton
+    is, efficient_varlen elsewhere on CUDA (float32), else per_sample (rlrun.kernels.attention.auto_packed_attention).
+    Unpacked rows (one sample per row) run the same kernel as packed ones."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of the whole actor (``LoraConfig``); None: full fine-tuning."""
     lm_head: LMHead = "chunked"
@@ -144,7 +143,7 @@ class ModelConfig(Section):
     states to logits one token chunk at a time, in the forward and again in the backward, so no
     ``[tokens, vocab]`` logits tensor exists (9.3 GB of bf16 at 32K tokens of Qwen3's vocabulary; the same
     numbers, ~1/3 more LM-head FLOPs); ``chunked_kept`` is ``chunked`` with each chunk's logits kept from the
-    forward for the backward (no second projection: ~6% off a Qwen3-1.7B GRPO step's GEMMs, for ``[tokens,
+    forward for the backward (no second projection, so none of ``chunked``'s extra LM-head FLOPs, for ``[tokens,
     vocab]`` of the model's dtype held per micro-batch in flight, half of what ``logits`` holds); ``logits`` keeps
     Megatron's output layer and its logits (for comparison). With a chunked head the train step projects only
     the loss mask's positions. Top-p mask replay (``rollout.top_p`` < 1, embedded engine) materialises the logits
@@ -914,11 +913,11 @@ class OptimizerConfig(Section):
     """Global gradient-norm clip; 0 disables clipping (the norm is still logged)."""
     cpu_offload: bool = False
     """Keep Adam's state and the fp32 main weights in host memory and step them there (Megatron's
-    ``optimizer_cpu_offload``: its HybridDeviceOptimizer with torch's AdamW on the CPU, gradients copied
-    device-to-host and updated weights back on side streams, overlapped per parameter). The device then holds
-    only the bf16 weights and the fp32 gradient buffers (6 bytes per parameter instead of 18: what lets an
-    8B model train on one H200); the step costs host bandwidth and CPU Adam time. Needs CUDA (on CPU the state
-    is in host memory already), ``use_distributed_optimizer`` and ``model.dtype`` bfloat16."""
+    ``optimizer_cpu_offload``: its HybridDeviceOptimizer with torch's AdamW on the CPU, gradients copied device-to-host
+    and updated weights back on side streams, overlapped per parameter). The device then holds only the bf16 weights and
+    the fp32 gradient buffers (6 bytes per parameter instead of 18: what lets an 8B model's training state fit one GPU);
+    the step costs host bandwidth and CPU Adam time. Needs CUDA (on CPU the state is in host memory already),
+    ``use_distributed_optimizer`` and ``model.dtype`` bfloat16."""
     offload_fraction: float = Field(1.0, gt=0, le=1)
     """With ``cpu_offload``: the fraction of the parameters (by count, in order) whose optimizer state goes to
     host memory; the rest stays on the device and is stepped there."""
@@ -1063,10 +1062,10 @@ class OffloadConfig(Section):
     at every sleep. The first sleeps, before a rollout was measured, always return them. No-op on CPU."""
     teardown_nccl: bool = True
     """With ``train`` on CUDA: destroy the NCCL communicator of each of Megatron's groups of more than one
-    rank (~0.4 GB each) while the trainer sleeps and rebuild them at wake, keeping the group objects; its
-    one-rank groups answer their collectives without one (rlrun/runtime/reloadable_groups.py). gloo groups
-    and the default group stay. No-op on CPU. Measured on an H200 (one GPU, all 17 groups torn down): the
-    sleeping trainer keeps 1.4 GB instead of 3.0 GB (BENCHMARKS.md)."""
+    rank (each holds device memory outside torch's allocator) while the trainer sleeps and rebuild them at wake,
+    keeping the group objects; its one-rank groups answer their collectives without one
+    (rlrun/runtime/reloadable_groups.py). gloo groups and the default group stay. No-op on CPU. What the sleeping
+    trainer keeps with and without it: BENCHMARKS.md, "Offload: trainer and engine taking turns on one GPU"."""
 
     @model_validator(mode="before")
     @classmethod
