@@ -18,7 +18,7 @@ def scatter_from_rank0(per_rank: list[Any] | None, group: dist.ProcessGroup | No
             raise ValueError(
                 f"rank 0 must scatter exactly {world_size} objects, got {None if per_rank is None else len(per_rank)}"
             )
-    if world_size == 1 and per_rank is not None:  # nobody to send to: no pickle round trip (~10 ms a step)
+    if world_size == 1 and per_rank is not None:  # nobody to send to: no pickle round trip at every step
         return per_rank[0]
     received: list[Any] = [None]
     dist.scatter_object_list(received, per_rank if dist.get_rank(group) == 0 else None, src=0, group=group)

@@ -22,9 +22,9 @@ shutdown are leader-only calls that the other ranks skip. What each role does:
   engine TP rank (rank r unpickles only entry r, and every rank loads full tensors and shards them
   itself). As in slime, payload r is built by group rank r from its own copy of the bucket, on its
   own GPU, which is the GPU of engine TP rank r, and gathered to the leader over the gloo group. A
-  payload over the leader's buffer for every TP rank (one flat copy instead of ``engine.tp``) failed
-  on the H200 pair: SGLang's TP rank 1 got ``CUDA error: invalid argument`` copying from the IPC
-  handle of GPU 0's memory (benchmarks/results/logs/engine_tp2_sglang_first_run_h200x2.log). On CPU the payloads
+  payload over the leader's buffer for every TP rank (one flat copy instead of ``engine.tp``) does not
+  work: SGLang's TP rank 1 gets ``CUDA error: invalid argument`` copying from the IPC handle of GPU 0's
+  memory (BENCHMARKS.md, "Multi-GPU"). On CPU the payloads
   are shared-memory descriptors fetched from each member's resource sharer, so the members take the
   leader's multiprocessing ``authkey`` (which the engine worker is given) when the group forms.
 * **backends** (``BackendTraits.shards_over_tp``): ``sglang`` gets ``tp_size=engine.tp`` and

@@ -8,9 +8,9 @@ sampled (slime's and DeepSeek-V3.2's "keep sampling mask"; vLLM's sampling-mask 
 
 A response's kept sets are one ``[tokens, width]`` int32 matrix, each row the kept ids (most likely first)
 padded with -1, ``width`` the largest set of the response; on the wire: its bytes (msgpack carries them as binary)
-with ``width``. Why bytes, not base64 text: at the bench's Qwen3 shapes a random model keeps 512 tokens a draw, so a
-call of 64 responses of 256 tokens returns 33.5 MB of ids; as base64 that was 44.7 MB to encode, pack, validate as
-UTF-8 on unpacking and decode again in the rollout driver, about half the cost of moving it (timed on CPU).
+with ``width``. Why bytes, not base64 text: a sampled call's kept sets can be tens of MB of ids (a random model keeps
+hundreds of tokens a draw), and base64 makes them a third larger, to encode, pack, validate as UTF-8 on unpacking and
+decode again in the rollout driver (``benchmarks/kept_set_wire.py``; BENCHMARKS.md, "Decode attention: fast and exact").
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def serialize_for_tp_ranks(named_tensors: NamedTensors, tp_size: int) -> list[by
     SGLang's TP rank r unpickles only entry r and loads full tensors (it shards them itself). Host
     tensors can share one buffer (each entry is pickled separately because a payload's file
     descriptor can be claimed only once); CUDA ones cannot: TP rank r must get memory on its own GPU
-    (a shared buffer on GPU 0 killed TP rank 1 on two H200s), so an engine group builds payload r on
+    (SGLang's TP rank 1 fails copying from a buffer on GPU 0), so an engine group builds payload r on
     group rank r instead (rlrun/engine/group.py).
     """
     if tp_size < 1:

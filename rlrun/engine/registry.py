@@ -46,7 +46,7 @@ class BackendTraits:
     rollout``); ``{}``: it always does for MoE models; None: it cannot."""
     scores_any_temperature: bool = True
     """``score_tokens`` honours its temperature; False: it scores at 1 whatever it is asked (SGLang's prompt
-    log-probs: tests/gpu/test_sglang_gpu.py measured them at T = 0.7 equal to the T = 1 ones), so an engine teacher
+    log-probs at T = 0.7 equal its T = 1 ones: tests/gpu/test_sglang_gpu.py), so an engine teacher
     refuses another rollout temperature."""
     server_arg_names: tuple[str, ...] | None = None
     """The ``engine.server_args`` keys it reads, checked when the config loads (None: any, e.g. every
@@ -68,9 +68,8 @@ class BackendTraits:
 EXACT_GEMM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
 """The embedded worker's cuBLAS has no workspace, so no split-K kernel: a decode batch's rows of every projection
 then round as the trainer's rows of the same tokens do. With the default workspace the down projection at decode
-batch sizes is a split-K kernel that rounds apart (Qwen3-0.6B/1.7B/4B widths on the H200; every projection bitwise
-without it, at up to +2.4 us a GEMM from M = 16 up and +11 us for 0.6B's down projection at M = 1:
-benchmarks/results/gemm_row_exactness_workspace0_h200.json, docs/on_policy.md). cuBLAS reads it when the process
+batch sizes is a split-K kernel that rounds apart; without one every projection is bitwise, for a few microseconds a
+GEMM (BENCHMARKS.md, "Embedded engine against SGLang"; docs/on_policy.md). cuBLAS reads it when the process
 first uses it, hence an environment variable."""
 
 BACKENDS: dict[str, BackendTraits] = {

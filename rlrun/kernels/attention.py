@@ -15,7 +15,7 @@ both sides when the prompt is not left-padded. Then the two forwards are bitwise
 number of queries per call (decode's one token, the trainer's whole sequence) and whatever other
 samples share the call. A left-padded prompt (shorter than the longest in its engine batch) shifts its
 keys against those blocks: still the same kernel, but its sums are split differently, so rare bf16
-roundings differ (measured in BENCHMARKS.md).
+roundings differ (BENCHMARKS.md, "Exactness").
 
 The kernel also runs in float32 (FlashAttention does not), so fp32 CUDA runs pack too. On CPU everything
 stays on ``torch.nn.functional.scaled_dot_product_attention``.
@@ -199,13 +199,12 @@ def _flash_logsumexp(logsumexp: torch.Tensor, cu_seqlens: torch.Tensor, tokens: 
 class _FlashBackward(torch.autograd.Function):
     """The memory-efficient kernel forward, FlashAttention-2's varlen backward.
 
-    Why: the forward must be the engine's kernel (the module docstring), the backward need not: no log-prob comes out
-    of it. FlashAttention-2's backward runs about twice the memory-efficient one's rate at short samples (99 against
-    198 TFLOP/s forward and backward at 16 x 1,024 tokens on the H200, BENCHMARKS.md "The attention kernel at long
-    context"), takes grouped key/value heads as they are (the repeated copies, and the sum of their gradients, are
-    only the forward's), and needs only what the forward keeps anyway: its output and log-sum-exp (the same natural
-    log-sum-exp of the scaled scores; rearranged by :func:`_flash_logsumexp`). The gradients are those of the
-    attention this forward computed, to bf16 rounding (tests/gpu/test_attention_gpu.py)."""
+    Why: the forward must be the engine's kernel (the module docstring), the backward need not: no log-prob comes out of
+    it. FlashAttention-2's backward runs about twice the memory-efficient one's rate at short samples (BENCHMARKS.md,
+    "The attention kernel at long context"), takes grouped key/value heads as they are (the repeated copies, and the sum
+    of their gradients, are only the forward's), and needs only what the forward keeps anyway: its output and
+    log-sum-exp (the same natural log-sum-exp of the scaled scores; rearranged by :func:`_flash_logsumexp`). The
+    gradients are those of the attention this forward computed, to bf16 rounding (tests/gpu/test_attention_gpu.py)."""
 
     @staticmethod
     def forward(ctx, query, key, value, cu_seqlens, max_len, scale):
@@ -457,8 +456,8 @@ def decode(
     The G = H / H_kv query heads of a cached head go in as G query rows over it (each cached head read once), and the
     cache as packed sequences whose key counts are a device tensor, so no mask bias is read and no column past a
     row's own. The same kernel as the trainer's, each row's keys in the same blocks from column 0: bitwise the
-    trainer's output; the kernel call 11-18% faster than under a bias at batch 64-128 and 256-2,048 keys on the
-    H200 (``benchmarks/decode_attention.py``, ``benchmarks/results/decode_attention_qwen3-*_h200.json``)."""
+    trainer's output, and faster than the same kernel under a bias (BENCHMARKS.md, "Decode attention: fast and
+    exact")."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads

@@ -13,9 +13,9 @@ merges them after. A chunk past a row's last key, or a key tile past it, changes
 -inf / 0 / 0 multiplies by exp(0) = 1 and adds 0), so the forward's longer loops give the decode's result.
 ``enable_fp_fusion=False`` keeps the compiler from contracting products and sums differently in the two kernels.
 
-On the H200 (``benchmarks/exact_split_decode.py``; BENCHMARKS.md, "Decode attention: fast and exact") the decode rows
-are bitwise the forward's rows at one tile height (:data:`BLOCK_M`), both kernels are faster than the memory-efficient
-ones, and the SmolLM2 on-policy gate passes with ``model.packed_attention: chunked_varlen``.
+The decode rows are bitwise the forward's rows at one tile height (:data:`BLOCK_M`), both kernels are faster than the
+memory-efficient ones, and the SmolLM2 on-policy gate passes with ``model.packed_attention: chunked_varlen``
+(``benchmarks/exact_split_decode.py``; BENCHMARKS.md, "Decode attention: fast and exact").
 
 Which heads they take: :func:`rlrun.kernels.attention.chunked_kernel_takes` (importable without Triton).
 
@@ -37,16 +37,15 @@ import triton.language as tl
 from rlrun.kernels.triton_support import launch_device
 
 CHUNK = 256
-"""Keys a chunk: both sides split each row's keys at multiples of it (measured: decode fastest at 256-512, the forward
-at 128-256)."""
+"""Keys a chunk: both sides split each row's keys at multiples of it; 256 is where the decode's and the forward's
+fastest chunk sizes meet (BENCHMARKS.md, "Decode attention: fast and exact")."""
 BLOCK_M = 64
 """Query rows a tile, on both sides: a forward tile's consecutive positions of one head, a decode tile's G query heads
 of one cached head (padded). One height because the height picks the tensor-core instruction (Hopper's 64-row
-warpgroup multiply at 64, the 16-row one at 16), and those round differently: with a forward at 64 and a decode at 16,
-1-2 of 262,144 outputs differed (H200, benchmarks/results/exact_split_decode_rlrun_h200.json), enough to put a real run
-0.011 nats a token off-policy. At 64 the forward runs twice the rate of 16, the decode 17-23% slower than at 16 and
-still 22-33% faster than the memory-efficient kernel's. Models with more than 64 query heads a cached head (G) are
-not taken (:func:`rlrun.kernels.attention.chunked_kernel_takes`)."""
+warpgroup multiply at 64, the 16-row one at 16), and those round differently: a forward at 64 and a decode at 16 round
+rare outputs apart, enough to put a real run off-policy. 64 because the forward gains more there than the decode loses,
+which stays faster than the memory-efficient kernel (BENCHMARKS.md, "Decode attention: fast and exact"). Models with
+more than 64 query heads a cached head (G) are not taken (:func:`rlrun.kernels.attention.chunked_kernel_takes`)."""
 BLOCK_N = 64
 """Keys a step within a chunk, on both sides."""
 MAX_SPLITS = 16
@@ -56,10 +55,9 @@ WARPS = 4
 STAGES = 2
 """Pipeline stages of the forward's key loop."""
 DECODE_STAGES = 3
-"""Pipeline stages of the decode's key loop. Stages schedule the loads, not the arithmetic: at 2, 3 and 4 stages (and
-4 or 8 warps) the decode rows were bitwise the forward's at Qwen3-0.6B's, 4B's and SmolLM2's heads, and 3 was the
-fastest, 4-16% under 2 at batch 64-128 and 256-2,048 keys (H200, benchmarks/chunked_decode_launch.py,
-benchmarks/results/chunked_decode_launch_h200.json)."""
+"""Pipeline stages of the decode's key loop. Stages schedule the loads, not the arithmetic, so every stage and warp
+count keeps the decode rows bitwise the forward's; 3 is the fastest (``benchmarks/chunked_decode_launch.py``;
+BENCHMARKS.md, "Decode attention: fast and exact", the launch settings)."""
 
 
 @triton.jit

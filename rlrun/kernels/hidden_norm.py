@@ -2,7 +2,8 @@
 
 On CUDA in bf16 with Triton both sides normalise with :func:`rlrun.kernels.hidden_norm_kernel.rms_norm_hidden_rows`
 (written
-where torch's took 3.6 us a launch on a decode step's rows; not yet timed on a GPU), so they stay bitwise with each
+because torch's kernel is slow on a decode step's few rows: BENCHMARKS.md, "Rollout engine, earlier runs"; its own
+time is not there yet), so they stay bitwise with each
 other as they were on ``F.rms_norm``; elsewhere (CPU, fp32) both run ``F.rms_norm``, as before. Which one runs is
 decided from the tensor alone (:func:`kernel_takes`). The final norm (``model.norm``, Megatron's ``final_layernorm``)
 stays ``F.rms_norm`` on both sides: one launch a step. The engine's decoder layers also add the attention's output

@@ -17,8 +17,8 @@ def aligned_rows(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` [..., heads, D] as a [rows, heads, D] view that the kernel reads in place: D contiguous, the row and head
     strides multiples of 8 elements and the base 16-byte aligned; else None (the kernel then reads a copy). A
     dimension of size 1 may carry any stride (the engine's decode queries [B, 1, heads, D], views of its fused q/k/v
-    output, have one), which ``view`` ignores: until 2026-12-03 this check did not, and every such query and key
-    was copied first (two launches a layer of a decode step)."""
+    output, have one), which ``view`` ignores, and so does this check: otherwise every such query and key would be
+    copied first (two launches a layer of a decode step)."""
     if x.stride(-1) != 1 or x.data_ptr() % 16:
         return None
     try:

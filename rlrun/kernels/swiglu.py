@@ -58,7 +58,7 @@ except ImportError:  # the backend-dispatching module of the same functions
 
 TILE = 2048
 """Elements of a program's tile (16 a thread at 4 warps): 61k programs for a 20,480-token micro-batch at F 6144, and
-still ~100 for a 64-row decode step at F 3072 (the H200 has 132 SMs)."""
+still ~100 for a 64-row decode step at F 3072 (a Hopper GPU has 132 SMs)."""
 MAX_BLOCK_C = 1024
 
 

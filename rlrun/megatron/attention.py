@@ -1,7 +1,7 @@
 """Core attention for Megatron's layer spec without TransformerEngine, and the packed-sequence layout.
 
 Megatron's local spec computes attention with ``DotProductAttention``, which materialises the
-``S x S`` score matrix (a 4K-token Qwen3-1.7B micro-batch runs out of memory on an H200) and refuses
+``S x S`` score matrix (memory that grows with the square of the length: a long micro-batch runs out) and refuses
 packed sequences. ``SDPACoreAttention`` replaces it with ``torch.nn.functional.scaled_dot_product_attention``
 (flash / memory-efficient kernels on CUDA, causal, grouped-query heads without copies):
 
@@ -16,29 +16,28 @@ Packing is described by ``position_ids`` alone: a row holding several samples re
 at 0 for each of them. ``packed_seq_params`` turns that into Megatron's ``PackedSeqParams`` (``thd``),
 under which Megatron's RoPE also restarts per sample (``rope_utils._apply_rotary_pos_emb_thd``).
 
-One SDPA call per sample is host-bound at RL batch sizes: on the H200 a Qwen3-0.6B train phase of 128
-samples of 640 tokens made 3,584 SDPA calls forward and as many backward per step, and the GPU was busy
-1.4 s of it (benchmarks/results/bench_step_qwen3-0.6b_sglang_profile_h200.json). So packed rows can be
+One SDPA call per sample is host-bound at RL batch sizes: every layer makes one call per sample forward and one
+backward, and the GPU waits for the host between them (BENCHMARKS.md, "rlrun against TRL with transformers
+`generate`"). So packed rows can be
 attended in one varlen call per layer:
 
 * ``efficient_varlen`` (:class:`EfficientVarlenCoreAttention`, CUDA, any dtype; what ``auto`` picks there):
   the memory-efficient kernel that the embedded engine runs too (:mod:`rlrun.kernels.attention`), so the
-  trainer's log-probs equal the engine's (bitwise on the H200 for prompts the engine did not left-pad;
+  trainer's log-probs equal the engine's (bitwise for prompts the engine did not left-pad;
   BENCHMARKS.md "Exactness"). On CUDA the per-sample and unpacked paths run that kernel too.
 * ``flash_varlen`` (:class:`FlashVarlenCoreAttention`, CUDA, bf16): FlashAttention-2's varlen kernel. Fast,
-  but no engine runs it, so trainer and engine disagree by bf16 rounding amplified over the layers (0.03-0.05
-  nats per token on SmolLM2-135M): off-policy, kept for comparison.
+  but no engine runs it, so trainer and engine disagree by bf16 rounding amplified over the layers (BENCHMARKS.md,
+  "Exactness"): off-policy, kept for comparison.
 
-For long samples the kernel's speed decides the step: at 32K tokens of Qwen3-4B attention was 80% of the
-CUDA time (benchmarks/results/profile_train_qwen3-4b_32k_full_h200.txt). So there is a third kernel, for
+For long samples the kernel's speed decides the step: attention grows with the square of the length and takes most
+of a long sample's GPU time (BENCHMARKS.md, "Long responses"). So there is a third kernel, for
 one long sample per row:
 
 * ``cudnn_per_sample`` (:class:`CudnnCoreAttention`, CUDA, bf16): cuDNN's fused attention (SDPA's cuDNN
-  backend), one call per sample. Forward + backward on an H200 at 32K tokens: 535 TFLOP/s, against 325 for
-  FlashAttention-2 and 137 for the memory-efficient kernel; below ~2K tokens per sample it is the slowest
-  (benchmarks/results/attention_kernels_h200.json). Off-policy like flash_varlen. cuDNN's own varlen entry
-  (``aten._cudnn_attention_forward`` with ``cu_seqlens``) is not used: on torch 2.11 its backward returned
-  garbage gradients (1e30) and it ran at 3 TFLOP/s.
+  backend), one call per sample: the fastest of the three for long samples, the slowest for short ones
+  (BENCHMARKS.md, "The attention kernel at long context"). Off-policy like flash_varlen. cuDNN's own varlen entry
+  (``aten._cudnn_attention_forward`` with ``cu_seqlens``) is not used: on torch 2.11 its backward returns wrong
+  gradients and it is slow (the same section).
 
 Every kernel choice covers unpacked rows (one sample per row, no ``packed_seq_params``) too: there the
 whole batch is one call of the same kernel.

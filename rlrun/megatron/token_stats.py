@@ -287,7 +287,7 @@ class _HeadTokenStats(torch.autograd.Function):
 def _accumulate_weight_grad(grad_weight: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor) -> None:
     """``grad_weight`` (fp32) ``+= dz^T @ hidden``, the GEMM adding into it: for bf16 pieces on CUDA by the
     mixed-precision ``addmm`` (rlrun/megatron/wgrad_fusion.py), where a separate product and fp32 ``add`` cost a
-    1.2 GB write and read of Qwen3's ``[V, H]`` a piece (~60 ms of a Qwen3-1.7B step on an H200)."""
+    1.2 GB write and read of Qwen3-1.7B's ``[V, H]`` a piece."""
     if dz.dtype == grad_weight.dtype:
         grad_weight.addmm_(dz.t(), hidden)
     elif dz.is_cuda and wgrad_fusion.supported():

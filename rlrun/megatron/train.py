@@ -101,12 +101,12 @@ def fuse_adam(optimizer: MegatronOptimizer) -> None:
     Without TransformerEngine or Apex Megatron builds ``torch.optim.AdamW`` with its default, the multi-tensor
     ``foreach`` path: several passes over the moments, and a temporary the size of all the parameters (the
     square root of the second moments, 4 bytes per parameter). The offloader runs every optimizer step inside the
-    trainer's region (Adam creates its moments there at the first step), so those temporaries' blocks stayed in
-    the region's pool, and were copied to the host and back at every sleep and wake with the state: 13.4 GB
-    moved for a 0.6B model whose state is 10.7 GB. The fused kernel updates in place, one launch per tensor
-    chunk. torch reads ``foreach``/``fused`` from the param groups at every step and checks each parameter's
-    device and dtype at the first. The host Adam of ``optimizer.cpu_offload`` (Megatron's own class) is left as
-    it is."""
+    trainer's region (Adam creates its moments there at the first step), so those temporaries' blocks would stay in the
+    region's pool and be copied to the host and back at every sleep and wake with the state, a quarter more bytes each
+    way (BENCHMARKS.md, "Offload: trainer and engine taking turns on one GPU"). The fused kernel updates in place, one
+    launch per tensor chunk. torch reads ``foreach``/``fused`` from the param groups at every step and checks each
+    parameter's device and dtype at the first. The host Adam of ``optimizer.cpu_offload`` (Megatron's own class) is left
+    as it is."""
     for part in optimizer_parts(optimizer):
         adam = getattr(part, "optimizer", None)
         if type(adam) not in (torch.optim.Adam, torch.optim.AdamW):

@@ -1,6 +1,6 @@
 """The critic's config file (``critic.config``): which models a PPO run trains, and how the critic differs.
 
-As slime's ``--critic-config-path`` (PR #1856): a YAML list of models, each with a ``role`` and
+As slime's ``--critic-config-path``: a YAML list of models, each with a ``role`` and
 ``overrides`` applied to a copy of the actor's settings::
 
     models:

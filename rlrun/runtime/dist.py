@@ -26,7 +26,7 @@ def free_port() -> int:
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
     """``dist.all_reduce`` in place, skipped on a group of one rank, where it is the identity: after the
     offloader's NCCL teardown (``offload.teardown_nccl``) a collective on a one-rank group would create
-    its communicator again at every step (0.4 GB, and its start-up time) for nothing."""
+    its communicator again at every step (device memory, and its start-up time) for nothing."""
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
 

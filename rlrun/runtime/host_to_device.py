@@ -3,11 +3,11 @@
 A plain ``tensor.to("cuda")`` from pageable host memory ends in a stream synchronise: the host waits until every
 kernel queued before the copy has run. The train phase copies each micro-batch's fields (tokens, positions, mask,
 advantages, log-probs, sample ids, the LM head's scored indices) when it reaches them, some in the middle of a
-micro-batch (the loss after the forward), so each copy drained the GPU's queue and the host then relaunched from an
-empty one: ~50 ms of idle GPU in a Qwen3-1.7B train phase of 1.9 s on the H200
-(benchmarks/results/profile_step_qwen3-1.7b_sglang_resident_h200.json). From page-locked memory the copy is queued on
-the stream like a kernel: ordered with the work around it, and the host goes on. The page-locked staging copy comes
-from torch's caching host allocator, which keeps the block until the copy that reads it has run.
+micro-batch (the loss after the forward), so each copy would drain the GPU's queue and the host then relaunch from an
+empty one, the GPU idle meanwhile (BENCHMARKS.md, "Step against peers, earlier runs": the profiled 1.7B step). From
+page-locked memory the copy is queued on the stream like a kernel: ordered with the work around it, and the host goes
+on. The page-locked staging copy comes from torch's caching host allocator, which keeps the block until the copy that
+reads it has run.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Megatron without its import-time ``torch.compile``: the jit fuser is off before any Megatron module uses it.
 
 ``megatron.core.jit`` sets ``jit_fuser = torch.compile`` when it is imported, and ``import megatron.core`` then
-decorates some thirty fused activations with it, which imports TorchDynamo and Inductor (1.2 s of CPU in every
-trainer process, measured on the CPU test machine; more than torch itself). rlrun turns every Megatron fusion off
+decorates some thirty fused activations with it, which imports TorchDynamo and Inductor into every trainer
+process, more CPU time than importing torch itself. rlrun turns every Megatron fusion off
 (``rlrun/megatron/hf_config.py``: bias-activation, softmax, RoPE, gradient-accumulation fusion), so none of those
 functions is compiled for a reason: the trainer runs eagerly, as the engine does, which is also what keeps the two
 exact (docs/on_policy.md). :func:`install` hooks the import of ``megatron.core.jit`` and calls Megatron's own

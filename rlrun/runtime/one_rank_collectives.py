@@ -1,13 +1,13 @@
 """Collectives of a one-rank group, answered in place without a communicator.
 
 Why: on one rank every collective is the identity (all-reduce, broadcast, barrier) or a copy (all-gather or
-reduce-scatter into another tensor), yet NCCL creates a communicator for the group at its first collective: ~0.41 GB of
-device memory (benchmarks/results/nccl_comm_memory_h200.json) and its start-up time. Megatron makes many one-rank groups
-(every group on one GPU; the TP, PP, CP, ... groups of size 1 on more) and reduces gradients and norms over some of them
-at every step. With the offloader's NCCL teardown each step destroyed and re-created those communicators, a visible part
-of every sleep and of the next train phase (BENCHMARKS.md, "Offload", and the "NCCL kept" row of the first TRL
-measurements in its appendix). Answered here, they never exist, so there is nothing to tear down
-(rlrun/runtime/reloadable_groups.py wraps the groups and calls these).
+reduce-scatter into another tensor), yet NCCL creates a communicator for the group at its first collective: device
+memory outside torch's allocator (BENCHMARKS.md, "Offload: trainer and engine taking turns on one GPU") and its start-up
+time. Megatron makes many one-rank groups (every group on one GPU; the TP, PP, CP, ... groups of size 1 on more) and
+reduces gradients and norms over some of them at every step. With the offloader's NCCL teardown each step would destroy
+and re-create those communicators, a visible part of every sleep and of the next train phase (BENCHMARKS.md, "Offload",
+and the "NCCL kept" row of the first TRL measurements in its appendix). Answered here, they never exist, so there is
+nothing to tear down (rlrun/runtime/reloadable_groups.py wraps the groups and calls these).
 
 Each function takes the arguments of the ``ProcessGroup`` method of its name, as torch.distributed's
 functions pass them (lists of tensors and an options object), and returns a finished ``Work``; or None for

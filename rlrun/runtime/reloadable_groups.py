@@ -1,8 +1,8 @@
 """Process groups whose communicators can be destroyed while the trainer sleeps and rebuilt at wake.
 
-Why: every NCCL communicator holds ~0.41 GB of device memory outside torch's allocator, even for a
-one-rank group (benchmarks/results/nccl_comm_memory_h200.json), and Megatron creates several; a sleeping
-trainer would keep them resident during rollout. Only ``torch.distributed.destroy_process_group`` gives
+Why: every NCCL communicator holds device memory outside torch's allocator, even for a one-rank group (BENCHMARKS.md,
+"Offload: trainer and engine taking turns on one GPU"), and Megatron creates several; a sleeping trainer would keep them
+resident during rollout. Only ``torch.distributed.destroy_process_group`` gives
 that memory back, but Megatron's parallel_state, its DDP buckets, the optimizer and every module's
 ``tp_group`` / ``pg_collection`` hold the group *objects*. So each group is a :class:`ReloadableGroup`:
 a ``ProcessGroup`` that forwards to a replaceable inner group. :func:`destroy_all` destroys the inner
@@ -27,7 +27,7 @@ The patches, and why each exists (the minimum Megatron 0.16.1's code paths need)
   forwards too. A collective on a destroyed group raises at once instead of hanging.
 * A one-rank group answers its collectives itself (rlrun/runtime/one_rank_collectives.py: the identity or a
   copy), so it never gets a communicator and is never torn down: on one GPU every group is such, and each
-  sleep used to destroy and each train phase to re-create their communicators (~0.6 s a step on the H200).
+  sleep would otherwise destroy and each train phase re-create their communicators, at every step.
   Only the groups of more than one rank are destroyed and rebuilt; whether a call made one is read from its
   ``ranks``, the same on every rank, so every rank still replays the same calls in the same order. A
   collective the module does not answer (a pre-multiplied sum) goes to the real group and creates its
@@ -39,8 +39,8 @@ Not reloadable: the default (WORLD) group, which exists before :func:`install` a
 sleeps). NCCL creates WORLD's communicator lazily (rlrun's ``init_process_group`` passes no
 ``device_id``); traced on CPU, the one WORLD collective of model build, train steps and weight export is
 the ``all_gather_object`` of Megatron's optimizer setup (megatron/core/optimizer/__init__.py:181). On an
-NCCL-only default group that object collective runs on CUDA and creates the communicator (likely the
-0.58 GB above the CUDA context a trainer holds before its first step, BENCHMARKS.md); a default group of
+NCCL-only default group that object collective runs on CUDA and creates the communicator (likely part of
+what a trainer holds above its CUDA context before its first step); a default group of
 ``"cpu:gloo,cuda:nccl"`` would run it on gloo instead (:func:`backend_names` reads that form).
 """
 
@@ -266,6 +266,6 @@ def rebuild_all() -> int:
 
 
 def one_rank_groups_with_communicator() -> int:
-    """How many one-rank groups ran a collective on their real group (one :mod:`one_rank_collectives` does
-    not answer), which gave them a communicator that is never torn down (~0.41 GB each on NCCL)."""
+    """How many one-rank groups ran a collective on their real group (one :mod:`one_rank_collectives` does not answer),
+    which gave them a communicator that is never torn down (on NCCL, device memory the sleeping trainer keeps)."""
     return sum(g.size() == 1 and g.inner._get_sequence_number_for_group() > 0 for g in groups())

@@ -188,7 +188,7 @@ def _architecture_checks(cfg: RunConfig) -> list[Check]:
 
 def _memory_checks(cfg: RunConfig, num_gpus: int, device_gib: float | None) -> list[Check]:
     """The trainer's estimated memory per rank (rlrun/tools/memory_estimate.py) against the first GPU and the host
-    (``warn`` where it would not fit: the estimate is within a few GiB of the H200's measured peaks), then each
+    (``warn`` where it would not fit: the estimate is within a few GiB of the peaks it is calibrated against), then each
     phase of a step, trainer and engine together on one GPU (rlrun/tools/phase_memory.py; ``missing`` where a phase
     exceeds the device, with the fields that lower it)."""
     from rlrun.megatron.hf_config import ModelArch

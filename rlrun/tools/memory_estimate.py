@@ -24,9 +24,9 @@ dividing the head and MLP terms; no sequence parallelism, so the H terms are who
     selective  2H + 2(q + kv) + q + 2H                          (the core attention and the MLP keep their inputs only)
     full       H per layer, plus one layer's ``none`` activations while it is recomputed
 
-Calibrated against measured H200 peaks (``rlrun bench train --samples-per-micro-batch 1``; BENCHMARKS.md, "Long
-responses"); tests/unit/test_memory_estimate.py holds the measured rows and how close the estimate must
-come. The allocator's fragmentation, NCCL buffers and the CUDA context (~1-3 GiB) are not counted.
+Calibrated against the peaks of ``rlrun bench train --samples-per-micro-batch 1`` (BENCHMARKS.md, "Long
+responses"); tests/unit/test_memory_estimate.py holds those rows and how close the estimate must come. The
+allocator's fragmentation, NCCL buffers and the CUDA context (a few GiB) are not counted.
 """
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ that shards) and overhead, plus
 * or a static pool (SGLang, ``BackendTraits.kv_pool_fraction_arg``): ``mem_fraction_static`` of the device for
   weights and KV cache together (unset: SGLang sizes it from the memory free when it starts; not counted).
 
-Measured constants (H200): the sleeping trainer keeps 1.4 GB with ``offload.teardown_nccl`` and 3.0 GB without
-(CUDA context and NCCL communicators; the awake trainer is assumed to hold the 3.0 besides its tensors); a
-released engine keeps 0.8 GB (its CUDA context, benchmarks/results/offload_qwen3-0.6b_h200.json). Not counted:
-the allocators' fragmentation, and what the trainer estimate leaves out (its docstring). Not yet checked
-against a measured colocated timeline: scripts/gpu/step_memory.sh records one.
+The constants below (what the sleeping trainer keeps with and without ``offload.teardown_nccl``: CUDA context and NCCL
+communicators, the awake trainer assumed to hold the latter besides its tensors; what a released engine keeps: its CUDA
+context) are one GPU's offload run (BENCHMARKS.md, "Offload: trainer and engine taking turns on one GPU"). Not counted:
+the allocators' fragmentation, and what the trainer estimate leaves out (its docstring). Not yet checked against a
+colocated timeline: scripts/gpu/step_memory.sh records one.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ TRAINER_CONTEXT_GIB = 3.0 * GB / GIB
 TRAINER_ASLEEP_GIB = {True: 1.4 * GB / GIB, False: TRAINER_CONTEXT_GIB}
 """What the sleeping trainer keeps, by ``offload.teardown_nccl`` (rlrun/config/schema.py, BENCHMARKS.md)."""
 ENGINE_CONTEXT_GIB = 0.8 * GB / GIB
-"""A released engine: its CUDA context and kernels (memory/train/engine_gb, 0.797 GB on the H200)."""
+"""A released engine: its CUDA context and kernels (``memory/train/engine_gb`` of the offload run)."""
 DECODE_BYTES_PER_COLUMN = 8 + 4 + 1
 """Per row and cache column: the sampled token (int64), its log-prob (fp32) and the attention mask (bool)."""
 NOISE_BYTES_PER_COLUMN = 4

@@ -81,8 +81,8 @@ def run(cfg: RunConfig) -> bool:
             parts.logger.start(state.step)
         announce_outputs(cfg, parallel)
         stopping = False
-        # The setup's objects (~0.5M: Megatron, transformers, torch) live for the whole run; frozen, they
-        # are not walked again by each collection (the offloader's before every sleep took 0.3 s of it).
+        # The setup's objects (Megatron, transformers, torch) live for the whole run; frozen, they are not
+        # walked again by each collection, such as the offloader's before every sleep.
         gc.freeze()
         while state.step < cfg.train.num_steps and not stopping:
             watchdog.step = state.step

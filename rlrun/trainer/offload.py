@@ -19,7 +19,7 @@ next train phase finds them mapped. Megatron sets the saver's hook mode when
 it is imported, so the saver is first touched here, after ``rlrun.runtime.dist``.
 
 With ``offload.teardown_nccl`` the sleeping trainer also destroys the NCCL communicators of Megatron's
-groups of more than one rank (~0.4 GB of device memory each, outside every pool) and rebuilds them at wake,
+groups of more than one rank (device memory outside every pool) and rebuilds them at wake,
 before any collective runs; ``init_distributed`` made those groups reloadable, and its one-rank groups answer
 their collectives without ever getting a communicator (rlrun/runtime/reloadable_groups.py).
 """
@@ -83,8 +83,8 @@ def process_gpu_gb(groups: dict[str, list[int]]) -> dict[str, float]:
 
 def gpu_gb_by_pid() -> dict[int, float]:
     """GB each process holds, summed over the GPUs: through NVML when ``pynvml`` (nvidia-ml-py) is
-    importable, a library call, else from ``nvidia-smi``, a subprocess of ~35 ms that the loop's three
-    memory marks per step would add to every step."""
+    importable, a library call, else from ``nvidia-smi``, a subprocess whose start the loop's three
+    memory marks per step would add to every step (BENCHMARKS.md, "rlrun against TRL with transformers `generate`")."""
     nvml = _nvml()
     if nvml is None:
         out = subprocess.run(
@@ -162,12 +162,12 @@ class Offloader:
             self._saver = torch_memory_saver
             # A region allocation that would leave less than the margin free fails as OOM.
             torch_memory_saver.memory_margin_bytes = int(cfg.memory_margin_gb * GB)
-            # Keep the pinned host copy between sleeps: pinning tens of GB anew each time cost more
-            # than the copy itself (2.5 GB/s measured on the H200 without it).
+            # Keep the pinned host copy between sleeps: pinning tens of GB anew each time costs more
+            # than the copy itself (BENCHMARKS.md, "Offload: trainer and engine taking turns on one GPU").
             torch_memory_saver.retain_cpu_backup = True
             # Activations and logits live in the default pool, and empty_cache can only return a
-            # segment whose blocks are all free: a few small live tensors pinned 4.9 GB of them on the
-            # H200. Expandable segments are unmapped page by page instead. torch applies them to the
+            # segment whose blocks are all free, so a few small live tensors can hold gigabytes of them.
+            # Expandable segments are unmapped page by page instead. torch applies them to the
             # default pool only, never to the saver's private pool; a user's own
             # PYTORCH_CUDA_ALLOC_CONF wins.
             if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
@@ -377,7 +377,7 @@ class Offloader:
             return
         groups = {"trainer": [os.getpid()]}  # not its tree: that holds the engine worker
         if self.engine.process is not None:  # members of an engine group (engine.tp > 1) have no engine
-            # SGLang's memory belongs to the scheduler processes below the worker (seen on the H200)
+            # SGLang's memory belongs to the scheduler processes below the worker
             groups["engine"] = self._engine_processes(self.engine.process.pid)
         for name, gb in process_gpu_gb(groups).items():
             self.metrics[f"memory/{phase}/{name}_gb"] = gb

@@ -295,7 +295,7 @@ class FlatOptimizerState:
 def _use_stream(stream: torch.cuda.Stream) -> None:
     """Make ``stream`` and its device current in the copying thread, once and for good: a context manager would set
     the new thread's device back to its default, cuda:0, at its exit, and since CUDA 12 setting a device creates its
-    context (~0.5 GB, on a GPU another rank may own)."""
+    context (device memory, on a GPU another rank may own)."""
     torch.cuda.set_device(stream.device)
     torch.cuda.set_stream(stream)
 

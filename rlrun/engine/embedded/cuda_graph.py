@@ -1,8 +1,8 @@
 """One decode step as a CUDA graph: captured once, replayed with a single launch per step.
 
 A small model's decode step is hundreds of small kernels, each launched from Python; at batch 64 the
-GPU finishes them faster than the host issues them (transformers ``generate`` on Qwen3-0.6B: 36 ms
-per step for 0.25 ms of weight reads). Replaying a captured graph removes the host from the step.
+GPU finishes them faster than the host issues them (BENCHMARKS.md, "Embedded engine against transformers
+`generate`"). Replaying a captured graph removes the host from the step.
 The step function must only read and write tensors that outlive the graph (its static buffers) and
 must not synchronise with the host; on CPU the same function is simply called.
 """

@@ -64,9 +64,9 @@ CAPTURABLE_DECODE_EXPERTS = "batched_mm"
 """transformers' experts kernel for the decode step of a fused-experts MoE on CUDA outside bfloat16. The
 default ``grouped_mm`` copies a host tensor there (torch's grouped_mm outside bf16), and ``eager`` loops over
 the experts the batch hit, so neither can be captured as a CUDA graph; ``batched_mm`` (one bmm over every
-(token, expert) pair, no data-dependent shape) can, at little cost for decode's few tokens. Probed on the
-H200 (torch 2.11, transformers 5.17): float32 grouped_mm and eager fail capture, batched_mm captures;
-bfloat16 grouped_mm captures, so bf16 keeps it (it does not gather one weight copy per pair)."""
+(token, expert) pair, no data-dependent shape) can, at little cost for decode's few tokens. With torch 2.11 and
+transformers 5.17, float32 grouped_mm and eager fail capture and batched_mm captures; bfloat16 grouped_mm captures, so
+bf16 keeps it (it does not gather one weight copy per pair)."""
 
 
 def _decode_experts_implementation(model, device: torch.device) -> str | None:
@@ -140,8 +140,8 @@ class EmbeddedEngine:
             if self.device.index is None:  # "cuda": the current device, named, so set_device can take it
                 self.device = torch.device("cuda", torch.cuda.current_device())
             # What names no device acts on the current one: CUDA graph capture's side stream, empty_cache,
-            # cuBLAS workspaces. Without this, rank 1's engine on cuda:1 made its capture stream on cuda:0,
-            # and the 2-GPU rollout took 2.8x one GPU's (benchmarks/results/weak_scaling_h200x2.json).
+            # cuBLAS workspaces. Without this, rank 1's engine on cuda:1 makes its capture stream on cuda:0,
+            # the likely cause of the slow 2-GPU rollout in BENCHMARKS.md, "Multi-GPU" (weak scaling).
             torch.cuda.set_device(self.device)
         # SDPA-based attention that takes the static cache's ready boolean masks (see static_cache.py).
         self.model = (
@@ -476,10 +476,9 @@ class EmbeddedEngine:
     def offload_weights(self) -> None:
         """Move the weights (parameters and buffers) to host memory and return the GPU memory to the
         driver (no-op on CPU). The captured decode steps read the old weight addresses, so they are dropped
-        too. The host copies are pinned buffers allocated once and reused: ``model.to("cpu")`` copied
-        into fresh pageable memory every step, and that release and resume took ~0.6 s per colocated step
-        on the H200 (benchmarks/results/offload_qwen3-0.6b_h200.json: offload phase minus trainer sleep
-        and wake)."""
+        too. The host copies are pinned buffers allocated once and reused: ``model.to("cpu")`` would copy
+        into fresh pageable memory every step, allocated anew and slower to copy to and from (BENCHMARKS.md,
+        "rlrun against TRL with transformers `generate`")."""
         if self.device.type != "cuda":
             return
         self._warm.clear()

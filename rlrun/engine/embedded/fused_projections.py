@@ -12,7 +12,7 @@ projection becomes a :class:`ProjectionPart`. The first part called on an input 
 and hands back its columns; the other parts called on the same tensor object take their columns of that output;
 a part called on another tensor computes its own rows (still correct, just not fused). Each output column is the
 same dot product over the same input, so the results equal the unfused GEMMs' wherever the GEMM's reduction
-order does not depend on the number of output columns (bitwise on CPU; measured on CUDA by the engine tests).
+order does not depend on the number of output columns (bitwise on CPU; checked on CUDA by the engine tests).
 
 :func:`fuse_projections` returns where each original weight now lives, so the engine still loads, checksums
 and reports weights under their checkpoint names (``EmbeddedEngine.load_weights``).

@@ -6,8 +6,8 @@ took several, each the same bits.
   that row's own cache column in one launch instead of two ``scatter_`` calls (a copy: nothing is computed).
 * :func:`greedy_tokens`, behind ``sampling.sample_tokens`` when no row draws at random: each row's first argmax and
   its log-prob in one launch that reads the logits twice, where the eager path wrote the logits over in fp32
-  twice (the temperature division, ``log_softmax``) before its argmax: 127 of a Qwen3-1.7B batch-64 step's 3,590
-  us (benchmarks/results/decode_profile_qwen3-1.7b_b64_75a0e49_h200.txt). Not the same bits as ``log_softmax``:
+  twice (the temperature division, ``log_softmax``) before its argmax (BENCHMARKS.md, "Rollout engine, earlier
+  runs": the profiled decode steps). Not the same bits as ``log_softmax``:
   the log-prob is the trainer's formula (``rlrun.megatron.token_stats``: ``z = logits / T`` as a multiply by
   ``1 / T``, ``-log sum exp(z - max z)`` for the argmax), fp32 sums in another order.
 

@@ -1,12 +1,11 @@
 """``rlrun bench rollout --backends embedded,sglang``: engine backends side by side through rlrun's own
 worker and RPC (``EngineClient``), on one random model of a published shape, in one run.
 
-Every backend gets the same weights (one random HF directory), the same prompts and lengths, and the
-same calls as the in-process benchmark (greedy, then sampled at temperature 1 with top-p 0.95), each after an
-untimed call of the same shape (CUDA graphs, JIT) and timed :data:`REPEATS` times (the median counts; since
-2026-12-03, before that once). Workers run one at a time,
-each shut down before the next starts, so neither sees the other's memory. Tokens/s includes the RPC
-round trip, which a trainer pays too. Each worker runs at most ``batch`` requests at once
+Every backend gets the same weights (one random HF directory), the same prompts and lengths, and the same calls as the
+in-process benchmark (greedy, then sampled at temperature 1 with top-p 0.95), each after an untimed call of the same
+shape (CUDA graphs, JIT) and timed :data:`REPEATS` times (the median counts). Workers run one at a time, each shut down
+before the next starts, so neither sees the other's memory. Tokens/s includes the RPC round trip, which a trainer pays
+too. Each worker runs at most ``batch`` requests at once
 (``max_running_requests``, both backends' server argument).
 
 The long-tail workload (:class:`LongTail`) sends ``requests_per_slot x batch`` prompts in one call, each with

@@ -31,7 +31,7 @@ def run_logged_session(
 ) -> int | str:
     """:func:`run_logged` for a command that starts daemons (Ray): it runs in a session of its own, and every
     process of that session is killed once it ends or times out. Ray gives its workers process groups of
-    their own, which outlive a driver that exited or was killed (by ~20 s, with their device memory), so the
+    their own, which outlive a driver that exited or was killed (with their device memory), so the
     session is what holds them all; the next run gets a free device."""
     with log.open("w") as sink:
         child = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)

@@ -64,12 +64,13 @@ TORCHRUN_ENV = {
 WARMUP_STEPS = 2
 """Steps left out of the medians, for rlrun and TRL alike (benchmarks/trl_grpo.py imports it). Step 0
 starts engines, captures graphs and creates Adam's moments; step 1 holds the first trainer sleep with
-those moments, whose pinned host backup is allocated once (torch_memory_saver keeps it): on the H200,
-2026-11-29, that step's offload took 18.0 s at Qwen3-1.7B against 3.8 s at step 2 (5.4 vs 2.4 s at 0.6B),
-so with one warm-up step a 3-step median averaged a one-time cost into the steady state."""
+those moments, whose pinned host backup is allocated once (torch_memory_saver keeps it), so that
+step's offload takes several times a steady step's, and with one warm-up step a 3-step median would average a
+one-time cost into the steady state."""
 RESIDENT_SGLANG_MEM_FRACTION = 0.15
-"""SGLang's ``mem_fraction_static`` with offload off: weights + KV cache for 128 x 640 tokens (9.4 GB at
-Qwen3-0.6B/1.7B) fit in 21 GB of an H200, next to a 1.7B trainer's 106 GB peak (measured 2026-11-29);
+"""SGLang's ``mem_fraction_static`` with offload off: weights + KV cache for 128 x 640 tokens (9.4 GB of
+KV at Qwen3-0.6B/1.7B's 28 layers of 8 KV heads) fit beside a resident 1.7B trainer's peak (BENCHMARKS.md, "Step
+against peers");
 the offload runs keep SGLANG_SERVER_ARGS' 0.3, since the engine has the device to itself while it generates."""
 ATTENTION_SUFFIX: dict[str, str] = {
     "auto": "",

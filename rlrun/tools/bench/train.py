@@ -16,7 +16,8 @@ FLOPs are model FLOPs (what the maths needs, not what recomputation adds), with 
 
 The attention term counts QK^T and PV (2 x 2 n_q d s^2 multiply-adds per layer) causally, i.e. half of
 the ``s^2`` score matrix; padding tokens, norms, RoPE and softmax are not counted.
-MFU = train-step FLOPs / step seconds / peak (H200 bf16: 790 TFLOP/s, measured there).
+MFU = train-step FLOPs / step seconds / the card's bf16 peak (``--peak-tflops``; BENCHMARKS.md, "Training
+throughput and MFU").
 """
 
 from __future__ import annotations
