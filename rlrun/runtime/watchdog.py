@@ -12,6 +12,8 @@ store; rank 0's outside torchrun). Every ``INTERVAL_S`` it::
     adds 1 to   beat/<rank>                  its heartbeat
     reads       abort                        a failure someone published -> print it, exit
     polls       its own engine workers       exited -> publish, exit (the engine, and the OPD teacher engine)
+    checks      its torchrun agent           gone (a new parent pid) -> publish, exit: a killed agent leaves
+                                             its ranks running, and the other nodes' agents would wait for it
     checks      its ring neighbour rank+1    same host: is the pid alive?  any host: has its beat
                                              moved within PEER_TIMEOUT_S?   gone -> publish, exit
 
@@ -90,6 +92,8 @@ class Watchdog:
         self._prefix = prefix
         self._store_ok_s = time.monotonic()
         self._workers: list[WatchedWorker] = []
+        self._agent_pid: int | None = None
+        """The torchrun agent that started this rank (None: not under torchrun)."""
         self._neighbour = (me.rank + 1) % world_size
         self._neighbour_info: PeerInfo | None = None
         self._neighbour_beats = -1
@@ -115,6 +119,8 @@ class Watchdog:
         watchdog = cls(
             me, parallel.world_size, store, f"{env.master_addr}:{env.master_port}", f"rlrun-watchdog/{attempt}/"
         )
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            watchdog._agent_pid = os.getppid()
         store.set(watchdog._key("peer", me.rank), json.dumps(asdict(me)))
         watchdog._thread.start()
         return watchdog
@@ -175,7 +181,7 @@ class Watchdog:
         self._store.add(self._key("beat", self.me.rank), 1)
         if self._store.check([self._key("abort")]):
             return self._store.get(self._key("abort")).decode()
-        cause = self._engine_death() or self._neighbour_death()
+        cause = self._engine_death() or self._agent_death() or self._neighbour_death()
         return self._publish(cause) if cause else None
 
     def _engine_death(self) -> str | None:
@@ -188,6 +194,16 @@ class Watchdog:
                 f"{self.where()}; see {worker.watched.log_path}"
             )
         return None
+
+    def _agent_death(self) -> str | None:
+        """This rank's torchrun agent is gone: its parent changed (the orphan was re-parented)."""
+        if self._agent_pid is None or os.getppid() == self._agent_pid:
+            return None
+        node = os.environ.get("GROUP_RANK", "?")
+        return (
+            f"the torchrun agent of node {node} (pid {self._agent_pid} on {self.me.host}) is gone, leaving "
+            f"{self.me.describe()} without its node at {self.where()}: the node died or its agent was killed"
+        )
 
     def _neighbour_death(self) -> str | None:
         if self.world_size == 1 or self._store.check([self._key("done", self._neighbour)]):

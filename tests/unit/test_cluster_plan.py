@@ -57,3 +57,12 @@ def test_plan_verdicts_and_fixes():
 def test_layout_that_does_not_divide_the_gpus_is_refused():
     with pytest.raises(ValueError, match="does not divide 16 GPUs"):
         peak(Recipe("Qwen3-30B-A3B", 16, 80, {"parallel.ep": 32}))
+
+
+def test_operations_doc_holds_todays_table():
+    from pathlib import Path
+
+    from rlrun.tools.cluster_plan import markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs/operations.md").read_text()
+    assert markdown(plan()) in doc, "regenerate the Clusters table in docs/operations.md (rlrun doctor --plan)"
