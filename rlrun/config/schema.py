@@ -767,9 +767,9 @@ class AlgorithmConfig(Section):
     """The on-policy gate: stop the run when a step's ``train/logprob_gap`` (token mean |trainer - engine|
     log-prob) exceeds this, and at step 0 unless the policy ratio is exactly 1 and the old-policy KL exactly
     0 (``train/abs_log_ratio``, ``train/approx_kl``). None: off. On CUDA in bf16 the embedded engine and the
-    trainer agree bitwise on the gated runs (SmolLM2, a tiny Qwen3), so 1e-6 holds there; a Qwen3-1.7B shape at
-    640 tokens was 3.8e-3 apart; in fp32 the two sides' kernels round apart (~1e-5 on the real SmolLM2, CPU or
-    CUDA; docs/on_policy.md); SGLang needs more."""
+    trainer agree bitwise on the gated runs (SmolLM2, a tiny Qwen3), so 1e-6 holds there; larger shapes may not
+    (BENCHMARKS.md, "Step against peers": the log-prob gap column); in fp32 the two sides' kernels round apart
+    (docs/on_policy.md); SGLang needs more."""
     rollout_data_postprocess: str | None = None
     """``fn(cfg: AlgorithmConfig, step: int, micro_batches: list[MicroBatch]) -> None`` called on every
     rank after advantages are computed and before training; may edit the micro-batches in place."""

@@ -4,8 +4,8 @@ Why: torch SDPA picks its kernel per call (cuDNN, FlashAttention-2, memory-effic
 the GPU and the torch version. The engine attends under a boolean mask (left-padded prefill, a KV cache
 read under a column mask), so it never gets FlashAttention; the trainer attends causally without a mask.
 When the two sides run different kernels, each attention output can round differently in bf16, and 30
-layers amplify that to the whole bf16-vs-fp32 difference of a model (0.03-0.05 nats per token on
-SmolLM2-135M with the trainer on FlashAttention's varlen kernel, BENCHMARKS.md "Exactness").
+layers amplify that to the whole bf16-vs-fp32 difference of a model (BENCHMARKS.md, "Exactness": the trainer
+on FlashAttention's varlen kernel).
 
 So on CUDA both sides call the memory-efficient (xformers/cutlass) kernel directly, never through SDPA's
 choice: the trainer as one varlen call per layer over a packed row (``cu_seqlens``, causal), the engine
