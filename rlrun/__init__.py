@@ -16,10 +16,11 @@ _run_megatron_eagerly()
 
 
 def __getattr__(name: str):
-    """``rlrun.train``, loaded on first use. By name through importlib: the package root is imported by every
-    module of it, so a plain import here would read as every module importing the trainer (an import circle)."""
+    """``rlrun.train`` (``rlrun.trainer.api.train``, its signature and docstring), imported on first use so that
+    ``import rlrun`` stays light. The package root is the top of the import graph: it may import any module,
+    and no module imports it (tests/unit/test_dependency_rules.py)."""
     if name == "train":
-        import importlib
+        from rlrun.trainer.api import train
 
-        return importlib.import_module("rlrun.trainer.api").train
+        return train
     raise AttributeError(f"module 'rlrun' has no attribute {name!r}")

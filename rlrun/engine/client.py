@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-import rlrun
 from rlrun.engine.payload import iter_buckets, serialize_for_tp_ranks, tensor_checksum
 from rlrun.engine.registry import BackendSpec
 from rlrun.engine.rpc import Endpoint, RpcClient, RpcError, choose_endpoint
@@ -87,7 +86,7 @@ def _worker_env(token: bytes, extra_env: Mapping[str, str]) -> dict[str, str]:
     CUDA_VISIBLE_DEVICES is inherited unchanged: trainer and engine must number GPUs alike."""
     env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith("TORCHELASTIC_")}
     env.update(extra_env)
-    package_root = str(Path(rlrun.__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding rlrun/ (engine/client.py)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env[AUTHKEY_ENV] = multiprocessing.current_process().authkey.hex()
