@@ -66,10 +66,10 @@ class BackendTraits:
 
 
 EXACT_GEMM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
-"""The embedded worker's cuBLAS has no workspace, so no split-K kernel: a decode batch's rows of every projection
-then round as the trainer's rows of the same tokens do. With the default workspace the down projection at decode
-batch sizes is a split-K kernel that rounds apart; without one every projection is bitwise, for a few microseconds a
-GEMM (BENCHMARKS.md, "Embedded engine against SGLang"; docs/on_policy.md). cuBLAS reads it when the process
+"""The embedded worker's cuBLAS has no workspace, so no split-K kernel: a decode batch's rows of every projection then
+round as the trainer's rows of the same tokens do. With the default workspace the down projection at decode batch sizes
+is a split-K kernel that rounds apart; without one every projection is bitwise, for a few microseconds a GEMM
+(BENCHMARKS.md, "Embedded engine against SGLang": the decode GEMMs; docs/on_policy.md). cuBLAS reads it when the process
 first uses it, hence an environment variable."""
 
 BACKENDS: dict[str, BackendTraits] = {
