@@ -27,8 +27,8 @@ from typing import Any, NoReturn
 
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
-from rlrun.runtime.hooks import load_hook
 from rlrun.rollout.rewards.score import is_finite_reward
+from rlrun.runtime.hooks import load_hook
 
 SIGNATURE = "fn(ctx: RolloutContext) -> list[list[Sample]]"
 

@@ -52,9 +52,9 @@ class Critic:
         actor is (``Actor.build``)."""
         if not cfg.uses_critic:
             return None
-        from rlrun.preflight.critic import load_critic_config
         from rlrun.megatron import make_optimizer_and_scheduler
         from rlrun.megatron.value_head import build_critic_model
+        from rlrun.preflight.critic import load_critic_config
 
         spec = load_critic_config(cfg)
         with offloader.trainer_region():
