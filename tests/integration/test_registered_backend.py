@@ -16,6 +16,7 @@ from engine_contract import FAKES_DIR
 from minimal_config import run_config
 from rlrun.config.schema import RunConfig
 from rlrun.engine.registry import BACKENDS, BackendSpec, BackendTraits, register_backend
+from rlrun.preflight.engine import engine_problems
 
 RLRUN = Path(__file__).resolve().parents[2] / "rlrun"
 RECORDING = BackendTraits(
@@ -44,6 +45,16 @@ def config(model_dir, record_to, **algorithm) -> RunConfig:
     )
 
 
+def checked(sections: dict) -> RunConfig:
+    """The config once the preflight's engine checks passed (where the backend traits are read); else their
+    first problem as a ``ValueError``."""
+    cfg = run_config(sections)
+    problems = engine_problems(cfg)
+    if problems:
+        raise ValueError(problems[0][1])
+    return cfg
+
+
 def test_traits_decide_the_config_and_the_spec(recording_backend, tmp_path):
     cfg = config(tmp_path, tmp_path / "spec.json", routing_replay="rollout")
     spec = BackendSpec.from_config(cfg, seed=5)
@@ -52,24 +63,24 @@ def test_traits_decide_the_config_and_the_spec(recording_backend, tmp_path):
     assert cfg.engine.server_args == {"record_to": str(tmp_path / "spec.json")}  # the config is not modified
     assert BackendSpec.from_config(config(tmp_path, "x"), seed=5).server_args == {"record_to": "x"}
     with pytest.raises(ValueError, match=r"engine.verify_weights \(true\) must be false with backend recording"):
-        run_config({"engine": {"backend": "recording", "verify_weights": True}})
+        checked({"engine": {"backend": "recording", "verify_weights": True}})
     with pytest.raises(
         ValueError,
         match=r"engine.server_args keys \['a'\] must be among \['max_running_requests', 'chunked_prefill_size'\]",
     ):
-        run_config({"engine": {"server_args": {"a": 1, "max_running_requests": 8}}})
+        checked({"engine": {"server_args": {"a": 1, "max_running_requests": 8}}})
     with pytest.raises(ValueError, match=r"engine.server_args must be empty with backend blind because it reads"):
         register_backend("blind", dataclasses.replace(RECORDING, accepts_server_args=False))
         try:
-            run_config({"engine": {"backend": "blind", "server_args": {"a": 1}}})
+            checked({"engine": {"backend": "blind", "server_args": {"a": 1}}})
         finally:
             del BACKENDS["blind"]
     with pytest.raises(ValueError, match=r"engine.backend \('nope'\) must be one of \['embedded', 'recording'"):
-        run_config({"engine": {"backend": "nope"}})
+        checked({"engine": {"backend": "nope"}})
     register_backend("blind", dataclasses.replace(RECORDING, routed_experts_args=None))
     try:
         with pytest.raises(ValueError, match=r"algorithm.routing_replay \(rollout\) must go with an engine that"):
-            run_config({"engine": {"backend": "blind"}, "algorithm": {"routing_replay": "rollout"}})
+            checked({"engine": {"backend": "blind"}, "algorithm": {"routing_replay": "rollout"}})
     finally:
         del BACKENDS["blind"]
 
