@@ -32,6 +32,11 @@ if [[ -z ${GPUS_PER_NODE:-} ]]; then
 fi
 NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")  # not piped into head: SIGPIPE fails under pipefail
 HEAD_NODE=${NODES%%$'\n'*}
+# The rendezvous address: the head node's NodeAddr (its name unless slurm.conf sets one; several slurmd on one
+# host share an address while their names need not resolve).
+HEAD_ADDR=$(scontrol show node "$HEAD_NODE" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' || true)
+HEAD_ADDR=${HEAD_ADDR#NodeAddr=}
+HEAD_ADDR=${HEAD_ADDR:-$HEAD_NODE}
 RDZV_PORT=${RDZV_PORT:-29500}
 if [[ -z ${TORCHRUN:-} ]]; then
   if [[ -x .venv/bin/torchrun ]]; then TORCHRUN=.venv/bin/torchrun; else TORCHRUN=torchrun; fi
@@ -50,7 +55,7 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 # checkpoint and stop; --shutdown-timeout gives them that long before SIGKILL.
 CMD=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --cpu-bind=none
   "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
-  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0
+  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_ADDR:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0
   --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=300
   --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter=0
   -m rlrun train "$CONFIG" "$@")
