@@ -48,6 +48,10 @@ class SamplingParams:
     same seed give identical samples (as in SGLang), so ask for a group with ``n``, not duplicates.
     The SGLang backend sends each sample its own seed; SGLang honours it only with
     ``enable_deterministic_inference``."""
+    session: str | None = None
+    """A conversation's id (one sample): the embedded engine with ``session_cache_size`` keeps its K/V after the
+    call, and a later call of the session whose prompt extends those tokens prefills only the new ones. The SGLang
+    backend sends nothing of it (its radix cache finds shared prefixes by itself)."""
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> SamplingParams:

@@ -65,6 +65,9 @@ class GenResult(TypedDict):
     forwarded token (the last output token is never forwarded)."""
     kept_ids: NotRequired[KeptIds]
     """Filtering rows of the embedded engine (top-p mask replay): each output token's kept set."""
+    cached_tokens: NotRequired[int]
+    """Rows that name a ``session`` (embedded engine): the prompt's leading tokens whose K/V came from the session's
+    previous call instead of a prefill (SGLang's ``cached_tokens``)."""
 
 
 class OpResult(TypedDict):

@@ -77,6 +77,7 @@ class EmbeddedBackend:
         max_running_requests: int | None = None,
         chunked_prefill_size: int | None = None,
         attention_kernel: str = "efficient",
+        session_cache_size: int = 0,
     ) -> None:
         self.engine = EmbeddedEngine(
             model_path,
@@ -86,6 +87,7 @@ class EmbeddedBackend:
             max_running_requests=max_running_requests,
             chunked_prefill_size=chunked_prefill_size,
             attention_kernel=attention_kernel,
+            session_cache_size=session_cache_size,
         )
         self.control = DecodeControl()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="embedded-decode")
@@ -103,6 +105,7 @@ class EmbeddedBackend:
             max_running_requests=spec.server_args.get("max_running_requests"),
             chunked_prefill_size=spec.server_args.get("chunked_prefill_size"),
             attention_kernel=spec.attention_kernel,
+            session_cache_size=spec.server_args.get("session_cache_size", 0),
         )
 
     @property
@@ -183,7 +186,8 @@ class EmbeddedBackend:
             self.control.resume()
 
     async def flush_cache(self) -> OpResult:
-        """No prefix cache survives a generate call, so there is nothing to flush."""
+        """Drop the sessions' kept K/V (``session_cache_size``); nothing else survives a generate call."""
+        await self._on_compute_thread(self.engine.sessions.clear)
         return {"success": True, "message": "Cache flushed."}
 
     async def release_memory_occupation(self, tags: list[str]) -> None:

@@ -21,6 +21,7 @@ from rlrun.engine.embedded.decode_control import DecodeControl, EarlyDelivery, R
 from rlrun.engine.embedded.decode_graphs import read_len
 from rlrun.engine.embedded.decode_slots import SlotTable, StopStringSlots
 from rlrun.engine.embedded.routing_record import encode
+from rlrun.engine.embedded.session_cache import KeptSession, SessionCache, reusable_columns
 from rlrun.engine.embedded.static_cache import StaticKVCache
 from rlrun.engine.kept_set import encode_kept_rows
 from rlrun.engine.sampling import KEPT_SET_WIDTH, SamplingParams, SamplingTensors
@@ -40,6 +41,7 @@ class DecodeHost(Protocol):
     weight_version: str
     router_recorder: RouterRecorder | None
     _prefill_experts: torch.Tensor | None
+    sessions: SessionCache
 
     def synchronize(self) -> None: ...
 
@@ -49,7 +51,10 @@ class DecodeHost(Protocol):
 
     def _batch_for(self, shape: BatchShape) -> WarmBatch: ...
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]: ...
+    def _prefill(
+        self, prompts: list[list[int]], kept: Sequence[KeptSession | None] = ()
+    ) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]: ...
+
 
 SYNC_EVERY = 16
 """Decode steps between host looks at the batch (rows ended? stop strings? slots to refill?): more steps
@@ -127,6 +132,8 @@ class DecodeRun:
         self._last_prefill: _Prefill | None = None
         """The last admission's prefill: (its prompts as indices into ``prompts``, their next-token logits, their
         K/V, their [P, W] mask); a group split between two refills takes its prompt's K/V from here."""
+        self.cached: dict[int, int] = {}
+        """Prompt index -> its leading tokens whose K/V came from its session's kept K/V (:mod:`.session_cache`)."""
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -231,12 +238,51 @@ class DecodeRun:
         fresh = [k for k in range(len(rows)) if k not in reused]
         if fresh:
             prompt_ids = sorted({self.rows[rows[k]][0] for k in fresh})
-            logits, prefill, prompt_mask = self.engine._prefill([self.prompts[i] for i in prompt_ids])
-            self._last_prefill = (prompt_ids, logits, prefill, prompt_mask)
-            self._load([slots[k] for k in fresh], [rows[k] for k in fresh], self._last_prefill, aborted)
+            kept = {i: self._kept_prefix(i) for i in prompt_ids}
+            # Prompts that extend a kept session prefill apart from the others, which would forward every column.
+            for part in ([i for i in prompt_ids if kept[i] is not None], [i for i in prompt_ids if kept[i] is None]):
+                if not part:
+                    continue
+                prompts, part_kept = [self.prompts[i] for i in part], [kept[i] for i in part]
+                start = reusable_columns(prompts, part_kept)
+                self.cached.update((i, start) for i in part)
+                extra = (part_kept,) if start else ()
+                logits, prefill, prompt_mask = self.engine._prefill(prompts, *extra)
+                self._last_prefill = (part, logits, prefill, prompt_mask)
+                part_rows = [k for k in fresh if self.rows[rows[k]][0] in part]
+                self._load([slots[k] for k in part_rows], [rows[k] for k in part_rows], self._last_prefill, aborted)
         if reused:
             assert last is not None  # rows are reused only from a previous prefill
             self._load([slots[k] for k in reused], [rows[k] for k in reused], last, aborted)
+
+    def _session(self, prompt: int) -> str | None:
+        """The prompt's session whose K/V are kept across calls; None when nothing is kept or for several samples
+        (which one's would the next turn extend?)."""
+        params = self.params[prompt]
+        return params.session if params.n == 1 and self.engine.sessions.enabled else None
+
+    def _kept_prefix(self, prompt: int) -> KeptSession | None:
+        return self.engine.sessions.prefix(self._session(prompt), self.prompts[prompt])
+
+    def _keep_sessions(self, slots: Sequence[int], lengths: list[int], finish: list[int]) -> None:
+        """Keep the K/V of the ended rows that name a session (their prompt and every output token but the last,
+        which was never forwarded); an aborted row's session is dropped."""
+        for s, length, code in zip(slots, lengths, finish, strict=True):
+            i = self.rows[self.slots.row[s]][0]
+            session = self._session(i)
+            if session is None:
+                continue
+            if code == Finish.ABORT or length < 1:
+                self.engine.sessions.drop(session)
+                continue
+            width = len(self.prompts[i]) + length - 1
+            output = self.batch.tokens[s, : length - 1].tolist()
+            self.engine.sessions.keep(
+                session,
+                self.prompts[i] + output,
+                [k[s, :, :width].clone() for k in self.batch.cache.keys],
+                [v[s, :, :width].clone() for v in self.batch.cache.values],
+            )
 
     def _load(self, slots: list[int], rows: list[int], prefilled: _Prefill, aborted: list[bool]) -> None:
         """Load ``rows`` into ``slots`` from ``prefilled`` (which holds their prompts) and sample their first token."""
@@ -288,6 +334,7 @@ class DecodeRun:
         if self.engine.router_recorder is not None:
             for result, s, length in zip(results, slots, lengths, strict=True):
                 result["routed_experts"] = self._routed_experts(s, length)
+        self._keep_sessions(slots, lengths, finish)
         return results
 
     def _result(self, row: int, output_ids: list[int], logprobs: list[float], finish: FinishReason) -> GenResult:
@@ -300,6 +347,7 @@ class DecodeRun:
             "prompt_tokens": len(self.prompts[i]),
             "completion_tokens": len(output_ids),
             "weight_version": self.engine.weight_version,
+            **({"cached_tokens": self.cached.get(i, 0)} if self._session(i) is not None else {}),
         }
 
     def _unstarted(self, row: int) -> GenResult:

@@ -44,6 +44,7 @@ from rlrun.engine.embedded.fused_projections import fuse_projections
 from rlrun.engine.embedded.fused_rope import fuse_rotary
 from rlrun.engine.embedded.fused_swiglu import fuse_swiglu
 from rlrun.engine.embedded.routing_record import RouterRecorder
+from rlrun.engine.embedded.session_cache import KeptSession, SessionCache, reusable_columns
 from rlrun.engine.embedded.static_cache import (
     ATTENTION,
     ATTENTION_CHUNKED,
@@ -127,6 +128,7 @@ class EmbeddedEngine:
         max_running_requests: int | None = None,
         chunked_prefill_size: int | None = None,
         attention_kernel: str = "efficient",
+        session_cache_size: int = 0,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(
@@ -201,6 +203,17 @@ class EmbeddedEngine:
             "a MoE prefill records its prompts' experts from one forward, and a chunk needs two columns",
         )
         """A prefill forward covers at most this many token slots (prompts x columns; None: one forward)."""
+        self.sessions = SessionCache(
+            _dense_count(
+                "session_cache_size",
+                session_cache_size or None,
+                1,
+                moe,
+                "a MoE call records its prompts' experts from a prefill of every prompt token",
+            )
+            or 0
+        )
+        """Sessions' K/V kept across calls (:mod:`.session_cache`; off at size 0) and the prefill token counts."""
         self._decode_experts = (
             None if self.router_recorder is None else _decode_experts_implementation(self.model, self.device)
         )
@@ -318,26 +331,36 @@ class EmbeddedEngine:
             out.append(torch.log_softmax(logits, dim=-1).gather(-1, targets)[:, 0].tolist())
         return out
 
-    def _prefill_hidden(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
+    def _prefill_hidden(
+        self, prompts: list[list[int]], kept: Sequence[KeptSession] = (), start: int = 0
+    ) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
         """The decoder over ``prompts`` right-padded so every prompt starts at column 0 (the attention kernel then
         splits its keys into the same blocks as the trainer does: bitwise equal log-probs, rlrun.kernels.attention),
-        in column chunks (:meth:`prefill_chunks`); returns ([P, W, hidden] last hidden states, the prompts' K/V
-        cache, the [P, W] prompt mask)."""
+        in column chunks (:meth:`prefill_chunks`); returns ([P, W - start, hidden] last hidden states of columns
+        ``start`` on, the prompts' K/V cache, the [P, W] prompt mask). With ``start``, columns before it are copied
+        from each prompt's ``kept`` session K/V, not forwarded."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
         mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts], device=self.device)
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
         cache = StaticKVCache(len(prompts), width, self.device)
+        if start:
+            for layer, (key, value) in enumerate(zip(kept[0].keys, kept[0].values, strict=True)):
+                cache._allocate(key[None], value[None])
+                for row, session in enumerate(kept):
+                    cache.keys[layer][row, :, :start] = session.keys[layer][:, :start]
+                    cache.values[layer][row, :, :start] = session.values[layer][:, :start]
         hidden = []
-        for start, stop in self.prefill_chunks(len(prompts), width):
-            cache.columns = torch.arange(start, stop, device=self.device)
+        for first, stop in self.prefill_chunks(len(prompts), width - start):
+            first, stop = first + start, stop + start
+            cache.columns = torch.arange(first, stop, device=self.device)
             cache.read_len = stop  # a chunk's queries attend to the columns before it and its own
             with built_per_forward():
                 hidden.append(
                     self.model.get_decoder()(
-                        input_ids=ids[:, start:stop],
-                        attention_mask=prefill_mask(mask, start, stop),
-                        position_ids=positions[:, start:stop],
+                        input_ids=ids[:, first:stop],
+                        attention_mask=prefill_mask(mask, first, stop),
+                        position_ids=positions[:, first:stop],
                         use_cache=True,
                         **{self._decoder_cache_kwarg: cache},
                     ).last_hidden_state
@@ -358,19 +381,26 @@ class EmbeddedEngine:
             starts.pop()
         return list(zip(starts, [*starts[1:], width], strict=True))
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
+    def _prefill(
+        self, prompts: list[list[int]], kept: Sequence[KeptSession | None] = ()
+    ) -> tuple[torch.Tensor, StaticKVCache, torch.Tensor]:
         """Prefill distinct prompts once (:meth:`_prefill_hidden`), recording a MoE model's routing into
         ``_prefill_experts``; returns (fp32 next-token logits per prompt, their cache, the [P, W] prompt mask).
-        The LM head sees only each prompt's last position (a right-padded batch has no common last column)."""
+        The LM head sees only each prompt's last position (a right-padded batch has no common last column).
+        ``kept``: each prompt's session K/V that it extends (:mod:`.session_cache`); where every prompt has some,
+        the columns all share (:func:`reusable_columns`) are copied, not forwarded."""
+        start = reusable_columns(prompts, kept)
+        self.sessions.prefill_tokens += sum(len(p) for p in prompts) - start * len(prompts)
+        self.sessions.reused_tokens += start * len(prompts)
         context: contextlib.AbstractContextManager = contextlib.nullcontext()
         if self.router_recorder is not None:
             num_tokens = len(prompts) * max(len(p) for p in prompts)
             self._prefill_experts = self.router_recorder.prefill_buffer(num_tokens, self.device)
             context = self.router_recorder.writing(self._prefill_experts)
         with context:
-            hidden, cache, mask = self._prefill_hidden(prompts)
+            hidden, cache, mask = self._prefill_hidden(prompts, [k for k in kept if k is not None], start)
         rows = torch.arange(len(prompts), device=self.device)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        last = torch.tensor([len(p) - 1 - start for p in prompts], device=self.device)
         return self.model.get_output_embeddings()(hidden[rows, last][:, None])[:, -1].float(), cache, mask
 
     def _decode_step(self, batch: DecodeBatch, length: int) -> None:
@@ -456,6 +486,7 @@ class EmbeddedEngine:
                     f"{list(target.shape)} because the engine loads full, unsharded tensors"
                 )
             targets.append(target)
+        self.sessions.clear()  # their K/V are the old weights'
         # One fused call instead of a Python-level copy_ per tensor (hundreds per bucket for an 8B model).
         torch._foreach_copy_(targets, [t for _, t in named_tensors])
 
@@ -479,6 +510,7 @@ class EmbeddedEngine:
         too. The host copies are pinned buffers allocated once and reused: ``model.to("cpu")`` would copy
         into fresh pageable memory every step, allocated anew and slower to copy to and from (BENCHMARKS.md,
         "rlrun against TRL with transformers `generate`")."""
+        self.sessions.clear()
         if self.device.type != "cuda":
             return
         self._warm.clear()
@@ -505,7 +537,8 @@ class EmbeddedEngine:
     def free_cache(self) -> None:
         """Drop the last generate's decode buffers and captured step and return the allocator's cached
         blocks (KV cache, activations) to the driver, so a released engine holds only its CUDA context
-        (no-op on CPU)."""
+        (no-op on CPU, but for the sessions' K/V, dropped everywhere)."""
+        self.sessions.clear()
         if self.device.type == "cuda":
             self._warm.clear()  # the decode buffers (KV cache) and the captured steps
             torch.cuda.synchronize(self.device)
