@@ -1097,6 +1097,18 @@ class CriticConfig(Section):
     (rlrun/algo/value_loss.py). None: the unclipped squared error."""
 
 
+class PlacementConfig(Section):
+    """Where engines run (docs/async.md, "Disaggregated placement"): beside every trainer rank (colocated, the
+    default) or on torchrun ranks of their own."""
+
+    engine_ranks: int = Field(0, ge=0)
+    """The last N torchrun ranks host engines only (rlrun/rollout/engine_rank.py): no Megatron model, one engine
+    each (``engine.tp`` 1); the other ranks train, and Megatron's world is theirs alone. Rank 0 sends them
+    prompts and gets finished, scored groups back over torch.distributed (gloo), and broadcasts the trained
+    weights to them in ``engine.bucket_bytes`` buckets. With ``rollout.max_staleness`` 1 they generate step n+1
+    while the trainers train step n. 0: every rank trains and drives its own engine."""
+
+
 class RunConfig(Section):
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
@@ -1112,6 +1124,7 @@ class RunConfig(Section):
     logging: LoggingConfig = LoggingConfig()
     offload: OffloadConfig = OffloadConfig()
     critic: CriticConfig = CriticConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     @model_validator(mode="after")
     def _context_parallel_without_critic(self) -> RunConfig:
@@ -1167,6 +1180,72 @@ class RunConfig(Section):
         for key, (bad, reason) in refused.items():
             if bad:
                 raise ValueError(f"{key} must be off with rollout.max_staleness ({k}) because {reason}")
+        return self
+
+    @model_validator(mode="after")
+    def _placement_fits(self) -> RunConfig:
+        """``placement.engine_ranks`` > 0 against the options an engine rank does not serve."""
+        n = self.placement.engine_ranks
+        if n == 0:
+            return self
+        o, r = self.offload, self.rollout
+        refused = [  # (key, its value, what it must be, why)
+            ("engine.tp", self.engine.tp, "1", "each engine rank drives one single-rank engine"),
+            ("engine.max_restarts", self.engine.max_restarts, "0", "a lost engine rank ends the job (the watchdog)"),
+            (
+                "offload.train / offload.rollout / offload.colocate",
+                o.train or o.rollout or o.colocate,
+                "off",
+                "trainer and engines sit on different ranks, so nothing takes turns",
+            ),
+            (
+                "rollout.partial_rollout / rollout.abort_surplus",
+                r.streams,
+                "off",
+                "streaming rounds call each rank's own engine, and the training ranks have none",
+            ),
+            (
+                "algorithm.opd.teacher_engine",
+                self.algorithm.opd.teacher_engine,
+                "unset",
+                "the teacher scores each rank's own samples, and the training ranks sample none",
+            ),
+            ("eval.interval", self.eval.interval, "0", "eval generates on engines the training ranks do not have"),
+        ]
+        for key, value, want, reason in refused:
+            if value not in (None, False, 0) and str(value) != want:
+                fix = "turn them off" if " / " in key else f"set {key}: {'null' if want == 'unset' else want}"
+                raise ValueError(
+                    f"{key} ({value}) must be {want} with placement.engine_ranks ({n}) because {reason}; "
+                    f"{fix}, or placement.engine_ranks: 0"
+                )
+        return self
+        refused = {
+            "engine.tp": (self.engine.tp > 1, "each engine rank drives one single-rank engine; set engine.tp: 1"),
+            "engine.max_restarts": (
+                self.engine.max_restarts > 0,
+                "a lost engine rank is not restarted (the watchdog ends the job); set engine.max_restarts: 0",
+            ),
+            "offload.train / offload.rollout / offload.colocate": (
+                self.offload.train or self.offload.rollout or self.offload.colocate,
+                "trainer and engines sit on different ranks, so nothing takes turns; turn them off",
+            ),
+            "rollout.partial_rollout / rollout.abort_surplus": (
+                self.rollout.streams,
+                "streaming rounds call each rank's own engine, and the training ranks have none; turn them off",
+            ),
+            "algorithm.opd.teacher_engine": (
+                self.algorithm.opd.teacher_engine is not None,
+                "the teacher scores each rank's own samples, and the training ranks sample none; unset it",
+            ),
+            "eval.interval": (
+                self.eval.interval > 0,
+                "eval generates on the training ranks' engines, which they do not have; set eval.interval: 0",
+            ),
+        }
+        for key, (bad, reason) in refused.items():
+            if bad:
+                raise ValueError(f"{key} must be off with placement.engine_ranks ({n}) because {reason}")
         return self
 
     @model_validator(mode="after")

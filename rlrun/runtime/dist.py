@@ -114,6 +114,7 @@ def init_distributed(
     etp: int = 1,
     reloadable_backends: tuple[str, ...] = (),
     cp: int = 1,
+    engine_ranks: int = 0,
 ) -> Parallel:
     """Start torch.distributed and Megatron's model-parallel groups for this rank; seed its RNGs.
 
@@ -123,28 +124,34 @@ def init_distributed(
     CPU (no CUDA): gloo and the Megatron CPU patches. GPU: NCCL with ``device = cuda:local_rank``.
     Megatron's groups on ``reloadable_backends`` can be destroyed and rebuilt around trainer sleep
     (rlrun/runtime/reloadable_groups.py; ``OffloadConfig.reloadable_backends``).
+
+    ``engine_ranks``: the last ranks host engines only (``placement.engine_ranks``, rlrun/runtime/placement.py);
+    the default process group and Megatron's groups then span the training ranks alone (``world_size``).
     """
     env = DistEnv.from_env()
+    world_size = env.world_size - engine_ranks
+    assert 0 <= env.rank < world_size, f"rank {env.rank} is an engine rank: it must not initialize the trainer"
+
     # Megatron warns on import, once per module, that TE/Apex are missing; the local spec is our choice.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated.*")
     # train.recompute: selective checkpoints rlrun's own core attention on purpose (Megatron warns for TE's fused one)
     warnings.filterwarnings("ignore", message=r"If you are using transformer_engine as the transformer implementation")
-    if env.world_size % (tp * pp * cp) != 0:
+    if world_size % (tp * pp * cp) != 0:
         raise ValueError(
-            f"world_size ({env.world_size}) must be divisible by tp*pp*cp ({tp}*{pp}*{cp}) because every "
+            f"world_size ({world_size}) must be divisible by tp*pp*cp ({tp}*{pp}*{cp}) because every "
             "data-parallel replica holds one full tp x pp x cp model; set the sizes so that their product divides "
             "the number of processes"
         )
-    if env.world_size % (tp * pp) != 0:
+    if world_size % (tp * pp) != 0:
         raise ValueError(
-            f"world_size ({env.world_size}) must be divisible by tp*pp ({tp}*{pp}) because every "
+            f"world_size ({world_size}) must be divisible by tp*pp ({tp}*{pp}) because every "
             f"data-parallel replica holds one full tp x pp model; set parallel.tp and parallel.pp so "
             f"that their product divides the number of processes"
         )
-    if (env.world_size // pp) % (ep * etp) != 0:
+    if (world_size // pp) % (ep * etp) != 0:
         raise ValueError(
-            f"world_size / pp ({env.world_size // pp}) must be divisible by ep*etp ({ep}*{etp}) because "
+            f"world_size / pp ({world_size // pp}) must be divisible by ep*etp ({ep}*{etp}) because "
             f"Megatron lays the expert-parallel x expert-tensor-parallel grid over the ranks of one pipeline "
             f"stage; set parallel.ep and parallel.etp so that their product divides it"
         )
@@ -162,7 +169,7 @@ def init_distributed(
         backend=backend,
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
-        world_size=env.world_size,
+        world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
     cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -186,7 +193,7 @@ def init_distributed(
     model_parallel_cuda_manual_seed(seed)
     return Parallel(
         rank=env.rank,
-        world_size=env.world_size,
+        world_size=world_size,
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         tp_size=tp,
         pp_rank=mpu.get_pipeline_model_parallel_rank(),

@@ -65,9 +65,11 @@ class PeerInfo:
     rank: int
     pid: int
     host: str
+    role: str = "rank"
+    """How messages name the rank: "rank", or "engine rank" (``placement.engine_ranks``)."""
 
     def describe(self) -> str:
-        return f"rank {self.rank} (pid {self.pid} on {self.host})"
+        return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
 
 
 def is_peer_error(exc: BaseException) -> bool:
@@ -102,7 +104,8 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="rlrun-watchdog", daemon=True)
 
     @classmethod
-    def start(cls, parallel: Parallel) -> Watchdog:
+    def start(cls, parallel: Parallel, role: str = "rank") -> Watchdog:
+        """Watch this rank among all of torchrun's ranks (training and engine ranks alike)."""
         env = parallel.env
         store = dist.TCPStore(
             env.master_addr,
@@ -115,9 +118,9 @@ class Watchdog:
         attempt = (
             f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         )
-        me = PeerInfo(rank=parallel.rank, pid=os.getpid(), host=socket.gethostname())
+        me = PeerInfo(rank=parallel.rank, pid=os.getpid(), host=socket.gethostname(), role=role)
         watchdog = cls(
-            me, parallel.world_size, store, f"{env.master_addr}:{env.master_port}", f"rlrun-watchdog/{attempt}/"
+            me, env.world_size, store, f"{env.master_addr}:{env.master_port}", f"rlrun-watchdog/{attempt}/"
         )
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             watchdog._agent_pid = os.getppid()
@@ -139,11 +142,13 @@ class Watchdog:
     def where(self) -> str:
         return f"step {self.step} ({self.phase})"
 
-    def close(self, group: dist.ProcessGroup) -> None:
-        """Normal end: stop watching, then wait for every rank to stop (so no rank exits while watched)."""
+    def close(self, group: dist.ProcessGroup | None) -> None:
+        """Normal end: stop watching, then wait for every rank of ``group`` to stop (so no rank exits while
+        watched; None: an engine rank, which rank 0 stops after the trainers' end)."""
         self._stop_thread()
         self._store.set(self._key("done", self.me.rank), "1")
-        dist.barrier(group=group)
+        if group is not None:
+            dist.barrier(group=group)
 
     def fail(self, exc: BaseException) -> None:
         """The main thread is failing with ``exc``: blame a dead peer if that is the cause (the watcher

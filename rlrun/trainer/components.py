@@ -36,7 +36,7 @@ class Components:
 
     cfg: RunConfig
     parallel: Parallel
-    engine: EngineGroup
+    engine: EngineGroup  # rlrun.trainer.placement.RemoteEngines with placement.engine_ranks
     offloader: Offloader
     recovery: EngineRecovery  # restarts lost engines (engine.max_restarts)
     actor: Actor
@@ -48,8 +48,9 @@ class Components:
 
 
 def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
-    """Collective: save the resolved config, start the engine (before Megatron allocates), build the trainer,
-    the data source (rank 0), the optional teacher engine and the rollout side."""
+    """Collective: save the resolved config, start the engine (before Megatron allocates; with
+    ``placement.engine_ranks``, connect rank 0 to the engine ranks instead), build the trainer, the data source
+    (rank 0), the optional teacher engine and the rollout side."""
     from transformers import AutoTokenizer
 
     from rlrun.engine.group import GroupLayout
@@ -60,20 +61,26 @@ def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     dist.barrier(group=parallel.cpu_group)
-    # The engine starts before Megatron allocates (SGLang sizes its KV cache from free memory); with
-    # engine.tp > 1 only each group's leader starts one (rlrun/engine/group.py).
-    env = parallel.env
-    layout = GroupLayout.of(cfg.engine.tp, env.rank, env.local_rank, env.world_size, env.local_world_size)
-    engine = EngineGroup.spawn(
-        layout,
-        BackendSpec.from_config(cfg, seed=cfg.train.seed + parallel.rank),
-        run_dir=run_dir,
-        rank=parallel.rank,
-        startup_timeout_s=cfg.engine.startup_timeout_s,
-        request_timeout_s=cfg.engine.request_timeout_s,
-        heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s,
-        tolerate_loss=cfg.engine.max_restarts > 0,
-    )
+    runtime_cls: type[RolloutRuntime] = RolloutRuntime
+    if cfg.placement.engine_ranks:  # the engines are ranks of their own (rlrun/trainer/placement.py)
+        from rlrun.trainer.placement import RemoteEngines, RemoteRollout
+
+        engine, runtime_cls = RemoteEngines.connect(cfg, parallel), RemoteRollout
+    else:
+        # The engine starts before Megatron allocates (SGLang sizes its KV cache from free memory); with
+        # engine.tp > 1 only each group's leader starts one (rlrun/engine/group.py).
+        env = parallel.env
+        layout = GroupLayout.of(cfg.engine.tp, env.rank, env.local_rank, env.world_size, env.local_world_size)
+        engine = EngineGroup.spawn(
+            layout,
+            BackendSpec.from_config(cfg, seed=cfg.train.seed + parallel.rank),
+            run_dir=run_dir,
+            rank=parallel.rank,
+            startup_timeout_s=cfg.engine.startup_timeout_s,
+            request_timeout_s=cfg.engine.request_timeout_s,
+            heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s,
+            tolerate_loss=cfg.engine.max_restarts > 0,
+        )
     offloader = Offloader(cfg.offload, engine, parallel.device)
     recovery = EngineRecovery(cfg.engine.max_restarts, cfg.engine.startup_timeout_s, engine, offloader, parallel)
     actor = Actor.build(cfg, parallel, offloader)
@@ -90,7 +97,7 @@ def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
 
         check_teacher_tokenizer(cfg, tokenizer, parallel)
         teacher = TeacherEngine.spawn(cfg, parallel.rank, run_dir)
-    rollout = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine, teacher=teacher)
+    rollout = runtime_cls.build(cfg, parallel, engine.client, tokenizer, sampler, group=engine, teacher=teacher)
     dp_rank_of = all_gather(parallel.dp_rank, parallel.cpu_group)
     return Components(
         cfg=cfg,

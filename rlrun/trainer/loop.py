@@ -24,6 +24,8 @@ step 6 is restarted and re-synced, and the step goes on (rlrun/trainer/recovery.
     torchrun ─┬─ rank 0: Megatron shard + loop ──ZMQ──> engine worker 0
               └─ rank 1: Megatron shard + loop ──ZMQ──> engine worker 1
                  (rollout data and gradients move with torch.distributed)
+With ``placement.engine_ranks`` the last ranks host the engines and the others only train (docs/async.md,
+"Disaggregated placement"; rlrun/trainer/placement.py, rlrun/rollout/engine_rank.py).
 
 Launch:  torchrun --standalone --nproc-per-node 2 -m rlrun train configs/quickstart.yaml
 Slurm:   see launch/ (srun + torchrun with a c10d rendezvous on the first node).
@@ -47,13 +49,18 @@ def run(cfg: RunConfig) -> bool:
     (rlrun/runtime/watchdog.py); the engine worker never outlives this call. Returns whether the process
     must end without Python's teardown (``Offloader.needs_hard_exit``: the CLI then calls ``os._exit``)."""
     from rlrun.observability.profiler import profile_step
-    from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.runtime.dist import DistEnv, destroy_distributed, init_distributed
+    from rlrun.runtime.placement import all_ranks_started, is_engine_rank
     from rlrun.runtime.preemption import StopRequest
     from rlrun.runtime.watchdog import Watchdog
     from rlrun.trainer.ahead_step import start_ahead
     from rlrun.trainer.checkpoint import Checkpointer
     from rlrun.trainer.export import announce_outputs, export_at_end
 
+    if is_engine_rank(DistEnv.from_env(), cfg.placement.engine_ranks):  # no trainer here (docs/async.md)
+        from rlrun.rollout.engine_rank import serve
+
+        return serve(cfg)
     parallel = init_distributed(
         cfg.parallel.tp,
         cfg.parallel.pp,
@@ -62,7 +69,10 @@ def run(cfg: RunConfig) -> bool:
         etp=cfg.parallel.etp,
         reloadable_backends=cfg.offload.reloadable_backends,
         cp=cfg.parallel.cp,
+        engine_ranks=cfg.placement.engine_ranks,
     )
+    if cfg.placement.engine_ranks:
+        all_ranks_started(parallel.env)  # the engine ranks take no part in init_distributed's rendezvous
     stop, watchdog, parts, ahead = StopRequest.install(), Watchdog.start(parallel), None, None
     try:
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)

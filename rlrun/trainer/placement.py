@@ -1,0 +1,120 @@
+"""The training ranks' side of disaggregated placement (``placement.engine_ranks``; docs/async.md).
+
+The training ranks have no engine. Two stand-ins take the colocated ones' places in ``Components``, so the
+loop (rlrun/trainer/loop.py) and the loop that generates ahead (rlrun/trainer/ahead_step.py) run unchanged:
+
+* :class:`RemoteEngines` for ``EngineGroup``: rank 0 broadcasts the exported weights to every engine rank
+  (rlrun/runtime/placement.py); the other training ranks only take part in the export's collectives.
+* :class:`RemoteRollout` for ``RolloutRuntime``: rank 0 draws each sampling round's prompts, splits them over
+  the engine ranks as it would over colocated ranks, and gathers their generated, scored samples; the other
+  training ranks wait for the train batch's scatter.
+
+Engine rank ``e`` generates with the seeds of colocated rank ``e``, so with one engine rank and one training
+rank a run trains exactly what a single colocated rank trains (tests/integration/test_disaggregated.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable
+
+import torch
+
+from rlrun.config.schema import RunConfig
+from rlrun.rollout.collect import RolloutRuntime
+from rlrun.rollout.driver import group_samples, split_groups
+from rlrun.rollout.tally import RolloutBatch
+from rlrun.runtime.dist import Parallel
+from rlrun.runtime.placement import Link
+
+
+class RemoteEngines:
+    """``EngineGroup``'s part the loop uses, for a training rank whose engines are engine ranks."""
+
+    client = None  # the training ranks drive no engine worker: nothing to watch, restart or offload
+    process = None
+    watched = None
+    lost = None
+
+    def __init__(self, link: Link | None, num_engines: int) -> None:
+        self.link = link
+        """Rank 0's link to the engine ranks; None on the other training ranks."""
+        self.num_engines = num_engines
+
+    @classmethod
+    def connect(cls, cfg: RunConfig, parallel: Parallel) -> RemoteEngines:
+        """Rank 0 opens the link (collective with the engine ranks); the other training ranks hold none."""
+        n = cfg.placement.engine_ranks
+        return cls(Link.open(parallel.env, n) if parallel.is_rank0 else None, n)
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        weight_version: str,
+        verify: bool = False,
+    ) -> None:
+        """Rank 0: every engine rank loads the full tensors (its ``EngineGroup.update_weights``); every training
+        rank iterates the export to its end, whose collectives its peers wait on."""
+        if self.link is None:
+            for _ in named_tensors:
+                pass
+            return
+        for dst in range(1, self.link.size):
+            self.link.send(("weights", weight_version, bucket_bytes, verify), dst)
+        self.link.send_weights(named_tensors, bucket_bytes)
+        for dst in range(1, self.link.size):  # loaded everywhere before the next rollout may start
+            reply = self.link.recv(dst)
+            if reply != "loaded":
+                raise RuntimeError(f"engine rank {dst - 1} failed to load weight version {weight_version}: {reply}")
+
+    def generate(self, prompts_per_engine: list[list], seeds: list[int], round_at: tuple[int, int]) -> list:
+        """Rank 0: each engine rank's samples for its prompts (scored there), in engine order."""
+        assert self.link is not None, "generate() on a training rank other than 0"
+        for e, (prompts, seed) in enumerate(zip(prompts_per_engine, seeds, strict=True)):
+            self.link.send(("generate", prompts, seed, round_at), 1 + e)
+        replies = [self.link.recv(1 + e) for e in range(self.num_engines)]
+        for e, reply in enumerate(replies):
+            if isinstance(reply, str):
+                raise RuntimeError(f"engine rank {e} failed in step {round_at[0]}'s round {round_at[1]}: {reply}")
+        return replies
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        raise AssertionError("offload is refused with placement.engine_ranks (config validation)")
+
+    resume_memory_occupation = release_memory_occupation
+
+    def shutdown(self) -> None:
+        """Rank 0: tell every engine rank to stop (its engine worker ends with it)."""
+        if self.link is not None:
+            for dst in range(1, self.link.size):
+                self.link.send(("stop",), dst)
+            self.link = None
+
+
+class RemoteRollout(RolloutRuntime):
+    """``RolloutRuntime`` whose sampling rounds generate on the engine ranks (``group`` is the
+    :class:`RemoteEngines`). Loaded batches, saved batches and the reward post-process run as colocated."""
+
+    def _sample_rounds(self, step: int) -> RolloutBatch | None:
+        """Rank 0: rounds until the batch is full, as ``RolloutRuntime._sample_rounds`` with the engine ranks in
+        the colocated ranks' places; None on the other training ranks (they take no part)."""
+        if not self.parallel.is_rank0:
+            return None
+        engines: RemoteEngines = self.group
+        r, tally = self.cfg.rollout, self._new_tally()
+        assert tally is not None
+        for round_index in itertools.count():
+            if len(tally.kept) >= tally.target or tally.rounds >= r.max_sampling_rounds:
+                break
+            prompts = self.sampler.next_batch(r.prompts_per_round)
+            tally.prompts_drawn += len(prompts)
+            # colocated rank e's seed (RolloutRuntime._sample_rounds), so one engine rank samples as rank 0 does
+            seeds = [
+                self.cfg.train.seed * 1_000_003 + step * 1009 + e + 104_729 * round_index
+                for e in range(engines.num_engines)
+            ]
+            parts: list[Any] = engines.generate(split_groups(prompts, engines.num_engines), seeds, (step, round_index))
+            kept = [s for part in parts for s in part]
+            tally.add_round(group_samples(kept, r.samples_per_prompt), self.hooks.dynamic_filter)
+        return tally.batch()
