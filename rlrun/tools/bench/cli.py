@@ -332,6 +332,10 @@ def step(
         str, typer.Option(help="on|off: optimizer.cpu_offload (Adam state on the host; CUDA only).")
     ] = "off",
     lm_head: Annotated[str, typer.Option(help="model.lm_head: chunked, chunked_kept or logits.")] = "chunked",
+    engine_ranks: Annotated[
+        int, typer.Option(help="placement.engine_ranks: ranks beyond --ranks that only generate (--offload off).")
+    ] = 0,
+    max_staleness: Annotated[int, typer.Option(help="rollout.max_staleness: steps generated ahead of training.")] = 0,
     out: OutFile = None,
 ) -> None:
     """Seconds per GRPO step of ``rlrun train`` (colocated, offload on by default), split by phase, tokens/s, memory."""
@@ -366,6 +370,8 @@ def step(
         recompute=_memory_options(recompute, None, "chunked", False).recompute,
         optimizer_offload=_on_off("--optimizer-offload", optimizer_offload),
         lm_head=_memory_options("none", None, lm_head, False).lm_head,
+        engine_ranks=engine_ranks,
+        max_staleness=max_staleness,
     )
     try:
         result = bench_step(settings, work, timeout_s, variant, profile_step, ranks)

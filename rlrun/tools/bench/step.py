@@ -138,6 +138,11 @@ class Variant:
     lm_head: LMHead = "chunked"
     """``model.lm_head``: the LM head by token chunks, projected again in the backward (the default) or kept
     (``chunked_kept``), or Megatron's output layer (``logits``)."""
+    engine_ranks: int = 0
+    """``placement.engine_ranks``: torchrun ranks beside the training ones that only generate (docs/async.md,
+    "Disaggregated placement"; needs offload off). 0: every rank trains beside its own engine."""
+    max_staleness: int = 0
+    """``rollout.max_staleness``: rollouts generated up to this many steps ahead of training (docs/async.md)."""
 
     def label(self, base: str) -> str:
         """The run's name and folder: ``base`` (the backend) plus what differs from the default variant."""
@@ -152,6 +157,8 @@ class Variant:
             + ("" if self.lora_rank is None else f"_lora{self.lora_rank}")
             + ("" if self.recompute == "none" else f"_recompute-{self.recompute}")
             + ("_optoffload" if self.optimizer_offload else "")
+            + ("" if self.engine_ranks == 0 else f"_engineranks{self.engine_ranks}")
+            + ("" if self.max_staleness == 0 else f"_stale{self.max_staleness}")
         )
 
     def model_section(self, model_path: Path, dtype: str) -> dict:
@@ -346,7 +353,9 @@ def run_config(
             "top_k": -1,
             "reward": f"{__name__}:even_token_reward",
             "ignore_eos": True,
+            "max_staleness": variant.max_staleness,
         },
+        "placement": {"engine_ranks": variant.engine_ranks},
         "engine": engine,
         "offload": {
             "train": variant.offload,
@@ -539,7 +548,7 @@ def bench_step(
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     load_config(config_path)  # a bad setting (backend, steps, ...) fails here, before any model is written
     prepare_inputs(settings, work_dir, dtype, "cuda" if on_gpu else "cpu")
-    launch(config_path, run_dir, timeout_s, ranks)
+    launch(config_path, run_dir, timeout_s, ranks + variant.engine_ranks)  # the engine ranks come last
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     profile = None
     if profile_step is not None:
