@@ -152,10 +152,11 @@ def _log_round(sessions, samples: list[Sample]) -> None:
     failed = [s.reward_error for s in samples if s.reward_error and s.reward_error.startswith("agent ")]
     logger.info(
         "agents: %d sessions, %d requests, %d tool calls parsed, %d training samples, %d failed; prefill %d tokens "
-        "(%d new since each branch's previous request)",
+        "(%d new since each branch's previous request; the engine prefilled %d, the rest from kept K/V)",
         len(sessions), len(turns), sum(s.num_tool_calls for s in sessions),
         sum(len(s.parts or [s]) for s in samples), len(failed),
         sum(t for t, _ in turns), sum(new for _, new in turns),
+        sum(t for t, _ in turns) - sum(c for s in sessions for c in s.cached_tokens),
     )
     for message in sorted(set(failed)):
         logger.warning("agent failed for %d sample(s): %s", failed.count(message), message)

@@ -156,6 +156,8 @@ class AgentServer:
         params["max_new_tokens"] = min(room, common.max_tokens or params["max_new_tokens"])
         if common.stop:
             params["stop"] = list(common.stop)
+        if common.n == 1:  # the embedded engine with session_cache_size keeps the branch's K/V for its next turn
+            params["session"] = f"{session.id}/{id(turn.branch):x}"
         loop = asyncio.get_running_loop()
         try:
             results = await loop.run_in_executor(
@@ -168,6 +170,7 @@ class AgentServer:
         if session.closed:  # the agent timed out meanwhile: nothing of this turn trains
             session.release(turn)
             raise RequestError(None, f"session '{session.id}' closed while its request generated", 404)
+        session.cached_tokens.append(results[0].get("cached_tokens", 0))
         return results
 
     def _text(self, result: dict, stop: list[str] | None) -> str:
@@ -204,6 +207,7 @@ def _envelope(kind: str, model: str, choices: list[dict], turn: Turn, results: l
         "choices": choices,
         "usage": {
             "prompt_tokens": len(turn.input_ids),
+            "prompt_tokens_details": {"cached_tokens": results[0].get("cached_tokens", 0)},
             "completion_tokens": completion_tokens,
             "total_tokens": len(turn.input_ids) + completion_tokens,
         },

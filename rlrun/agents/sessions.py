@@ -110,6 +110,9 @@ class Session:
     num_tool_calls: int = 0
     prefill_tokens: list[tuple[int, int]] = field(default_factory=list)
     """Per request: (input tokens, of which new since the branch's previous request)."""
+    cached_tokens: list[int] = field(default_factory=list)
+    """Per request: input tokens the engine took from the branch's kept K/V instead of prefilling (embedded engine
+    with ``session_cache_size``; 0 otherwise)."""
     closed: bool = False
 
     def next_seed(self) -> int:

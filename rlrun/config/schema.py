@@ -603,12 +603,15 @@ class EngineConfig(Section):
     """Extra keyword arguments of the backend's server, passed as-is (backends that take them only). For
     ``sglang``: ``sglang.Engine`` (ServerArgs) arguments, e.g. ``mem_fraction_static``,
     ``cuda_graph_backend_decode``; ``enable_deterministic_inference: true`` makes SGLang honour the
-    per-sample seeds (rollouts reproducible, somewhat slower). For ``embedded``, two (SGLang's names too):
+    per-sample seeds (rollouts reproducible, somewhat slower). For ``embedded``, three (SGLang's names but the last):
     ``max_running_requests``: at most that many samples decode at once, the others wait and take the slots of
     ended ones (continuous batching; dense models only; unset: every sample of a call at once). Set it when a
     step's samples do not fit the GPU's memory together or have long-tailed lengths. ``chunked_prefill_size``: a
     prefill forward covers at most that many token slots (prompts x columns; dense models only; unset: one
-    forward), so long prompts prefill in column chunks with bounded activations and attention mask (docs/engine.md)."""
+    forward), so long prompts prefill in column chunks with bounded activations and attention mask (docs/engine.md).
+    ``session_cache_size``: keep that many agent sessions' K/V across turns, so a turn prefills only its new
+    tokens (``rollout.agent``; dense models only; 0, the default: none; log-probs are not bitwise the no-cache
+    ones, docs/engine.md)."""
 
 
 

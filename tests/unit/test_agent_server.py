@@ -178,6 +178,10 @@ def test_resent_assistant_text_keeps_the_sampled_tokens():
         [*chat, {"role": "assistant", "content": "HELLO"}, {"role": "user", "content": "Again"}]
     )
     assert continued.prompt.prompt_ids == ChatTemplate(tokenizer).prompt_ids(chat)
+    # The engine's session key is the branch's: the continued turn keeps it (an embedded engine with
+    # session_cache_size reuses its K/V), the rewritten history gets another.
+    keys = [params["session"] for _, params in engine.calls]
+    assert keys[0] == keys[1] != keys[2] and keys[0].startswith("s0/")
 
 
 async def _agent(client, row):
