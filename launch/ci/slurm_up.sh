@@ -14,7 +14,7 @@ NUM_NODES=${SLURM_NODES:-1}
 ROOT=${SLURM_CI_ROOT:-/var/spool/rlrun-slurm}
 CONF_DIR=/etc/slurm
 HOST=$(hostname -s)
-CPUS=$(nproc)
+CPUS=$(env -u OMP_NUM_THREADS nproc)  # nproc honours OMP_NUM_THREADS, which the test stages set to 1
 MEM_MB=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024))
 
 if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
