@@ -1,0 +1,123 @@
+"""Disaggregated placement (``placement.engine_ranks``) through the real CLI under torchrun: training ranks with
+Megatron on gloo, engine ranks with embedded engines over ZMQ, prompts, samples and weights over
+torch.distributed. Asserts on metrics.jsonl against a colocated run of the same seed and data, and on the
+watchdog's line when an engine rank dies."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_failure import alive, children, rank_of
+from test_resume import read_metrics, train_command, train_env
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_RANK = ("placement.engine_ranks=1",)
+ASYNC = ("rollout.max_staleness=1", "algorithm.max_logprob_gap=null")
+
+
+def command(model_dir: Path, run_dir: Path, num_ranks: int, *overrides: str) -> list[str]:
+    """``train_command`` (configs/quickstart.yaml on the tiny model's task) with ``num_ranks`` torchrun ranks."""
+    cmd = train_command(model_dir, run_dir, *overrides)
+    return [f"--nproc-per-node={num_ranks}" if a == "--nproc-per-node=2" else a for a in cmd]
+
+
+def run(model_dir: Path, run_dir: Path, num_ranks: int, *overrides: str) -> list[dict]:
+    proc = subprocess.run(
+        command(model_dir, run_dir, num_ranks, *overrides),
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"train failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return read_metrics(run_dir)
+
+
+def numbers(record: dict) -> dict[str, float]:
+    """The step's metrics but wall-clock times and memory (which depend on where things run)."""
+    skip = ("time/", "memory/", "perf/", "offload/")
+    return {k: v for k, v in record.items() if not k.startswith(skip) and isinstance(v, (int, float))}
+
+
+def test_one_engine_rank_trains_what_one_colocated_rank_trains(tiny_model_dirs, tmp_path):
+    """K = 0, the same seed and data: 1 training rank + 1 engine rank against 1 colocated rank. The engine rank
+    gets every prompt with colocated rank 0's seeds and the trainer's weights by broadcast after every step, so
+    rewards, losses, gradient norms and log-prob gaps match within 1e-5 at every step."""
+    model = tiny_model_dirs["qwen3"]
+    colocated = run(model, tmp_path / "colocated", 1, "train.num_steps=4")
+    disaggregated = run(model, tmp_path / "disaggregated", 2, "train.num_steps=4", *ENGINE_RANK)
+    assert [r["step"] for r in disaggregated] == list(range(4))
+    assert len(colocated) == 4
+    for got, want in zip(disaggregated, colocated, strict=True):
+        got, want = numbers(got), numbers(want)
+        assert set(got) == set(want), set(got) ^ set(want)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (got["step"], key, got[key], value)
+    # the run learned something that depends on the synced weights: the policy moved between steps
+    assert any(r["train/grad_norm"] > 0 for r in colocated)
+
+
+def test_engine_rank_generates_ahead_one_version_behind(tiny_model_dirs, tmp_path):
+    """K = 1: the engine rank generates step n+1 while the trainer trains step n, so from step 1 on every sample
+    is exactly one weight version behind, and the trainer's KL to the sampling policy shows the update."""
+    records = run(tiny_model_dirs["qwen3"], tmp_path / "run", 2, "train.num_steps=5", *ENGINE_RANK, *ASYNC)
+    assert [r["step"] for r in records] == list(range(5))
+    assert records[0]["rollout/versions_behind_max"] == 0
+    for r in records[1:]:
+        assert r["rollout/versions_behind_mean"] == 1 and r["rollout/versions_behind_max"] == 1, r
+        assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]), r
+        assert r["train/mismatch_k3"] > 1e-6, r
+
+
+def test_killed_engine_rank_ends_the_job_naming_it(tiny_model_dirs, tmp_path):
+    """SIGKILL the engine rank once training runs: every process of the job is gone within 30 s and the training
+    rank's watchdog line names the engine rank and its pid."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        command(tiny_model_dirs["qwen3"], run_dir, 2, "train.num_steps=500", *ENGINE_RANK),
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    job: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not read_metrics(run_dir) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None and read_metrics(run_dir), f"run did not start:\n{proc.stdout.read()[-5000:]}"
+        ranks = {rank_of(pid): pid for pid in children(proc.pid)}
+        assert sorted(ranks) == [0, 1], ranks
+        assert children(ranks[0]) == [] and len(children(ranks[1])) == 1  # the engine worker is rank 1's
+        job = [proc.pid, *ranks.values(), *children(ranks[1])]
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+        while any(alive(pid) for pid in job) and time.monotonic() - killed_at < 60:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - killed_at
+        assert not any(alive(pid) for pid in job), f"still running after {elapsed:.0f} s"
+        assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
+    finally:
+        for pid in job:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    survivor = re.search(r"\[rlrun\] rank 0 \(pid \d+ on [^)]+\) exiting: (.*)", output)
+    assert survivor, output[-5000:]
+    assert re.match(rf"engine rank 1 \(pid {ranks[1]} on [^)]+\) died", survivor.group(1)), survivor.group(0)
