@@ -5,6 +5,7 @@ watchdog's line when an engine rank dies."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_failure import alive, children, rank_of
-from test_resume import read_metrics, train_command, train_env
+from test_resume import comparable, read_metrics, run_to_end, run_until_sigterm, train_command, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +78,28 @@ def test_engine_rank_generates_ahead_one_version_behind(tiny_model_dirs, tmp_pat
         assert r["rollout/versions_behind_mean"] == 1 and r["rollout/versions_behind_max"] == 1, r
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]), r
         assert r["train/mismatch_k3"] > 1e-6, r
+
+
+def test_resume_with_rollouts_in_flight_matches_uninterrupted_run(tiny_model_dirs, tmp_path):
+    """K = 1, SIGTERM to the whole job (the engine rank included) with a rollout generated ahead: the trainer
+    checkpoints that batch and stops the engine rank; the resumed run re-syncs the engine rank's weights, trains
+    the batch first, and every step's metrics equal the uninterrupted run's (2 ranks: 1 training, 1 engine)."""
+    model = tiny_model_dirs["qwen3"]
+    run_to_end(model, tmp_path / "straight", "train.num_steps=6", *ENGINE_RANK, *ASYNC)
+    reference = read_metrics(tmp_path / "straight")
+
+    run_dir = tmp_path / "interrupted"
+    output = run_until_sigterm(model, run_dir, 2, "train.num_steps=6", *ENGINE_RANK, *ASYNC)
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert len(checkpoints) == 1 and (checkpoints[0] / "COMPLETE").is_file(), output[-5000:]
+    stopped_at = json.loads((checkpoints[0] / "run_state.json").read_text())["step"]
+    assert 2 <= stopped_at < 6, output[-5000:]
+
+    run_to_end(model, run_dir, "train.num_steps=6", "checkpoint.resume=auto", *ENGINE_RANK, *ASYNC)
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(6))
+    for got, want in zip(resumed, reference, strict=True):
+        assert comparable(got) == comparable(want), f"step {want['step']} differs after resuming at {stopped_at}"
 
 
 def test_killed_engine_rank_ends_the_job_naming_it(tiny_model_dirs, tmp_path):
