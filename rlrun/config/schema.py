@@ -614,7 +614,6 @@ class EngineConfig(Section):
     ones, docs/engine.md)."""
 
 
-
 LossType = Literal["policy", "sft", "custom"]
 """``algorithm.loss_type``'s values."""
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]

@@ -221,9 +221,7 @@ def test_teacher_engine_refusals():
     required = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rollout": {"reward": "exact_match"}}
 
     def run(**sections):
-        return run_config(
-            {**required, **sections, "rollout": {**required["rollout"], **sections.get("rollout", {})}}
-        )
+        return run_config({**required, **sections, "rollout": {**required["rollout"], **sections.get("rollout", {})}})
 
     opd = {"teacher_path": "t", "kl_coef": 0.1, "teacher_engine": "embedded"}
     cfg = run(algorithm={"opd": opd})

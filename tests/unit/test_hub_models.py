@@ -32,9 +32,7 @@ def test_hub_id_resolves_to_the_cached_snapshot(hub_cache, tmp_path):
     assert resolve_model_path(f"acme/tiny-qwen2@{COMMIT}") == str(hub_cache)
     local = tmp_path / "tiny"
     assert resolve_model_path(str(local)) == str(local)  # a directory on disk is used as is
-    cfg = run_config(
-        {"model": {"path": "acme/tiny-qwen2"}, "data": {"path": "d.jsonl"}, "rollout": {"reward": "math"}}
-    )
+    cfg = run_config({"model": {"path": "acme/tiny-qwen2"}, "data": {"path": "d.jsonl"}, "rollout": {"reward": "math"}})
     resolved = with_local_model_paths(cfg)
     assert resolved.model.path == str(hub_cache) and cfg.model.path == "acme/tiny-qwen2"
     assert (hub_cache / "config.json").is_file()

@@ -102,9 +102,7 @@ def test_context_parallel_scope_and_share():
     with pytest.raises(ValueError, match="parallel.cp"):
         run_config({"parallel": {"cp": 2, "pp": 2}})
     with pytest.raises(ValueError, match="critic's values are not gathered"):
-        run_config(
-            {"parallel": {"cp": 2}, "algorithm": {"advantage_estimator": "ppo"}, "critic": {"config": "x.yaml"}}
-        )
+        run_config({"parallel": {"cp": 2}, "algorithm": {"advantage_estimator": "ppo"}, "critic": {"config": "x.yaml"}})
     arch = arch_of("qwen3-4b")
     one = estimate(config(32768, train={"recompute": "full"}), arch, 1)
     two = estimate(config(32768, train={"recompute": "full"}, parallel={"cp": 2}), arch, 1)
@@ -191,9 +189,7 @@ def test_phase_memory_rows_caps_and_fraction_pool():
     plain, kept = engine_awake(cfg, arch, 1, None, 20), engine_awake(top_p, arch, 1, None, 20)
     extra = kept["engine decode buffers"] - plain["engine decode buffers"]
     assert extra == pytest.approx(32 * 128 * 512 * 8 / 2**30)  # int64 kept set of 512 per row and column
-    sglang = run_config(
-        {"engine": {"backend": "sglang", "tp": 2, "server_args": {"mem_fraction_static": 0.3}}}
-    )
+    sglang = run_config({"engine": {"backend": "sglang", "tp": 2, "server_args": {"mem_fraction_static": 0.3}}})
     parts = engine_awake(sglang, arch, 2, device_gib=100.0, prompt_tokens=20)
     assert parts["engine weights"] + parts["engine KV pool (mem_fraction_static 0.3 less weights)"] == 30.0
     assert parts["engine weights"] == pytest.approx(rank_params(arch, 1, 1, 1) * 4 / 2 / 2**30)  # fp32 over tp 2
