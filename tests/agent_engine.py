@@ -24,9 +24,11 @@ class ScriptedEngine:
                 for _ in range(sampling_params.get("n", 1)):
                     reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
                     reply = reply(ids) if callable(reply) else reply
-                    out = list(reply) if isinstance(reply, list) else self.tokenizer(reply, add_special_tokens=False)[
-                        "input_ids"
-                    ]
+                    out = (
+                        list(reply)
+                        if isinstance(reply, list)
+                        else self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+                    )
                     out = out + [self.tokenizer.eos_token_id]
                     results.append(
                         {

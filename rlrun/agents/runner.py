@@ -76,7 +76,12 @@ async def _run(fn, engine, prompts, cfg, sampling, seed, tokenizer, max_context_
 
     n = cfg.samples_per_prompt
     server = AgentServer(
-        engine, tokenizer, TOOL_PARSERS[cfg.agent_tool_parser], sampling, max_context_tokens, model_name,
+        engine,
+        tokenizer,
+        TOOL_PARSERS[cfg.agent_tool_parser],
+        sampling,
+        max_context_tokens,
+        model_name,
         concurrency=cfg.agent_concurrency,
     )
     template = ChatTemplate(tokenizer)
@@ -85,8 +90,14 @@ async def _run(fn, engine, prompts, cfg, sampling, seed, tokenizer, max_context_
     async def one(k: int, prompt: Prompt, j: int) -> Sample:
         session = Session(f"{k}-{uuid.uuid4().hex[:12]}", prompt, seed + _SESSION_SEED_STRIDE * k, template)
         server.sessions[session.id] = session
-        row = {"index": prompt.index, "sample_index": j, "prompt": prompt.prompt_text, "label": prompt.label,
-               "metadata": prompt.metadata, "tools": prompt.tools}
+        row = {
+            "index": prompt.index,
+            "sample_index": j,
+            "prompt": prompt.prompt_text,
+            "label": prompt.label,
+            "metadata": prompt.metadata,
+            "tools": prompt.tools,
+        }
         returned, error = None, None
         async with gate:
             client = openai.AsyncOpenAI(base_url=server.base_url(session.id), api_key=server.token, max_retries=0)
@@ -153,9 +164,13 @@ def _log_round(sessions, samples: list[Sample]) -> None:
     logger.info(
         "agents: %d sessions, %d requests, %d tool calls parsed, %d training samples, %d failed; prefill %d tokens "
         "(%d new since each branch's previous request; the engine prefilled %d, the rest from kept K/V)",
-        len(sessions), len(turns), sum(s.num_tool_calls for s in sessions),
-        sum(len(s.parts or [s]) for s in samples), len(failed),
-        sum(t for t, _ in turns), sum(new for _, new in turns),
+        len(sessions),
+        len(turns),
+        sum(s.num_tool_calls for s in sessions),
+        sum(len(s.parts or [s]) for s in samples),
+        len(failed),
+        sum(t for t, _ in turns),
+        sum(new for _, new in turns),
         sum(t for t, _ in turns) - sum(c for s in sessions for c in s.cached_tokens),
     )
     for message in sorted(set(failed)):

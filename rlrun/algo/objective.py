@@ -66,6 +66,7 @@ class Objective:
         old = rollout if cfg.use_rollout_logprobs else trainer_old
         advantages = to_device(mb.advantages, device)
         inputs = PolicyInputs(logprobs, old, rollout, advantages, agg.mask, agg.sample_ids)
+        assert self.policy_loss is not None  # chosen whenever loss_type is policy, the only caller
         terms = self.policy_loss.entry.terms(self.policy_loss.settings, inputs)
         per_token = terms.loss
         metrics: Metrics = {}

@@ -117,4 +117,3 @@ def _requirement_problems(cfg: RunConfig, estimator: Any) -> list[Problem]:
             )
         )
     return problems
-

@@ -51,31 +51,79 @@ def _algorithm(field: str) -> Callable[[RunConfig, str], Any]:
 
 
 HOOKS: tuple[Hook, ...] = (
-    Hook("rollout.reward", reward_load.SIGNATURE, "rank 0 scores each finished sample (rlrun/rollout/rewards/score.py)",
-         _reward),
+    Hook(
+        "rollout.reward",
+        reward_load.SIGNATURE,
+        "rank 0 scores each finished sample (rlrun/rollout/rewards/score.py)",
+        _reward,
+    ),
     Hook("rollout.rewards.*", reward_load.SIGNATURE, "as rollout.reward, for the prompts of that reward type", _reward),
-    Hook("eval.datasets.*.reward", reward_load.SIGNATURE, "scores that eval set's samples (rlrun/rollout/evaluate.py)",
-         _reward),
-    Hook("rollout.generate_fn", multiturn.SIGNATURE, "once per trajectory on each rank's event loop "
-         "(rlrun/rollout/multiturn.py)", lambda cfg, spec: multiturn.load_generate_fn(spec)),
-    Hook("rollout.agent", agents.SIGNATURE, "once per prompt's sample against the run's OpenAI-compatible "
-         "endpoint (rlrun/agents/runner.py)", lambda cfg, spec: agents.load_agent(spec)),
-    Hook("rollout.reward_post_process", post_process.SIGNATURE, "on the scored samples of each step, before the "
-         "advantages (rlrun/rollout/collect.py)", lambda cfg, spec: post_process.load_reward_post_process(spec)),
-    Hook("rollout.rollout_fn", rollout_fn.SIGNATURE, "replaces each training round's generation "
-         "(rlrun/rollout/collect.py)", lambda cfg, spec: rollout_fn.RolloutFn.load(spec)),
-    Hook("rollout.sample_to_train", train_samples.SIGNATURE, "on rank 0, each sample -> the samples it trains as "
-         "(rlrun/trainer/batch.py)", lambda cfg, spec: train_samples.SampleToTrain.load(spec)),
-    Hook("rollout.dynamic_filter", filters.SIGNATURE, "on rank 0, each scored group: keep or drop "
-         "(rlrun/rollout/filters.py)", lambda cfg, spec: filters.load_filter(spec)),
-    Hook("data.sampler", source.SIGNATURE, "once on rank 0 at setup, builds the prompt source "
-         "(rlrun/data/source.py)", lambda cfg, spec: source.load_source_factory(spec)),
-    Hook("algorithm.custom_advantage", algo_hooks.CUSTOM_ADVANTAGE_SIGNATURE, "every micro-batch, instead of "
-         "the estimator (rlrun/algo/rank_advantages.py)", _algorithm("custom_advantage")),
-    Hook("algorithm.custom_loss", algo_hooks.CUSTOM_LOSS_SIGNATURE, "every micro-batch with loss_type: custom "
-         "(rlrun/algo/objective.py)", _algorithm("custom_loss")),
-    Hook("algorithm.rollout_data_postprocess", algo_hooks.POSTPROCESS_SIGNATURE, "on every rank after the "
-         "advantages, before training (rlrun/trainer/actor.py)", _algorithm("rollout_data_postprocess")),
+    Hook(
+        "eval.datasets.*.reward",
+        reward_load.SIGNATURE,
+        "scores that eval set's samples (rlrun/rollout/evaluate.py)",
+        _reward,
+    ),
+    Hook(
+        "rollout.generate_fn",
+        multiturn.SIGNATURE,
+        "once per trajectory on each rank's event loop (rlrun/rollout/multiturn.py)",
+        lambda cfg, spec: multiturn.load_generate_fn(spec),
+    ),
+    Hook(
+        "rollout.agent",
+        agents.SIGNATURE,
+        "once per prompt's sample against the run's OpenAI-compatible endpoint (rlrun/agents/runner.py)",
+        lambda cfg, spec: agents.load_agent(spec),
+    ),
+    Hook(
+        "rollout.reward_post_process",
+        post_process.SIGNATURE,
+        "on the scored samples of each step, before the advantages (rlrun/rollout/collect.py)",
+        lambda cfg, spec: post_process.load_reward_post_process(spec),
+    ),
+    Hook(
+        "rollout.rollout_fn",
+        rollout_fn.SIGNATURE,
+        "replaces each training round's generation (rlrun/rollout/collect.py)",
+        lambda cfg, spec: rollout_fn.RolloutFn.load(spec),
+    ),
+    Hook(
+        "rollout.sample_to_train",
+        train_samples.SIGNATURE,
+        "on rank 0, each sample -> the samples it trains as (rlrun/trainer/batch.py)",
+        lambda cfg, spec: train_samples.SampleToTrain.load(spec),
+    ),
+    Hook(
+        "rollout.dynamic_filter",
+        filters.SIGNATURE,
+        "on rank 0, each scored group: keep or drop (rlrun/rollout/filters.py)",
+        lambda cfg, spec: filters.load_filter(spec),
+    ),
+    Hook(
+        "data.sampler",
+        source.SIGNATURE,
+        "once on rank 0 at setup, builds the prompt source (rlrun/data/source.py)",
+        lambda cfg, spec: source.load_source_factory(spec),
+    ),
+    Hook(
+        "algorithm.custom_advantage",
+        algo_hooks.CUSTOM_ADVANTAGE_SIGNATURE,
+        "every micro-batch, instead of the estimator (rlrun/algo/rank_advantages.py)",
+        _algorithm("custom_advantage"),
+    ),
+    Hook(
+        "algorithm.custom_loss",
+        algo_hooks.CUSTOM_LOSS_SIGNATURE,
+        "every micro-batch with loss_type: custom (rlrun/algo/objective.py)",
+        _algorithm("custom_loss"),
+    ),
+    Hook(
+        "algorithm.rollout_data_postprocess",
+        algo_hooks.POSTPROCESS_SIGNATURE,
+        "on every rank after the advantages, before training (rlrun/trainer/actor.py)",
+        _algorithm("rollout_data_postprocess"),
+    ),
 )
 """Every user hook; ``tests/unit/test_hooks_table.py`` checks each string field of the schema that names a
 function has a row."""

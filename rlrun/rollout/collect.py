@@ -179,8 +179,15 @@ class RolloutRuntime:
 
     def _generate(self, prompts: list[Prompt], r: RolloutConfig, seed: int) -> list[Sample]:
         return generate_samples(
-            self.engine, prompts, r, seed, self.tokenizer, self.hooks.generate_fn, self.max_context_tokens,
-            agent=self.hooks.agent, model_name=self.cfg.model.path,
+            self.engine,
+            prompts,
+            r,
+            seed,
+            self.tokenizer,
+            self.hooks.generate_fn,
+            self.max_context_tokens,
+            agent=self.hooks.agent,
+            model_name=self.cfg.model.path,
         )
 
     def _generate_and_score_here(

@@ -119,9 +119,7 @@ class Watchdog:
             f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         )
         me = PeerInfo(rank=parallel.rank, pid=os.getpid(), host=socket.gethostname(), role=role)
-        watchdog = cls(
-            me, env.world_size, store, f"{env.master_addr}:{env.master_port}", f"rlrun-watchdog/{attempt}/"
-        )
+        watchdog = cls(me, env.world_size, store, f"{env.master_addr}:{env.master_port}", f"rlrun-watchdog/{attempt}/")
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             watchdog._agent_pid = os.getppid()
         store.set(watchdog._key("peer", me.rank), json.dumps(asdict(me)))

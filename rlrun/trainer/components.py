@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch.distributed as dist
 
@@ -65,7 +65,8 @@ def setup(cfg: RunConfig, parallel: Parallel, watchdog: Watchdog) -> Components:
     if cfg.placement.engine_ranks:  # the engines are ranks of their own (rlrun/trainer/placement.py)
         from rlrun.trainer.placement import RemoteEngines, RemoteRollout
 
-        engine, runtime_cls = RemoteEngines.connect(cfg, parallel), RemoteRollout
+        # RemoteEngines stands in for EngineGroup: it answers every call the loop, offloader and recovery make.
+        engine, runtime_cls = cast(EngineGroup, RemoteEngines.connect(cfg, parallel)), RemoteRollout
     else:
         # The engine starts before Megatron allocates (SGLang sizes its KV cache from free memory); with
         # engine.tp > 1 only each group's leader starts one (rlrun/engine/group.py).

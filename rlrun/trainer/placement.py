@@ -104,6 +104,7 @@ class RemoteRollout(RolloutRuntime):
         engines: RemoteEngines = self.group
         r, tally = self.cfg.rollout, self._new_tally()
         assert tally is not None
+        assert self.sampler is not None  # rank 0 holds the prompt source
         for round_index in itertools.count():
             if len(tally.kept) >= tally.target or tally.rounds >= r.max_sampling_rounds:
                 break

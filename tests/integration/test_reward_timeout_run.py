@@ -7,7 +7,6 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-
 from test_rollout_cli import records, torchrun
 
 pytestmark = pytest.mark.slow

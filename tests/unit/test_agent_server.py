@@ -57,8 +57,11 @@ def test_streaming_chat_and_tools_requests():
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         reply = await client.chat.completions.create(model="policy", messages=chat, tools=TOOLS, logprobs=True)
         message = reply.choices[0].message
-        follow = [*chat, message.model_dump(exclude_none=True), {"role": "tool", "content": "42",
-                                                                   "tool_call_id": message.tool_calls[0].id}]
+        follow = [
+            *chat,
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "content": "42", "tool_call_id": message.tool_calls[0].id},
+        ]
         final = await client.chat.completions.create(model="policy", messages=follow, tools=TOOLS)
         models = await client.models.list()
         return text, finish, reply, final, [m.id for m in models.data], session
@@ -145,9 +148,10 @@ def test_resent_assistant_text_keeps_the_sampled_tokens():
 
     tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
     # " hello" sampled in two pieces; the same text tokenizes as one token.
-    sampled = tokenizer(" hel", add_special_tokens=False)["input_ids"] + tokenizer("lo", add_special_tokens=False)[
-        "input_ids"
-    ]
+    sampled = (
+        tokenizer(" hel", add_special_tokens=False)["input_ids"]
+        + tokenizer("lo", add_special_tokens=False)["input_ids"]
+    )
     text = tokenizer.decode(sampled)
     assert tokenizer(text, add_special_tokens=False)["input_ids"] != sampled  # the drift the sessions avoid
     engine = ScriptedEngine(tokenizer, [sampled, "fine"])

@@ -117,7 +117,9 @@ def test_an_engine_decoding_by_key_counts_samples_as_under_the_mask(tiny_model_d
     )
     prefill = engine._prefill_hidden
     monkeypatch.setattr(
-        engine, "_prefill_hidden", lambda p: (forwards.__setitem__("prefill", forwards["prefill"] + 1), prefill(p))[1]
+        engine,
+        "_prefill_hidden",
+        lambda p, *rest: (forwards.__setitem__("prefill", forwards["prefill"] + 1), prefill(p, *rest))[1],
     )
     got = engine.generate(prompts, params)
     for a, b in zip(got, want, strict=True):

@@ -339,7 +339,7 @@ class DecodeRun:
 
     def _result(self, row: int, output_ids: list[int], logprobs: list[float], finish: FinishReason) -> GenResult:
         i = self.rows[row][0]
-        return {
+        result: GenResult = {
             "rid": self.request.row_rids[row],
             "output_ids": output_ids,
             "output_logprobs": logprobs if self.return_logprob else None,
@@ -347,8 +347,10 @@ class DecodeRun:
             "prompt_tokens": len(self.prompts[i]),
             "completion_tokens": len(output_ids),
             "weight_version": self.engine.weight_version,
-            **({"cached_tokens": self.cached.get(i, 0)} if self._session(i) is not None else {}),
         }
+        if self._session(i) is not None:
+            result["cached_tokens"] = self.cached.get(i, 0)
+        return result
 
     def _unstarted(self, row: int) -> GenResult:
         """A row aborted before it got a slot: no tokens (and an empty kept set where it filters)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -83,7 +84,7 @@ class SessionCache:
         self._kept.clear()
 
 
-def reusable_columns(prompts: list[list[int]], kept: list[KeptSession | None] | tuple = ()) -> int:
+def reusable_columns(prompts: list[list[int]], kept: Sequence[KeptSession | None] = ()) -> int:
     """The leading cache columns a prefill of ``prompts`` copies from their ``kept`` sessions instead of forwarding:
     0 unless every prompt has kept K/V, else the fewest kept tokens, but leaving each prompt's last token and at
     least two columns to forward (a prompt's first logits come from its last position; a one-column forward
