@@ -66,7 +66,8 @@ def test_traits_decide_the_config_and_the_spec(recording_backend, tmp_path):
         checked({"engine": {"backend": "recording", "verify_weights": True}})
     with pytest.raises(
         ValueError,
-        match=r"engine.server_args keys \['a'\] must be among \['max_running_requests', 'chunked_prefill_size'\]",
+        match=r"engine.server_args keys \['a'\] must be among "
+        r"\['max_running_requests', 'chunked_prefill_size', 'session_cache_size'\]",
     ):
         checked({"engine": {"server_args": {"a": 1, "max_running_requests": 8}}})
     with pytest.raises(ValueError, match=r"engine.server_args must be empty with backend blind because it reads"):

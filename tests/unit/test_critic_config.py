@@ -79,8 +79,8 @@ def test_bad_critic_files_fail_at_preflight(tmp_path, critic_yaml, expected):
     with pytest.raises(ConfigError) as info:
         checked(run)
     message = str(info.value)
-    assert expected in message and f"critic.config ('{critic}')" in message, message
-    assert message.startswith(f"{run}:4: "), message  # points at the critic.config line
+    lines = [line for line in message.splitlines() if line.startswith(f"{run}:4: ")]  # the critic.config line
+    assert len(lines) == 1 and expected in lines[0] and f"critic.config ('{critic}')" in lines[0], message
 
 
 def test_ppo_needs_a_critic_and_a_critic_needs_ppo(tmp_path):
