@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -673,6 +673,12 @@ class TISConfig(Section):
     mode: TISMode = "off"
     """``clip``: weight the policy loss by clamp(pi_old / pi_rollout, clip_low, clip) (TIS); ``mask``:
     drop tokens (or sequences) whose ratio is outside [clip_low, clip] (IcePop); ``off``: no weighting."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare ``off`` as false: take it as ``"off"``."""
+        return "off" if value is False else value
     level: TISLevel = "token"
     """One ratio per token, per sequence (product) or per sequence (geometric mean)."""
     clip: float = Field(2.0, gt=0)

@@ -247,3 +247,11 @@ def test_lora_config_and_its_refusals(tmp_path):
         load_config(path, ["model.lora.target_modules=[q_proj, q_proj]"])
     with pytest.raises(ConfigError, match="target_modules"):
         load_config(path, ["model.lora.target_modules=[qkv]"])
+
+
+def test_a_bare_yaml_off_is_the_tis_mode_off(tmp_path):
+    run = write_config(tmp_path / "run.yaml", "algorithm:\n  tis:\n    mode: off\n")
+    assert load_config(run).algorithm.tis.mode == "off"
+    assert load_config(run, ["algorithm.tis.mode=off"]).algorithm.tis.mode == "off"
+    with pytest.raises(ConfigError, match=r"algorithm.tis.mode \(True\) must be 'off', 'clip' or 'mask'"):
+        load_config(run, ["algorithm.tis.mode=on"])
