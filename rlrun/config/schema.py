@@ -679,6 +679,7 @@ class TISConfig(Section):
     def _yaml_off(cls, value: Any) -> Any:
         """YAML 1.1 reads a bare ``off`` as false: take it as ``"off"``."""
         return "off" if value is False else value
+
     level: TISLevel = "token"
     """One ratio per token, per sequence (product) or per sequence (geometric mean)."""
     clip: float = Field(2.0, gt=0)
