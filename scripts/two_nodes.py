@@ -35,6 +35,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from faults import Job, children, read_metrics  # noqa: E402
 
+from minimal_config import tiny_task_settings  # noqa: E402
+
 RANKS_PER_NODE = 2
 FAILURE = re.compile(r"(Error|error|failed|Failed|exited|SIGKILL|rank \d|node)")
 
@@ -48,11 +50,7 @@ def free_port() -> int:
 def node_command(node_rank: int, port: int, run_id: str, model_dir: Path, run_dir: Path, *sets: str) -> list[str]:
     """One node's torchrun agent: 2 ranks, c10d rendezvous on 127.0.0.1:``port`` (node 0 hosts it)."""
     settings = [
-        f"model.path={model_dir}",
-        f"logging.run_dir={run_dir}",
-        f"rollout.reward={REPO / 'tests/fixtures/rewards.py'}:digit_fraction",
-        "rollout.max_new_tokens=6",
-        "optimizer.lr=3e-3",
+        *tiny_task_settings(model_dir, run_dir),
         *sets,
     ]
     return [

@@ -77,3 +77,16 @@ def write_config(path: Path, text: str = "") -> Path:
         body += "\n"
     path.write_text(f"{body}base: {base.name}\n")
     return path
+
+
+def tiny_task_settings(model_dir: Path, run_dir: Path) -> list[str]:
+    """``--set`` values that run the quickstart config on a tiny random model with a reward it can learn
+    (``digit_fraction``), for the multi-process runs of tests and scripts."""
+    rewards = Path(__file__).resolve().parent / "fixtures" / "rewards.py"
+    return [
+        f"model.path={model_dir}",
+        f"logging.run_dir={run_dir}",
+        f"rollout.reward={rewards}:digit_fraction",
+        "rollout.max_new_tokens=6",
+        "optimizer.lr=3e-3",
+    ]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from minimal_config import tiny_task_settings
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,11 +47,7 @@ def free_port() -> int:
 def submit(run_dir: Path, model_dir: Path, *extra_sbatch: str) -> int:
     """``sbatch launch/slurm_1node.sbatch configs/quickstart.yaml`` on CPU: 2 ranks, the tiny model."""
     settings = [
-        f"model.path={model_dir}",
-        f"logging.run_dir={run_dir}",
-        f"rollout.reward={REPO / 'tests/fixtures/rewards.py'}:digit_fraction",
-        "rollout.max_new_tokens=6",
-        "optimizer.lr=3e-3",
+        *tiny_task_settings(model_dir, run_dir),
         f"train.num_steps={NUM_STEPS}",
     ]
     env = {

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from minimal_config import tiny_task_settings
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,11 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 def train_command(model_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
     """``torchrun --standalone --nproc-per-node 2 -m rlrun train`` on the tiny model's learnable task."""
     settings = [
-        f"model.path={model_dir}",
-        f"logging.run_dir={run_dir}",
-        f"rollout.reward={REPO / 'tests/fixtures/rewards.py'}:digit_fraction",
-        "rollout.max_new_tokens=6",
-        "optimizer.lr=3e-3",
+        *tiny_task_settings(model_dir, run_dir),
         *overrides,
     ]
     return [
