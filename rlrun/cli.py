@@ -15,8 +15,6 @@ print one line per problem and exit 1; errors at run time propagate with their t
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -81,18 +79,14 @@ def train(config: ConfigPath, overrides: Overrides = []) -> None:  # noqa: B006 
     """Run RL training (one process per rank; launch with torchrun)."""
     cfg = _load(config, overrides, preflight=True)  # before any rank starts an engine worker
     from rlrun.megatron.attention import core_attention
-    from rlrun.trainer.loop import run
+    from rlrun.trainer.api import run_to_end
 
     try:  # what the machine must offer the config (CUDA for flash_varlen), before any rank starts work
         core_attention(cfg.model.packed_attention, cfg.model.dtype)
     except ValueError as err:
         typer.echo(f"{config}: {err}", err=True)
         raise typer.Exit(1) from None
-
-    if run(cfg):  # torch_memory_saver would abort Python's teardown of the trainer (Offloader.needs_hard_exit)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run_to_end(cfg)
 
 
 @config_app.command("show")

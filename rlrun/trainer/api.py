@@ -33,14 +33,21 @@ def train(config: str | Path | dict[str, Any] | RunConfig, **overrides: Any) -> 
 
     cfg = preflight(_read(config, overrides))  # everything the config names, before any process starts
     from rlrun.megatron.attention import core_attention
-    from rlrun.trainer.loop import run
 
     core_attention(cfg.model.packed_attention, cfg.model.dtype)  # raises when the machine lacks what it needs
+    run_to_end(cfg)
+    return Path(cfg.logging.run_dir)
+
+
+def run_to_end(cfg: RunConfig) -> None:
+    """The loop (``rlrun train`` and :func:`train`); the process ends with the run where torch_memory_saver would
+    abort Python's teardown of the trainer (``Offloader.needs_hard_exit``)."""
+    from rlrun.trainer.loop import run
+
     if run(cfg):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    return Path(cfg.logging.run_dir)
 
 
 def _read(config: str | Path | dict[str, Any] | RunConfig, overrides: dict[str, Any]) -> LoadedConfig:
