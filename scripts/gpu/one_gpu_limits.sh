@@ -11,6 +11,8 @@
 #                  HBM bound (weights + K/V at the mean context, the card's bandwidth)
 #   step_resident  rlrun bench step, qwen3-1.7b, 16 x 8 x (128 + 512), embedded, resident, LM head kept, 4 steps
 #   step_offload   the same with offload (trainer and engine take turns)
+#   step_fast      step_resident with the fastest attention that is not exact (flash_varlen): the exact path's cost
+#   mfu_4b         rlrun bench train, qwen3-4b, 2 samples of 32K tokens, full recompute, the exact kernel (auto)
 #   sync           rlrun bench sync, qwen3-8b, embedded, 512 MiB buckets
 #   sleep_wake     rlrun bench step, qwen3-0.6b, embedded, offload, LM head kept, 4 steps: offload/trainer_{sleep,wake}_s
 #
@@ -26,8 +28,9 @@ HBM=()
 
 . "$(dirname "$0")/run_steps.sh"  # logged_step
 
-step() {  # name shape offload limit
+step() {  # name shape offload limit [attention]
     logged_step "$1" "$4" "$PY" -m rlrun bench step --shape "$2" --backend embedded --offload "$3" --lm-head chunked_kept \
+        --packed-attention "${5:-auto}" \
         --prompts "${PROMPTS:-16}" --samples "${SAMPLES:-8}" --new-tokens "${NEW_TOKENS:-512}" --steps 4 \
         --work "/tmp/limits_$2" --out "$OUT/one_gpu_limits_step_$1.json"
 }
@@ -39,6 +42,10 @@ for name in "$@"; do
         --out "$OUT/one_gpu_limits_rollout.json" ;;
     step_resident) step step_resident "$S17" off 150 ;;
     step_offload) step step_offload "$S17" on 170 ;;
+    step_fast) step step_fast "$S17" off 150 flash_varlen ;;
+    mfu_4b) logged_step mfu_4b 200 "$PY" -m rlrun bench train --shape "${SHAPE_4:-qwen3-4b}" --layout packed \
+        --samples-per-micro-batch 1 --micro-batches 2 --steps 3 --sample-len "${SAMPLE_LEN:-32768}" --recompute full \
+        --packed-attention auto --out "$OUT/one_gpu_limits_mfu_4b.json" ;;
     sync) logged_step sync 150 "$PY" -m rlrun bench sync --shape "$S8" --run-dir /tmp/limits_sync \
         --out "$OUT/one_gpu_limits_sync.json" ;;
     sleep_wake) step sleep_wake "$S06" on 120 ;;
