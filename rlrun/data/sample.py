@@ -77,11 +77,13 @@ class Sample:
     """``algorithm.opd.teacher_engine``: the teacher engine's log-prob of each response token (None: no
     teacher engine; the trainer-side teacher fills the micro-batch instead)."""
     carried_tokens: int = 0
-    """Partial rollout: response tokens generated in earlier steps (the sample was aborted at a batch
-    boundary and continued from prompt + those tokens); 0 for a sample generated within one step."""
+    """Response tokens generated before the sample was continued from prompt + those tokens: in earlier steps
+    (partial rollout: aborted at a batch boundary), or before a weight update (``rollout.continue_across_updates``:
+    cut at the token boundary); 0 for a sample generated in one call."""
     weight_spans: list[tuple[str, int]] | None = None
-    """Partial rollout: ``(weight_version, num_tokens)`` runs over the response, oldest first, when its
-    tokens came from more than one generate call; None: every token is ``weight_version``'s."""
+    """``(weight_version, num_tokens)`` runs over the response, oldest first, when its tokens came from more
+    than one generate call (partial rollout, ``rollout.continue_across_updates``); None: every token is
+    ``weight_version``'s."""
     parts: list[Sample] | None = None
     """A trajectory that yields several training samples (a ``generate_fn`` returned a list): those samples,
     in order; this sample is a copy of the last one. The reward, the dynamic filter and the group statistics

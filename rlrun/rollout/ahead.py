@@ -8,6 +8,13 @@ runs the rollouts in step order; before step ``m``'s it pushes the newest weight
     K = 1   main thread:  [train n-1][publish w_n][train n  ][publish w_n+1][train n+1] ...
             rollout thread:    [push w_n-1, rollout n][push w_n, rollout n+1][push w_n+1, rollout n+2]
 
+With ``rollout.continue_across_updates`` (K >= 2) a rollout runs in two segments (rlrun/rollout/segments.py):
+the first half of the token budget under the weights above, then its unfinished samples continue under the
+newest ones published for a step ``<= m - K``, the update the trainer publishes while the rollout runs;
+:meth:`RolloutAhead.enter_segment` waits until the trainer is through that step. Both bounds are steps the
+trainer has finished by the time it checkpoints after step ``m - K``, so a checkpoint's :meth:`drain` never
+waits on a step not yet trained.
+
 The thread owns the engine client between :meth:`RolloutAhead.launch_until` and :meth:`RolloutAhead.drain`
 (a ZeroMQ socket serves one thread at a time); its collectives run on a process group of their own, so
 they never interleave with the trainer's. Nothing here imports torch.distributed: the caller passes the
@@ -60,7 +67,11 @@ class RolloutAhead(Generic[B]):
         """The first step whose rollout is not launched yet."""
         self._futures: dict[int, Future[B]] = {}
         self._published: dict[int, Published] = {}  # step -> the weights trained up to and including it
-        self._lock = threading.Lock()
+        self._trained_through = first_step - 1
+        """The last step the trainer finished (published its weights, or had none to publish); the engine
+        already holds the weights of the steps before ``first_step``."""
+        self._closed = False
+        self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
 
     def launch_until(self, step: int) -> None:
@@ -81,11 +92,31 @@ class RolloutAhead(Generic[B]):
         self._futures[step] = done
         self.next_step = max(self.next_step, step + 1)
 
-    def publish(self, step: int, published: Published) -> None:
-        """The trainer's weights after step ``step``; the rollout of step ``step + max_staleness + 1`` pushes
-        them (or newer ones) first. The caller must not change ``published.weights`` afterwards."""
-        with self._lock:
-            self._published[step] = published
+    def publish(self, step: int, published: Published | None) -> None:
+        """Call at every step's end: the trainer's weights after step ``step`` (None: the step changed none).
+        The rollout of step ``step + max_staleness + 1`` pushes them (or newer ones) first. The caller must not
+        change ``published.weights`` afterwards."""
+        with self._cond:
+            if published is not None:
+                self._published[step] = published
+            self._trained_through = step
+            self._cond.notify_all()
+
+    def enter_segment(self, step: int, segment: int) -> None:
+        """On the rollout thread: load the weights that segment ``segment`` of step ``step``'s rollout samples
+        with, the newest published for a step ``<= step - max_staleness - 1 + segment``, after waiting until
+        the trainer is through that step (segment 0's bound is always through when the rollout launches)."""
+        bound = step - self.max_staleness - 1 + segment
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or self._trained_through >= bound)
+            if self._closed:
+                raise RuntimeError(f"step {step}'s rollout stopped waiting for step {bound}'s weights: closed")
+            ready = [s for s in self._published if s <= bound]
+            newest = self._published[max(ready)] if ready else None
+            for s in ready:
+                del self._published[s]
+        if newest is not None:
+            self.push(newest)
 
     def drain(self) -> dict[int, B]:
         """Wait until no rollout runs (the engine is free for eval or a checkpoint); the launched batches."""
@@ -94,24 +125,31 @@ class RolloutAhead(Generic[B]):
 
     def close(self) -> None:
         """Stop: rollouts not started are cancelled; a running one is not waited for (after a failure it may
-        wait on a peer that is gone; the watchdog ends the process)."""
+        wait on a peer that is gone; the watchdog ends the process); one waiting for weights raises."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, step: int) -> B:
-        with self._lock:
-            ready = [s for s in self._published if s <= step - self.max_staleness - 1]
-            newest = self._published[max(ready)] if ready else None
-            for s in ready:
-                del self._published[s]
-        if newest is not None:
-            self.push(newest)
+        self.enter_segment(step, 0)
         return self.collect(step)
 
 
-def versions_behind(trainer_version: int, sample_versions: list[str]) -> dict[str, float]:
-    """``rollout/versions_behind_{mean,max}``: per sample, the trainer's weight version minus the one that
-    sampled it (an engine that was never synced reports a non-number: version 0)."""
-    if not sample_versions:
+def versions_behind(trainer_version: int, spans: list[list[tuple[str, int]]]) -> dict[str, float]:
+    """``rollout/versions_behind_{mean,max}`` from each sample's ``(weight_version, num_tokens)`` spans: how many
+    versions the trainer's weights are ahead of the ones that sampled each token; ``_mean`` averages each
+    sample's tokens, then the samples; ``_max`` is the oldest token's (an engine that was never synced reports
+    a non-number: version 0)."""
+    if not spans:
         return {}
-    behind = [trainer_version - (int(v) if v.isdigit() else 0) for v in sample_versions]
-    return {"rollout/versions_behind_mean": sum(behind) / len(behind), "rollout/versions_behind_max": max(behind)}
+    per_sample = []
+    for sample_spans in spans:
+        behind = [(trainer_version - (int(v) if v.isdigit() else 0), n) for v, n in sample_spans]
+        num_tokens = sum(n for _, n in behind)
+        mean = sum(b * n for b, n in behind) / num_tokens if num_tokens else behind[-1][0]
+        per_sample.append((mean, max(b for b, _ in behind)))
+    return {
+        "rollout/versions_behind_mean": sum(mean for mean, _ in per_sample) / len(per_sample),
+        "rollout/versions_behind_max": max(worst for _, worst in per_sample),
+    }

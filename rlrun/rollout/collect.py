@@ -40,6 +40,7 @@ from rlrun.rollout.rewards import score_samples
 from rlrun.rollout.rewards.post_process import RewardPostProcess, post_process_rewards
 from rlrun.rollout.rewards.select import RewardByType, load_rewards
 from rlrun.rollout.rollout_fn import RolloutContext, RolloutFn
+from rlrun.rollout.segments import SegmentedGeneration
 from rlrun.rollout.streaming import (
     TICK_S,
     GroupJob,
@@ -100,6 +101,9 @@ class RolloutRuntime:
     carry: list[list[Sample]] = field(default_factory=list)
     """Rank 0, ``rollout.partial_rollout``: groups aborted (or kept beyond the batch) at the last step's end,
     generated first in the next step. Checkpointed (:meth:`carry_state`), so a resumed run trains them."""
+    segments: SegmentedGeneration | None = None
+    """The rollout thread's copy with ``rollout.continue_across_updates``: generation continues the samples cut
+    at the token boundary under the weights published meanwhile (rlrun/rollout/segments.py). None: one call."""
 
     @property
     def streams(self) -> bool:
@@ -178,6 +182,8 @@ class RolloutRuntime:
         )
 
     def _generate(self, prompts: list[Prompt], r: RolloutConfig, seed: int) -> list[Sample]:
+        if self.segments is not None:
+            return self.segments.generate(self.engine, prompts, r, seed, self.tokenizer)
         return generate_samples(
             self.engine,
             prompts,
@@ -248,6 +254,11 @@ class RolloutRuntime:
     def debug_dir(self) -> Path:
         return Path(self.cfg.logging.run_dir) / "debug"
 
+    def round_seed(self, step: int, rank: int, round_index: int) -> int:
+        """The sampling seed of ``rank``'s share of ``step``'s round ``round_index``: one per share, so a
+        resumed or restarted round samples what the original did, wherever the share is generated."""
+        return self.cfg.train.seed * 1_000_003 + step * 1009 + rank + 104_729 * round_index
+
     def _sample_rounds(self, step: int) -> RolloutBatch | None:
         r, parallel = self.cfg.rollout, self.parallel
         tally = self._new_tally()
@@ -256,7 +267,7 @@ class RolloutRuntime:
             prompts = scatter_from_rank0(plan, parallel.cpu_group)
             if prompts is None:
                 break
-            seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
+            seed = self.round_seed(step, parallel.rank, round_index)
             samples = self.generate_and_score(prompts, seed, round_at=(step, round_index))
             if self.teacher is not None:
                 self.teacher.score(samples)
@@ -283,7 +294,7 @@ class RolloutRuntime:
             if jobs is None:  # carried groups of an unstarted round stay pending (carried again below)
                 break
             pending = []
-            seed = self.cfg.train.seed * 1_000_003 + step * 1009 + parallel.rank + 104_729 * round_index
+            seed = self.round_seed(step, parallel.rank, round_index)
             self._stream_one_round(jobs, seed, tally)
         if tally is None:
             return None

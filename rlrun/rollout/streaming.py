@@ -63,21 +63,31 @@ def continue_samples(
     engine, job: GroupJob, r: RolloutConfig, seed: int, tokenizer, rid: str
 ) -> tuple[list[Sample], bool]:
     """The carried group with its unfinished samples continued from prompt + their tokens so far."""
-    todo = [k for k, s in enumerate(job.carried) if is_unfinished(s)]
+    samples = continue_unfinished(engine, job.carried, r, seed, tokenizer, rid)
+    return samples, any(is_unfinished(s) for s in samples)
+
+
+def continue_unfinished(
+    engine, samples: list[Sample], r: RolloutConfig, seed: int, tokenizer, rid: str
+) -> list[Sample]:
+    """``samples`` with the unfinished ones (finish_reason "abort") continued from prompt + their tokens so far,
+    with the room left of ``max_new_tokens``, in one engine call (sample k seeded from ``seed`` and k); used by
+    partial rollout's carried groups and by rollouts continued across a weight update (rlrun/rollout/segments.py)."""
+    todo = [k for k, s in enumerate(samples) if is_unfinished(s)]
     base = sampling_params(r, seed)
     inputs, params = [], []
     for k in todo:
-        old = job.carried[k]
+        old = samples[k]
         room = r.max_new_tokens - len(old.response_ids)
         inputs.append(old.prompt.prompt_ids + old.response_ids)
         params.append(
             {**base, "n": 1, "max_new_tokens": max(room, 1), "sampling_seed": seed + _CONTINUE_SEED_STRIDE * k}
         )
     results = engine.generate(inputs, params, return_logprob=True, rids=[f"{rid}-c{k}" for k in todo]) if todo else []
-    samples = list(job.carried)
+    out = list(samples)
     for k, result in zip(todo, results, strict=True):
-        samples[k] = _extend(job.carried[k], result, tokenizer, r.skip_special_tokens)
-    return samples, any(is_unfinished(s) for s in samples)
+        out[k] = _extend(samples[k], result, tokenizer, r.skip_special_tokens)
+    return out
 
 
 def _extend(old: Sample, result: dict, tokenizer, skip_special_tokens: bool) -> Sample:

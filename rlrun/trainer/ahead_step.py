@@ -6,6 +6,9 @@ The engines generate step n+1 (up to n+K) on a background thread while the train
            behind the trainer each sample is (``rollout/versions_behind_*``)
   sync     exports the trained weights once (a copy the trainer's next update cannot change) and publishes
            them; the rollout thread pushes them into the engine before the first rollout they may sample
+With ``rollout.continue_across_updates`` (K >= 2) each rollout continues its long samples under the update
+published while it runs (rlrun/rollout/segments.py): its tokens carry their versions (``Sample.weight_spans``)
+and ``rollout/versions_behind_*`` count them per token.
 The importance ratios then compare the trainer's old log-probs against the older sampling policy's; the
 mismatch corrections (``algorithm.tis``) and diagnostics (``train/mismatch_k3``: KL(sampling || trainer))
 apply unchanged. The engine stays resident while the trainer trains (no offload of either).
@@ -26,6 +29,7 @@ from rlrun.data.sample import Sample
 from rlrun.observability.metrics import PhaseTimer
 from rlrun.rollout.ahead import Published, RolloutAhead, versions_behind
 from rlrun.rollout.debug_data import maybe_save_train_data
+from rlrun.rollout.segments import SegmentedGeneration
 from rlrun.rollout.tally import RolloutBatch
 from rlrun.trainer.checkpoint import RunState
 from rlrun.trainer.components import scatter_train_batch, sync_due
@@ -45,10 +49,21 @@ class AheadLoop:
         # they never interleave with the ones the trainer runs at the same time on ``cpu_group``.
         group = dist.new_group(backend="gloo")
         self.parts = parts
-        self.runtime = dataclasses.replace(parts.rollout, parallel=dataclasses.replace(parts.parallel, cpu_group=group))
         self.ahead: RolloutAhead[RolloutBatch | None] = RolloutAhead(
-            self.runtime.collect, self._push, cfg.rollout.max_staleness, first_step, end_step=cfg.train.num_steps
+            self._collect, self._push, cfg.rollout.max_staleness, first_step, end_step=cfg.train.num_steps
         )
+        self.segments = SegmentedGeneration(self.ahead.enter_segment) if cfg.rollout.continue_across_updates else None
+        parallel = dataclasses.replace(parts.parallel, cpu_group=group)
+        if self.segments is None:
+            self.runtime = dataclasses.replace(parts.rollout, parallel=parallel)
+        else:  # a colocated runtime (continuation is refused with engine ranks, whose stand-in has no segments)
+            self.runtime = dataclasses.replace(parts.rollout, parallel=parallel, segments=self.segments)
+
+    def _collect(self, step: int) -> RolloutBatch | None:
+        """On the rollout thread: step ``step``'s batch (segment 0's weights are loaded)."""
+        if self.segments is not None:
+            self.segments.start(step)
+        return self.runtime.collect(step)
 
     def _push(self, published: Published) -> None:
         """On the rollout thread, between rollouts: the engine takes published weights."""
@@ -78,12 +93,14 @@ class AheadLoop:
                 maybe_save_train_data(parts.cfg, state.step, parts.parallel.rank, batch.micro_batches)
             with phases("train"):
                 metrics.update(parts.actor.train(batch, state.step))
+        published = None
         if sync_due(1, state.step, trained=bool(batch.updates)):
             with phases("sync"):  # the export is collective; the push happens on the rollout thread
                 state.weight_version += 1
                 weights = [(name, tensor.detach().clone()) for name, tensor in parts.actor.export_weights()]
                 parts.actor.on_weights_synced()
-                self.ahead.publish(state.step, Published(state.weight_version, weights))
+                published = Published(state.weight_version, weights)
+        self.ahead.publish(state.step, published)  # also when None: a rollout may wait for this step to end
         metrics.update(phases.finish())
         if parts.logger is not None:
             parts.logger.log(state.step, metrics, samples)
@@ -93,7 +110,8 @@ class AheadLoop:
         if rollout is None:  # not rank 0
             return None
         metrics.update(rollout.metrics)
-        metrics.update(versions_behind(state.weight_version, [s.weight_version for s in rollout.samples]))
+        spans = [s.weight_spans or [(s.weight_version, len(s.response_ids))] for s in rollout.samples]
+        metrics.update(versions_behind(state.weight_version, spans))
         return rollout.samples
 
     def carry_state(self) -> list | None:

@@ -1,6 +1,7 @@
 """Bounded-staleness asynchronous RL (``rollout.max_staleness``) through the real CLI under torchrun: 2 ranks,
 embedded engines over ZMQ, Megatron on gloo. Asserts on metrics.jsonl: every sample's age in weight versions,
-the trainer's KL to the sampling policy, and an exact resume with rollouts in flight."""
+the trainer's KL to the sampling policy, rollouts continued across a weight update (K = 2), and an exact resume
+with rollouts in flight."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import json
 import math
 
 import pytest
+import torch
 
 from integration.test_resume import comparable, read_metrics, run_to_end, run_until_sigterm
 
 pytestmark = pytest.mark.slow
 
 ASYNC = ("rollout.max_staleness=1", "algorithm.max_logprob_gap=null")
+CONTINUED = ("rollout.max_staleness=2", "rollout.continue_across_updates=true", "algorithm.max_logprob_gap=null")
 
 
 def test_max_staleness_1_trains_one_version_behind(tiny_model_dirs, tmp_path):
@@ -31,22 +34,45 @@ def test_max_staleness_1_trains_one_version_behind(tiny_model_dirs, tmp_path):
         assert r["train/mismatch_k3"] > 1e-6, r  # lr 3e-3: one update moves the policy measurably
 
 
-def test_resume_with_rollouts_in_flight_matches_uninterrupted_run(tiny_model_dirs, tmp_path):
-    """SIGTERM with a rollout generated ahead: the checkpoint holds that batch and the sampler cursor past its
-    prompts; the resumed run trains it first and every step's metrics equal the uninterrupted run's."""
+def test_max_staleness_2_continues_long_samples_under_the_newer_weights(tiny_model_dirs, tmp_path):
+    """K = 2 with continuation, max_new_tokens 6: step m's first 3 tokens of every sample come from the weights
+    trained through step m-3 (2 versions behind the trainer), the rest of a longer response from those trained
+    through step m-2 (1 behind). So from step 2 on the oldest token is 2 behind and a sample's mean is between
+    1.5 (6 tokens: 3 + 3) and 2 (3 tokens or fewer); step 1 samples wholly with the initial weights."""
+    run_to_end(tiny_model_dirs["qwen3"], tmp_path / "run", "train.num_steps=5", *CONTINUED)
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(5))
+    assert records[0]["rollout/versions_behind_max"] == 0
+    assert records[1]["rollout/versions_behind_mean"] == 1 and records[1]["rollout/versions_behind_max"] == 1
+    for r in records[2:]:
+        assert r["rollout/versions_behind_max"] == 2, r
+        assert 1.5 <= r["rollout/versions_behind_mean"] <= 2, r
+        assert math.isfinite(r["train/loss"]) and r["train/mismatch_k3"] > 1e-6, r
+    assert any(r["rollout/versions_behind_mean"] < 2 for r in records[2:]), "no sample crossed the boundary"
+
+
+@pytest.mark.parametrize("settings", [ASYNC, CONTINUED], ids=["k1", "k2_continued"])
+def test_resume_with_rollouts_in_flight_matches_uninterrupted_run(tiny_model_dirs, tmp_path, settings):
+    """SIGTERM with rollouts generated ahead: the checkpoint holds those batches (with K = 2 and continuation,
+    samples whose tokens span two versions) and the sampler cursor past their prompts; the resumed run trains
+    them first and every step's metrics equal the uninterrupted run's."""
     model = tiny_model_dirs["qwen3"]
-    run_to_end(model, tmp_path / "straight", "train.num_steps=6", *ASYNC)
+    run_to_end(model, tmp_path / "straight", "train.num_steps=6", *settings)
     reference = read_metrics(tmp_path / "straight")
 
     run_dir = tmp_path / "interrupted"
-    output = run_until_sigterm(model, run_dir, 2, "train.num_steps=6", *ASYNC)
+    output = run_until_sigterm(model, run_dir, 2, "train.num_steps=6", *settings)
     checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
     assert len(checkpoints) == 1 and (checkpoints[0] / "COMPLETE").is_file(), output[-5000:]
     stopped_at = json.loads((checkpoints[0] / "run_state.json").read_text())["step"]
     assert 2 <= stopped_at < 6, output[-5000:]
-    assert (checkpoints[0] / "rollout_carry.pt").is_file()  # the batch generated ahead
+    carry = torch.load(checkpoints[0] / "rollout_carry.pt", weights_only=True)  # the batches generated ahead
+    max_staleness = 2 if settings is CONTINUED else 1
+    assert [row["step"] for row in carry] == list(range(stopped_at, min(stopped_at + max_staleness, 6)))
+    if settings is CONTINUED:  # samples whose tokens came from two versions travel with their spans
+        assert any(sample["weight_spans"] for row in carry for sample in row["samples"])
 
-    run_to_end(model, run_dir, "train.num_steps=6", "checkpoint.resume=auto", *ASYNC)
+    run_to_end(model, run_dir, "train.num_steps=6", "checkpoint.resume=auto", *settings)
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(6))
     for got, want in zip(resumed, reference, strict=True):

@@ -29,8 +29,7 @@ def drive(max_staleness: int, num_steps: int, train_s: float = 0.0, skip_publish
         assert got_step == step
         sampled_with.append(version)
         time.sleep(train_s)
-        if step not in skip_publish:
-            ahead.publish(step, Published(step + 1, None))
+        ahead.publish(step, None if step in skip_publish else Published(step + 1, None))
     assert ahead.next_step == num_steps  # nothing launched past the run's end
     ahead.close()
     return sampled_with, pushes
@@ -72,9 +71,14 @@ def test_rollouts_overlap_training():
 
 
 def test_versions_behind():
-    assert versions_behind(3, ["2", "3", "default"]) == {
+    assert versions_behind(3, [[("2", 5)], [("3", 1)], [("default", 0)]]) == {
         "rollout/versions_behind_mean": (1 + 0 + 3) / 3,
         "rollout/versions_behind_max": 3,
+    }
+    # a sample continued across an update: its tokens' mean (4 tokens 2 behind, 12 tokens 1 behind), its oldest
+    assert versions_behind(3, [[("1", 4), ("2", 12)], [("1", 6)]]) == {
+        "rollout/versions_behind_mean": ((4 * 2 + 12 * 1) / 16 + 2) / 2,
+        "rollout/versions_behind_max": 2,
     }
     assert versions_behind(0, []) == {}
 
