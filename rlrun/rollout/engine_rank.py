@@ -1,13 +1,14 @@
 """An engine rank of a disaggregated job (``placement.engine_ranks``; docs/async.md): one engine, no trainer.
 
-    training rank 0 ──control: ("generate", prompts, seed, (step, round))──> engine rank e
+    training rank 0 ──control: ("generate", [(prompts, seed), ...], (step, round))──> engine rank e
                     <──────────── generated, scored samples ──────────────
                     ──control: ("weights", version, ...) + weights: bucket broadcast──> every engine rank
                     <──────────── "loaded" ───────────────────────────────
                     ──control: ("stop",)──> (the worker is shut down, the rank exits)
 
-The rank serves rank 0's messages in order until ``stop``: it generates and scores exactly as a colocated
-rank's ``RolloutRuntime.generate_and_score`` does (the same hooks, rewards and seeds), and loads weights by the
+The rank serves rank 0's messages in order until ``stop``: it generates and scores each share of a round (the
+prompts of one colocated rank it stands in for, with that rank's seed) exactly as that rank's
+``RolloutRuntime.generate_and_score`` does (the same hooks, rewards and seeds), and loads weights by the
 colocated handover (``EngineGroup.update_weights``). A failure is reported to rank 0 as its reply and ends the
 job through the watchdog, which also watches this rank and its engine worker.
 """
@@ -94,10 +95,13 @@ def _serve_messages(cfg: RunConfig, link: Link, engine: EngineGroup, runtime: Ro
         if kind == "stop":
             return
         if kind == "generate":
-            prompts, seed, round_at = args
+            shares, round_at = args
             watchdog.step, watchdog.phase = round_at[0], "rollout"
             try:
-                reply = runtime.generate_and_score(prompts, seed, round_at=round_at)
+                # one call per share, as the colocated rank it belongs to makes it: the same seed, the same samples
+                reply = [
+                    s for prompts, seed in shares for s in runtime.generate_and_score(prompts, seed, round_at=round_at)
+                ]
             except Exception as exc:
                 link.send(f"{type(exc).__name__}: {exc}", 0)  # rank 0 raises it, naming this rank
                 raise

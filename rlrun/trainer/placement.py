@@ -5,12 +5,15 @@ loop (rlrun/trainer/loop.py) and the loop that generates ahead (rlrun/trainer/ah
 
 * :class:`RemoteEngines` for ``EngineGroup``: rank 0 broadcasts the exported weights to every engine rank
   (rlrun/runtime/placement.py); the other training ranks only take part in the export's collectives.
-* :class:`RemoteRollout` for ``RolloutRuntime``: rank 0 draws each sampling round's prompts, splits them over
-  the engine ranks as it would over colocated ranks, and gathers their generated, scored samples; the other
-  training ranks wait for the train batch's scatter.
+* :class:`RemoteRollout` for ``RolloutRuntime``: rank 0 draws each sampling round's prompts, splits them into
+  the shares of the colocated ranks the engine ranks stand in for, and gathers their generated, scored
+  samples; the other training ranks wait for the train batch's scatter.
 
-Engine rank ``e`` generates with the seeds of colocated rank ``e``, so with one engine rank and one training
-rank a run trains exactly what a single colocated rank trains (tests/integration/test_disaggregated.py).
+A round has one share per training rank (one per engine rank if there are more engine ranks), each with the
+sampling seed that colocated rank would use; engine rank ``e`` serves a contiguous run of them, one engine
+call per share. The samples are therefore the ones colocated ranks would draw, and with ``max_staleness`` 0
+N training ranks and M <= N engine ranks train exactly what N colocated ranks train
+(tests/integration/test_disaggregated.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from rlrun.rollout.driver import group_samples, split_groups
 from rlrun.rollout.tally import RolloutBatch
 from rlrun.runtime.dist import Parallel
 from rlrun.runtime.placement import Link
+
+
+def engine_of(share: int, num_shares: int, num_engines: int) -> int:
+    """The engine rank that serves share ``share`` of a round: contiguous, near-equal runs of shares."""
+    return share * num_engines // num_shares
 
 
 class RemoteEngines:
@@ -68,11 +76,13 @@ class RemoteEngines:
             if reply != "loaded":
                 raise RuntimeError(f"engine rank {dst - 1} failed to load weight version {weight_version}: {reply}")
 
-    def generate(self, prompts_per_engine: list[list], seeds: list[int], round_at: tuple[int, int]) -> list:
-        """Rank 0: each engine rank's samples for its prompts (scored there), in engine order."""
+    def generate(self, shares: list[tuple[list, int]], round_at: tuple[int, int]) -> list:
+        """Rank 0: the samples (scored on the engine ranks) of each share, a round's ``(prompts, seed)`` per
+        colocated rank, in share order; engine rank ``e`` serves the shares :func:`engine_of` gives it."""
         assert self.link is not None, "generate() on a training rank other than 0"
-        for e, (prompts, seed) in enumerate(zip(prompts_per_engine, seeds, strict=True)):
-            self.link.send(("generate", prompts, seed, round_at), 1 + e)
+        for e in range(self.num_engines):
+            mine = [share for s, share in enumerate(shares) if engine_of(s, len(shares), self.num_engines) == e]
+            self.link.send(("generate", mine, round_at), 1 + e)
         replies = [self.link.recv(1 + e) for e in range(self.num_engines)]
         for e, reply in enumerate(replies):
             if isinstance(reply, str):
@@ -110,12 +120,11 @@ class RemoteRollout(RolloutRuntime):
                 break
             prompts = self.sampler.next_batch(r.prompts_per_round)
             tally.prompts_drawn += len(prompts)
-            # colocated rank e's seed (RolloutRuntime._sample_rounds), so one engine rank samples as rank 0 does
-            seeds = [
-                self.cfg.train.seed * 1_000_003 + step * 1009 + e + 104_729 * round_index
-                for e in range(engines.num_engines)
-            ]
-            parts: list[Any] = engines.generate(split_groups(prompts, engines.num_engines), seeds, (step, round_index))
+            # colocated rank s's share and seed (RolloutRuntime._sample_rounds), whichever engine rank serves it
+            num_shares = max(self.parallel.world_size, engines.num_engines)
+            seeds = [self.round_seed(step, s, round_index) for s in range(num_shares)]
+            shares = list(zip(split_groups(prompts, num_shares), seeds, strict=True))
+            parts: list[Any] = engines.generate(shares, (step, round_index))
             kept = [s for part in parts for s in part]
             tally.add_round(group_samples(kept, r.samples_per_prompt), self.hooks.dynamic_filter)
         return tally.batch()

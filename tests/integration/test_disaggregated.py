@@ -50,15 +50,23 @@ def numbers(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items() if not k.startswith(skip) and isinstance(v, (int, float))}
 
 
-def test_one_engine_rank_trains_what_one_colocated_rank_trains(tiny_model_dirs, tmp_path):
-    """K = 0, the same seed and data: 1 training rank + 1 engine rank against 1 colocated rank. The engine rank
-    gets every prompt with colocated rank 0's seeds and the trainer's weights by broadcast after every step, so
-    rewards, losses, gradient norms and log-prob gaps match within 1e-5 at every step."""
-    model = tiny_model_dirs["qwen3"]
-    colocated = run(model, tmp_path / "colocated", 1, "train.num_steps=4")
-    disaggregated = run(model, tmp_path / "disaggregated", 2, "train.num_steps=4", *ENGINE_RANK)
-    assert [r["step"] for r in disaggregated] == list(range(4))
-    assert len(colocated) == 4
+@pytest.mark.parametrize(
+    ("num_trainers", "num_steps"),
+    [
+        pytest.param(1, 4, id="1-trainer"),
+        pytest.param(2, 3, id="2-trainers"),
+    ],
+)
+def test_one_engine_rank_trains_what_colocated_ranks_train(tiny_model_dirs, tmp_path, num_trainers, num_steps):
+    """K = 0, the same seed and data: N training ranks + 1 engine rank against N colocated ranks. The engine
+    rank serves every colocated rank's share of each round with that rank's seed, and gets the trainer's
+    weights by broadcast after every step, so rewards, losses, gradient norms and log-prob gaps match within
+    1e-5 at every step (with 2 training ranks, also the data-parallel split of the train batch)."""
+    model, steps = tiny_model_dirs["qwen3"], f"train.num_steps={num_steps}"
+    colocated = run(model, tmp_path / "colocated", num_trainers, steps)
+    disaggregated = run(model, tmp_path / "disaggregated", num_trainers + 1, steps, *ENGINE_RANK)
+    assert [r["step"] for r in disaggregated] == list(range(num_steps))
+    assert len(colocated) == num_steps
     for got, want in zip(disaggregated, colocated, strict=True):
         got, want = numbers(got), numbers(want)
         assert set(got) == set(want), set(got) ^ set(want)
