@@ -393,15 +393,17 @@ class RolloutConfig(Section):
     importance ratios then see the sampling policy's age: correct it with ``algorithm.tis``. Needs
     ``engine.tp`` 1, ``engine.sync_interval`` 1, no offload, no ``algorithm.max_logprob_gap``, no partial
     rollout and ``engine.max_restarts`` 0 (checked at load)."""
-    continue_across_updates: bool = False
-    """With ``max_staleness`` K >= 2 (docs/async.md): step m's rollout generates the first half of
-    ``max_new_tokens`` (rounded up) under the weights trained through step m-K-1, then continues its unfinished
-    samples under the weights trained through step m-K, the update the trainer publishes while the rollout runs
-    (waiting for it if the trainer is not there yet). Short responses stay wholly K versions behind; the long
-    tail's later tokens are K-1 behind, each token's version kept in ``Sample.weight_spans`` and corrected
-    token by token (``algorithm.tis``). Where the boundary falls depends on token counts only, so runs repeat
-    and resume exactly. The price: a rollout can finish only after step m-K trains. false: each rollout runs
-    wholly under one version. Single-turn generation only (no ``generate_fn``, ``agent`` or ``rollout_fn``)."""
+    continue_after_tokens: int | None = Field(None, ge=1)
+    """With ``max_staleness`` K >= 2 (docs/async.md): step m's rollout samples every response's first N tokens
+    under the weights trained through step m-K-1, then continues the responses longer than N from their tokens
+    under the weights trained through step m-K, the update the trainer publishes while the rollout runs
+    (waiting for it if the trainer is not there yet). Responses of N tokens or fewer stay wholly K versions
+    behind; the rest of a longer one is K-1 behind, each token's version kept in ``Sample.weight_spans`` and
+    corrected token by token (``algorithm.tis``). A smaller N gives more tokens the fresher weights and leaves
+    less of the rollout to overlap step m-K's training (the rollout can finish only after it); half of
+    ``max_new_tokens`` gives them only to the long tail. The boundary is a token count, so runs repeat and resume
+    exactly. Must be below ``max_new_tokens``. None: each rollout runs wholly under one version. Single-turn
+    generation only (no ``generate_fn``, ``agent`` or ``rollout_fn``)."""
 
     @property
     def streams(self) -> bool:
@@ -1195,7 +1197,7 @@ class RunConfig(Section):
                 "a streamed round's carry is not checkpointed with the batches generated ahead; turn them off",
             ),
         }
-        if self.rollout.continue_across_updates:
+        if self.rollout.continue_after_tokens is not None:
             refused |= self._continuation_refusals()
         for key, (bad, reason) in refused.items():
             if bad:
@@ -1203,32 +1205,38 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _continuation_needs_two_versions(self) -> RunConfig:
-        k = self.rollout.max_staleness
-        if self.rollout.continue_across_updates and k < 2:
+    def _continuation_fits(self) -> RunConfig:
+        k, n = self.rollout.max_staleness, self.rollout.continue_after_tokens
+        if n is not None and k < 2:
             raise ValueError(
-                f"rollout.continue_across_updates (true) must come with rollout.max_staleness >= 2 (it is {k}) "
+                f"rollout.continue_after_tokens ({n}) must come with rollout.max_staleness >= 2 (it is {k}) "
                 "because a rollout continues under the update published while it runs, which with K = 1 is the "
                 "one its own batch trains on (nothing would overlap) and with K = 0 never comes; raise "
-                "rollout.max_staleness or set rollout.continue_across_updates: false"
+                "rollout.max_staleness or set rollout.continue_after_tokens: null"
+            )
+        if n is not None and n >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"rollout.continue_after_tokens ({n}) must be below rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}) because no response is longer than that, so none would "
+                "continue; lower it or set it to null"
             )
         return self
 
     def _continuation_refusals(self) -> dict[str, tuple[bool, str]]:
-        """What ``rollout.continue_across_updates`` cannot cut at a token boundary and continue."""
+        """What ``rollout.continue_after_tokens`` cannot cut at a token boundary and continue."""
         r = self.rollout
         return {
             "rollout.generate_fn / rollout.agent / rollout.rollout_fn": (
                 any(hook is not None for hook in (r.generate_fn, r.agent, r.rollout_fn)),
-                "with rollout.continue_across_updates a response is cut at a token boundary and continued from "
+                "with rollout.continue_after_tokens a response is cut at a token boundary and continued from "
                 "its tokens, which a multi-turn trajectory or a rollout function's own generation cannot be; "
-                "unset them or set rollout.continue_across_updates: false",
+                "unset them or set rollout.continue_after_tokens: null",
             ),
             "placement.engine_ranks": (
                 self.placement.engine_ranks > 0,
-                "rollout.continue_across_updates continues samples on the colocated engine between two weight "
+                "rollout.continue_after_tokens continues samples on the colocated engine between two weight "
                 "pushes, which engine ranks do not serve; set placement.engine_ranks: 0 or "
-                "rollout.continue_across_updates: false",
+                "rollout.continue_after_tokens: null",
             ),
         }
 

@@ -78,11 +78,11 @@ class Sample:
     teacher engine; the trainer-side teacher fills the micro-batch instead)."""
     carried_tokens: int = 0
     """Response tokens generated before the sample was continued from prompt + those tokens: in earlier steps
-    (partial rollout: aborted at a batch boundary), or before a weight update (``rollout.continue_across_updates``:
+    (partial rollout: aborted at a batch boundary), or before a weight update (``rollout.continue_after_tokens``:
     cut at the token boundary); 0 for a sample generated in one call."""
     weight_spans: list[tuple[str, int]] | None = None
     """``(weight_version, num_tokens)`` runs over the response, oldest first, when its tokens came from more
-    than one generate call (partial rollout, ``rollout.continue_across_updates``); None: every token is
+    than one generate call (partial rollout, ``rollout.continue_after_tokens``); None: every token is
     ``weight_version``'s."""
     parts: list[Sample] | None = None
     """A trajectory that yields several training samples (a ``generate_fn`` returned a list): those samples,

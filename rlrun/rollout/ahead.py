@@ -8,8 +8,8 @@ runs the rollouts in step order; before step ``m``'s it pushes the newest weight
     K = 1   main thread:  [train n-1][publish w_n][train n  ][publish w_n+1][train n+1] ...
             rollout thread:    [push w_n-1, rollout n][push w_n, rollout n+1][push w_n+1, rollout n+2]
 
-With ``rollout.continue_across_updates`` (K >= 2) a rollout runs in two segments (rlrun/rollout/segments.py):
-the first half of the token budget under the weights above, then its unfinished samples continue under the
+With ``rollout.continue_after_tokens`` (K >= 2) a rollout runs in two segments (rlrun/rollout/segments.py):
+its responses' first tokens under the weights above, then its unfinished samples continue under the
 newest ones published for a step ``<= m - K``, the update the trainer publishes while the rollout runs;
 :meth:`RolloutAhead.enter_segment` waits until the trainer is through that step. Both bounds are steps the
 trainer has finished by the time it checkpoints after step ``m - K``, so a checkpoint's :meth:`drain` never

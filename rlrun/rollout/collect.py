@@ -102,7 +102,7 @@ class RolloutRuntime:
     """Rank 0, ``rollout.partial_rollout``: groups aborted (or kept beyond the batch) at the last step's end,
     generated first in the next step. Checkpointed (:meth:`carry_state`), so a resumed run trains them."""
     segments: SegmentedGeneration | None = None
-    """The rollout thread's copy with ``rollout.continue_across_updates``: generation continues the samples cut
+    """The rollout thread's copy with ``rollout.continue_after_tokens``: generation continues the samples cut
     at the token boundary under the weights published meanwhile (rlrun/rollout/segments.py). None: one call."""
 
     @property

@@ -1,15 +1,15 @@
-"""A rollout generated ahead that continues across a weight update (``rollout.continue_across_updates``).
+"""A rollout generated ahead that continues across a weight update (``rollout.continue_after_tokens`` N).
 
 Step m's rollout, generated up to K steps ahead (rlrun/rollout/ahead.py), runs in two segments of the response
 token budget::
 
-    segment 0: every sample, tokens [0, ceil(max_new_tokens / 2)), under the weights trained through step m-K-1
+    segment 0: every sample, tokens [0, N), under the weights trained through step m-K-1
     ---------- wait until the trainer is through step m-K; push its weights (version m-K+1)
-    segment 1: the samples cut at the boundary continue from prompt + their tokens, under those weights
+    segment 1: the samples cut at N continue from prompt + their tokens, under those weights
 
-Short responses finish wholly under the older weights; the long tail gets the fresher ones. A continued sample
-keeps each token's version in ``Sample.weight_spans`` and its per-token rollout log-probs, so the mismatch
-corrections (``algorithm.tis``) apply token by token. The boundary is a token count and the weights of each
+Responses of N tokens or fewer finish under the older weights; the rest of a longer one under the fresher. A
+continued sample keeps each token's version in ``Sample.weight_spans`` and its per-token rollout log-probs, so
+the mismatch corrections (``algorithm.tis``) apply token by token. The boundary is a token count and the weights of each
 segment are fixed by the step, so which weights sample which token never depends on timing.
 
 Why two segments and not K: segment 1's weights are the update published while the rollout runs (step m-K
@@ -29,11 +29,6 @@ from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
 from rlrun.rollout.driver import generate_samples
 from rlrun.rollout.streaming import continue_unfinished
-
-
-def first_segment_tokens(max_new_tokens: int) -> int:
-    """Segment 0's token budget: the first half of ``rollout.max_new_tokens``, rounded up."""
-    return (max_new_tokens + 1) // 2
 
 
 class SegmentedGeneration:
@@ -57,9 +52,10 @@ class SegmentedGeneration:
         """``samples_per_prompt`` responses per prompt (:func:`rlrun.rollout.driver.generate_samples`), those
         longer than segment 0 continued under segment 1's weights. Every rank calls it once per sampling
         round, with or without prompts, so every rank moves to segment 1 at the same round."""
+        boundary = r.continue_after_tokens
+        assert boundary is not None, "segmented generation without rollout.continue_after_tokens"
         if self.segment == 1:
             return generate_samples(engine, prompts, r, seed, tokenizer)
-        boundary = first_segment_tokens(r.max_new_tokens)
         head = generate_samples(engine, prompts, r.model_copy(update={"max_new_tokens": boundary}), seed, tokenizer)
         for sample in head:
             if sample.finish_reason == "length" and len(sample.response_ids) == boundary < r.max_new_tokens:

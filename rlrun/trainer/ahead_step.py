@@ -6,7 +6,7 @@ The engines generate step n+1 (up to n+K) on a background thread while the train
            behind the trainer each sample is (``rollout/versions_behind_*``)
   sync     exports the trained weights once (a copy the trainer's next update cannot change) and publishes
            them; the rollout thread pushes them into the engine before the first rollout they may sample
-With ``rollout.continue_across_updates`` (K >= 2) each rollout continues its long samples under the update
+With ``rollout.continue_after_tokens`` (K >= 2) each rollout continues its long samples under the update
 published while it runs (rlrun/rollout/segments.py): its tokens carry their versions (``Sample.weight_spans``)
 and ``rollout/versions_behind_*`` count them per token.
 The importance ratios then compare the trainer's old log-probs against the older sampling policy's; the
@@ -52,7 +52,9 @@ class AheadLoop:
         self.ahead: RolloutAhead[RolloutBatch | None] = RolloutAhead(
             self._collect, self._push, cfg.rollout.max_staleness, first_step, end_step=cfg.train.num_steps
         )
-        self.segments = SegmentedGeneration(self.ahead.enter_segment) if cfg.rollout.continue_across_updates else None
+        self.segments = (
+            SegmentedGeneration(self.ahead.enter_segment) if cfg.rollout.continue_after_tokens is not None else None
+        )
         parallel = dataclasses.replace(parts.parallel, cpu_group=group)
         if self.segments is None:
             self.runtime = dataclasses.replace(parts.rollout, parallel=parallel)

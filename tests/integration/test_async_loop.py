@@ -16,7 +16,7 @@ from integration.test_resume import comparable, read_metrics, run_to_end, run_un
 pytestmark = pytest.mark.slow
 
 ASYNC = ("rollout.max_staleness=1", "algorithm.max_logprob_gap=null")
-CONTINUED = ("rollout.max_staleness=2", "rollout.continue_across_updates=true", "algorithm.max_logprob_gap=null")
+CONTINUED = ("rollout.max_staleness=2", "rollout.continue_after_tokens=3", "algorithm.max_logprob_gap=null")
 
 
 def test_max_staleness_1_trains_one_version_behind(tiny_model_dirs, tmp_path):

@@ -1,12 +1,13 @@
-"""``rollout.continue_across_updates``: which weights sample which tokens of a rollout generated ahead, against
-the rule written out by hand (step m: the first half of the token budget under the weights trained through step
-m-K-1, the rest of each longer response under those trained through step m-K), over the real schedule
+"""``rollout.continue_after_tokens``: which weights sample which tokens of a rollout generated ahead, against
+the rule written out by hand (step m: each response's first N tokens under the weights trained through step
+m-K-1, the rest of a longer response under those trained through step m-K), over the real schedule
 (``RolloutAhead``) and the real segmented generation and continue path, with a fake engine and trainer."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import re
 import threading
 import time
 
@@ -17,11 +18,11 @@ from minimal_config import rollout_config, run_config
 from rlrun.data.sample import Prompt, Sample
 from rlrun.rollout.ahead import Published, RolloutAhead
 from rlrun.rollout.driver import generate_samples
-from rlrun.rollout.segments import SegmentedGeneration, first_segment_tokens
+from rlrun.rollout.segments import SegmentedGeneration
 
-MAX_NEW_TOKENS = 8
+MAX_NEW_TOKENS, BOUNDARY = 8, 4
 LENGTHS = {0: [2, 8], 1: [4, 7]}
-"""Per prompt, per sample: the response's length (the boundary is 4: two fit in segment 0, two do not)."""
+"""Per prompt, per sample: the response's length (two fit in segment 0, two do not)."""
 
 
 class VersionedEngine:
@@ -58,7 +59,10 @@ class Tokenizer:
 def run(max_staleness: int, num_steps: int, continued: bool = True) -> list[list[Sample]]:
     """A fake trainer over the real schedule; each step's samples. Step 2 trains slowly, so the rollout that
     continues under its weights has to wait for them."""
-    engine, r = VersionedEngine(), rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS)
+    engine, r = (
+        VersionedEngine(),
+        rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, continue_after_tokens=BOUNDARY),
+    )
     prompts = [Prompt(i, [i], f"p{i}") for i in LENGTHS]
 
     def collect(step: int) -> list[Sample]:
@@ -87,7 +91,7 @@ def token_versions(sample: Sample) -> list[int]:
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_long_samples_continue_under_the_update_published_while_the_rollout_runs(k):
-    boundary = first_segment_tokens(MAX_NEW_TOKENS)
+    boundary = BOUNDARY
     for step, samples in enumerate(run(k, 7)):
         old, new = max(0, step - k), max(0, step - k + 1)  # version v: the weights trained through step v - 1
         assert len(samples) == 4
@@ -112,7 +116,10 @@ def test_without_continuation_every_token_is_k_versions_old():
 @pytest.mark.parametrize("k", [2, 3])
 def test_a_checkpoint_drain_never_waits_on_an_untrained_step(k):
     """After step t publishes (a checkpoint's moment), every launched rollout (up to t + K) can finish."""
-    engine, r = VersionedEngine(), rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS)
+    engine, r = (
+        VersionedEngine(),
+        rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, continue_after_tokens=BOUNDARY),
+    )
     prompts = [Prompt(i, [i], f"p{i}") for i in LENGTHS]
 
     def collect(step: int) -> list[Sample]:
@@ -138,7 +145,10 @@ def test_a_checkpoint_drain_never_waits_on_an_untrained_step(k):
 
 def test_close_ends_a_rollout_waiting_for_weights():
     """Step 2's rollout (K = 2) waits for step 0 to end; closing the schedule ends the wait with an error."""
-    engine, r = VersionedEngine(), rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS)
+    engine, r = (
+        VersionedEngine(),
+        rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, continue_after_tokens=BOUNDARY),
+    )
 
     def collect(step: int) -> list[Sample]:
         segments.start(step)
@@ -169,14 +179,15 @@ def test_spans_survive_the_checkpoint_carry():
     [
         ({"max_staleness": 1}, "rollout.max_staleness >= 2"),
         ({"max_staleness": 0}, "rollout.max_staleness >= 2"),
+        ({"max_staleness": 2, "max_new_tokens": 4}, "rollout.max_new_tokens (4)"),
         ({"max_staleness": 2, "rollout_fn": "examples/hooks/rollout_fn.py:mixed_budgets"}, "rollout.rollout_fn"),
     ],
 )
 def test_config_refuses_a_continuation_it_cannot_serve(rollout, key):
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        run_config({"rollout": {**rollout, "continue_across_updates": True}})
+    with pytest.raises(ValueError, match=re.escape(key)):
+        run_config({"rollout": {**rollout, "continue_after_tokens": 4}})
 
 
 def test_config_takes_continuation_with_k_2():
-    cfg = run_config({"rollout": {"max_staleness": 2, "continue_across_updates": True}})
-    assert cfg.rollout.continue_across_updates
+    cfg = run_config({"rollout": {"max_staleness": 2, "continue_after_tokens": 4}})
+    assert cfg.rollout.continue_after_tokens == 4
