@@ -56,25 +56,34 @@ class Tokenizer:
         return " ".join(map(str, ids))
 
 
+ROLLOUT = rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, continue_after_tokens=BOUNDARY)
+PROMPTS = [Prompt(i, [i], f"p{i}") for i in LENGTHS]
+
+
+def schedule(
+    engine: VersionedEngine, max_staleness: int, end_step: int, prompts=PROMPTS, continued: bool = True
+) -> RolloutAhead[list[Sample]]:
+    """The real schedule whose rollouts generate ``prompts`` on ``engine`` in segments (or, not ``continued``,
+    wholly under one version); a push sets the engine's version."""
+
+    def collect(step: int) -> list[Sample]:
+        if not continued:
+            return generate_samples(engine, prompts, ROLLOUT, step, Tokenizer())
+        segments.start(step)
+        return segments.generate(engine, prompts, ROLLOUT, step, Tokenizer())
+
+    def push(published: Published) -> None:
+        engine.version = published.version
+
+    ahead: RolloutAhead[list[Sample]] = RolloutAhead(collect, push, max_staleness, 0, end_step=end_step)
+    segments = SegmentedGeneration(ahead.enter_segment)
+    return ahead
+
+
 def run(max_staleness: int, num_steps: int, continued: bool = True) -> list[list[Sample]]:
     """A fake trainer over the real schedule; each step's samples. Step 2 trains slowly, so the rollout that
     continues under its weights has to wait for them."""
-    engine, r = (
-        VersionedEngine(),
-        rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, continue_after_tokens=BOUNDARY),
-    )
-    prompts = [Prompt(i, [i], f"p{i}") for i in LENGTHS]
-
-    def collect(step: int) -> list[Sample]:
-        if not continued:  # a rollout wholly under one version
-            return generate_samples(engine, prompts, r, step, Tokenizer())
-        segments.start(step)
-        return segments.generate(engine, prompts, r, step, Tokenizer())
-
-    ahead: RolloutAhead[list[Sample]] = RolloutAhead(
-        collect, lambda p: setattr(engine, "version", p.version), max_staleness, 0, end_step=num_steps
-    )
-    segments = SegmentedGeneration(ahead.enter_segment)
+    ahead = schedule(VersionedEngine(), max_staleness, num_steps, continued=continued)
     batches = []
     for step in range(num_steps):
         ahead.launch_until(step)
@@ -91,13 +100,12 @@ def token_versions(sample: Sample) -> list[int]:
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_long_samples_continue_under_the_update_published_while_the_rollout_runs(k):
-    boundary = BOUNDARY
     for step, samples in enumerate(run(k, 7)):
         old, new = max(0, step - k), max(0, step - k + 1)  # version v: the weights trained through step v - 1
         assert len(samples) == 4
         for sample in samples:
             length = LENGTHS[sample.group_index][sample.response_ids[0] % 10]
-            want = [old] * min(length, boundary) + [new] * (length - boundary)
+            want = [old] * min(length, BOUNDARY) + [new] * (length - BOUNDARY)
             assert token_versions(sample) == want, (step, sample.response_ids)
             assert sample.weight_version == str(want[-1])
             spans = sample.weight_spans or [(sample.weight_version, length)]
@@ -116,20 +124,7 @@ def test_without_continuation_every_token_is_k_versions_old():
 @pytest.mark.parametrize("k", [2, 3])
 def test_a_checkpoint_drain_never_waits_on_an_untrained_step(k):
     """After step t publishes (a checkpoint's moment), every launched rollout (up to t + K) can finish."""
-    engine, r = (
-        VersionedEngine(),
-        rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, continue_after_tokens=BOUNDARY),
-    )
-    prompts = [Prompt(i, [i], f"p{i}") for i in LENGTHS]
-
-    def collect(step: int) -> list[Sample]:
-        segments.start(step)
-        return segments.generate(engine, prompts, r, step, Tokenizer())
-
-    ahead: RolloutAhead[list[Sample]] = RolloutAhead(
-        collect, lambda p: setattr(engine, "version", p.version), k, 0, end_step=20
-    )
-    segments = SegmentedGeneration(ahead.enter_segment)
+    ahead = schedule(VersionedEngine(), k, 20)
     for step in range(3):
         ahead.launch_until(step)
         ahead.take(step)
@@ -145,17 +140,7 @@ def test_a_checkpoint_drain_never_waits_on_an_untrained_step(k):
 
 def test_close_ends_a_rollout_waiting_for_weights():
     """Step 2's rollout (K = 2) waits for step 0 to end; closing the schedule ends the wait with an error."""
-    engine, r = (
-        VersionedEngine(),
-        rollout_config(samples_per_prompt=2, max_new_tokens=MAX_NEW_TOKENS, continue_after_tokens=BOUNDARY),
-    )
-
-    def collect(step: int) -> list[Sample]:
-        segments.start(step)
-        return segments.generate(engine, [Prompt(1, [1], "p1")], r, step, Tokenizer())
-
-    ahead: RolloutAhead[list[Sample]] = RolloutAhead(collect, lambda p: None, 2, 0, end_step=5)
-    segments = SegmentedGeneration(ahead.enter_segment)
+    ahead = schedule(VersionedEngine(), 2, 5, prompts=PROMPTS[1:])
     ahead.launch_until(0)
     ahead.take(0), ahead.take(1)
     ahead.close()
