@@ -597,7 +597,9 @@ class EngineConfig(Section):
     group: its leader, with its members) starts a fresh worker, re-syncs the current weights and redoes the
     step's rollout with the same prompts (lost mid-sync: re-syncs and goes on); the other ranks wait at a
     barrier bounded by ``startup_timeout_s``. Counted over all engines (``engine/restarts``); the loss past
-    the limit ends the job with its cause. 0: any lost engine ends the job within seconds."""
+    the limit ends the job with its cause. 0: any lost engine ends the job within seconds. With
+    ``placement.engine_ranks`` an engine rank restarts its worker the same way, with the weights rank 0
+    broadcasts again; the engine rank's own process is not restarted (its death ends the torchrun job)."""
     bucket_bytes: int = Field(512 * 1024**2, ge=1024)
     """Size of one flattened weight-sync bucket."""
     sync_interval: int = Field(1, ge=1)
@@ -1125,8 +1127,10 @@ class PlacementConfig(Section):
     """The last N torchrun ranks host engines only (rlrun/rollout/engine_rank.py): no Megatron model, one engine
     each (``engine.tp`` 1); the other ranks train, and Megatron's world is theirs alone. Rank 0 sends them
     prompts and gets finished, scored groups back over torch.distributed (gloo), and broadcasts the trained
-    weights to them in ``engine.bucket_bytes`` buckets. With ``rollout.max_staleness`` 1 they generate step n+1
-    while the trainers train step n. 0: every rank trains and drives its own engine."""
+    weights to them in ``engine.bucket_bytes`` buckets. Each round's prompts are split and seeded per training
+    rank as colocated ranks' would be, so N training ranks with N or fewer engine ranks train what N colocated
+    ranks train. With ``rollout.max_staleness`` 1 they generate step n+1 while the trainers train step n.
+    0: every rank trains and drives its own engine."""
 
 
 class RunConfig(Section):
@@ -1249,7 +1253,6 @@ class RunConfig(Section):
         o, r = self.offload, self.rollout
         refused = [  # (key, its value, what it must be, why)
             ("engine.tp", self.engine.tp, "1", "each engine rank drives one single-rank engine"),
-            ("engine.max_restarts", self.engine.max_restarts, "0", "a lost engine rank ends the job (the watchdog)"),
             (
                 "offload.train / offload.rollout / offload.colocate",
                 o.train or o.rollout or o.colocate,
@@ -1277,33 +1280,6 @@ class RunConfig(Section):
                     f"{key} ({value}) must be {want} with placement.engine_ranks ({n}) because {reason}; "
                     f"{fix}, or placement.engine_ranks: 0"
                 )
-        return self
-        refused = {
-            "engine.tp": (self.engine.tp > 1, "each engine rank drives one single-rank engine; set engine.tp: 1"),
-            "engine.max_restarts": (
-                self.engine.max_restarts > 0,
-                "a lost engine rank is not restarted (the watchdog ends the job); set engine.max_restarts: 0",
-            ),
-            "offload.train / offload.rollout / offload.colocate": (
-                self.offload.train or self.offload.rollout or self.offload.colocate,
-                "trainer and engines sit on different ranks, so nothing takes turns; turn them off",
-            ),
-            "rollout.partial_rollout / rollout.abort_surplus": (
-                self.rollout.streams,
-                "streaming rounds call each rank's own engine, and the training ranks have none; turn them off",
-            ),
-            "algorithm.opd.teacher_engine": (
-                self.algorithm.opd.teacher_engine is not None,
-                "the teacher scores each rank's own samples, and the training ranks sample none; unset it",
-            ),
-            "eval.interval": (
-                self.eval.interval > 0,
-                "eval generates on the training ranks' engines, which they do not have; set eval.interval: 0",
-            ),
-        }
-        for key, (bad, reason) in refused.items():
-            if bad:
-                raise ValueError(f"{key} must be off with placement.engine_ranks ({n}) because {reason}")
         return self
 
     @model_validator(mode="after")

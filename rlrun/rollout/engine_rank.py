@@ -4,26 +4,37 @@
                     <──────────── generated, scored samples ──────────────
                     ──control: ("weights", version, ...) + weights: bucket broadcast──> every engine rank
                     <──────────── "loaded" ───────────────────────────────
+                    ──control: ("restart",)──> (engine.max_restarts: a fresh worker; weights follow)
+                    <──────────── "restarted" ────────────────────────────
                     ──control: ("stop",)──> (the worker is shut down, the rank exits)
 
 The rank serves rank 0's messages in order until ``stop``: it generates and scores each share of a round (the
 prompts of one colocated rank it stands in for, with that rank's seed) exactly as that rank's
 ``RolloutRuntime.generate_and_score`` does (the same hooks, rewards and seeds), and loads weights by the
 colocated handover (``EngineGroup.update_weights``). A failure is reported to rank 0 as its reply and ends the
-job through the watchdog, which also watches this rank and its engine worker.
+job through the watchdog, which also watches this rank and, without ``engine.max_restarts``, its engine worker.
+
+With ``engine.max_restarts`` the rank's ``EngineGroup`` tolerates the loss of its worker as a colocated rank's
+does: the reply to that generate or weights message is ``EngineLost``, and the loop's recovery on the training
+ranks (rlrun/trainer/recovery.py) has rank 0 send ``restart``, then the current weights, and redo the step's
+rollout. The rank process itself is not restarted: its death ends the torchrun job (``checkpoint.resume`` brings
+it back).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from rlrun.config.schema import RunConfig
-from rlrun.engine.group import EngineGroup, GroupLayout
+from rlrun.engine.group import EngineGroup, EngineLost, GroupLayout
 from rlrun.rollout.collect import RolloutRuntime
 from rlrun.runtime.dist import DistEnv, Parallel
 from rlrun.runtime.placement import Link, all_ranks_started, num_training_ranks
+
+log = logging.getLogger(__name__)
 
 
 def engine_rank_parallel(env: DistEnv, engine_ranks: int) -> Parallel:
@@ -72,11 +83,15 @@ def serve(cfg: RunConfig) -> bool:
                 startup_timeout_s=cfg.engine.startup_timeout_s,
                 request_timeout_s=cfg.engine.request_timeout_s,
                 heartbeat_timeout_s=cfg.engine.heartbeat_timeout_s,
+                tolerate_loss=cfg.engine.max_restarts > 0,
             )
-        watchdog.watch_engine(engine.watched)
+        if cfg.engine.max_restarts == 0:  # else a lost worker is restarted, not the end of the job
+            watchdog.watch_engine(engine.watched)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        runtime = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler=None)
-        _serve_messages(cfg, link, engine, runtime, watchdog)
+        # group=engine: a generate call goes through EngineGroup.run_on_leader, which answers EngineLost for a
+        # tolerated loss (engine.max_restarts) as on a colocated rank
+        runtime = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler=None, group=engine)
+        _serve_messages(link, engine, runtime, watchdog, stop)
         watchdog.close(None)
     except BaseException as exc:
         watchdog.fail(exc)
@@ -87,7 +102,7 @@ def serve(cfg: RunConfig) -> bool:
     return False
 
 
-def _serve_messages(cfg: RunConfig, link: Link, engine: EngineGroup, runtime: RolloutRuntime, watchdog) -> None:
+def _serve_messages(link: Link, engine: EngineGroup, runtime: RolloutRuntime, watchdog, stop) -> None:
     """Rank 0's messages in order until ``stop`` (see the module docstring)."""
     while True:
         watchdog.phase = "waiting for rank 0"
@@ -95,13 +110,8 @@ def _serve_messages(cfg: RunConfig, link: Link, engine: EngineGroup, runtime: Ro
         if kind == "stop":
             return
         if kind == "generate":
-            shares, round_at = args
-            watchdog.step, watchdog.phase = round_at[0], "rollout"
             try:
-                # one call per share, as the colocated rank it belongs to makes it: the same seed, the same samples
-                reply = [
-                    s for prompts, seed in shares for s in runtime.generate_and_score(prompts, seed, round_at=round_at)
-                ]
+                reply = _generate(runtime, watchdog, *args)
             except Exception as exc:
                 link.send(f"{type(exc).__name__}: {exc}", 0)  # rank 0 raises it, naming this rank
                 raise
@@ -117,6 +127,32 @@ def _serve_messages(cfg: RunConfig, link: Link, engine: EngineGroup, runtime: Ro
                 raise
             for _ in received:  # the broadcast runs to its end on every engine rank
                 pass
-            link.send("loaded", 0)
+            link.send("loaded" if engine.lost is None else EngineLost(engine.lost), 0)
+        elif kind == "restart":
+            watchdog.phase = "engine restart"
+            log.warning(
+                "[rlrun] engine rank %d (rank %d): restarting its engine worker at step %d: %s",
+                runtime.parallel.dp_rank,
+                runtime.parallel.rank,
+                watchdog.step,
+                engine.lost,
+            )
+            with stop.held():  # as at the start: the new worker inherits the blocked signals
+                engine.restart()
+            runtime.engine = engine.client
+            link.send("restarted", 0)
         else:
             raise AssertionError(f"engine rank got an unknown message {kind!r} from rank 0")
+
+
+def _generate(runtime: RolloutRuntime, watchdog, shares: list, round_at: tuple[int, int]) -> list | EngineLost:
+    """The samples of every share, one call per share as the colocated rank it belongs to makes it (the same
+    seed, the same samples); ``EngineLost`` once the worker is lost (``engine.max_restarts``)."""
+    watchdog.step, watchdog.phase = round_at[0], "rollout"
+    samples = []
+    for prompts, seed in shares:
+        share = runtime.generate_and_score(prompts, seed, round_at=round_at)
+        if isinstance(share, EngineLost):
+            return share
+        samples += share
+    return samples

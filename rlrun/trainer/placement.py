@@ -4,7 +4,10 @@ The training ranks have no engine. Two stand-ins take the colocated ones' places
 loop (rlrun/trainer/loop.py) and the loop that generates ahead (rlrun/trainer/ahead_step.py) run unchanged:
 
 * :class:`RemoteEngines` for ``EngineGroup``: rank 0 broadcasts the exported weights to every engine rank
-  (rlrun/runtime/placement.py); the other training ranks only take part in the export's collectives.
+  (rlrun/runtime/placement.py); the other training ranks only take part in the export's collectives. With
+  ``engine.max_restarts`` it also answers the loop's recovery (rlrun/trainer/recovery.py): an engine rank
+  whose worker was lost says so in its reply, rank 0 reports it as its own ``lost``, and the recovery's
+  restart and re-sync become a ``restart`` message and a broadcast of the current weights.
 * :class:`RemoteRollout` for ``RolloutRuntime``: rank 0 draws each sampling round's prompts, splits them into
   the shares of the colocated ranks the engine ranks stand in for, and gathers their generated, scored
   samples; the other training ranks wait for the train batch's scatter.
@@ -24,6 +27,7 @@ from typing import Any, Iterable
 import torch
 
 from rlrun.config.schema import RunConfig
+from rlrun.engine.group import EngineLost, GroupLayout
 from rlrun.rollout.collect import RolloutRuntime
 from rlrun.rollout.driver import group_samples, split_groups
 from rlrun.rollout.tally import RolloutBatch
@@ -39,21 +43,44 @@ def engine_of(share: int, num_shares: int, num_engines: int) -> int:
 class RemoteEngines:
     """``EngineGroup``'s part the loop uses, for a training rank whose engines are engine ranks."""
 
-    client = None  # the training ranks drive no engine worker: nothing to watch, restart or offload
+    client = None  # the training ranks drive no engine worker: nothing to watch or offload here
     process = None
     watched = None
-    lost = None
 
-    def __init__(self, link: Link | None, num_engines: int) -> None:
+    def __init__(self, link: Link | None, num_engines: int, layout: GroupLayout) -> None:
         self.link = link
         """Rank 0's link to the engine ranks; None on the other training ranks."""
         self.num_engines = num_engines
+        self.layout = layout
+        """A group of one per training rank: the recovery reads a loss rank 0 reports as rank 0's own."""
+        self._lost: dict[int, str] = {}
+        """Rank 0: engine rank -> why its worker was lost (its ``EngineGroup.lost``), until it restarts."""
 
     @classmethod
     def connect(cls, cfg: RunConfig, parallel: Parallel) -> RemoteEngines:
         """Rank 0 opens the link (collective with the engine ranks); the other training ranks hold none."""
         n = cfg.placement.engine_ranks
-        return cls(Link.open(parallel.env, n) if parallel.is_rank0 else None, n)
+        layout = GroupLayout(1, parallel.rank, parallel.world_size, leader=parallel.rank, local_leader=0)
+        return cls(Link.open(parallel.env, n) if parallel.is_rank0 else None, n, layout)
+
+    @property
+    def lost(self) -> str | None:
+        """Rank 0: why the first engine rank still lost was lost; None elsewhere and while every one serves. One
+        engine rank at a time, so each restart counts against ``engine.max_restarts``: another one lost is
+        reported by its next reply (at once, as its ``EngineGroup`` skips calls while lost)."""
+        return self._lost[min(self._lost)] if self._lost else None
+
+    def restart(self) -> None:
+        """Rank 0 (the recovery calls it where :attr:`lost`): that engine rank starts a fresh worker, with the
+        model's initial weights (the recovery's re-sync follows, to every engine rank)."""
+        if self.link is None or not self._lost:
+            return
+        e = min(self._lost)
+        self.link.send(("restart",), 1 + e)
+        reply = self.link.recv(1 + e)
+        if reply != "restarted":
+            raise RuntimeError(f"engine rank {e} failed to restart its engine worker: {reply}")
+        del self._lost[e]
 
     def update_weights(
         self,
@@ -73,12 +100,15 @@ class RemoteEngines:
         self.link.send_weights(named_tensors, bucket_bytes)
         for dst in range(1, self.link.size):  # loaded everywhere before the next rollout may start
             reply = self.link.recv(dst)
-            if reply != "loaded":
+            if isinstance(reply, EngineLost):  # only with engine.max_restarts: the recovery restarts it
+                self._lost[dst - 1] = reply.message
+            elif reply != "loaded":
                 raise RuntimeError(f"engine rank {dst - 1} failed to load weight version {weight_version}: {reply}")
 
     def generate(self, shares: list[tuple[list, int]], round_at: tuple[int, int]) -> list:
-        """Rank 0: the samples (scored on the engine ranks) of each share, a round's ``(prompts, seed)`` per
-        colocated rank, in share order; engine rank ``e`` serves the shares :func:`engine_of` gives it."""
+        """Rank 0: each engine rank's samples (scored there) of its shares, a round's ``(prompts, seed)`` per
+        colocated rank (:func:`engine_of` assigns them), in engine order; :class:`EngineLost` from an engine
+        rank whose worker was lost (``engine.max_restarts``)."""
         assert self.link is not None, "generate() on a training rank other than 0"
         for e in range(self.num_engines):
             mine = [share for s, share in enumerate(shares) if engine_of(s, len(shares), self.num_engines) == e]
@@ -87,6 +117,8 @@ class RemoteEngines:
         for e, reply in enumerate(replies):
             if isinstance(reply, str):
                 raise RuntimeError(f"engine rank {e} failed in step {round_at[0]}'s round {round_at[1]}: {reply}")
+            if isinstance(reply, EngineLost):  # only with engine.max_restarts: the recovery restarts it
+                self._lost[e] = reply.message
         return replies
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
@@ -116,7 +148,7 @@ class RemoteRollout(RolloutRuntime):
         assert tally is not None
         assert self.sampler is not None  # rank 0 holds the prompt source
         for round_index in itertools.count():
-            if len(tally.kept) >= tally.target or tally.rounds >= r.max_sampling_rounds:
+            if len(tally.kept) >= tally.target or tally.rounds >= r.max_sampling_rounds or tally.engine_lost:
                 break
             prompts = self.sampler.next_batch(r.prompts_per_round)
             tally.prompts_drawn += len(prompts)
@@ -125,6 +157,7 @@ class RemoteRollout(RolloutRuntime):
             seeds = [self.round_seed(step, s, round_index) for s in range(num_shares)]
             shares = list(zip(split_groups(prompts, num_shares), seeds, strict=True))
             parts: list[Any] = engines.generate(shares, (step, round_index))
-            kept = [s for part in parts for s in part]
+            tally.engine_lost = any(isinstance(part, EngineLost) for part in parts)  # the loop redoes the step
+            kept = [s for part in parts if not isinstance(part, EngineLost) for s in part]
             tally.add_round(group_samples(kept, r.samples_per_prompt), self.hooks.dynamic_filter)
         return tally.batch()

@@ -1,7 +1,8 @@
 """Disaggregated placement (``placement.engine_ranks``) through the real CLI under torchrun: training ranks with
 Megatron on gloo, engine ranks with embedded engines over ZMQ, prompts, samples and weights over
-torch.distributed. Asserts on metrics.jsonl against a colocated run of the same seed and data, and on the
-watchdog's line when an engine rank dies."""
+torch.distributed. Asserts on metrics.jsonl against a colocated run of the same seed and data, on the
+watchdog's line when an engine rank dies, and on every step's row when an engine rank's worker is killed
+and restarted (``engine.max_restarts``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,9 +20,14 @@ import pytest
 from test_failure import alive, children, rank_of
 from test_resume import comparable, read_metrics, run_to_end, run_until_sigterm, train_command, train_env
 
+from rlrun.runtime.fault_points import DIR_ENV
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+from faults import Job, arm, engine_pids, wait_fired, wait_for_steps  # noqa: E402
+
 ENGINE_RANK = ("placement.engine_ranks=1",)
 ASYNC = ("rollout.max_staleness=1", "algorithm.max_logprob_gap=null")
 
@@ -152,3 +159,50 @@ def test_killed_engine_rank_ends_the_job_naming_it(tiny_model_dirs, tmp_path):
     survivor = re.search(r"\[rlrun\] rank 0 \(pid \d+ on [^)]+\) exiting: (.*)", output)
     assert survivor, output[-5000:]
     assert re.match(rf"engine rank 1 \(pid {ranks[1]} on [^)]+\) died", survivor.group(1)), survivor.group(0)
+
+
+def test_engine_rank_restarts_its_killed_worker_and_the_run_completes(tiny_model_dirs, tmp_path):
+    """K = 0, ``engine.max_restarts: 1``: the engine rank's worker is SIGKILLed as a generate (one run) or a weight
+    bucket (another) arrives (a fault point, so it lands in that phase). The engine rank starts a fresh worker,
+    rank 0 broadcasts the current weights again and, for a rollout, the step is redone: every step is logged
+    once, the restart is counted from its step on, both ranks say so, and every metric but the restart's own
+    equals a run without the kill's (the on-policy gate, ``algorithm.max_logprob_gap`` 1e-4, held throughout)."""
+    model, num_steps = tiny_model_dirs["qwen3"], 5
+    settings = [f"train.num_steps={num_steps}", "engine.max_restarts=1", "engine.heartbeat_timeout_s=2", *ENGINE_RANK]
+    reference = [numbers(r) for r in run(model, tmp_path / "reference", 2, *settings)]
+    for point, phase in [("rpc.generate", "rollout"), ("rpc.update_weights_from_tensor", "sync")]:
+        run_dir, fault_dir = tmp_path / phase, tmp_path / f"{phase}-faults"
+        fault_dir.mkdir()
+        job = Job(command(model, run_dir, 2, *settings), {**train_env(), DIR_ENV: str(fault_dir)})
+        try:
+            wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
+            worker = engine_pids(job.proc.pid)
+            assert list(worker) == [1], worker  # the engine rank's worker; the training rank has none
+            arm(fault_dir, worker[1], point, "SIGKILL")
+            wait_fired(fault_dir, worker[1], point, job.proc)
+            code = job.wait(timeout_s=300)
+        finally:
+            job.kill()
+        output = "\n".join(line for _, line in job.lines)
+        assert code == 0, output[-5000:]
+        restarted = re.search(
+            r"\[rlrun\] engine rank 0 \(rank 1\): restarting its engine worker at step (\d+): (.*)", output
+        )
+        assert restarted, output[-5000:]
+        step = int(restarted[1])
+        assert f"engine of rank 1 lost in {phase}: RpcPeerDiedError" in restarted[2], restarted[0]
+        assert re.search(
+            rf"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[0\] at step {step} \({phase};", output
+        )
+        assert (run_dir / "engine-1.restart1.log").exists()
+        metrics = read_metrics(run_dir)
+        assert [m["step"] for m in metrics] == list(range(num_steps)), output[-5000:]
+        assert [m["engine/restarts"] for m in metrics] == [float(s >= step) for s in range(num_steps)]
+        assert metrics[step]["engine/restart_s"] > 0
+        for got, want in zip(metrics, reference, strict=True):
+            got = {k: v for k, v in numbers(got).items() if not k.startswith("engine/")}
+            want = {k: v for k, v in want.items() if not k.startswith("engine/")}
+            assert got.keys() == want.keys(), (phase, got.keys() ^ want.keys())
+            for key, value in want.items():
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (phase, got["step"], key, got[key], value)
+        assert any(m.get("train/grad_norm", 0) > 0 for m in metrics[step:])  # weights moved after the restart

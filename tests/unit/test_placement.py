@@ -78,7 +78,6 @@ def test_the_last_ranks_are_engine_ranks():
     ("sections", "message"),
     [
         ({"engine": {"tp": 2}}, r"engine.tp \(2\) must be 1 with placement.engine_ranks \(1\) because"),
-        ({"engine": {"max_restarts": 1}}, r"engine.max_restarts \(1\) must be 0 with placement.engine_ranks"),
         ({"offload": {"colocate": True}}, r"offload.train / offload.rollout / offload.colocate \(True\) must be off"),
         ({"rollout": {"partial_rollout": True}}, r"rollout.partial_rollout / rollout.abort_surplus \(True\)"),
     ],
@@ -92,3 +91,11 @@ def test_engine_ranks_default_to_colocated_and_accept_staleness():
     assert run_config().placement.engine_ranks == 0
     cfg = run_config({"placement": {"engine_ranks": 2}, "rollout": {"max_staleness": 1}})
     assert cfg.placement.engine_ranks == 2 and cfg.rollout.max_staleness == 1
+
+
+def test_engine_ranks_restart_their_workers_where_colocated_ranks_would():
+    """engine.max_restarts loads with engine ranks at K = 0 and is refused at K = 1 as without them."""
+    cfg = run_config({"placement": {"engine_ranks": 1}, "engine": {"max_restarts": 1}})
+    assert cfg.engine.max_restarts == 1
+    with pytest.raises(ValidationError, match=r"engine.max_restarts must be off with rollout.max_staleness \(1\)"):
+        run_config({"placement": {"engine_ranks": 1}, "engine": {"max_restarts": 1}, "rollout": {"max_staleness": 1}})
