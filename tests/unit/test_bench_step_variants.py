@@ -159,6 +159,7 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
             "time/train_s": s / 2,
             "rollout/response_len_mean": 6.0,
             "offload/trainer_sleep_s": s / 10,
+            "memory/rollout/trainer_gb": 1.0 + i / 10,
         }
         for i, s in enumerate(step_s)
     ]
@@ -170,6 +171,7 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
     assert result.median_wall_s == 4.25
     assert result.median_offload == {"trainer_sleep_s": 0.4}
     assert result.median_phases_s == {"rollout": 2.0, "train": 2.0}
+    assert result.trainer_rollout_gb == 1.5  # the largest step's residual memory while the engine generates
 
 
 def test_cli_refuses_prompts_that_ranks_cannot_share(tmp_path):

@@ -18,7 +18,7 @@ import one_gpu_limits  # noqa: E402
 def _step_record(label: str, step_s: float, date: str) -> dict:
     result = {
         "label": label,
-        "settings": {"shape": "qwen3-1.7b"},
+        "settings": {"shape": "qwen3-0.6b"},
         "median_step_s": step_s,
         "max_logprob_gap": 0.0,
         "median_offload": {},
@@ -54,7 +54,7 @@ def test_exact_overhead_pairs_the_two_records_of_one_call(results):
     path, reading = one_gpu_limits.exact_overhead(results)
     assert path.name == "one_gpu_limits_step_step_resident_h100.json"
     assert reading.value == pytest.approx(0.1)
-    row = one_gpu_limits.build(results, today="2026-12-07")["rows"]["exact_step_overhead_1p7b"]
+    row = one_gpu_limits.build(results, today="2026-12-07")["rows"]["exact_step_overhead"]
     assert row["value"] == pytest.approx(0.1) and row["meets_goal"] is True and row["measured_today"] is True
 
 
@@ -75,4 +75,4 @@ def test_exact_mfu_counts_only_kernels_exact_with_the_engine(results):
 def test_a_row_no_file_holds_is_reported_unmeasured(results):
     rows = one_gpu_limits.build(results)["rows"]
     assert rows["sync_s_8b"]["value"] is None and "not measured" in rows["sync_s_8b"]["note"]
-    assert rows["exact_step_overhead_1p7b"]["value"] is None
+    assert rows["exact_step_overhead"]["value"] is None

@@ -201,6 +201,9 @@ class StepRecord:
     """Largest ``memory/<phase>/device_gb`` of the step (whole device, engine included; 0 on CPU)."""
     trainer_max_allocated_gb: float
     """torch.cuda.max_memory_allocated of the trainer process over the step (0 on CPU)."""
+    trainer_rollout_gb: float
+    """``memory/rollout/trainer_gb``: the trainer process's GPU memory at the end of rollout, CUDA context included;
+    with offload, what stays resident while the engine generates (0 on CPU)."""
     offload: dict[str, float]
     """The step's ``offload/*`` metrics without the prefix (rlrun/trainer/offload.py: ``trainer_{sleep,wake}_{s,gb}``,
     ``trainer_{gc,pause,resume,empty_cache}_s``, ``nccl_{destroy,rebuild}_s``, ``nccl_groups_{destroyed,rebuilt}``,
@@ -238,6 +241,8 @@ class StepResult:
     median_offload: dict[str, float]
     peak_device_gb: float
     trainer_max_allocated_gb: float
+    trainer_rollout_gb: float
+    """The largest step's ``trainer_rollout_gb``: the trainer's residual memory while the engine generates."""
     max_logprob_gap: float | None
     """The largest step's ``logprob_gap`` (None where the loop logged none)."""
     steps: list[StepRecord]
@@ -435,6 +440,7 @@ def step_record(row: dict, settings: StepSettings, profile_step: int | None = No
         rollout_tokens_per_s=tokens / phases["rollout"],
         peak_device_gb=max(device_gb, default=0.0),
         trainer_max_allocated_gb=row.get("memory/trainer_max_allocated_gb", 0.0),
+        trainer_rollout_gb=row.get("memory/rollout/trainer_gb", 0.0),
         offload={k[len("offload/") :]: v for k, v in row.items() if k.startswith("offload/")},
         logprob_gap=row.get("train/logprob_gap"),
         profiled=row["step"] == profile_step,
@@ -483,6 +489,7 @@ def summarise(
         median_offload={k: statistics.median(r.offload[k] for r in timed if k in r.offload) for k in offload_keys},
         peak_device_gb=max(r.peak_device_gb for r in records),
         trainer_max_allocated_gb=max(r.trainer_max_allocated_gb for r in records),
+        trainer_rollout_gb=max(r.trainer_rollout_gb for r in records),
         max_logprob_gap=max((r.logprob_gap for r in records if r.logprob_gap is not None), default=None),
         steps=records,
         run_dir=str(run_dir),
