@@ -16,6 +16,8 @@
 #   sync           rlrun bench sync, qwen3-8b, embedded, 512 MiB buckets
 #   sleep_wake     rlrun bench step, qwen3-0.6b, embedded, offload, LM head kept, 4 steps: offload/trainer_{sleep,wake}_s
 #
+# MICRO (default 32) is the samples of a training micro-batch; 8 fits the 1.7B offload step on an 80 GB card.
+#
 # CPU rehearsal (tiny shape, small work): OUT=/tmp/lim SHAPE_17=tiny SHAPE_8=tiny SHAPE_06=tiny PROMPTS=2 SAMPLES=2 \
 #   NEW_TOKENS=8 HBM_GBPS=1000 bash scripts/gpu/one_gpu_limits.sh rollout step_resident step_offload sync sleep_wake
 set -uo pipefail
@@ -30,7 +32,7 @@ HBM=()
 
 step() {  # name shape offload limit [attention]
     logged_step "$1" "$4" "$PY" -m rlrun bench step --shape "$2" --backend embedded --offload "$3" --lm-head chunked_kept \
-        --packed-attention "${5:-auto}" \
+        --packed-attention "${5:-auto}" --micro-batch-samples "${MICRO:-32}" \
         --prompts "${PROMPTS:-16}" --samples "${SAMPLES:-8}" --new-tokens "${NEW_TOKENS:-512}" --steps 4 \
         --work "/tmp/limits_$2" --out "$OUT/one_gpu_limits_step_$1.json"
 }
