@@ -1125,12 +1125,13 @@ class PlacementConfig(Section):
 
     engine_ranks: int = Field(0, ge=0)
     """The last N torchrun ranks host engines only (rlrun/rollout/engine_rank.py): no Megatron model, one engine
-    each (``engine.tp`` 1); the other ranks train, and Megatron's world is theirs alone. Rank 0 sends them
-    prompts and gets finished, scored groups back over torch.distributed (gloo), and broadcasts the trained
-    weights to them in ``engine.bucket_bytes`` buckets. Each round's prompts are split and seeded per training
-    rank as colocated ranks' would be, so N training ranks with N or fewer engine ranks train what N colocated
-    ranks train. With ``rollout.max_staleness`` 1 they generate step n+1 while the trainers train step n.
-    0: every rank trains and drives its own engine."""
+    per ``engine.tp`` consecutive engine ranks (which must divide N), grouped as colocated ranks are; the other
+    ranks train, and Megatron's world is theirs alone. Rank 0 sends each engine group's leader prompts and gets
+    finished, scored groups back over torch.distributed (gloo), and broadcasts the trained weights to every
+    engine rank in ``engine.bucket_bytes`` buckets (NCCL on GPUs, gloo on CPU). Each round's prompts are split
+    and seeded per training rank as colocated ranks' would be, so M training ranks with M or fewer engine
+    ranks train what M colocated ranks with the same ``engine.tp`` train. With ``rollout.max_staleness`` 1
+    they generate step n+1 while the trainers train step n. 0: every rank trains and drives its own engine."""
 
 
 class RunConfig(Section):
@@ -1250,9 +1251,14 @@ class RunConfig(Section):
         n = self.placement.engine_ranks
         if n == 0:
             return self
+        if n % self.engine.tp:
+            raise ValueError(
+                f"engine.tp ({self.engine.tp}) must divide placement.engine_ranks ({n}) because every engine rank "
+                "belongs to one engine group of engine.tp ranks; set placement.engine_ranks to a multiple of "
+                "engine.tp"
+            )
         o, r = self.offload, self.rollout
         refused = [  # (key, its value, what it must be, why)
-            ("engine.tp", self.engine.tp, "1", "each engine rank drives one single-rank engine"),
             (
                 "offload.train / offload.rollout / offload.colocate",
                 o.train or o.rollout or o.colocate,

@@ -88,6 +88,9 @@ class GroupLayout:
     """Global rank of the group's leader (its first rank)."""
     local_leader: int
     """The leader's LOCAL_RANK: the engine's ``base_gpu_id``."""
+    rank_offset: int = 0
+    """Added to the ranks above to name torchrun ranks in messages: 0, except on the engine ranks of a
+    disaggregated job, whose process groups number them from 0 (rlrun/rollout/engine_rank.py)."""
 
     @classmethod
     def of(cls, tp: int, rank: int, local_rank: int, world_size: int, local_world_size: int) -> GroupLayout:
@@ -271,14 +274,7 @@ class EngineGroup:
         outputs of its own items back, or :class:`EngineLost` on every rank when a tolerated loss happened
         in ``fn`` or before (``lost``)."""
         if self.process_group is None:
-            if self.lost is not None:
-                return EngineLost(self.lost)
-            try:
-                return fn(items)
-            except Exception as exc:
-                if not self._tolerated(exc, "rollout"):
-                    raise
-                return EngineLost(self.lost or "")
+            return self.call_alone(lambda: fn(items))
         # The members always take part: only the leader may know of a loss (one in a leader-only call).
         gathered: list[Any] | None = [None] * self.layout.tp if self.layout.is_leader else None
         dist.gather_object(items, gathered, group=self.process_group, group_dst=0)
@@ -305,6 +301,18 @@ class EngineGroup:
             return EngineLost(self.lost)
         return self._unless_failed(received[0])
 
+    def call_alone(self, fn: Callable[[], R]) -> R | EngineLost:
+        """The leader, without its members (an engine rank's leader serves rank 0's generate messages alone):
+        ``fn()``, or :class:`EngineLost` when a tolerated loss happened in it or before (``lost``)."""
+        if self.lost is not None:
+            return EngineLost(self.lost)
+        try:
+            return fn()
+        except Exception as exc:
+            if not self._tolerated(exc, "rollout"):
+                raise
+            return EngineLost(self.lost or "")
+
     def shutdown(self) -> None:
         if self.client is not None:
             self.client.shutdown(graceful=self.lost is None)
@@ -326,7 +334,8 @@ class EngineGroup:
         if not (self.tolerate_loss and is_engine_loss(exc)):
             return False
         first_line = (str(exc).strip().splitlines() or [""])[0]
-        self.lost = f"engine of rank {self.layout.leader} lost in {phase}: {type(exc).__name__}: {first_line}"
+        leader = self.layout.rank_offset + self.layout.leader
+        self.lost = f"engine of rank {leader} lost in {phase}: {type(exc).__name__}: {first_line}"
         log.warning("%s\n%s", self.lost, exc)
         return True
 
@@ -357,8 +366,8 @@ class EngineGroup:
     def _unless_failed(self, received: Any) -> Any:
         if isinstance(received, LeaderFailure):
             raise EngineGroupError(
-                f"engine group leader rank {self.layout.leader} failed while serving rank "
-                f"{self.layout.rank}: {received.message}"
+                f"engine group leader rank {self.layout.rank_offset + self.layout.leader} failed while serving "
+                f"rank {self.layout.rank_offset + self.layout.rank}: {received.message}"
             )
         return received
 

@@ -1,28 +1,35 @@
-"""An engine rank of a disaggregated job (``placement.engine_ranks``; docs/async.md): one engine, no trainer.
+"""An engine rank of a disaggregated job (``placement.engine_ranks``; docs/async.md): engines, no trainer.
 
-    training rank 0 ──control: ("generate", [(prompts, seed), ...], (step, round))──> engine rank e
+The engine ranks form engine groups of ``engine.tp`` consecutive ranks, as colocated ranks do
+(rlrun/engine/group.py, in the engine ranks' own default process group): one engine per group, driven by the
+group's first rank, its leader.
+
+    training rank 0 ──control: ("generate", [(prompts, seed), ...], (step, round))──> each group's leader
                     <──────────── generated, scored samples ──────────────
                     ──control: ("weights", version, ...) + weights: bucket broadcast──> every engine rank
                     <──────────── "loaded" ───────────────────────────────
-                    ──control: ("restart",)──> (engine.max_restarts: a fresh worker; weights follow)
+                    ──control: ("restart",)──> every rank of a group (engine.max_restarts: a fresh worker)
                     <──────────── "restarted" ────────────────────────────
-                    ──control: ("stop",)──> (the worker is shut down, the rank exits)
+                    ──control: ("stop",)──> every engine rank (the worker is shut down, the rank exits)
 
-The rank serves rank 0's messages in order until ``stop``: it generates and scores each share of a round (the
-prompts of one colocated rank it stands in for, with that rank's seed) exactly as that rank's
-``RolloutRuntime.generate_and_score`` does (the same hooks, rewards and seeds), and loads weights by the
-colocated handover (``EngineGroup.update_weights``). A failure is reported to rank 0 as its reply and ends the
-job through the watchdog, which also watches this rank and, without ``engine.max_restarts``, its engine worker.
+The rank serves rank 0's messages in order until ``stop``. A leader generates and scores each call of a round
+(the prompts of one colocated engine group it stands in for, with that group's leader's seed) exactly as that
+group's ``RolloutRuntime.generate_and_score`` does (the same hooks, rewards and seeds). Every rank of a group
+takes the broadcast weights and loads them by the colocated handover (``EngineGroup.update_weights``: the
+leader pushes, and with an engine sharded over ``engine.tp`` every rank builds its TP rank's payload). A failure
+is reported to rank 0 as its reply and ends the job through the watchdog, which also watches this rank and,
+without ``engine.max_restarts``, its engine worker.
 
-With ``engine.max_restarts`` the rank's ``EngineGroup`` tolerates the loss of its worker as a colocated rank's
-does: the reply to that generate or weights message is ``EngineLost``, and the loop's recovery on the training
-ranks (rlrun/trainer/recovery.py) has rank 0 send ``restart``, then the current weights, and redo the step's
-rollout. The rank process itself is not restarted: its death ends the torchrun job (``checkpoint.resume`` brings
-it back).
+With ``engine.max_restarts`` the group's ``EngineGroup`` tolerates the loss of its worker as a colocated group's
+does: the leader's reply to that generate or weights message is ``EngineLost``, and the loop's recovery on the
+training ranks (rlrun/trainer/recovery.py) has rank 0 send the group ``restart``, then the current weights, and
+redo the step's rollout. The rank process itself is not restarted: its death ends the torchrun job
+(``checkpoint.resume`` brings it back).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -32,7 +39,7 @@ from rlrun.config.schema import RunConfig
 from rlrun.engine.group import EngineGroup, EngineLost, GroupLayout
 from rlrun.rollout.collect import RolloutRuntime
 from rlrun.runtime.dist import DistEnv, Parallel
-from rlrun.runtime.placement import Link, all_ranks_started, num_training_ranks
+from rlrun.runtime.placement import Link, all_ranks_started, join_engine_world, num_training_ranks
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,23 @@ def engine_rank_parallel(env: DistEnv, engine_ranks: int) -> Parallel:
     )
 
 
+def engine_layout(env: DistEnv, engine_ranks: int, tp: int) -> GroupLayout:
+    """Engine rank ``e``'s engine group: engine ranks ``e - e % tp`` on, numbered as in the engine ranks' default
+    process group, whose GPUs (local ranks) must sit on one host."""
+    first_engine = num_training_ranks(env, engine_ranks)
+    e = env.rank - first_engine
+    offset = e % tp
+    local_leader = env.local_rank - offset
+    if local_leader < 0 or local_leader + tp > env.local_world_size:
+        leader = first_engine + e - offset
+        raise ValueError(
+            f"engine.tp ({tp}) groups torchrun ranks {leader}..{leader + tp - 1} into one engine, which would "
+            f"span two hosts because the engine ranks start at rank {first_engine}; launch a multiple of engine.tp "
+            "training ranks per host before the engine ranks, or set engine.tp to a divisor of it"
+        )
+    return GroupLayout(tp, e, engine_ranks, leader=e - offset, local_leader=local_leader, rank_offset=first_engine)
+
+
 def serve(cfg: RunConfig) -> bool:
     """The engine rank's whole run; returns False (no hard exit needed, as ``rlrun.trainer.loop.run``'s)."""
     from transformers import AutoTokenizer
@@ -72,9 +96,10 @@ def serve(cfg: RunConfig) -> bool:
     # SIGTERM means "checkpoint and stop" to the trainers; this rank stops when rank 0 says so, after it.
     stop, watchdog, engine = StopRequest.install(), Watchdog.start(parallel, role="engine rank"), None
     try:
-        link = Link.open(env, n)
+        link = Link.open(env, n, parallel.device)
+        layout = engine_layout(env, n, cfg.engine.tp)
+        join_engine_world(env, n)
         with stop.held():  # the engine worker inherits the blocked signals (rlrun/runtime/preemption.py)
-            layout = GroupLayout.of(1, env.rank, env.local_rank, env.world_size, env.local_world_size)
             engine = EngineGroup.spawn(
                 layout,
                 BackendSpec.from_config(cfg, seed=cfg.train.seed + e),  # colocated rank e's engine seed
@@ -88,9 +113,8 @@ def serve(cfg: RunConfig) -> bool:
         if cfg.engine.max_restarts == 0:  # else a lost worker is restarted, not the end of the job
             watchdog.watch_engine(engine.watched)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        # group=engine: a generate call goes through EngineGroup.run_on_leader, which answers EngineLost for a
-        # tolerated loss (engine.max_restarts) as on a colocated rank
-        runtime = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler=None, group=engine)
+        # no group: the leader generates alone, each call through EngineGroup.call_alone (_generate)
+        runtime = RolloutRuntime.build(cfg, parallel, engine.client, tokenizer, sampler=None)
         _serve_messages(link, engine, runtime, watchdog, stop)
         watchdog.close(None)
     except BaseException as exc:
@@ -111,7 +135,7 @@ def _serve_messages(link: Link, engine: EngineGroup, runtime: RolloutRuntime, wa
             return
         if kind == "generate":
             try:
-                reply = _generate(runtime, watchdog, *args)
+                reply = _generate(engine, runtime, watchdog, *args)
             except Exception as exc:
                 link.send(f"{type(exc).__name__}: {exc}", 0)  # rank 0 raises it, naming this rank
                 raise
@@ -130,13 +154,14 @@ def _serve_messages(link: Link, engine: EngineGroup, runtime: RolloutRuntime, wa
             link.send("loaded" if engine.lost is None else EngineLost(engine.lost), 0)
         elif kind == "restart":
             watchdog.phase = "engine restart"
-            log.warning(
-                "[rlrun] engine rank %d (rank %d): restarting its engine worker at step %d: %s",
-                runtime.parallel.dp_rank,
-                runtime.parallel.rank,
-                watchdog.step,
-                engine.lost,
-            )
+            if engine.layout.is_leader:
+                log.warning(
+                    "[rlrun] engine rank %d (rank %d): restarting its engine worker at step %d: %s",
+                    runtime.parallel.dp_rank,
+                    runtime.parallel.rank,
+                    watchdog.step,
+                    engine.lost,
+                )
             with stop.held():  # as at the start: the new worker inherits the blocked signals
                 engine.restart()
             runtime.engine = engine.client
@@ -145,14 +170,17 @@ def _serve_messages(link: Link, engine: EngineGroup, runtime: RolloutRuntime, wa
             raise AssertionError(f"engine rank got an unknown message {kind!r} from rank 0")
 
 
-def _generate(runtime: RolloutRuntime, watchdog, shares: list, round_at: tuple[int, int]) -> list | EngineLost:
-    """The samples of every share, one call per share as the colocated rank it belongs to makes it (the same
-    seed, the same samples); ``EngineLost`` once the worker is lost (``engine.max_restarts``)."""
+def _generate(
+    engine: EngineGroup, runtime: RolloutRuntime, watchdog, calls: list, round_at: tuple[int, int]
+) -> list | EngineLost:
+    """A group leader: the samples of every call, each made as the leader of the colocated engine group it
+    stands in for makes it (the same prompts, seed and samples); ``EngineLost`` once the worker is lost
+    (``engine.max_restarts``)."""
     watchdog.step, watchdog.phase = round_at[0], "rollout"
     samples = []
-    for prompts, seed in shares:
-        share = runtime.generate_and_score(prompts, seed, round_at=round_at)
-        if isinstance(share, EngineLost):
-            return share
-        samples += share
+    for prompts, seed in calls:
+        part = engine.call_alone(functools.partial(runtime.generate_and_score, prompts, seed, round_at=round_at))
+        if isinstance(part, EngineLost):
+            return part
+        samples += part
     return samples

@@ -1,14 +1,16 @@
 """Ranks of a disaggregated job (``placement.engine_ranks``) and the link between training rank 0 and them.
 
     torchrun ranks:  0 .. T-1   train (Megatron's world, the default process group)
-                     T .. W-1   host one engine each (no default process group, no Megatron)
+                     T .. W-1   engine ranks 0 .. N-1, ``engine.tp`` consecutive ones per engine (their own
+                                default process group, gloo, for the engine groups; no Megatron)
 
-The two kinds share no default process group, so the link is two gloo process groups built directly on the
+The two kinds share no default process group, so the link is two process groups built directly on the
 rendezvous store over rank 0 and the engine ranks (link rank 0 is global rank 0, link rank ``1 + e`` is
-engine rank ``e``): ``control`` carries pickled messages point to point (prompts out, scored samples back),
-``weights`` the broadcast of the trained weights. They are not registered with torch.distributed (the
-training ranks' world does not contain the engine ranks), so they are driven through the process group's
-own methods. Each is used by one thread at a time (the loop's, or the rollout thread's with
+engine rank ``e``): ``control`` (gloo) carries pickled messages point to point (prompts out, scored samples
+back), ``weights`` the broadcast of the trained weights, GPU to GPU over NCCL where the ranks have GPUs and
+through host memory over gloo on CPU (:func:`weights_backend`). They are not registered with
+torch.distributed (neither world contains both kinds), so they are driven through the process group's own
+methods. Each is used by one thread at a time (the loop's, or the rollout thread's with
 ``rollout.max_staleness`` > 0).
 """
 
@@ -61,6 +63,22 @@ def _arrive(store: dist.Store, key: str, size: int) -> None:
         time.sleep(0.1)
 
 
+def join_engine_world(env: DistEnv, engine_ranks: int) -> None:
+    """Engine ranks: the default process group over the engine ranks alone (gloo, engine rank ``e`` is its rank
+    ``e``), in which ``EngineGroup.spawn`` forms the engine groups of ``engine.tp`` ranks."""
+    first_engine = num_training_ranks(env, engine_ranks)
+    store = dist.PrefixStore(f"{_prefix()}engines/", _store(env))
+    _arrive(store, "joined", engine_ranks)  # as in Link.open: gloo's constructor holds the GIL while it waits
+    dist.init_process_group(
+        "gloo", store=store, rank=env.rank - first_engine, world_size=engine_ranks, timeout=LINK_TIMEOUT
+    )
+
+
+def weights_backend(device: torch.device) -> str:
+    """The weight broadcast's backend: NCCL between the ranks' own GPUs, gloo through host memory on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def all_ranks_started(env: DistEnv) -> None:
     """Every torchrun rank, training and engine ranks alike, before it starts its watchdog: the two kinds share
     no process group whose rendezvous would line them up, and a watchdog that starts while its neighbour still
@@ -71,16 +89,21 @@ def all_ranks_started(env: DistEnv) -> None:
 class Link:
     """Training rank 0 and the engine ranks: messages and weight buckets (see the module docstring)."""
 
-    def __init__(self, control: dist.ProcessGroup, weights: dist.ProcessGroup, rank: int, size: int) -> None:
+    def __init__(
+        self, control: dist.ProcessGroup, weights: dist.ProcessGroup, rank: int, size: int, device: torch.device
+    ) -> None:
         self.control = control
         self.weights = weights
         self.rank = rank
         """0 on training rank 0, ``1 + e`` on engine rank ``e``."""
         self.size = size
+        self.device = device
+        """Where this rank's weight buffers live: its GPU (NCCL) or the host (gloo)."""
 
     @classmethod
-    def open(cls, env: DistEnv, engine_ranks: int) -> Link:
-        """Collective over rank 0 and the engine ranks (the other training ranks never call it)."""
+    def open(cls, env: DistEnv, engine_ranks: int, device: torch.device) -> Link:
+        """Collective over rank 0 and the engine ranks (the other training ranks never call it); ``device`` is
+        this rank's (cuda:local_rank or cpu) and must be of one type on every member."""
         first_engine = num_training_ranks(env, engine_ranks)
         rank = 0 if env.rank == 0 else 1 + env.rank - first_engine
         store, prefix = _store(env), _prefix()
@@ -89,10 +112,16 @@ class Link:
         _arrive(store, f"{prefix}link", 1 + engine_ranks)
         size = 1 + engine_ranks
 
-        def group(name: str) -> dist.ProcessGroup:
-            return dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}{name}/", store), rank, size, LINK_TIMEOUT)
+        def group(name: str, backend: str) -> dist.ProcessGroup:
+            named = dist.PrefixStore(f"{prefix}{name}/", store)
+            if backend == "gloo":
+                return dist.ProcessGroupGloo(named, rank, size, LINK_TIMEOUT)
+            torch.cuda.set_device(device)  # NCCL's communicator uses the current device
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = LINK_TIMEOUT
+            return dist.ProcessGroupNCCL(named, rank, size, options)
 
-        return cls(group("control"), group("weights"), rank, size)
+        return cls(group("control", "gloo"), group("weights", weights_backend(device)), rank, size, device)
 
     # ---- messages (control) ----------------------------------------------------------------------
 
@@ -119,15 +148,15 @@ class Link:
 
     def _broadcast_object(self, obj: Any) -> Any:
         data = pickle.dumps(obj) if self.rank == 0 else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         self._broadcast(size)
         buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
             if self.rank == 0
-            else torch.empty(int(size.item()), dtype=torch.uint8)
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         )
         self._broadcast(buf)
-        return pickle.loads(buf.numpy().tobytes())
+        return pickle.loads(buf.cpu().numpy().tobytes())
 
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> None:
         """Link rank 0: broadcast every tensor, packed as raw bytes into buckets of about ``bucket_bytes``
@@ -135,7 +164,7 @@ class Link:
         bucket: list[tuple[str, torch.Tensor]] = []
         num_bytes = 0
         for name, tensor in named_tensors:
-            tensor = tensor.detach().to("cpu").contiguous()
+            tensor = tensor.detach().to(self.device).contiguous()
             if bucket and num_bytes + tensor.nbytes > bucket_bytes:
                 self._send_bucket(bucket)
                 bucket, num_bytes = [], 0
@@ -150,10 +179,11 @@ class Link:
         self._broadcast(torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket]))
 
     def recv_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Engine ranks: the tensors :meth:`send_weights` broadcasts, bucket by bucket (iterate to the end)."""
+        """Engine ranks: the tensors :meth:`send_weights` broadcasts, bucket by bucket (iterate to the end), on
+        this rank's device: on GPUs the engine worker takes them by the colocated CUDA-IPC handover."""
         while (meta := self._broadcast_object(None)) is not None:
             sizes = [torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape in meta]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
             for (name, dtype, shape), part in zip(meta, flat.split(sizes), strict=True):
                 yield name, part.clone().view(dtype).reshape(shape)  # clone: aligned for the wider dtype

@@ -5,17 +5,20 @@ loop (rlrun/trainer/loop.py) and the loop that generates ahead (rlrun/trainer/ah
 
 * :class:`RemoteEngines` for ``EngineGroup``: rank 0 broadcasts the exported weights to every engine rank
   (rlrun/runtime/placement.py); the other training ranks only take part in the export's collectives. With
-  ``engine.max_restarts`` it also answers the loop's recovery (rlrun/trainer/recovery.py): an engine rank
-  whose worker was lost says so in its reply, rank 0 reports it as its own ``lost``, and the recovery's
-  restart and re-sync become a ``restart`` message and a broadcast of the current weights.
+  ``engine.max_restarts`` it also answers the loop's recovery (rlrun/trainer/recovery.py): an engine group
+  whose worker was lost says so in its leader's reply, rank 0 reports it as its own ``lost``, and the
+  recovery's restart and re-sync become a ``restart`` message to the group and a broadcast of the current
+  weights.
 * :class:`RemoteRollout` for ``RolloutRuntime``: rank 0 draws each sampling round's prompts, splits them into
   the shares of the colocated ranks the engine ranks stand in for, and gathers their generated, scored
   samples; the other training ranks wait for the train batch's scatter.
 
 A round has one share per training rank (one per engine rank if there are more engine ranks), each with the
-sampling seed that colocated rank would use; engine rank ``e`` serves a contiguous run of them, one engine
-call per share. The samples are therefore the ones colocated ranks would draw, and with ``max_staleness`` 0
-N training ranks and M <= N engine ranks train exactly what N colocated ranks train
+sampling seed that colocated rank would use. As in colocated engine groups, ``engine.tp`` consecutive shares
+make one engine call with the seed of the first (its group leader's); engine group ``g`` (engine ranks
+``g * tp`` on) serves a contiguous run of these calls (:func:`engine_of`). The samples are therefore the ones
+colocated ranks with the same ``engine.tp`` would draw, and with ``max_staleness`` 0 N training ranks and
+M <= N engine ranks train exactly what N colocated ranks with that ``engine.tp`` train
 (tests/integration/test_disaggregated.py).
 """
 
@@ -35,9 +38,18 @@ from rlrun.runtime.dist import Parallel
 from rlrun.runtime.placement import Link
 
 
-def engine_of(share: int, num_shares: int, num_engines: int) -> int:
-    """The engine rank that serves share ``share`` of a round: contiguous, near-equal runs of shares."""
-    return share * num_engines // num_shares
+def engine_of(call: int, num_calls: int, num_engines: int) -> int:
+    """The engine (group) that serves engine call ``call`` of a round: contiguous, near-equal runs of calls."""
+    return call * num_engines // num_calls
+
+
+def engine_calls(shares: list[tuple[list, int]], tp: int) -> list[tuple[list, int]]:
+    """A round's ``(prompts, seed)`` per colocated rank as the engine calls of colocated engine groups of ``tp``
+    ranks: each group's prompts in rank order, with its leader's seed (``EngineGroup.run_on_leader``)."""
+    assert len(shares) % tp == 0, (len(shares), tp)
+    return [
+        ([p for prompts, _ in shares[i : i + tp] for p in prompts], shares[i][1]) for i in range(0, len(shares), tp)
+    ]
 
 
 class RemoteEngines:
@@ -47,40 +59,57 @@ class RemoteEngines:
     process = None
     watched = None
 
-    def __init__(self, link: Link | None, num_engines: int, layout: GroupLayout) -> None:
+    def __init__(self, link: Link | None, num_engines: int, tp: int, layout: GroupLayout) -> None:
         self.link = link
         """Rank 0's link to the engine ranks; None on the other training ranks."""
         self.num_engines = num_engines
+        """Engine ranks (``placement.engine_ranks``)."""
+        self.tp = tp
+        """Engine ranks per engine group (``engine.tp``); group ``g``'s leader is engine rank ``g * tp``."""
         self.layout = layout
         """A group of one per training rank: the recovery reads a loss rank 0 reports as rank 0's own."""
         self._lost: dict[int, str] = {}
-        """Rank 0: engine rank -> why its worker was lost (its ``EngineGroup.lost``), until it restarts."""
+        """Rank 0: engine group -> why its worker was lost (its leader's ``EngineGroup.lost``), until it
+        restarts."""
 
     @classmethod
     def connect(cls, cfg: RunConfig, parallel: Parallel) -> RemoteEngines:
         """Rank 0 opens the link (collective with the engine ranks); the other training ranks hold none."""
-        n = cfg.placement.engine_ranks
+        n, tp = cfg.placement.engine_ranks, cfg.engine.tp
+        if max(parallel.world_size, n) % tp:
+            raise ValueError(
+                f"engine.tp ({tp}) must divide the number of training ranks ({parallel.world_size}) when it exceeds "
+                f"placement.engine_ranks ({n}) because a round's prompts are split as that many colocated ranks "
+                "with this engine.tp would split them; launch a multiple of engine.tp training ranks"
+            )
         layout = GroupLayout(1, parallel.rank, parallel.world_size, leader=parallel.rank, local_leader=0)
-        return cls(Link.open(parallel.env, n) if parallel.is_rank0 else None, n, layout)
+        return cls(Link.open(parallel.env, n, parallel.device) if parallel.is_rank0 else None, n, tp, layout)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_engines // self.tp
 
     @property
     def lost(self) -> str | None:
-        """Rank 0: why the first engine rank still lost was lost; None elsewhere and while every one serves. One
-        engine rank at a time, so each restart counts against ``engine.max_restarts``: another one lost is
-        reported by its next reply (at once, as its ``EngineGroup`` skips calls while lost)."""
+        """Rank 0: why the first engine group still lost was lost; None elsewhere and while every one serves. One
+        group at a time, so each restart counts against ``engine.max_restarts``: another one lost is reported by
+        its next reply (at once, as its ``EngineGroup`` skips calls while lost)."""
         return self._lost[min(self._lost)] if self._lost else None
 
     def restart(self) -> None:
-        """Rank 0 (the recovery calls it where :attr:`lost`): that engine rank starts a fresh worker, with the
+        """Rank 0 (the recovery calls it where :attr:`lost`): that engine group starts a fresh worker, with the
         model's initial weights (the recovery's re-sync follows, to every engine rank)."""
         if self.link is None or not self._lost:
             return
-        e = min(self._lost)
-        self.link.send(("restart",), 1 + e)
-        reply = self.link.recv(1 + e)
-        if reply != "restarted":
-            raise RuntimeError(f"engine rank {e} failed to restart its engine worker: {reply}")
-        del self._lost[e]
+        g = min(self._lost)
+        members = range(1 + g * self.tp, 1 + (g + 1) * self.tp)  # EngineGroup.restart is collective over them
+        for dst in members:
+            self.link.send(("restart",), dst)
+        for dst in members:
+            reply = self.link.recv(dst)
+            if reply != "restarted":
+                raise RuntimeError(f"engine rank {dst - 1} failed to restart its engine worker: {reply}")
+        del self._lost[g]
 
     def update_weights(
         self,
@@ -101,24 +130,28 @@ class RemoteEngines:
         for dst in range(1, self.link.size):  # loaded everywhere before the next rollout may start
             reply = self.link.recv(dst)
             if isinstance(reply, EngineLost):  # only with engine.max_restarts: the recovery restarts it
-                self._lost[dst - 1] = reply.message
+                self._lost[(dst - 1) // self.tp] = reply.message
             elif reply != "loaded":
                 raise RuntimeError(f"engine rank {dst - 1} failed to load weight version {weight_version}: {reply}")
 
     def generate(self, shares: list[tuple[list, int]], round_at: tuple[int, int]) -> list:
-        """Rank 0: each engine rank's samples (scored there) of its shares, a round's ``(prompts, seed)`` per
-        colocated rank (:func:`engine_of` assigns them), in engine order; :class:`EngineLost` from an engine
-        rank whose worker was lost (``engine.max_restarts``)."""
+        """Rank 0: each engine group's samples (scored there) of its engine calls (:func:`engine_calls` of a
+        round's ``(prompts, seed)`` per colocated rank; :func:`engine_of` assigns them), in group order, from
+        its leader; :class:`EngineLost` from a group whose worker was lost (``engine.max_restarts``)."""
         assert self.link is not None, "generate() on a training rank other than 0"
-        for e in range(self.num_engines):
-            mine = [share for s, share in enumerate(shares) if engine_of(s, len(shares), self.num_engines) == e]
-            self.link.send(("generate", mine, round_at), 1 + e)
-        replies = [self.link.recv(1 + e) for e in range(self.num_engines)]
-        for e, reply in enumerate(replies):
+        calls = engine_calls(shares, self.tp)
+        leaders = [1 + g * self.tp for g in range(self.num_groups)]
+        for g, leader in enumerate(leaders):
+            mine = [call for c, call in enumerate(calls) if engine_of(c, len(calls), self.num_groups) == g]
+            self.link.send(("generate", mine, round_at), leader)
+        replies = [self.link.recv(leader) for leader in leaders]
+        for g, reply in enumerate(replies):
             if isinstance(reply, str):
-                raise RuntimeError(f"engine rank {e} failed in step {round_at[0]}'s round {round_at[1]}: {reply}")
+                raise RuntimeError(
+                    f"engine rank {g * self.tp} failed in step {round_at[0]}'s round {round_at[1]}: {reply}"
+                )
             if isinstance(reply, EngineLost):  # only with engine.max_restarts: the recovery restarts it
-                self._lost[e] = reply.message
+                self._lost[g] = reply.message
         return replies
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:

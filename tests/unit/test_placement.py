@@ -1,5 +1,6 @@
 """Disaggregated placement's parts on CPU: the link between training rank 0 and the engine ranks (real gloo
-process groups on a real TCPStore, 4 processes), the rank split, and the config refusals."""
+process groups on a real TCPStore, 4 processes), the rank split, the engine groups of engine ranks and their
+share of a round, the weight broadcast's backend, and the config refusals."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pydantic import ValidationError
 
 from dist_utils import run_distributed
 from minimal_config import run_config
+from rlrun.rollout.engine_rank import engine_layout
 from rlrun.runtime.dist import DistEnv
-from rlrun.runtime.placement import Link, is_engine_rank, num_training_ranks
+from rlrun.runtime.placement import Link, is_engine_rank, num_training_ranks, weights_backend
+from rlrun.trainer.placement import engine_calls, engine_of
 
 BUCKET_BYTES = 64
 
@@ -38,7 +41,7 @@ def link_roundtrip() -> list:
         server = torch.distributed.TCPStore("127.0.0.1", env.master_port, is_master=True, wait_for_workers=False)
     if env.rank == 1:
         return []
-    link = Link.open(env, 2)
+    link = Link.open(env, 2, torch.device("cpu"))
     if link.rank == 0:
         for dst in (1, 2):
             link.send(("hello", dst, list(range(dst))), dst)
@@ -74,10 +77,46 @@ def test_the_last_ranks_are_engine_ranks():
         num_training_ranks(env, 3)
 
 
+def test_engine_ranks_form_engine_groups_of_engine_tp_on_one_host():
+    """1 training + 4 engine ranks on one host, engine.tp 2: engine ranks 0-1 and 2-3 (torchrun ranks 1-2, 3-4)
+    form the groups, numbered in the engine ranks' own world, with the leader's GPU as ``base_gpu_id``."""
+    layouts = [engine_layout(DistEnv(r, r, 5, 5, "x", 1), 4, 2) for r in range(1, 5)]
+    assert [(lay.rank, lay.leader, lay.local_leader, lay.rank_offset) for lay in layouts] == [
+        (0, 0, 1, 1),
+        (1, 0, 1, 1),
+        (2, 2, 3, 1),
+        (3, 2, 3, 1),
+    ]
+    assert layouts[0].all_groups() == [[0, 1], [2, 3]]
+    # 2 hosts of 3 ranks, 2 training ranks: engine ranks 0-1 are torchrun ranks 2 (host 0) and 3 (host 1)
+    with pytest.raises(
+        ValueError, match=r"engine.tp \(2\) groups torchrun ranks 2..3 into one engine, which would span"
+    ):
+        engine_layout(DistEnv(3, 0, 6, 3, "x", 1), 4, 2)
+
+
+def test_a_round_goes_to_engine_groups_as_colocated_engine_groups_call_their_engines():
+    """Each colocated rank's share and seed: tp consecutive shares make one call with the first share's seed
+    (the colocated group leader's call), and each engine group serves a contiguous run of calls."""
+    shares = [([f"p{s}a", f"p{s}b"], 100 + s) for s in range(4)]
+    assert engine_calls(shares, 1) == shares
+    assert engine_calls(shares, 2) == [(["p0a", "p0b", "p1a", "p1b"], 100), (["p2a", "p2b", "p3a", "p3b"], 102)]
+    assert [engine_of(c, 4, 2) for c in range(4)] == [0, 0, 1, 1]
+    assert [engine_of(c, 2, 2) for c in range(2)] == [0, 1]
+
+
+def test_weights_travel_over_nccl_between_gpus_and_gloo_on_cpu():
+    assert weights_backend(torch.device("cuda", 1)) == "nccl"
+    assert weights_backend(torch.device("cpu")) == "gloo"
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"engine": {"tp": 2}}, r"engine.tp \(2\) must be 1 with placement.engine_ranks \(1\) because"),
+        (
+            {"engine": {"tp": 2}},
+            r"engine.tp \(2\) must divide placement.engine_ranks \(1\) because every engine rank belongs",
+        ),
         ({"offload": {"colocate": True}}, r"offload.train / offload.rollout / offload.colocate \(True\) must be off"),
         ({"rollout": {"partial_rollout": True}}, r"rollout.partial_rollout / rollout.abort_surplus \(True\)"),
     ],
@@ -89,13 +128,14 @@ def test_unsupported_combinations_are_refused_at_load(sections, message):
 
 def test_engine_ranks_default_to_colocated_and_accept_staleness():
     assert run_config().placement.engine_ranks == 0
+    assert run_config({"placement": {"engine_ranks": 4}, "engine": {"tp": 2}}).engine.tp == 2
     cfg = run_config({"placement": {"engine_ranks": 2}, "rollout": {"max_staleness": 1}})
     assert cfg.placement.engine_ranks == 2 and cfg.rollout.max_staleness == 1
 
 
 def test_engine_ranks_restart_their_workers_where_colocated_ranks_would():
-    """engine.max_restarts loads with engine ranks at K = 0 and is refused at K = 1 as without them."""
+    """engine.max_restarts loads with engine ranks at K = 0 and K = 1, as without them."""
     cfg = run_config({"placement": {"engine_ranks": 1}, "engine": {"max_restarts": 1}})
     assert cfg.engine.max_restarts == 1
-    with pytest.raises(ValidationError, match=r"engine.max_restarts must be off with rollout.max_staleness \(1\)"):
-        run_config({"placement": {"engine_ranks": 1}, "engine": {"max_restarts": 1}, "rollout": {"max_staleness": 1}})
+    cfg = run_config({"placement": {"engine_ranks": 1}, "engine": {"max_restarts": 1}, "rollout": {"max_staleness": 1}})
+    assert cfg.engine.max_restarts == 1
