@@ -72,6 +72,21 @@ def test_one_engine_rank_trains_what_colocated_ranks_train(tiny_model_dirs, tmp_
     model, steps = tiny_model_dirs["qwen3"], f"train.num_steps={num_steps}"
     colocated = run(model, tmp_path / "colocated", num_trainers, steps)
     disaggregated = run(model, tmp_path / "disaggregated", num_trainers + 1, steps, *ENGINE_RANK)
+    assert_same_run(disaggregated, colocated, num_steps)
+
+
+def test_engine_groups_of_engine_ranks_train_what_colocated_engine_groups_train(tiny_model_dirs, tmp_path):
+    """engine.tp 2, K = 0: 2 training ranks + 2 engine ranks (one engine group, its leader generating both
+    training ranks' shares in one call with the first's seed) against 2 colocated ranks forming one engine group
+    the same way; every step's metrics match within 1e-5, and the engine ranks' weights are synced every step."""
+    model, steps, tp = tiny_model_dirs["qwen3"], "train.num_steps=3", "engine.tp=2"
+    colocated = run(model, tmp_path / "colocated", 2, steps, tp)
+    disaggregated = run(model, tmp_path / "disaggregated", 4, steps, tp, "placement.engine_ranks=2")
+    assert_same_run(disaggregated, colocated, 3)
+
+
+def assert_same_run(disaggregated: list[dict], colocated: list[dict], num_steps: int) -> None:
+    """Every step logged once, and every metric but times and memory equal within 1e-5."""
     assert [r["step"] for r in disaggregated] == list(range(num_steps))
     assert len(colocated) == num_steps
     for got, want in zip(disaggregated, colocated, strict=True):
