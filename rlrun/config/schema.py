@@ -391,8 +391,8 @@ class RolloutConfig(Section):
     than the ones that train on them (``rollout/versions_behind_*``). 0: the synchronous loop. 1 overlaps each
     rollout with the previous step's training; 2 also absorbs a slow rollout behind two training steps. The
     importance ratios then see the sampling policy's age: correct it with ``algorithm.tis``. Needs
-    ``engine.tp`` 1, ``engine.sync_interval`` 1, no offload, no ``algorithm.max_logprob_gap``, no partial
-    rollout and ``engine.max_restarts`` 0 (checked at load)."""
+    ``engine.tp`` 1, ``engine.sync_interval`` 1, no offload, no ``algorithm.max_logprob_gap`` and no partial
+    rollout (checked at load)."""
     continue_after_tokens: int | None = Field(None, ge=1)
     """With ``max_staleness`` K >= 2 (docs/async.md): step m's rollout samples every response's first N tokens
     under the weights trained through step m-K-1, then continues the responses longer than N from their tokens
@@ -599,7 +599,10 @@ class EngineConfig(Section):
     barrier bounded by ``startup_timeout_s``. Counted over all engines (``engine/restarts``); the loss past
     the limit ends the job with its cause. 0: any lost engine ends the job within seconds. With
     ``placement.engine_ranks`` an engine rank restarts its worker the same way, with the weights rank 0
-    broadcasts again; the engine rank's own process is not restarted (its death ends the torchrun job)."""
+    broadcasts again; the engine rank's own process is not restarted (its death ends the torchrun job). With
+    ``rollout.max_staleness`` > 0 the loss surfaces on the rollout thread: the restarted engine loads the
+    weights the lost rollout sampled with (kept for that; one more host copy of the weights) and that rollout
+    and the ones launched after it are redone with the same prompts and seeds."""
     bucket_bytes: int = Field(512 * 1024**2, ge=1024)
     """Size of one flattened weight-sync bucket."""
     sync_interval: int = Field(1, ge=1)
@@ -1188,10 +1191,6 @@ class RunConfig(Section):
             "engine.sync_interval": (
                 self.engine.sync_interval > 1,
                 "max_staleness already bounds the sampling weights' age; set engine.sync_interval: 1",
-            ),
-            "engine.max_restarts": (
-                self.engine.max_restarts > 0,
-                "a restart redoes a rollout in lockstep, which the thread does not; set engine.max_restarts: 0",
             ),
             "offload.train / offload.rollout / offload.colocate": (
                 self.offload.train or self.offload.rollout or self.offload.colocate,

@@ -15,6 +15,13 @@ newest ones published for a step ``<= m - K``, the update the trainer publishes 
 trainer has finished by the time it checkpoints after step ``m - K``, so a checkpoint's :meth:`drain` never
 waits on a step not yet trained.
 
+With ``engine.max_restarts`` a rollout whose engine was lost raises :class:`RolloutLost`; the thread then
+runs nothing more (the rollouts queued behind it raise it too), the caller restarts the engine while the
+thread is idle and calls :meth:`RolloutAhead.redo`: the lost rollout and those launched after it run again,
+each under the weights the schedule gave it. Those weights are still here (``keep_loaded``: published
+weights are kept until a rollout under newer ones starts, not only until they are pushed), so a restarted
+engine, or a live one that already moved to a later segment's weights, is loaded with them first.
+
 The thread owns the engine client between :meth:`RolloutAhead.launch_until` and :meth:`RolloutAhead.drain`
 (a ZeroMQ socket serves one thread at a time); its collectives run on a process group of their own, so
 they never interleave with the trainer's. Nothing here imports torch.distributed: the caller passes the
@@ -39,12 +46,23 @@ class Published:
     weights: Any
 
 
+class RolloutLost(RuntimeError):
+    """A rollout's engine was lost (``engine.max_restarts``): the schedule stopped at ``step``, whose rollout and
+    the later ones are to be redone after the restart (:meth:`RolloutAhead.redo`)."""
+
+    def __init__(self, step: int, cause: str) -> None:
+        super().__init__(f"step {step}'s rollout lost its engine: {cause}")
+        self.step = step
+
+
 class RolloutAhead(Generic[B]):
     """Step-ordered rollouts on one background thread, each started as early as ``max_staleness`` allows.
 
     ``collect(step)`` produces step ``step``'s batch (collective over the rollout process group: every rank
-    must launch the same steps); ``push(published)`` loads published weights into the engine. Both run on the
-    background thread only."""
+    must launch the same steps; it raises :class:`RolloutLost` on every rank alike); ``push(published)`` loads
+    published weights into the engine. Both run on the background thread only. ``start`` is what the engine
+    holds when the schedule starts, the weights trained through ``first_step - 1``: kept (as published by that
+    step) with ``keep_loaded``, whose redo may need them again."""
 
     def __init__(
         self,
@@ -53,6 +71,7 @@ class RolloutAhead(Generic[B]):
         max_staleness: int,
         first_step: int,
         end_step: int,
+        start: Published | None = None,
     ) -> None:
         if max_staleness < 1:
             raise ValueError(f"rollout.max_staleness ({max_staleness}) must be >= 1 to generate ahead")
@@ -65,11 +84,21 @@ class RolloutAhead(Generic[B]):
         # the schedule
         self.next_step = first_step
         """The first step whose rollout is not launched yet."""
+        self.keep_loaded = start is not None
+        """Keep the weights the engine holds until a rollout under newer ones starts (``engine.max_restarts``:
+        a redo loads them again), instead of dropping them once pushed."""
         self._futures: dict[int, Future[B]] = {}
         self._published: dict[int, Published] = {}  # step -> the weights trained up to and including it
+        if start is not None:
+            self._published[first_step - 1] = start
         self._trained_through = first_step - 1
         """The last step the trainer finished (published its weights, or had none to publish); the engine
         already holds the weights of the steps before ``first_step``."""
+        self._first_step = first_step
+        self._loaded: int | None = first_step - 1
+        """The step whose published weights the engine holds (None: unknown, after a restart)."""
+        self._lost_at: int | None = None
+        """The step whose rollout raised ``RolloutLost``: nothing runs until :meth:`redo`."""
         self._closed = False
         self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
@@ -106,22 +135,54 @@ class RolloutAhead(Generic[B]):
         """On the rollout thread: load the weights that segment ``segment`` of step ``step``'s rollout samples
         with, the newest published for a step ``<= step - max_staleness - 1 + segment``, after waiting until
         the trainer is through that step (segment 0's bound is always through when the rollout launches)."""
-        bound = step - self.max_staleness - 1 + segment
+        # Below the schedule's first step, every bound means the weights the engine started with.
+        bound = max(step - self.max_staleness - 1 + segment, self._first_step - 1)
         with self._cond:
             self._cond.wait_for(lambda: self._closed or self._trained_through >= bound)
             if self._closed:
                 raise RuntimeError(f"step {step}'s rollout stopped waiting for step {bound}'s weights: closed")
             ready = [s for s in self._published if s <= bound]
-            newest = self._published[max(ready)] if ready else None
-            for s in ready:
+            # None ready (only without keep_loaded, which keeps the newest): the engine holds them already.
+            newest = max(ready) if ready else None
+            weights = self._published[newest] if newest is not None and newest != self._loaded else None
+            if not self.keep_loaded:
+                drop = ready
+            elif segment == 0 and newest is not None:  # segment 1 keeps segment 0's weights: a redo starts there
+                drop = [s for s in ready if s < newest]
+            else:
+                drop = []
+            for s in drop:
                 del self._published[s]
-        if newest is not None:
-            self.push(newest)
+        if weights is not None:
+            self.push(weights)
+            self._loaded = newest
 
     def drain(self) -> dict[int, B]:
-        """Wait until no rollout runs (the engine is free for eval or a checkpoint); the launched batches."""
-        wait(list(self._futures.values()))
+        """Wait until no rollout runs (the engine is free for eval or a checkpoint); the launched batches
+        (raises :class:`RolloutLost` if one lost its engine)."""
+        self.wait_idle()
         return {step: future.result() for step, future in sorted(self._futures.items())}
+
+    def wait_idle(self) -> None:
+        """Wait until every launched rollout has finished (after :class:`RolloutLost`, the ones behind it
+        raise it at once: nothing runs on the engine or the rollout group)."""
+        wait(list(self._futures.values()))
+
+    def redo(self, step: int, engine_restarted: bool) -> None:
+        """After :class:`RolloutLost` for ``step``, :meth:`wait_idle` and the engine's restart: launch ``step``'s
+        rollout and the later ones launched before, again. ``engine_restarted``: this rank's engine is a fresh
+        worker, so the rollout first loads its weights (kept: ``start`` stands for the weights the engine started
+        with, also when they were ``model.path``'s)."""
+        assert self._lost_at == step, f"redo of step {step} but the schedule stopped at {self._lost_at}"
+        assert all(f.done() for f in self._futures.values()), "redo while a rollout runs"
+        end, self.next_step, self._lost_at = self.next_step, step, None
+        if engine_restarted:
+            self._loaded = None
+        for s in [s for s in self._futures if s >= step]:
+            del self._futures[s]
+        while self.next_step < end:
+            self._futures[self.next_step] = self._pool.submit(self._run, self.next_step)
+            self.next_step += 1
 
     def close(self) -> None:
         """Stop: rollouts not started are cancelled; a running one is not waited for (after a failure it may
@@ -132,8 +193,14 @@ class RolloutAhead(Generic[B]):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, step: int) -> B:
-        self.enter_segment(step, 0)
-        return self.collect(step)
+        if self._lost_at is not None:  # an earlier rollout lost its engine: nothing runs until the redo
+            raise RolloutLost(self._lost_at, "an earlier rollout of the schedule lost it")
+        try:
+            self.enter_segment(step, 0)
+            return self.collect(step)
+        except RolloutLost:
+            self._lost_at = step
+            raise
 
 
 def versions_behind(trainer_version: int, spans: list[list[tuple[str, int]]]) -> dict[str, float]:

@@ -1,17 +1,25 @@
 """Bounded-staleness asynchronous RL (``rollout.max_staleness``) through the real CLI under torchrun: 2 ranks,
 embedded engines over ZMQ, Megatron on gloo. Asserts on metrics.jsonl: every sample's age in weight versions,
-the trainer's KL to the sampling policy, rollouts continued across a weight update (K = 2), and an exact resume
-with rollouts in flight."""
+the trainer's KL to the sampling policy, rollouts continued across a weight update (K = 2), an exact resume
+with rollouts in flight, and an engine worker killed mid-run and restarted (``engine.max_restarts``)."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from integration.test_resume import comparable, read_metrics, run_to_end, run_until_sigterm
+from integration.test_resume import comparable, read_metrics, run_to_end, run_until_sigterm, train_command, train_env
+from rlrun.runtime.fault_points import DIR_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+from faults import Job, arm, engine_pids, wait_fired, wait_for_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +85,53 @@ def test_resume_with_rollouts_in_flight_matches_uninterrupted_run(tiny_model_dir
     assert [r["step"] for r in resumed] == list(range(6))
     for got, want in zip(resumed, reference, strict=True):
         assert comparable(got) == comparable(want), f"step {want['step']} differs after resuming at {stopped_at}"
+
+
+def killed_and_restarted(model: Path, run_dir: Path, point: str, settings: list[str]) -> tuple[int, str]:
+    """Run with ``settings``, SIGKILL rank 1's engine worker at its next ``point`` once step 1 is logged (a fault
+    point: it lands in that request, on the rollout thread), let the job end; the restart's step and the output."""
+    fault_dir = run_dir.with_name(run_dir.name + "-faults")
+    fault_dir.mkdir()
+    job = Job(train_command(model, run_dir, *settings), {**train_env(), DIR_ENV: str(fault_dir)})
+    try:
+        wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
+        worker = engine_pids(job.proc.pid)[1]
+        arm(fault_dir, worker, point, "SIGKILL")
+        wait_fired(fault_dir, worker, point, job.proc)
+        code = job.wait(timeout_s=300)
+    finally:
+        job.kill()
+    output = "\n".join(line for _, line in job.lines)
+    assert code == 0, output[-5000:]
+    restarted = re.search(
+        r"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[1\] at step (\d+) \(rollout ahead;", output
+    )
+    assert restarted, output[-5000:]
+    assert (run_dir / "engine-1.restart1.log").exists()
+    return int(restarted[1]), output
+
+
+@pytest.mark.parametrize("point", ["rpc.generate", "rpc.update_weights_from_tensor"], ids=["generate", "push"])
+def test_engine_killed_with_rollouts_ahead_restarts_and_matches_uninterrupted_run(tiny_model_dirs, tmp_path, point):
+    """K = 1, ``engine.max_restarts: 1``: rank 1's engine worker is SIGKILLed as a rollout's generate (or the push
+    of published weights before one) arrives on the rollout thread. The engine is restarted, loads the weights
+    that rollout was given (trained two steps before the step that waits for it) and the rollout is redone with
+    the same prompts and seeds: every step is logged once, the restart counted from the step that waited for the
+    lost rollout, and every other metric equals an uninterrupted run's."""
+    model, num_steps = tiny_model_dirs["qwen3"], 5
+    settings = [f"train.num_steps={num_steps}", "engine.max_restarts=1", *ASYNC]
+    run_to_end(model, tmp_path / "reference", *settings)
+    reference = read_metrics(tmp_path / "reference")
+    step, output = killed_and_restarted(model, tmp_path / "killed", point, settings)
+    lost_in = "rollout" if point == "rpc.generate" else "sync"
+    assert f"engine of rank 1 lost in {lost_in}: RpcPeerDiedError" in output, output[-5000:]
+    metrics = read_metrics(tmp_path / "killed")
+    assert [m["step"] for m in metrics] == list(range(num_steps)), output[-5000:]
+    assert 2 <= step < num_steps
+    assert [m["engine/restarts"] for m in metrics] == [float(s >= step) for s in range(num_steps)]
+    assert metrics[step]["engine/restart_s"] > 0
+    for got, want in zip(metrics, reference, strict=True):
+        got, want = ({k: v for k, v in r.items() if not k.startswith(("time/", "engine/"))} for r in (got, want))
+        assert got.keys() == want.keys(), got.keys() ^ want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (got["step"], key, got[key], value)
