@@ -313,6 +313,11 @@ class EngineGroup:
                 raise
             return EngineLost(self.lost or "")
 
+    def engine_ranks(self, leaders: list[int]) -> list[int]:
+        """The torchrun ranks that host the engines of the groups led by ``leaders``: those leaders (the name a
+        restart's log line gives; ``RemoteEngines`` names its engine ranks)."""
+        return [self.layout.rank_offset + leader for leader in leaders]
+
     def shutdown(self) -> None:
         if self.client is not None:
             self.client.shutdown(graceful=self.lost is None)

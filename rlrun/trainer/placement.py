@@ -63,7 +63,8 @@ class RemoteEngines:
         self.link = link
         """Rank 0's link to the engine ranks; None on the other training ranks."""
         self.num_engines = num_engines
-        """Engine ranks (``placement.engine_ranks``)."""
+        """Engine ranks (``placement.engine_ranks``); engine rank ``e`` is torchrun rank
+        ``layout.world_size + e``."""
         self.tp = tp
         """Engine ranks per engine group (``engine.tp``); group ``g``'s leader is engine rank ``g * tp``."""
         self.layout = layout
@@ -95,6 +96,12 @@ class RemoteEngines:
         group at a time, so each restart counts against ``engine.max_restarts``: another one lost is reported by
         its next reply (at once, as its ``EngineGroup`` skips calls while lost)."""
         return self._lost[min(self._lost)] if self._lost else None
+
+    def engine_ranks(self, leaders: list[int]) -> list[int]:
+        """Rank 0, for its restart's log line (the training ranks it is given report their engine groups' losses
+        as rank 0's own): the torchrun rank of the engine group :attr:`lost` names, the one :meth:`restart`
+        restarts."""
+        return [self.layout.world_size + min(self._lost) * self.tp] if self._lost else []
 
     def restart(self) -> None:
         """Rank 0 (the recovery calls it where :attr:`lost`): that engine group starts a fresh worker, with the

@@ -86,7 +86,7 @@ class EngineRecovery:
             log.warning(
                 "[rlrun] rank %d: restarting the engine of rank(s) %s at step %d (%s; restart %d of %d): %s",
                 self.parallel.rank,
-                sorted(lost_leaders),
+                self.engine.engine_ranks(sorted(lost_leaders)),
                 step,
                 phase,
                 self.restarts,

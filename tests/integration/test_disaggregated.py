@@ -207,7 +207,7 @@ def test_engine_rank_restarts_its_killed_worker_and_the_run_completes(tiny_model
         step = int(restarted[1])
         assert f"engine of rank 1 lost in {phase}: RpcPeerDiedError" in restarted[2], restarted[0]
         assert re.search(
-            rf"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[0\] at step {step} \({phase};", output
+            rf"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[1\] at step {step} \({phase};", output
         )
         assert (run_dir / "engine-1.restart1.log").exists()
         metrics = read_metrics(run_dir)
