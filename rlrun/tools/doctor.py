@@ -7,8 +7,8 @@ Three groups of checks, each a :class:`Check` with a status:
 * devices: the GPUs torch can see (or why a run would use CPU and gloo);
 * config: for each thing the config turns on, whether its requirement is met (model directory, the
   model's family and each architectural feature it needs, supported or refused, prompt file, engine
-  backend, offload, TensorBoard/W&B packages, world size vs ``parallel.tp``, the checkpoint it would
-  resume from), the trainer's estimated memory per rank against the GPU and the host
+  backend, offload, TensorBoard/W&B packages, training ranks (the world less ``placement.engine_ranks``) vs
+  ``parallel.tp``, the checkpoint it would resume from), the trainer's estimated memory per rank against the GPU and the host
   (rlrun/tools/memory_estimate.py), and each phase of a step (rollout, logprobs, train, sync) with trainer and engine
   together on one GPU (rlrun/tools/phase_memory.py): a phase over the device is ``missing``, with the fields to change.
 
@@ -203,7 +203,7 @@ def _memory_checks(cfg: RunConfig, num_gpus: int, device_gib: float | None) -> l
         return []  # the architecture checks name the refusal
     model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     world = int(os.environ.get("WORLD_SIZE", num_gpus or model_parallel))
-    dp = max(world // model_parallel, 1)
+    dp = max((world - cfg.placement.engine_ranks) // model_parallel, 1)
     e = estimate(cfg, arch, dp)
     detail = (
         f"~{e.total_gib:.1f} GiB per rank at dp={dp}: weights {e.weights_gib:.1f}, grads {e.grads_gib:.1f}, "
@@ -301,30 +301,36 @@ def _data_check(cfg: RunConfig) -> Check:
 
 
 def _world_size_check(cfg: RunConfig, num_gpus: int) -> Check:
+    """The training ranks (all but the last ``placement.engine_ranks``) against the model-parallel layout."""
     world_size = int(os.environ.get("WORLD_SIZE", num_gpus or 0))
     model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     layout = "tp x pp" if cfg.parallel.cp == 1 else "tp x pp x cp"
+    n = cfg.placement.engine_ranks
+    engines = f" + {n} engine ranks ({n // cfg.engine.tp} engine(s) of engine.tp {cfg.engine.tp})" if n else ""
     if world_size == 0:
         return Check(
             "config",
             "parallel",
             "info",
             f"{layout} = {model_parallel}: launch a multiple of {model_parallel} "
-            "processes (torchrun --nproc-per-node N)",
+            f"processes{engines} (torchrun --nproc-per-node N)",
         )
-    if world_size % model_parallel:
+    training = world_size - n
+    if training < 1 or training % model_parallel:
         return Check(
             "config",
             "parallel",
             "missing",
-            f"{world_size} ranks (GPUs visible) is not a multiple of {layout} = "
-            f"{model_parallel}; set parallel.tp or launch a multiple of {model_parallel} ranks per job",
+            f"{world_size} ranks (GPUs visible){' less ' + str(n) + ' engine ranks' if n else ''} is not a "
+            f"multiple of {layout} = {model_parallel}; set parallel.tp or launch a multiple of {model_parallel} "
+            "training ranks per job",
         )
     return Check(
         "config",
         "parallel",
         "ok",
-        f"{world_size} ranks = {world_size // model_parallel} data-parallel replica(s) of {layout} = {model_parallel}",
+        f"{training} ranks = {training // model_parallel} data-parallel replica(s) of {layout} = {model_parallel}"
+        + engines,
     )
 
 

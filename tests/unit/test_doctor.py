@@ -53,6 +53,18 @@ def test_world_size_must_be_a_multiple_of_tp(monkeypatch):
     assert "2 data-parallel replica(s)" in by_name(config_checks(cfg, num_gpus=0))["parallel"].detail
 
 
+def test_engine_ranks_are_not_counted_as_training_ranks(monkeypatch):
+    """6 ranks, 2 of them engine ranks forming one engine of engine.tp 2: 4 train, 2 replicas of tp 2."""
+    cfg = run_config({"parallel": {"tp": 2}, "placement": {"engine_ranks": 2}, "engine": {"tp": 2}})
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    check = by_name(config_checks(cfg, num_gpus=0))["parallel"]
+    assert check.status == "ok" and check.detail == (
+        "4 ranks = 2 data-parallel replica(s) of tp x pp = 2 + 2 engine ranks (1 engine(s) of engine.tp 2)"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "5")  # 3 training ranks: not a multiple of tp 2
+    assert by_name(config_checks(cfg, num_gpus=0))["parallel"].status == "missing"
+
+
 def test_cli_exits_1_when_something_is_missing(tmp_path):
     config = tmp_path / "run.yaml"
     write_config(config, f"model:\n  path: {tmp_path / 'nowhere'}\n")
