@@ -8,9 +8,10 @@ Three groups of checks, each a :class:`Check` with a status:
 * config: for each thing the config turns on, whether its requirement is met (model directory, the
   model's family and each architectural feature it needs, supported or refused, prompt file, engine
   backend, offload, TensorBoard/W&B packages, training ranks (the world less ``placement.engine_ranks``) vs
-  ``parallel.tp``, the checkpoint it would resume from), the trainer's estimated memory per rank against the GPU and the host
-  (rlrun/tools/memory_estimate.py), and each phase of a step (rollout, logprobs, train, sync) with trainer and engine
-  together on one GPU (rlrun/tools/phase_memory.py): a phase over the device is ``missing``, with the fields to change.
+  ``parallel.tp``, the checkpoint it would resume from), the trainer's estimated memory per rank against the
+  GPU and the host (rlrun/tools/memory_estimate.py), and each phase of a step (rollout, logprobs, train, sync)
+  with trainer and engine together on one GPU (rlrun/tools/phase_memory.py): a phase over the device is
+  ``missing``, with the fields to change.
 
 ``missing`` means the run would fail; ``warn`` means it would run, but probably not as meant.
 """
