@@ -186,38 +186,61 @@ def test_engine_rank_restarts_its_killed_worker_and_the_run_completes(tiny_model
     settings = [f"train.num_steps={num_steps}", "engine.max_restarts=1", "engine.heartbeat_timeout_s=2", *ENGINE_RANK]
     reference = [numbers(r) for r in run(model, tmp_path / "reference", 2, *settings)]
     for point, phase in [("rpc.generate", "rollout"), ("rpc.update_weights_from_tensor", "sync")]:
-        run_dir, fault_dir = tmp_path / phase, tmp_path / f"{phase}-faults"
-        fault_dir.mkdir()
-        job = Job(command(model, run_dir, 2, *settings), {**train_env(), DIR_ENV: str(fault_dir)})
-        try:
-            wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
-            worker = engine_pids(job.proc.pid)
-            assert list(worker) == [1], worker  # the engine rank's worker; the training rank has none
-            arm(fault_dir, worker[1], point, "SIGKILL")
-            wait_fired(fault_dir, worker[1], point, job.proc)
-            code = job.wait(timeout_s=300)
-        finally:
-            job.kill()
-        output = "\n".join(line for _, line in job.lines)
-        assert code == 0, output[-5000:]
-        restarted = re.search(
-            r"\[rlrun\] engine rank 0 \(rank 1\): restarting its engine worker at step (\d+): (.*)", output
-        )
-        assert restarted, output[-5000:]
-        step = int(restarted[1])
-        assert f"engine of rank 1 lost in {phase}: RpcPeerDiedError" in restarted[2], restarted[0]
-        assert re.search(
-            rf"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[1\] at step {step} \({phase};", output
-        )
-        assert (run_dir / "engine-1.restart1.log").exists()
-        metrics = read_metrics(run_dir)
-        assert [m["step"] for m in metrics] == list(range(num_steps)), output[-5000:]
-        assert [m["engine/restarts"] for m in metrics] == [float(s >= step) for s in range(num_steps)]
-        assert metrics[step]["engine/restart_s"] > 0
-        for got, want in zip(metrics, reference, strict=True):
-            got = {k: v for k, v in numbers(got).items() if not k.startswith("engine/")}
-            want = {k: v for k, v in want.items() if not k.startswith("engine/")}
-            assert got.keys() == want.keys(), (phase, got.keys() ^ want.keys())
-            for key, value in want.items():
-                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (phase, got["step"], key, got[key], value)
-        assert any(m.get("train/grad_norm", 0) > 0 for m in metrics[step:])  # weights moved after the restart
+        kill_worker_and_check_the_run(model, tmp_path, 2, settings, point, phase, reference)
+
+
+def test_engine_group_of_engine_ranks_restarts_its_killed_worker(tiny_model_dirs, tmp_path):
+    """As above with 1 training rank + 2 engine ranks forming one engine group (engine.tp 2), its worker killed at
+    a generate: the leader (rank 1) reports the loss, both ranks of the group restart it (the member takes part
+    in the group's collective restart), and the run completes as one without the kill."""
+    model, num_steps = tiny_model_dirs["qwen3"], 4
+    settings = [
+        f"train.num_steps={num_steps}",
+        "engine.max_restarts=1",
+        "engine.heartbeat_timeout_s=2",
+        "engine.tp=2",
+        "placement.engine_ranks=2",
+    ]
+    reference = [numbers(r) for r in run(model, tmp_path / "reference", 3, *settings)]
+    kill_worker_and_check_the_run(model, tmp_path, 3, settings, "rpc.generate", "rollout", reference)
+
+
+def kill_worker_and_check_the_run(
+    model: Path, tmp_path: Path, num_ranks: int, settings: list[str], point: str, phase: str, reference: list[dict]
+) -> None:
+    """SIGKILL rank 1's engine worker (the first engine rank's, its group's leader) at fault point ``point`` after
+    step 0 and check the restart's lines, its count and every other metric against ``reference``."""
+    num_steps = len(reference)
+    run_dir, fault_dir = tmp_path / phase, tmp_path / f"{phase}-faults"
+    fault_dir.mkdir()
+    job = Job(command(model, run_dir, num_ranks, *settings), {**train_env(), DIR_ENV: str(fault_dir)})
+    try:
+        wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
+        worker = engine_pids(job.proc.pid)
+        assert list(worker) == [1], worker  # the engine (group leader) rank's worker; the others have none
+        arm(fault_dir, worker[1], point, "SIGKILL")
+        wait_fired(fault_dir, worker[1], point, job.proc)
+        code = job.wait(timeout_s=300)
+    finally:
+        job.kill()
+    output = "\n".join(line for _, line in job.lines)
+    assert code == 0, output[-5000:]
+    restarted = re.search(
+        r"\[rlrun\] engine rank 0 \(rank 1\): restarting its engine worker at step (\d+): (.*)", output
+    )
+    assert restarted, output[-5000:]
+    step = int(restarted[1])
+    assert f"engine of rank 1 lost in {phase}: RpcPeerDiedError" in restarted[2], restarted[0]
+    assert re.search(rf"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[1\] at step {step} \({phase};", output)
+    assert (run_dir / "engine-1.restart1.log").exists()
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(num_steps)), output[-5000:]
+    assert [m["engine/restarts"] for m in metrics] == [float(s >= step) for s in range(num_steps)]
+    assert metrics[step]["engine/restart_s"] > 0
+    for got, want in zip(metrics, reference, strict=True):
+        got = {k: v for k, v in numbers(got).items() if not k.startswith("engine/")}
+        want = {k: v for k, v in want.items() if not k.startswith("engine/")}
+        assert got.keys() == want.keys(), (phase, got.keys() ^ want.keys())
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (phase, got["step"], key, got[key], value)
+    assert any(m.get("train/grad_norm", 0) > 0 for m in metrics[step:])  # weights moved after the restart
