@@ -9,6 +9,7 @@ import json
 import math
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,42 +88,58 @@ def test_resume_with_rollouts_in_flight_matches_uninterrupted_run(tiny_model_dir
         assert comparable(got) == comparable(want), f"step {want['step']} differs after resuming at {stopped_at}"
 
 
-def killed_and_restarted(model: Path, run_dir: Path, point: str, settings: list[str]) -> tuple[int, str]:
-    """Run with ``settings``, SIGKILL rank 1's engine worker at its next ``point`` once step 1 is logged (a fault
-    point: it lands in that request, on the rollout thread), let the job end; the restart's step and the output."""
+RESTART_LINE = re.compile(r"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[1\] at step (\d+) \(rollout ahead;")
+
+
+def kill_engine(model: Path, run_dir: Path, point: str, settings: list[str], times: int = 1) -> tuple[int, str]:
+    """Run with ``settings``; once step 1 is logged, SIGKILL rank 1's engine worker at its next ``point`` (a fault
+    point: it lands in that request, on the rollout thread), ``times`` times (each restarted worker at its next
+    ``rpc.generate``); the job's exit code and output."""
     fault_dir = run_dir.with_name(run_dir.name + "-faults")
     fault_dir.mkdir()
     job = Job(train_command(model, run_dir, *settings), {**train_env(), DIR_ENV: str(fault_dir)})
     try:
         wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
-        worker = engine_pids(job.proc.pid)[1]
-        arm(fault_dir, worker, point, "SIGKILL")
-        wait_fired(fault_dir, worker, point, job.proc)
+        killed: list[int] = []
+        for n in range(times):
+            worker = engine_pids(job.proc.pid).get(1)
+            while worker is None or worker in killed:  # the restarted worker, once it is spawned
+                time.sleep(0.05)
+                worker = engine_pids(job.proc.pid).get(1)
+            arm(fault_dir, worker, point if n == 0 else "rpc.generate", "SIGKILL")
+            wait_fired(fault_dir, worker, point if n == 0 else "rpc.generate", job.proc)
+            killed.append(worker)
+            if n + 1 < times:
+                job.wait_for_line(RESTART_LINE, count=n + 1)
         code = job.wait(timeout_s=300)
     finally:
         job.kill()
-    output = "\n".join(line for _, line in job.lines)
-    assert code == 0, output[-5000:]
-    restarted = re.search(
-        r"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[1\] at step (\d+) \(rollout ahead;", output
-    )
-    assert restarted, output[-5000:]
-    assert (run_dir / "engine-1.restart1.log").exists()
-    return int(restarted[1]), output
+    return code, "\n".join(line for _, line in job.lines)
 
 
-@pytest.mark.parametrize("point", ["rpc.generate", "rpc.update_weights_from_tensor"], ids=["generate", "push"])
-def test_engine_killed_with_rollouts_ahead_restarts_and_matches_uninterrupted_run(tiny_model_dirs, tmp_path, point):
-    """K = 1, ``engine.max_restarts: 1``: rank 1's engine worker is SIGKILLed as a rollout's generate (or the push
-    of published weights before one) arrives on the rollout thread. The engine is restarted, loads the weights
-    that rollout was given (trained two steps before the step that waits for it) and the rollout is redone with
-    the same prompts and seeds: every step is logged once, the restart counted from the step that waited for the
-    lost rollout, and every other metric equals an uninterrupted run's."""
+@pytest.mark.parametrize(
+    ("settings", "point"),
+    [(ASYNC, "rpc.generate"), (ASYNC, "rpc.update_weights_from_tensor"), (CONTINUED, "rpc.generate")],
+    ids=["k1_generate", "k1_push", "k2_continued_generate"],
+)
+def test_engine_killed_with_rollouts_ahead_restarts_and_matches_uninterrupted_run(
+    tiny_model_dirs, tmp_path, settings, point
+):
+    """``engine.max_restarts: 1``: rank 1's engine worker is SIGKILLed as a rollout's generate (or the push of
+    published weights before one) arrives on the rollout thread; with K = 2 and continuation the generate may be
+    a continued segment's. The engine is restarted, loads the weights that rollout was given and the rollout is
+    redone with the same prompts and seeds: every step is logged once, the restart counted from the step that
+    waited for the lost rollout, and every other metric equals an uninterrupted run's."""
     model, num_steps = tiny_model_dirs["qwen3"], 5
-    settings = [f"train.num_steps={num_steps}", "engine.max_restarts=1", *ASYNC]
+    settings = [f"train.num_steps={num_steps}", "engine.max_restarts=1", *settings]
     run_to_end(model, tmp_path / "reference", *settings)
     reference = read_metrics(tmp_path / "reference")
-    step, output = killed_and_restarted(model, tmp_path / "killed", point, settings)
+    code, output = kill_engine(model, tmp_path / "killed", point, settings)
+    assert code == 0, output[-5000:]
+    restarted = RESTART_LINE.search(output)
+    assert restarted, output[-5000:]
+    step = int(restarted[1])
+    assert (tmp_path / "killed" / "engine-1.restart1.log").exists()
     lost_in = "rollout" if point == "rpc.generate" else "sync"
     assert f"engine of rank 1 lost in {lost_in}: RpcPeerDiedError" in output, output[-5000:]
     metrics = read_metrics(tmp_path / "killed")
@@ -135,3 +152,14 @@ def test_engine_killed_with_rollouts_ahead_restarts_and_matches_uninterrupted_ru
         assert got.keys() == want.keys(), got.keys() ^ want.keys()
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (got["step"], key, got[key], value)
+
+
+def test_engine_lost_past_max_restarts_with_rollouts_ahead_ends_the_job(tiny_model_dirs, tmp_path):
+    """K = 1, ``engine.max_restarts: 1``: the worker killed again after its restart ends the job with the cause."""
+    settings = ["train.num_steps=8", "engine.max_restarts=1", *ASYNC]
+    code, output = kill_engine(tiny_model_dirs["qwen3"], tmp_path / "run", "rpc.generate", settings, times=2)
+    assert code != 0, output[-5000:]
+    final = [line for line in output.splitlines() if "are used up" in line]
+    assert final and "engine.max_restarts (1) are used up" in final[0], output[-5000:]
+    assert "engine of rank 1 lost in rollout: RpcPeerDiedError" in final[0], final[0]
+    assert len(read_metrics(tmp_path / "run")) < 8
