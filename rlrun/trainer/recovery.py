@@ -15,6 +15,10 @@ send it, and a monitored barrier bounds how long the others wait for the restart
 (``engine.startup_timeout_s`` plus a margin; past it the barrier names the ranks that did not arrive).
 Restarts are counted over the whole job (all ranks agree on the count); the one past
 ``engine.max_restarts`` ends the job with the loss's one-line cause, as without restarts.
+
+With rollouts generated ahead (``rollout.max_staleness`` > 0) the loss surfaces on the rollout thread and
+rlrun/trainer/ahead_step.py calls :meth:`EngineRecovery.recover` once that thread is idle; its re-sync only
+marks the restarted engine, which the thread then loads with the lost rollout's weights before redoing it.
 """
 
 from __future__ import annotations
