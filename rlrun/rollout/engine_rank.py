@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 def engine_rank_parallel(env: DistEnv, engine_ranks: int) -> Parallel:
     """This rank's place for the watchdog and the rollout code: engine rank ``e`` of ``engine_ranks``, outside
-    every process group but the link (``cpu_group`` None: nothing here may run a collective on it)."""
+    the training ranks' process groups (``cpu_group`` None: nothing here may run a collective on it; the engine
+    groups have the engine ranks' own, :func:`rlrun.runtime.placement.join_engine_world`)."""
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     e = env.rank - num_training_ranks(env, engine_ranks)
     return Parallel(
@@ -75,8 +76,8 @@ def engine_layout(env: DistEnv, engine_ranks: int, tp: int) -> GroupLayout:
         leader = first_engine + e - offset
         raise ValueError(
             f"engine.tp ({tp}) groups torchrun ranks {leader}..{leader + tp - 1} into one engine, which would "
-            f"span two hosts because the engine ranks start at rank {first_engine}; launch a multiple of engine.tp "
-            "training ranks per host before the engine ranks, or set engine.tp to a divisor of it"
+            f"span two hosts because the engine ranks start at rank {first_engine}; launch a number of ranks per "
+            "host that puts a multiple of engine.tp engine ranks on each host, or lower engine.tp"
         )
     return GroupLayout(tp, e, engine_ranks, leader=e - offset, local_leader=local_leader, rank_offset=first_engine)
 
