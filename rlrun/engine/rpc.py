@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,14 @@ def _error_reply(request_id: int | None, exc: BaseException) -> bytes:
     )
 
 
+def _close_zmq(sock: zmq.Socket, context: zmq.Context) -> None:
+    """Close ``sock``, then end ``context``: by ``close()``, or when its owner is collected without one. The
+    finalizer holds both, so a forgotten client or server in a reference cycle cannot leave the garbage collector
+    to finalize the context before its socket, where ``term`` would wait forever for a socket it no longer sees."""
+    sock.close(linger=0)
+    context.term()
+
+
 class RpcServer:
     """Serves ``handlers[method](**kwargs)`` on a bound ROUTER socket, each request in its own task.
 
@@ -182,6 +191,7 @@ class RpcServer:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._close = weakref.finalize(self, _close_zmq, self._socket, self._context)
         self._socket.bind(endpoint)
         self.bound_address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         """The address actually bound (a wildcard ``tcp://host:*`` resolves to its port)."""
@@ -240,8 +250,7 @@ class RpcServer:
         await sock.send_multipart([identity, reply])
 
     def close(self) -> None:
-        self._socket.close(linger=0)
-        self._context.term()
+        self._close()
 
 
 class RpcClient:
@@ -283,6 +292,7 @@ class RpcClient:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._close = weakref.finalize(self, _close_zmq, self._socket, self._context)
         self._socket.connect(endpoint)
 
     def arm_heartbeat(self, heartbeat_timeout_s: float | None) -> None:
@@ -379,8 +389,7 @@ class RpcClient:
         its acquire and its ``try`` (then this very thread holds it, and waiting would hang Ctrl-C)."""
         acquired = self._socket_lock.acquire(timeout=20 * PUMP_SLICE_S)
         try:
-            self._socket.close(linger=0)
-            self._context.term()
+            self._close()
         finally:
             if acquired:
                 self._socket_lock.release()

@@ -207,3 +207,26 @@ def test_close_does_not_hang_on_a_pump_lock_left_held_by_an_interrupt(tmp_path):
     closer.join(timeout=5.0)
     assert not closer.is_alive(), "close() waits forever for a lock nobody will release"
     assert client._socket.closed
+
+
+def test_a_client_left_in_a_reference_cycle_is_collected_without_hanging(tmp_path):
+    """The garbage collector finalizes a cycle's objects in any order; had the context no finalizer holding its
+    socket, ``term`` would wait forever for the socket the collector had not closed yet."""
+    import gc
+    import subprocess
+    import sys
+
+    script = f"""
+import gc
+from rlrun.engine.rpc import RpcClient
+gc.disable()
+for _ in range(20):
+    client = RpcClient("ipc://{tmp_path}/nobody", timeout_s=1)
+    client.cycle = client  # forgotten without close(), only the collector can free it
+    del client
+gc.collect()
+print("collected")
+"""
+    gc.collect()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "collected" in done.stdout, done.stderr[-2000:]
