@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random HF model directories (built once per session) and the gpu marker."""
+"""Shared fixtures: tiny random HF model directories (built once per session), the gpu marker, and the e2e marker
+(long multi-process runs that CI's second stage runs: launch/ci/cluster_tests.sh sets RLRUN_CLUSTER_TESTS=1)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs CUDA")
+    if os.environ.get("RLRUN_CLUSTER_TESTS") != "1":
+        skips["e2e"] = pytest.mark.skip(
+            reason="CI's second stage only: RLRUN_CLUSTER_TESTS=1 (launch/ci/cluster_tests.sh)"
+        )
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -117,6 +117,7 @@ def kill_engine(model: Path, run_dir: Path, point: str, settings: list[str], tim
     return code, "\n".join(line for _, line in job.lines)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("settings", "point"),
     [(ASYNC, "rpc.generate"), (ASYNC, "rpc.update_weights_from_tensor"), (CONTINUED, "rpc.generate")],
@@ -154,6 +155,7 @@ def test_engine_killed_with_rollouts_ahead_restarts_and_matches_uninterrupted_ru
             assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (got["step"], key, got[key], value)
 
 
+@pytest.mark.e2e
 def test_engine_lost_past_max_restarts_with_rollouts_ahead_ends_the_job(tiny_model_dirs, tmp_path):
     """K = 1, ``engine.max_restarts: 1``: the worker killed again after its restart ends the job with the cause."""
     settings = ["train.num_steps=8", "engine.max_restarts=1", *ASYNC]

@@ -15,7 +15,7 @@ from test_resume import read_metrics, train_env
 
 from rlrun.runtime.fault_points import DIR_ENV
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
