@@ -193,7 +193,7 @@ def test_engine_group_of_engine_ranks_restarts_its_killed_worker(tiny_model_dirs
     """As above with 1 training rank + 2 engine ranks forming one engine group (engine.tp 2), its worker killed at
     a generate: the leader (rank 1) reports the loss, both ranks of the group restart it (the member takes part
     in the group's collective restart), and the run completes as one without the kill."""
-    model, num_steps = tiny_model_dirs["qwen3"], 4
+    model, num_steps = tiny_model_dirs["qwen3"], 6  # steps enough that the fault is armed before the last generate
     settings = [
         f"train.num_steps={num_steps}",
         "engine.max_restarts=1",
