@@ -205,13 +205,11 @@ def test_engine_group_of_engine_ranks_restarts_its_killed_worker(tiny_model_dirs
     kill_worker_and_check_the_run(model, tmp_path, 3, settings, "rpc.generate", "rollout", reference)
 
 
-def kill_worker_and_check_the_run(
-    model: Path, tmp_path: Path, num_ranks: int, settings: list[str], point: str, phase: str, reference: list[dict]
-) -> None:
-    """SIGKILL rank 1's engine worker (the first engine rank's, its group's leader) at fault point ``point`` after
-    step 0 and check the restart's lines, its count and every other metric against ``reference``."""
-    num_steps = len(reference)
-    run_dir, fault_dir = tmp_path / phase, tmp_path / f"{phase}-faults"
+def run_with_worker_killed(
+    model: Path, run_dir: Path, fault_dir: Path, num_ranks: int, settings: list[str], point: str
+) -> tuple[int, str]:
+    """Run the job and SIGKILL rank 1's engine worker (the first engine rank's, its group's leader) when it next
+    reaches fault point ``point`` after step 0; the job's exit code and output."""
     fault_dir.mkdir()
     job = Job(command(model, run_dir, num_ranks, *settings), {**train_env(), DIR_ENV: str(fault_dir)})
     try:
@@ -223,7 +221,29 @@ def kill_worker_and_check_the_run(
         code = job.wait(timeout_s=300)
     finally:
         job.kill()
-    output = "\n".join(line for _, line in job.lines)
+    return code, "\n".join(line for _, line in job.lines)
+
+
+def assert_restart_counted_and_metrics_equal(metrics: list[dict], reference: list[dict], step: int) -> None:
+    """Every step logged once, ``engine/restarts`` counted from ``step`` on, every other metric within 1e-5 of the
+    run without the kill."""
+    assert [m["step"] for m in metrics] == list(range(len(reference)))
+    assert [m["engine/restarts"] for m in metrics] == [float(s >= step) for s in range(len(reference))]
+    for got, want in zip(metrics, reference, strict=True):
+        got = {k: v for k, v in numbers(got).items() if not k.startswith("engine/")}
+        want = {k: v for k, v in want.items() if not k.startswith("engine/")}
+        assert got.keys() == want.keys(), got.keys() ^ want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (got["step"], key, got[key], value)
+
+
+def kill_worker_and_check_the_run(
+    model: Path, tmp_path: Path, num_ranks: int, settings: list[str], point: str, phase: str, reference: list[dict]
+) -> None:
+    """Kill the worker at ``point`` (:func:`run_with_worker_killed`) and check the restart's lines, its count and
+    every other metric against ``reference``."""
+    run_dir = tmp_path / phase
+    code, output = run_with_worker_killed(model, run_dir, tmp_path / f"{phase}-faults", num_ranks, settings, point)
     assert code == 0, output[-5000:]
     restarted = re.search(
         r"\[rlrun\] engine rank 0 \(rank 1\): restarting its engine worker at step (\d+): (.*)", output
@@ -234,13 +254,6 @@ def kill_worker_and_check_the_run(
     assert re.search(rf"\[rlrun\] rank 0: restarting the engine of rank\(s\) \[1\] at step {step} \({phase};", output)
     assert (run_dir / "engine-1.restart1.log").exists()
     metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(num_steps)), output[-5000:]
-    assert [m["engine/restarts"] for m in metrics] == [float(s >= step) for s in range(num_steps)]
     assert metrics[step]["engine/restart_s"] > 0
-    for got, want in zip(metrics, reference, strict=True):
-        got = {k: v for k, v in numbers(got).items() if not k.startswith("engine/")}
-        want = {k: v for k, v in want.items() if not k.startswith("engine/")}
-        assert got.keys() == want.keys(), (phase, got.keys() ^ want.keys())
-        for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (phase, got["step"], key, got[key], value)
+    assert_restart_counted_and_metrics_equal(metrics, reference, step)
     assert any(m.get("train/grad_norm", 0) > 0 for m in metrics[step:])  # weights moved after the restart
