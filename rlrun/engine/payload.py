@@ -220,29 +220,36 @@ def serialize_for_tp_ranks(named_tensors: NamedTensors, tp_size: int) -> list[by
 
 
 def _flatten(named_tensors: NamedTensors) -> dict:
-    """SGLang's flattened bucket: ``{"flattened_tensor": uint8, "metadata": [SimpleNamespace]}`` (aligned)."""
+    """SGLang's flattened bucket: ``{"flattened_tensor": uint8, "metadata": [SimpleNamespace]}`` (aligned).
+
+    One allocation, each tensor copied into its slice once, strided views included: a weight sync of an 8B model
+    moves 16 GB, and a ``contiguous()`` of a view then a ``cat`` would copy each byte twice more."""
     if not named_tensors:
         raise ValueError("named_tensors (empty) must hold at least one tensor because SGLang rejects empty buckets")
-    flats, metadata, offset = [], [], 0
+    metadata, offset = [], 0
     for name, tensor in named_tensors:
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        padding = -offset % ALIGN_BYTES
-        if padding:
-            flats.append(torch.zeros(padding, dtype=torch.uint8, device=flat.device))
-            offset += padding
-        flats.append(flat)
+        offset += -offset % ALIGN_BYTES
+        nbytes = tensor.numel() * tensor.element_size()
         metadata.append(
             types.SimpleNamespace(
                 name=name,
                 shape=tensor.shape,
                 dtype=tensor.dtype,
                 start_idx=offset,
-                end_idx=offset + flat.numel(),
-                numel=flat.numel(),
+                end_idx=offset + nbytes,
+                numel=nbytes,
             )
         )
-        offset += flat.numel()
-    return {"flattened_tensor": torch.cat(flats), "metadata": metadata}
+        offset += nbytes
+    flat = torch.empty(offset, dtype=torch.uint8, device=named_tensors[0][1].device)
+    slots, end = [], 0
+    for meta, (_, tensor) in zip(metadata, named_tensors, strict=True):
+        if meta.start_idx > end:
+            flat[end : meta.start_idx].zero_()  # alignment padding: deterministic bytes
+        slots.append(flat[meta.start_idx : meta.end_idx].view(tensor.dtype).view(tensor.shape))
+        end = meta.end_idx
+    torch._foreach_copy_(slots, [tensor.detach() for _, tensor in named_tensors])
+    return {"flattened_tensor": flat, "metadata": metadata}
 
 
 def deserialize_flattened_bucket(payload: bytes) -> NamedTensors:

@@ -22,26 +22,30 @@ from rlrun.megatron.tp_layout import Partition
 
 
 @torch.no_grad()
-def export_hf_weights(model: MegatronModel) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model: MegatronModel, fresh: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` in HF checkpoint order, in the model's dtype, with the vocabulary
     and attention-head padding cut off: names and shapes are exactly the HF checkpoint's.
 
     Tied models yield ``model.embed_tokens.weight`` only (no ``lm_head.weight``), like their safetensors.
-    The tensors are fresh copies on the model's device; the caller may keep or move them. With LoRA
-    (``model.lora``) the targeted weights are merged, ``W + scale * B A``, so the engine needs no adapter support.
+    With ``fresh`` the tensors are contiguous copies on the model's device that the caller may keep or move.
+    Without, a tensor the model holds whole (no TP shards to gather) comes as a view of the live parameter, possibly
+    strided, valid until the next update: what a weight sync wants, which copies each tensor into its bucket anyway
+    (a copy here would move every byte of an 8B model twice more). With LoRA (``model.lora``) the targeted weights are
+    merged, ``W + scale * B A``, so the engine needs no adapter support.
     """
     if model.parallel.pp_size == 1:
-        yield from _stage_tensors(model)
+        yield from _stage_tensors(model, fresh)
         return
     for stage in range(model.parallel.pp_size):
-        yield from _broadcast_stage(model, stage)
+        yield from _broadcast_stage(model, stage, fresh)
 
 
-def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def _stage_tensors(model: MegatronModel, fresh: bool, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage as HF tensors, TP shards gathered; with EP > 1, each layer's routed
     experts gathered from every EP rank (rank ``r``'s block after rank ``r - 1``'s: HF expert order).
 
-    ``meta``: no communication, meta tensors of the right shapes (what the other stages must receive).
+    ``fresh``: as :func:`export_hf_weights`. ``meta``: no communication, meta tensors of the right shapes (what the
+    other stages must receive).
     """
     params = {**dict(model.module.named_buffers()), **dict(model.module.named_parameters())}  # mapped buffers too
     parallel = model.parallel
@@ -58,9 +62,18 @@ def _stage_tensors(model: MegatronModel, meta: bool = False) -> Iterator[tuple[s
             for i, fulls in gathered:
                 mapping = per_rank[rank][i]
                 full = fulls[rank] if experts else fulls[0]
-                yield from zip(
-                    mapping.hf_names, (t.contiguous() for t in to_hf(model.arch, mapping, full)), strict=False
-                )
+                hf = to_hf(model.arch, mapping, full)
+                if fresh:
+                    hf = [_fresh(t, params[mapping.megatron_name]) for t in hf]
+                yield from zip(mapping.hf_names, hf, strict=False)
+
+
+def _fresh(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous tensor of its own: one copy where it views the live ``param`` or is strided, none
+    where it is already a gathered (or merged) copy."""
+    if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.contiguous()
 
 
 def _gather(model: MegatronModel, name: str, param: torch.Tensor, expert: bool, meta: bool) -> list[torch.Tensor]:
@@ -81,7 +94,7 @@ def _gather(model: MegatronModel, name: str, param: torch.Tensor, expert: bool, 
         group = mpu.get_expert_tensor_parallel_group() if expert else mpu.get_tensor_model_parallel_group()
         full = partition.gather(local.detach(), size, group)
     else:
-        full = param.detach().clone() if local is param else local
+        full = local.detach()  # the live parameter, or LoRA's merged copy
     if not expert or parallel.ep_size == 1:
         return [full]
     fulls = [torch.empty_like(full) for _ in range(parallel.ep_size)]
@@ -89,18 +102,20 @@ def _gather(model: MegatronModel, name: str, param: torch.Tensor, expert: bool, 
     return fulls
 
 
-def _broadcast_stage(model: MegatronModel, stage: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stage ``stage``'s HF tensors on every rank of the pipeline, one broadcast per tensor."""
+def _broadcast_stage(model: MegatronModel, stage: int, fresh: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stage ``stage``'s HF tensors on every rank of the pipeline, one broadcast per tensor (``fresh``: as
+    :func:`export_hf_weights`; a broadcast needs contiguous memory, so the owner's views are made so)."""
     from megatron.core import parallel_state as mpu
 
     group = mpu.get_pipeline_model_parallel_group()
     owner = model.parallel.pp_rank == stage
     specs = [_stage_specs(model) if owner else None]
     dist.broadcast_object_list(specs, group=group, group_src=stage)
-    local = _stage_tensors(model) if owner else None
+    local = _stage_tensors(model, fresh) if owner else None
     for name, shape, dtype in specs[0]:
         if local is not None:
             _, tensor = next(local)
+            tensor = tensor.contiguous()
         else:
             tensor = torch.empty(shape, dtype=dtype, device=model.parallel.device)
         dist.broadcast(tensor, group=group, group_src=stage)
@@ -109,4 +124,4 @@ def _broadcast_stage(model: MegatronModel, stage: int) -> Iterator[tuple[str, to
 
 def _stage_specs(model: MegatronModel) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(HF name, shape, dtype) of what ``_stage_tensors`` yields, worked out on meta tensors."""
-    return [(name, t.shape, t.dtype) for name, t in _stage_tensors(model, meta=True)]
+    return [(name, t.shape, t.dtype) for name, t in _stage_tensors(model, fresh=False, meta=True)]

@@ -151,10 +151,11 @@ class Actor:
         return self.critic is None or self.critic.actor_trains(step)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective: the full HF-named tensors, one at a time (the engine's weight sync)."""
+        """Collective: the full HF-named tensors, one at a time (the engine's weight sync): views of the live weights
+        where no gather is needed, valid until the next update, so a caller that keeps them copies them."""
         from rlrun.megatron import export_hf_weights
 
-        return export_hf_weights(self.model)
+        return export_hf_weights(self.model, fresh=False)
 
     def save(
         self,

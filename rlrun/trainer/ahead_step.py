@@ -154,7 +154,7 @@ class AheadLoop:
             parts.logger.log(state.step, metrics, samples)
 
     def _exported(self, version: int) -> Published:
-        """Collective: the trainer's weights as a copy its next update cannot change."""
+        """Collective: the trainer's weights as a copy its next update cannot change (the export's views copied)."""
         return Published(version, [(name, t.detach().clone()) for name, t in self.parts.actor.export_weights()])
 
     def _take(self, state: RunState, metrics: dict[str, float]) -> list[Sample] | None:

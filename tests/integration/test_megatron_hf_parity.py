@@ -53,6 +53,22 @@ def _one_step(model, tokens: torch.Tensor) -> dict[str, float]:
     return train_step(model, optimizer, [mb], loss_fn, int(mb.loss_mask.sum()), TEMPERATURE)
 
 
+def _export_sharing(model) -> dict:
+    """What the export's two modes hand out against the live parameters: whether the views (``fresh=False``, the weight
+    sync's) hold the fresh copies' values, and which tensors of each mode share a parameter's memory."""
+    from rlrun.megatron import export_hf_weights
+
+    params = {t.untyped_storage().data_ptr() for t in model.module.parameters()}
+    fresh = dict(export_hf_weights(model))
+    views = dict(export_hf_weights(model, fresh=False))
+    return {
+        "views_equal": sorted(n for n, t in views.items() if torch.equal(t, fresh[n])) == sorted(fresh),
+        "fresh_shared": sorted(n for n, t in fresh.items() if t.untyped_storage().data_ptr() in params),
+        "fresh_contiguous": all(t.is_contiguous() for t in fresh.values()),
+        "views_shared": sorted(n for n, t in views.items() if t.untyped_storage().data_ptr() in params),
+    }
+
+
 def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor, pp: int = 1) -> dict:
     """Per family: log-probs, entropies and the exported HF weights of this rank (at TP=2, for the
     ``FAMILY_KINDS``, the metrics of one training step after them)."""
@@ -72,6 +88,7 @@ def _parity_worker(model_dirs: dict[str, str], tp: int, tokens: torch.Tensor, pp
             "plain": plain.cpu(),
             "entropy": entropy.cpu(),
             "weights": {name: tensor.cpu() for name, tensor in export_hf_weights(model)},
+            "sharing": _export_sharing(model),
         }
         if tp == 2 and kind in FAMILY_KINDS:
             out[kind]["step"] = _one_step(model, tokens)
@@ -132,6 +149,23 @@ def test_export_round_trips_exactly(kind, megatron_run, model_dirs):
         for name, tensor in on_disk.items():
             assert exported[name].dtype == tensor.dtype, name
             assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_sync_export_views_the_live_weights_and_the_fresh_one_copies_them(kind, megatron_run):
+    """The weight sync's export (``fresh=False``) hands out the parameters themselves where nothing is gathered (TP=1:
+    the embedding, norms, MLP and output weights), so its bucket packing is their only copy; the default export's
+    tensors never share a parameter's memory, so a caller may keep them across an update. Both hold the same values."""
+    tp, ranks = megatron_run
+    for result in ranks:
+        sharing = result[kind]["sharing"]
+        assert sharing["views_equal"]
+        assert sharing["fresh_shared"] == [] and sharing["fresh_contiguous"]
+        if tp == 1 and len(ranks) == 1:
+            assert "model.embed_tokens.weight" in sharing["views_shared"]
+            assert any(name.endswith("mlp.down_proj.weight") for name in sharing["views_shared"])
+        elif tp == 2:  # every weight is gathered or (norms) copied whole: nothing to view
+            assert not any(name.endswith("mlp.down_proj.weight") for name in sharing["views_shared"])
 
 
 @pytest.mark.parametrize("kind", FAMILY_KINDS)

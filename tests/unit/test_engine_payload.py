@@ -23,6 +23,8 @@ def _mixed_tensors() -> list[tuple[str, torch.Tensor]]:
         ("d.int64", torch.randint(-(2**40), 2**40, (3, 2), generator=g)),
         ("e.bool", torch.rand(9, generator=g) > 0.5),
         ("f.scalar", torch.tensor(3.25, dtype=torch.float64)),
+        ("g.rows_of_a_fused_weight", torch.randn(12, 4, generator=g).reshape(3, 4, 4)[:, 1:3].reshape(-1, 4)),
+        ("h.strided_rows", torch.randn(8, 6, generator=g).to(torch.bfloat16)[::2]),  # a view with gaps
     ]
 
 
@@ -46,6 +48,21 @@ def test_metadata_counts_bytes_like_sglang_flattened_tensor_bucket():
         assert (meta.start_idx, meta.end_idx, meta.numel) == (offset, offset + nbytes, nbytes)
         offset += nbytes
     assert bucket["flattened_tensor"].dtype == torch.uint8 and bucket["flattened_tensor"].numel() == offset
+
+
+def test_the_flat_buffer_is_its_own_copy_with_zeroed_padding():
+    tensors = _mixed_tensors()
+    bucket = pickle.loads(serialize_flattened_bucket(tensors))
+    flat, metadata = bucket["flattened_tensor"], bucket["metadata"]
+    padding = torch.ones(flat.numel(), dtype=torch.bool)
+    for meta in metadata:
+        padding[meta.start_idx : meta.end_idx] = False
+    assert padding.any(), "the mixed tensors must need alignment padding for this test to check it"
+    assert not flat[padding].any()
+    before = flat.clone()
+    for _, tensor in tensors:
+        tensor.zero_() if tensor.dtype != torch.bool else tensor.logical_not_()
+    assert torch.equal(flat, before), "the payload must not alias the tensors it was packed from"
 
 
 @dataclasses.dataclass

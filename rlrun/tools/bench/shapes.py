@@ -77,6 +77,9 @@ def write_random_model(shape: Shape, out_dir: Path, dtype: torch.dtype, device: 
         torch.set_default_dtype(previous)
     model.generation_config.pad_token_id = 0
     model.save_pretrained(out_dir)
+    del model
+    if torch.device(device).type == "cuda":  # the caller's trainer and engine share the card next: hand its cache back
+        torch.cuda.empty_cache()
     return out_dir
 
 

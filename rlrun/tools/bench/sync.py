@@ -54,7 +54,9 @@ def _sync_once(engine, model, version: str, bucket_bytes: int, device: torch.dev
     from rlrun.megatron import export_hf_weights
 
     with timer(device) as sync_s:
-        stats = engine.update_weights(export_hf_weights(model), weight_version=version, bucket_bytes=bucket_bytes)
+        stats = engine.update_weights(
+            export_hf_weights(model, fresh=False), weight_version=version, bucket_bytes=bucket_bytes
+        )
     with timer(device) as probe_s:
         engine.generate([[2]], PROBE, return_logprob=False)
     return stats, sync_s[0], probe_s[0]
@@ -77,6 +79,8 @@ def bench_sync_shape(
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-", dir=run_dir) as tmp:
         hf_dir = write_random_model(get_shape(shape), Path(tmp), getattr(torch, dtype), str(parallel.device))
         model = build_model(str(hf_dir), parallel, dtype=dtype)
+        if parallel.device.type == "cuda":  # the load's staging memory, cached: the engine takes the card next
+            torch.cuda.empty_cache()
         spec = bench_spec(backend, hf_dir, dtype, parallel.device.index or 0)
         with EngineClient.spawn(spec, run_dir=run_dir, rank=0, startup_timeout_s=600) as engine:
             _sync_once(engine, model, "warmup", bucket_bytes, parallel.device)
