@@ -11,6 +11,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -26,15 +27,31 @@ pytestmark = pytest.mark.slow
 
 ASYNC = ("rollout.max_staleness=1", "algorithm.max_logprob_gap=null")
 CONTINUED = ("rollout.max_staleness=2", "rollout.continue_after_tokens=3", "algorithm.max_logprob_gap=null")
+SETTINGS = {"k1": ASYNC, "k2_continued": CONTINUED}
 
 
-def test_max_staleness_1_trains_one_version_behind(tiny_model_dirs, tmp_path):
+@pytest.fixture(scope="module")
+def straight_runs(tiny_model_dirs, tmp_path_factory) -> Callable[[str], Path]:
+    """The run directory of one uninterrupted 6-step run per name of ``SETTINGS``, run on first use:
+    the staleness tests assert on it and the resume tests compare against it, so each is run once."""
+    runs: dict[str, Path] = {}
+
+    def run(name: str) -> Path:
+        if name not in runs:
+            run_dir = tmp_path_factory.mktemp("straight") / name
+            run_to_end(tiny_model_dirs["qwen3"], run_dir, "train.num_steps=6", *SETTINGS[name])
+            runs[name] = run_dir
+        return runs[name]
+
+    return run
+
+
+def test_max_staleness_1_trains_one_version_behind(straight_runs):
     """Step 0 trains on the initial weights' samples (0 behind); from step 1 on every sample was generated
     while the previous step trained, so it is exactly one version behind, and the trainer's log-probs differ
     from the sampling policy's by that update (the KL is no kernel-level difference any more)."""
-    run_to_end(tiny_model_dirs["qwen3"], tmp_path / "run", "train.num_steps=5", *ASYNC)
-    records = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in records] == list(range(5))
+    records = read_metrics(straight_runs("k1"))
+    assert [r["step"] for r in records] == list(range(6))
     assert records[0]["rollout/versions_behind_max"] == 0
     assert records[0]["train/logprob_gap"] < 1e-4  # the same weights on both sides at step 0
     for r in records[1:]:
@@ -43,14 +60,13 @@ def test_max_staleness_1_trains_one_version_behind(tiny_model_dirs, tmp_path):
         assert r["train/mismatch_k3"] > 1e-6, r  # lr 3e-3: one update moves the policy measurably
 
 
-def test_max_staleness_2_continues_long_samples_under_the_newer_weights(tiny_model_dirs, tmp_path):
+def test_max_staleness_2_continues_long_samples_under_the_newer_weights(straight_runs):
     """K = 2 with continuation, max_new_tokens 6: step m's first 3 tokens of every sample come from the weights
     trained through step m-3 (2 versions behind the trainer), the rest of a longer response from those trained
     through step m-2 (1 behind). So from step 2 on the oldest token is 2 behind and a sample's mean is between
     1.5 (6 tokens: 3 + 3) and 2 (3 tokens or fewer); step 1 samples wholly with the initial weights."""
-    run_to_end(tiny_model_dirs["qwen3"], tmp_path / "run", "train.num_steps=5", *CONTINUED)
-    records = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in records] == list(range(5))
+    records = read_metrics(straight_runs("k2_continued"))
+    assert [r["step"] for r in records] == list(range(6))
     assert records[0]["rollout/versions_behind_max"] == 0
     assert records[1]["rollout/versions_behind_mean"] == 1 and records[1]["rollout/versions_behind_max"] == 1
     for r in records[2:]:
@@ -60,14 +76,13 @@ def test_max_staleness_2_continues_long_samples_under_the_newer_weights(tiny_mod
     assert any(r["rollout/versions_behind_mean"] < 2 for r in records[2:]), "no sample crossed the boundary"
 
 
-@pytest.mark.parametrize("settings", [ASYNC, CONTINUED], ids=["k1", "k2_continued"])
-def test_resume_with_rollouts_in_flight_matches_uninterrupted_run(tiny_model_dirs, tmp_path, settings):
+@pytest.mark.parametrize("name", SETTINGS)
+def test_resume_with_rollouts_in_flight_matches_uninterrupted_run(tiny_model_dirs, straight_runs, tmp_path, name):
     """SIGTERM with rollouts generated ahead: the checkpoint holds those batches (with K = 2 and continuation,
     samples whose tokens span two versions) and the sampler cursor past their prompts; the resumed run trains
     them first and every step's metrics equal the uninterrupted run's."""
-    model = tiny_model_dirs["qwen3"]
-    run_to_end(model, tmp_path / "straight", "train.num_steps=6", *settings)
-    reference = read_metrics(tmp_path / "straight")
+    model, settings = tiny_model_dirs["qwen3"], SETTINGS[name]
+    reference = read_metrics(straight_runs(name))
 
     run_dir = tmp_path / "interrupted"
     output = run_until_sigterm(model, run_dir, 2, "train.num_steps=6", *settings)
