@@ -67,9 +67,10 @@ class AheadLoop:
             SegmentedGeneration(self.ahead.enter_segment) if cfg.rollout.continue_after_tokens is not None else None
         )
         parallel = dataclasses.replace(parts.parallel, cpu_group=group)
-        # segments only on a colocated runtime (continuation is refused with engine ranks, whose stand-in has none)
-        segments = {} if self.segments is None else {"segments": self.segments}
-        self.runtime = dataclasses.replace(parts.rollout, parallel=parallel, **segments)
+        if self.segments is None:
+            self.runtime = dataclasses.replace(parts.rollout, parallel=parallel)
+        else:  # a colocated runtime (continuation is refused with engine ranks, whose stand-in has no segments)
+            self.runtime = dataclasses.replace(parts.rollout, parallel=parallel, segments=self.segments)
 
     def _collect(self, step: int) -> RolloutBatch | None:
         """On the rollout thread: step ``step``'s batch (segment 0's weights are loaded). With
