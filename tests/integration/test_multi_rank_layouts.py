@@ -10,6 +10,11 @@ round-off. The reference is the baseline's own metrics.jsonl, read here; the scr
 with it. The script's engine_tp2 step (the same with the embedded engine) is not run here: its CPU run is
 tests/integration/test_engine_group.py::test_cli_run_with_trainer_and_engine_tp_2 (trainer TP=2, engine.tp=2,
 colocated with offload on, one engine log, the gap checked after each sync).
+
+Six launches of 2 ranks (about two minutes on 2 cores), so it is marked e2e and runs in CI's second stage. The
+main suite keeps a fast check of each thing it shows: TP=2, DP=2 and PP=2 against one rank in process
+(test_megatron_train.py), a PP=2 CLI run (test_train_loop.py), a TP=2 CLI run with engine.tp=2 and offload on
+(test_engine_group.py), training on loaded samples (test_rollout_cli.py).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"tp2": (2, 1), "dp2": (1, 1), "pp2": (1, 2)}  # name: (tp, pp) on 2 ranks
