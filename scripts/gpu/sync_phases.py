@@ -1,0 +1,101 @@
+"""Where a colocated weight sync's time goes: the whole sync (``rlrun bench sync``'s measure) at several bucket sizes
+against the trainer's side alone (the export and the packing of every bucket, nothing sent), on one trainer and one
+embedded engine, one model. The difference is the transport and the engine's load.
+
+    PYTHONPATH=$PWD python3 scripts/gpu/sync_phases.py --shape qwen3-8b --bucket-mib 512,2048,4096 --out FILE
+    PYTHONPATH=$PWD python scripts/gpu/sync_phases.py --shape tiny --bucket-mib 1,4 --out /tmp/sync_phases.json  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def _pack_only(model, bucket_bytes: int, device: torch.device) -> float:
+    """Seconds for the trainer's side of one sync: every bucket exported and packed, then dropped."""
+    from rlrun.engine.payload import _flatten, iter_buckets
+    from rlrun.megatron import export_hf_weights
+    from rlrun.tools.bench.timing import timer
+
+    with timer(device) as seconds:
+        for bucket in iter_buckets(export_hf_weights(model, fresh=False), bucket_bytes):
+            _flatten(bucket)
+    return seconds[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen3-8b")
+    parser.add_argument("--bucket-mib", default="512,2048")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--run-dir", type=Path, default=Path("/tmp/sync_phases"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    from rlrun.engine.client import EngineClient
+    from rlrun.megatron import build_model, export_hf_weights
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.tools.bench.engines import bench_spec
+    from rlrun.tools.bench.shapes import get_shape, write_random_model
+    from rlrun.tools.bench.timing import hardware, timer
+
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    parallel = init_distributed(tp=1, pp=1, seed=0)
+    device = parallel.device
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.run_dir) as tmp:
+        hf_dir = write_random_model(get_shape(args.shape), Path(tmp), getattr(torch, dtype), str(device))
+        model = build_model(str(hf_dir), parallel, dtype=dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        spec = bench_spec("embedded", hf_dir, dtype, device.index or 0)
+        with EngineClient.spawn(spec, run_dir=args.run_dir, rank=0, startup_timeout_s=600) as engine:
+            for mib in (int(m) for m in args.bucket_mib.split(",")):
+                bucket_bytes = mib * 2**20
+                syncs, packs = [], []
+                for i in range(args.repeats + 1):  # the first of each is a warm-up
+                    with timer(device) as seconds:
+                        stats = engine.update_weights(
+                            export_hf_weights(model, fresh=False),
+                            weight_version=f"{mib}-{i}",
+                            bucket_bytes=bucket_bytes,
+                        )
+                    syncs.append(seconds[0])
+                    packs.append(_pack_only(model, bucket_bytes, device))
+                row = {
+                    "bucket_mib": mib,
+                    "num_buckets": stats["num_buckets"],
+                    "weight_bytes": stats["num_bytes"],
+                    "sync_s": syncs[1:],
+                    "trainer_side_s": packs[1:],
+                    "sync_median_s": statistics.median(syncs[1:]),
+                    "trainer_side_median_s": statistics.median(packs[1:]),
+                }
+                row["transport_and_load_s"] = row["sync_median_s"] - row["trainer_side_median_s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    destroy_distributed()
+    record = {
+        "benchmark": "sync_phases",
+        "command": "python scripts/gpu/sync_phases.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "hardware": hardware(device),
+        "shape": args.shape,
+        "dtype": dtype,
+        "results": rows,
+    }
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
