@@ -4,8 +4,9 @@ tokens) logs ``train/logprob_gap`` of at most 1e-6 at both steps (step 1 after a
 0.6B and 1.7B run with trainer and engine resident on a card of 120 GiB or more (the 1.7B resident step peaks at
 ~100 GB); 4B, and every shape on a smaller card, with offload (they take turns on the device) and micro-batches of 8
 samples: 4B's trainer holds ~72 GB of weights, gradients and Adam state, so on a card under 120 GiB Adam's state also
-stays on the host (``optimizer.cpu_offload``), which takes a host of 192 GiB (4B is skipped on a smaller one). Offload and the micro-batch split move memory, not the arithmetic
-either side does for a token, so the gate reads the same.
+stays on the host (``optimizer.cpu_offload``), which takes a host of 192 GiB (4B is skipped on a smaller one).
+Offload and the micro-batch split move memory, not the arithmetic either side does for a token, so the gate reads the
+same.
 
 The gates of test_onpolicy_gpu.py and test_head_norm_gpu.py run SmolLM2 and a tiny Qwen3 with short responses.
 At these widths and lengths a split-K down projection (fixed by the engine's zero cuBLAS workspace) and RoPE
