@@ -1,6 +1,7 @@
 """Where a colocated weight sync's time goes: the whole sync (``rlrun bench sync``'s measure) at several bucket sizes
 against the trainer's side alone (the export and the packing of every bucket, nothing sent), on one trainer and one
-embedded engine, one model. The difference is the transport and the engine's load.
+embedded engine, one model. The difference is the transport and the engine's load. ``--profile FILE`` adds the torch
+profiler's table of one more trainer-side pass at the first bucket size (what its time is spent on).
 
     PYTHONPATH=$PWD python3 scripts/gpu/sync_phases.py --shape qwen3-8b --bucket-mib 512,2048,4096 --out FILE
     PYTHONPATH=$PWD python scripts/gpu/sync_phases.py --shape tiny --bucket-mib 1,4 --out /tmp/sync_phases.json  # CPU
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--run-dir", type=Path, default=Path("/tmp/sync_phases"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--profile", type=Path, default=None)
     args = parser.parse_args()
 
     from rlrun.engine.client import EngineClient
@@ -82,6 +84,10 @@ def main() -> None:
                 row["transport_and_load_s"] = row["sync_median_s"] - row["trainer_side_median_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if args.profile is not None and len(rows) == 1:
+                    from rlrun.tools.bench.kernel_table import profiled, write_kernel_table
+
+                    write_kernel_table(profiled(lambda: _pack_only(model, bucket_bytes, device)), args.profile)
     destroy_distributed()
     record = {
         "benchmark": "sync_phases",
