@@ -19,7 +19,12 @@ from rlrun.megatron.hf_config import ModelArch, head_padding_note, transformer_c
 from rlrun.megatron.hf_weights import HFCheckpoint, to_megatron, weight_mappings
 from rlrun.megatron.lora import is_lora_param
 from rlrun.megatron.mla import patch_mla_without_te
-from rlrun.megatron.moe import MoEOptions, is_expert_param, patch_router_without_te
+from rlrun.megatron.moe import (
+    MoEOptions,
+    is_expert_param,
+    patch_router_without_te,
+    reduce_expert_grads_over_expert_dp,
+)
 from rlrun.megatron.recompute import Recompute
 from rlrun.megatron.rope_apply import patch_rope
 from rlrun.megatron.swiglu_apply import patch_swiglu
@@ -161,6 +166,8 @@ def build_gpt(
     # The local spec's torch RMSNorm ignores params_dtype; cast the whole model like Megatron's
     # Float16Module does (RoPE's inv_freq is a plain attribute and stays fp32).
     gpt = gpt.to(device=parallel.device, dtype=config.params_dtype)
+    if arch.moe is not None:
+        reduce_expert_grads_over_expert_dp(gpt, parallel.ep_size, parallel.etp_size, parallel.tp_size)
     load_hf_weights(gpt, arch, HFCheckpoint(hf_dir), parallel)
     return gpt, arch, config
 

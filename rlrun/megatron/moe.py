@@ -284,6 +284,27 @@ def aux_loss_metrics(moe: MoEArch, num_micro_batches: int) -> dict[str, float]:
     return metrics
 
 
+def reduce_expert_grads_over_expert_dp(gpt, ep: int, etp: int, tp: int) -> int:
+    """Mark every routed expert's weight for the expert data-parallel gradient reduction where megatron-core
+    0.16.1 does not: at ``ep == 1`` with ``etp != tp``; returns how many it marked.
+
+    A parameter's ``allreduce`` attribute picks its gradient's DDP buffer, reduction group and optimizer:
+    True, the dense ones (the data-parallel group, the model-parallel group's grad norm); False, the expert
+    ones (expert data-parallel, expert TP x EP x PP). Megatron's linear layers set it False only where
+    ``expert_model_parallel_size > 1``. At EP=1 with expert-TP=2 (TP=1) the data-parallel group then holds
+    the two expert-TP ranks, whose shards are different slices of each expert: DDP summed them into one
+    gradient for both, and the grad norm counted each rank's slice as the whole expert. Megatron-LM later
+    marks experts ``is_expert and (EP > 1 or ETP != TP)``; this is that rule, applied before the DDP wrap."""
+    if ep > 1 or etp == tp:
+        return 0
+    marked = 0
+    for name, param in gpt.named_parameters():
+        if is_expert_param(name) and getattr(param, "allreduce", True):
+            param.allreduce = False
+            marked += 1
+    return marked
+
+
 def is_expert_param(megatron_name: str) -> bool:
     """Whether a parameter is one EP rank's routed expert (sharded over EP and ETP, not TP)."""
     return ".mlp.experts.local_experts." in megatron_name
