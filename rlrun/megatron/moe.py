@@ -291,10 +291,11 @@ def reduce_expert_grads_over_expert_dp(gpt, ep: int, etp: int, tp: int) -> int:
     A parameter's ``allreduce`` attribute picks its gradient's DDP buffer, reduction group and optimizer:
     True, the dense ones (the data-parallel group, the model-parallel group's grad norm); False, the expert
     ones (expert data-parallel, expert TP x EP x PP). Megatron's linear layers set it False only where
-    ``expert_model_parallel_size > 1``. At EP=1 with expert-TP=2 (TP=1) the data-parallel group then holds
-    the two expert-TP ranks, whose shards are different slices of each expert: DDP summed them into one
-    gradient for both, and the grad norm counted each rank's slice as the whole expert. Megatron-LM later
-    marks experts ``is_expert and (EP > 1 or ETP != TP)``; this is that rule, applied before the DDP wrap."""
+    ``expert_model_parallel_size > 1``. At EP=1 with expert-TP=2 (TP=1) the data-parallel group holds the
+    two expert-TP ranks, whose shards are different slices of each expert: left dense, DDP would sum the two
+    slices into one gradient for both, and the grad norm would count each rank's slice as the whole expert.
+    Megatron-LM's later rule is ``is_expert and (EP > 1 or ETP != TP)``; this applies it before the
+    DDP wrap (tests/integration/test_moe_expert_tp.py)."""
     if ep > 1 or etp == tp:
         return 0
     marked = 0
