@@ -14,6 +14,13 @@ Layouts (8 ranks each):
 * ``moe_pp2_ep2_etp2``: Qwen3-MoE at PP=2 with EP=2 x expert-TP=2 in each stage (4 dense data-parallel
   ranks; MoE models run at ``parallel.tp: 1``), one engine per rank.
 
+The other layouts take the MoE one apart. Megatron computes the load-balancing loss per micro-batch and rank
+(``moe_router_load_balancing_type: aux_loss``): at four data-parallel ranks each packs a quarter of the step's
+samples into its micro-batch where one rank packs them all into one, so the loss, and the router's gradient,
+are another function of the same data (``moe_dp4``, no expert or pipeline parallelism, moves the norm as much
+as ``moe_pp2_ep2_etp2``). The ``_per_sample`` rows and their baseline train every sample as a micro-batch of
+its own (``PER_SAMPLE``), the same micro-batches at any layout, so there the load-balancing loss must match too.
+
 Writes ``cluster_layouts_cpu.json`` and ``cluster_layouts_cpu.md`` (the table) to ``--out``.
 """
 
@@ -47,7 +54,11 @@ COMMON = (
     "checkpoint.export_at_end=false",
 )
 NO_AUX = "model.moe.aux_loss_coeff=0"
-"""Set in a layout's settings, the baseline runs with it too (a baseline per model and this setting)."""
+PER_SAMPLE = "train.max_tokens_per_micro_batch=16"
+"""Below any sample's length: every sample is a micro-batch of its own (the packer never drops one)."""
+SHARED = {NO_AUX: "noaux", PER_SAMPLE: "per_sample"}
+"""Set in a layout's settings, the baseline runs with it too (a baseline per model and these settings; the
+value names it)."""
 LAYOUTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
     # name: (model kind, ranks, settings)
     "dense_tp2_pp2_dp2": ("qwen3", 8, ("parallel.tp=2", "parallel.pp=2", "engine.tp=2")),
@@ -64,10 +75,19 @@ LAYOUTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "moe_pp2": ("qwen3_moe", 2, ("parallel.pp=2", "algorithm.max_logprob_gap=null")),
     "moe_dp2": ("qwen3_moe", 2, ("algorithm.max_logprob_gap=null",)),
     "moe_ep2_etp2": ("qwen3_moe", 4, ("parallel.ep=2", "parallel.etp=2", "algorithm.max_logprob_gap=null")),
+    # four data-parallel ranks alone: other micro-batches than one rank's, so another load-balancing loss
+    "moe_dp4": ("qwen3_moe", 4, ("algorithm.max_logprob_gap=null",)),
     # without the load-balancing loss: expert-TP's gradient without the aux term
     "moe_pp2_ep2_etp2_noaux": ("qwen3_moe", 8, ("parallel.pp=2", "parallel.ep=2", "parallel.etp=2", NO_AUX)),
     "moe_etp2_noaux": ("qwen3_moe", 2, ("parallel.etp=2", "algorithm.max_logprob_gap=null", NO_AUX)),
     "moe_ep2_etp2_noaux": ("qwen3_moe", 4, ("parallel.ep=2", "parallel.etp=2", NO_AUX)),
+    # with the load-balancing loss, every sample its own micro-batch here and in the baseline
+    "moe_dp4_per_sample": ("qwen3_moe", 4, ("algorithm.max_logprob_gap=null", PER_SAMPLE)),
+    "moe_pp2_ep2_etp2_per_sample": (
+        "qwen3_moe",
+        8,
+        ("parallel.pp=2", "parallel.ep=2", "parallel.etp=2", "algorithm.max_logprob_gap=null", PER_SAMPLE),
+    ),
 }
 
 
@@ -132,8 +152,8 @@ def run_layouts(work: Path, names: list[str], reuse: bool = False) -> dict:
         model_dir = work / "models" / kind
         if not (model_dir / "config.json").is_file():
             make_tiny_model(kind, model_dir)
-        shared = (NO_AUX,) if NO_AUX in settings else ()
-        base_dir = work / "runs" / f"baseline_{kind}{'_noaux' if shared else ''}"
+        shared = tuple(s for s in SHARED if s in settings)
+        base_dir = work / "runs" / "_".join(("baseline", kind, *(SHARED[s] for s in shared)))
         if not done(base_dir):
             result["baselines"][base_dir.name] = train(base_dir, model_dir, 1, "debug.save_rollout_data=true", *shared)
         run_dir = work / "runs" / name
