@@ -21,7 +21,9 @@ the checkpoint overwrites them, so ``mcore-to-hf`` needs the HF directory the ch
 from __future__ import annotations
 
 import json
+import logging
 import os
+import queue
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ import torch
 
 from rlrun.trainer.checkpoint import ACTOR, ADAPTER, COMPLETE, HF_FILES, Layout, Marker, copy_hf_files
 from rlrun.trainer.export import save_safetensors
+
+log = logging.getLogger(__name__)
 
 
 class ConvertError(ValueError):
@@ -146,22 +150,51 @@ def _on_ranks(fn: Callable, tp: int, pp: int) -> None:
             f"the number of processes ({os.environ.get('WORLD_SIZE')}) must be --tp * --pp ({world}) "
             f"because each rank holds one shard; launch that many, or run without torchrun"
         )
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        failed, detail = _spawn_ranks(fn, tp, pp)
+        if not failed:
+            return
+        if "EADDRINUSE" not in detail or attempt == PORT_ATTEMPTS:
+            raise RuntimeError(f"conversion failed on ranks {failed} (rank, exit code):\n{detail}")
+        log.warning("conversion ranks' port was taken before they bound it (attempt %d); retrying on another", attempt)
+
+
+PORT_ATTEMPTS = 3
+"""Tries of the spawned ranks' rendezvous: the free port is picked before rank 0 binds it, so another process can take
+it in between; rank 0 then fails with EADDRINUSE and the conversion starts again on a new port."""
+
+
+def _spawn_ranks(fn: Callable, tp: int, pp: int) -> tuple[list[tuple[int, int | None]], str]:
+    """Run ``fn`` on ``tp * pp`` new local ranks; returns the failed ranks (rank, exit code) and the first traceback.
+    A rank that fails stops the others at once: they would wait for it in their first collective forever."""
+    from multiprocessing.connection import wait
+
     import torch.multiprocessing as mp
 
     from rlrun.runtime.dist import free_port
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = free_port()
+    world, port = tp * pp, free_port()
     procs = [ctx.Process(target=_spawned_rank, args=(fn, tp, pp, rank, world, port, errors)) for rank in range(world)]
     for proc in procs:
         proc.start()
+    running = list(procs)
+    while running:
+        wait([proc.sentinel for proc in running])
+        running = [proc for proc in running if proc.exitcode is None]
+        if any(proc.exitcode not in (None, 0) for proc in procs):
+            for proc in running:
+                proc.terminate()
     for proc in procs:
         proc.join()
     failed = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
-    if failed:
-        detail = errors.get(timeout=5) if not errors.empty() else "no traceback (killed?)"
-        raise RuntimeError(f"conversion failed on ranks {failed} (rank, exit code):\n{detail}")
+    if not failed:
+        return [], ""
+    try:
+        return failed, errors.get(timeout=5)
+    except queue.Empty:
+        return failed, "no traceback (killed?)"
 
 
 def _spawned_rank(fn: Callable, tp: int, pp: int, rank: int, world: int, port: int, errors) -> None:

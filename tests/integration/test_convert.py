@@ -129,3 +129,47 @@ def test_cli_round_trip(tiny_model_dirs, tmp_path):
         timeout=120,
     )
     assert missing.returncode == 1 and f"--ckpt ({tmp_path}) must be a complete checkpoint" in missing.stderr
+
+
+def _fail_on_rank_0(parallel) -> None:
+    """Rank 0 fails; the other rank waits for it in a collective (what a failed shard load looks like)."""
+    import torch.distributed as dist
+
+    if parallel.rank == 0:
+        raise ValueError("shard unreadable")
+    dist.barrier()
+
+
+def _succeed(parallel) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def test_a_failed_rank_stops_the_conversion_instead_of_hanging_it():
+    """The other rank waits in a barrier that never completes; the conversion must end with rank 0's error."""
+    from rlrun.tools.convert import _on_ranks
+
+    with pytest.raises(RuntimeError, match="shard unreadable"):
+        _on_ranks(_fail_on_rank_0, tp=2, pp=1)
+
+
+def test_a_port_taken_before_the_ranks_bind_it_is_retried(monkeypatch, caplog):
+    """free_port picks a port that another process takes before rank 0 listens on it: the ranks start again."""
+    import socket
+
+    from rlrun.runtime import dist as rlrun_dist
+    from rlrun.tools.convert import _on_ranks
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real_free_port = rlrun_dist.free_port
+    monkeypatch.setattr(rlrun_dist, "free_port", lambda: ports.pop() if ports else real_free_port())
+    try:
+        _on_ranks(_succeed, tp=2, pp=1)
+    finally:
+        taken.close()
+    assert ports == [], "the taken port was not tried first"
+    assert "retrying on another" in caplog.text
