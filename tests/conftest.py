@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random HF model directories (built once per session), the gpu marker, and the e2e marker
-(long multi-process runs that CI's second stage runs: launch/ci/cluster_tests.sh sets RLRUN_CLUSTER_TESTS=1)."""
+"""Shared fixtures: tiny random HF model directories (built once per session), the prepared SmolLM2, the gpu marker,
+and the e2e marker (long multi-process runs that CI's second stage runs: launch/ci/cluster_tests.sh sets
+RLRUN_CLUSTER_TESTS=1)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+SMOLLM2 = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -58,3 +60,12 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
     from tiny_models import make_tiny_model
 
     return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("tiny_moe") / "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The repository's SmolLM2-135M-Instruct directory, prepared here when no earlier test or run did (``rlrun
+    prepare smollm2``, about 30 s on a fresh clone; xdist workers asking at once take turns on its lock file)."""
+    from rlrun.tools.prepare import prepare_smollm2
+
+    return prepare_smollm2(SMOLLM2)

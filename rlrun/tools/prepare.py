@@ -8,11 +8,14 @@ directory: config.json, model.safetensors, tokenizer files, generation_config.js
 These are the Q4_1-dequantized weights, not the original bf16 release.
 
 The directory is written to a temporary sibling and renamed into place with a ``.complete`` marker,
-so an interrupted run never leaves a directory that looks usable; a complete one is reused.
+so an interrupted run never leaves a directory that looks usable; a complete one is reused. Processes
+preparing the same directory at once (pytest-xdist workers) take turns on a lock file beside it, so one
+converts and the others wait and reuse its result instead of each spending 30 s and a few GB on a copy.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -55,6 +58,16 @@ def prepare_smollm2(out: str | Path = ".cache/models/SmolLM2-135M-Instruct") -> 
     if is_prepared(out):
         _say(f"{out} is already prepared")
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+        if is_prepared(out):
+            _say(f"{out} was prepared by another process")
+            return out
+        return _prepare_smollm2(out)
+
+
+def _prepare_smollm2(out: Path) -> Path:
     if out.exists():
         raise PrepareError(
             f"{out} exists but has no {MARKER} marker (not written by rlrun prepare); remove it or choose another --out"

@@ -15,16 +15,7 @@ from dist_utils import run_distributed
 from integration.test_train_loop import REPO, run_train
 
 SMOLLM2 = REPO / ".cache/models/SmolLM2-135M-Instruct"
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def smollm2():
-    """The teacher, prepared here when no earlier test or run did (``rlrun prepare smollm2``; safe when another
-    test worker prepares it at the same time)."""
-    from rlrun.tools.prepare import prepare_smollm2
-
-    return prepare_smollm2(SMOLLM2)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("smollm2")]  # the teacher, prepared by conftest
 
 
 def make_student(out_dir):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +20,6 @@ from tests.agent_engine import ScriptedEngine
 from tests.tiny_models import make_tokenizer
 
 openai = pytest.importorskip("openai")
-SMOLLM2 = Path(__file__).resolve().parents[2] / ".cache/models/SmolLM2-135M-Instruct"
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 SAMPLING = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "n": 1, "sampling_seed": 0}
@@ -142,11 +140,10 @@ def test_key_and_session_are_checked():
     assert not engine.calls
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason="needs the prepared SmolLM2 tokenizer")
-def test_resent_assistant_text_keeps_the_sampled_tokens():
+def test_resent_assistant_text_keeps_the_sampled_tokens(smollm2):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
     # " hello" sampled in two pieces; the same text tokenizes as one token.
     sampled = (
         tokenizer(" hel", add_special_tokens=False)["input_ids"]

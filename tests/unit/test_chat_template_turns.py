@@ -4,26 +4,23 @@ which injects a default system turn, and the tests' tiny ChatML tokenizer)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from rlrun.agents.template import ChatTemplate, TemplateError
 from rlrun.data.sample import Prompt
 from rlrun.rollout.multiturn import Trajectory
 
-SMOLLM2 = Path(__file__).resolve().parents[2] / ".cache/models/SmolLM2-135M-Instruct"
 
-
-def tokenizers():
+@pytest.fixture(params=["tiny-chatml", "smollm2"])
+def tokenizer(request):
+    """SmolLM2's comes through conftest's ``smollm2`` fixture, which prepares it on a fresh clone."""
     from transformers import AutoTokenizer
 
     from tests.tiny_models import make_tokenizer
 
-    out = [pytest.param(make_tokenizer(), id="tiny-chatml")]
-    if SMOLLM2.exists():
-        out.append(pytest.param(AutoTokenizer.from_pretrained(SMOLLM2), id="smollm2"))
-    return out
+    if request.param == "smollm2":
+        return AutoTokenizer.from_pretrained(request.getfixturevalue("smollm2"))
+    return make_tokenizer()
 
 
 def trajectory(tokenizer, messages) -> Trajectory:
@@ -42,7 +39,6 @@ def model_turn(traj: Trajectory, text: str, end: bool) -> None:
     traj.after_model_turn = True
 
 
-@pytest.mark.parametrize("tokenizer", tokenizers())
 @pytest.mark.parametrize("ended", [True, False], ids=["model-ended-turn", "cut-at-length"])
 def test_appended_turns_equal_the_templates_rendering(tokenizer, ended):
     chat = [{"role": "user", "content": "What is 6 * 7?"}]
