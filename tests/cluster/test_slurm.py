@@ -24,7 +24,9 @@ from minimal_config import tiny_task_settings
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-NUM_STEPS = 4
+NUM_STEPS = 20
+"""Enough that the USR1 sent after the first step lands before the last: the tiny model's steps take ~0.1 s on an idle
+machine, and four of them ended the job before the signal arrived."""
 
 
 def slurm_up() -> bool:
