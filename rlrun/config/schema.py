@@ -604,7 +604,9 @@ class EngineConfig(Section):
     weights the lost rollout sampled with (kept for that; one more host copy of the weights) and that rollout
     and the ones launched after it are redone with the same prompts and seeds."""
     bucket_bytes: int = Field(512 * 1024**2, ge=1024)
-    """Size of one flattened weight-sync bucket."""
+    """Size of one flattened weight-sync bucket. Each bucket costs one transfer to the engine on top of its bytes, so
+    larger buckets sync a large model faster (BENCHMARKS.md, "Weight sync with one copy on the trainer's side"), at the
+    price of up to two buckets of extra device memory on the trainer while the sync runs."""
     sync_interval: int = Field(1, ge=1)
     """Push the trainer's weights to the engine after every N-th step (slime's ``--update-weights-interval``):
     the steps in between sample with weights up to N - 1 updates old. ``algorithm.keep_old_actor`` then keeps
