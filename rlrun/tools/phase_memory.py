@@ -1,7 +1,8 @@
 """Device memory of each phase of a step on one GPU, trainer and engine together (``rlrun doctor CONFIG``).
 
-Every rank's engine shares its GPU with the trainer (docs/architecture.md), so a step fits when each placement
-fits (rlrun/trainer/offload.py; GiB per device, the trainer's terms from rlrun/tools/memory_estimate.py):
+Every rank's engine shares its GPU with the trainer (docs/architecture.md; with ``placement.engine_ranks`` the
+engines have GPUs of their own: :func:`_engine_ranks_phases`), so a step fits when each placement fits
+(rlrun/trainer/offload.py; GiB per device, the trainer's terms from rlrun/tools/memory_estimate.py):
 
     rollout   engine awake  + trainer asleep (offload.train) or awake with its train-phase blocks cached
     logprobs  trainer: context + static + one micro-batch's no-grad forward (one layer's activations and the LM
@@ -172,6 +173,8 @@ def phase_memory(
             "cap engine.server_args.max_running_requests",
             "lower rollout.prompts_per_step x rollout.samples_per_prompt or rollout.max_new_tokens",
         ]
+    if cfg.placement.engine_ranks:
+        return _engine_ranks_phases(cfg, trainer, forward, e.lm_head_gib, static, awake, trainer_fixes, rollout_fixes)
     if not off.train:
         rollout_fixes.append("set offload.train: true (the trainer sleeps)")
     return [
@@ -193,4 +196,37 @@ def phase_memory(
             {**trainer, "sync bucket": cfg.engine.bucket_bytes / GIB, **synced},
             ["lower engine.bucket_bytes"] + trainer_fixes,
         ),
+    ]
+
+
+def _engine_ranks_phases(
+    cfg: RunConfig,
+    trainer: dict[str, float],
+    forward: float,
+    lm_head: float,
+    static: float,
+    awake: dict[str, float],
+    trainer_fixes: list[str],
+    rollout_fixes: list[str],
+) -> list[PhaseMemory]:
+    """``placement.engine_ranks``: the engines on GPUs of their own. A training rank's GPU holds the trainer alone (rank
+    0 also the bucket it broadcasts); an engine rank's holds its engine awake, its own process (CUDA, the broadcast's
+    communicator) and the bucket it receives with each tensor's aligned copy handed to the worker (two buckets)."""
+    bucket = cfg.engine.bucket_bytes / GIB
+    trainer_fixes = [f for f in trainer_fixes if not f.startswith("set offload.rollout")]  # offload is refused here
+    engine_rank = {**awake, "rank process (CUDA, NCCL)": TRAINER_CONTEXT_GIB, "sync buckets received": 2 * bucket}
+    return [
+        PhaseMemory("rollout (engine rank)", engine_rank, rollout_fixes + ["lower engine.bucket_bytes"]),
+        PhaseMemory(
+            "logprobs",
+            {
+                "trainer context": TRAINER_CONTEXT_GIB,
+                "trainer static": static,
+                "trainer forward": forward,
+                "trainer LM head": lm_head,
+            },
+            trainer_fixes,
+        ),
+        PhaseMemory("train", dict(trainer), trainer_fixes),
+        PhaseMemory("sync", {**trainer, "sync bucket": bucket}, ["lower engine.bucket_bytes"] + trainer_fixes),
     ]

@@ -213,3 +213,29 @@ def test_doctor_fails_a_phase_over_the_device_and_names_the_fields(tiny_model_di
     assert all(roomy[f"memory: {p}"].status == "ok" for p in ("rollout", "logprobs", "train", "sync"))
     on_cpu = {c.name: c for c in config_checks(cfg, num_gpus=0)}
     assert on_cpu["memory: train"].status == "info"
+
+
+def test_phase_memory_with_engine_ranks_puts_trainer_and_engine_on_their_own_gpus():
+    """``placement.engine_ranks``: a training rank's rows hold no engine part, the engine rank's row holds the engine
+    the colocated rollout row holds plus its own process and two received buckets; no fix suggests ``offload.train`` or
+    ``offload.rollout`` (refused with engine ranks)."""
+    from rlrun.tools.phase_memory import TRAINER_CONTEXT_GIB, engine_awake, phase_memory
+
+    settings = {"model": {"dtype": "bfloat16"}, **{k: v for k, v in BENCH_STEP_4B.items() if k != "offload"}}
+    colocated = run_config(settings)
+    split = run_config({**settings, "placement": {"engine_ranks": 1}})
+    arch = arch_of("qwen3-4b")
+    together = {p.phase: p for p in phase_memory(colocated, arch, 1, 1, 139.8, 128)}
+    apart = {p.phase: p for p in phase_memory(split, arch, 1, 1, 139.8, 128)}
+    assert set(apart) == {"rollout (engine rank)", "logprobs", "train", "sync"}
+    for phase in ("logprobs", "train", "sync"):
+        assert not any(name.startswith("engine") for name in apart[phase].parts), apart[phase].parts
+        trainer_only = {k: v for k, v in together[phase].parts.items() if not k.startswith("engine")}
+        assert apart[phase].parts == trainer_only
+    engine_rank = apart["rollout (engine rank)"].parts
+    assert {k: v for k, v in engine_rank.items() if k.startswith("engine ")} == engine_awake(split, arch, 1, 139.8, 128)
+    assert engine_rank["rank process (CUDA, NCCL)"] == TRAINER_CONTEXT_GIB
+    assert engine_rank["sync buckets received"] == pytest.approx(2 * 0.5)
+    assert not any(name.startswith("trainer") for name in engine_rank)
+    assert not any("offload.rollout" in fix or "offload.train" in fix for p in apart.values() for fix in p.fixes)
+    assert any("offload.rollout" in fix for fix in together["train"].fixes)  # the colocated rows do suggest it
