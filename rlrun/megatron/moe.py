@@ -284,9 +284,9 @@ def aux_loss_metrics(moe: MoEArch, num_micro_batches: int) -> dict[str, float]:
     return metrics
 
 
-def reduce_expert_grads_over_expert_dp(gpt, ep: int, etp: int, tp: int) -> int:
+def reduce_expert_grads_over_expert_dp(gpt, ep: int, etp: int, tp: int) -> None:
     """Mark every routed expert's weight for the expert data-parallel gradient reduction where megatron-core
-    0.16.1 does not: at ``ep == 1`` with ``etp != tp``; returns how many it marked.
+    0.16.1 does not: at ``ep == 1`` with ``etp != tp``.
 
     A parameter's ``allreduce`` attribute picks its gradient's DDP buffer, reduction group and optimizer:
     True, the dense ones (the data-parallel group, the model-parallel group's grad norm); False, the expert
@@ -297,13 +297,10 @@ def reduce_expert_grads_over_expert_dp(gpt, ep: int, etp: int, tp: int) -> int:
     Megatron-LM's later rule is ``is_expert and (EP > 1 or ETP != TP)``; this applies it before the
     DDP wrap (tests/integration/test_moe_expert_tp.py)."""
     if ep > 1 or etp == tp:
-        return 0
-    marked = 0
+        return
     for name, param in gpt.named_parameters():
-        if is_expert_param(name) and getattr(param, "allreduce", True):
+        if is_expert_param(name):
             param.allreduce = False
-            marked += 1
-    return marked
 
 
 def is_expert_param(megatron_name: str) -> bool:

@@ -148,20 +148,27 @@ def phase_memory(
     if off.train and cfg.optimizer.cpu_offload:  # foreach Adam on the device part: sqrt of the second moments
         trainer["trainer optimizer-step temporary"] = params * 4 * (1 - offloaded) / shard / GIB
     tokens = train.max_tokens_per_micro_batch / cfg.parallel.cp
-    forward = tokens * layer_elements_per_token(arch, cfg.parallel.tp, "none") * elem / GIB
+    logprobs = {
+        "trainer context": TRAINER_CONTEXT_GIB,
+        "trainer static": static,
+        "trainer forward": tokens * layer_elements_per_token(arch, cfg.parallel.tp, "none") * elem / GIB,
+        "trainer LM head": e.lm_head_gib,
+    }
     awake = engine_awake(cfg, arch, world, device_gib, prompt_tokens)
     released = {"engine context": ENGINE_CONTEXT_GIB} if off.rollout else awake
     sleeping = {"trainer asleep": TRAINER_ASLEEP_GIB[off.teardown_nccl]} if off.train else trainer
     weights_only = {k: awake[k] for k in ("engine weights", "engine context")}
     synced = weights_only if off.rollout else awake
 
+    engine_ranks = cfg.placement.engine_ranks > 0
     trainer_fixes = [
         f
         for f, applied in (
             ("set train.recompute: full", train.recompute == "full"),
             ("set model.lm_head: chunked", cfg.model.lm_head == "chunked"),
             ("set optimizer.use_distributed_optimizer + optimizer.cpu_offload", cfg.optimizer.cpu_offload),
-            ("set offload.rollout: true (the engine releases its memory)", off.rollout),
+            # with engine ranks no engine sits beside the trainer (and offload is refused)
+            ("set offload.rollout: true (the engine releases its memory)", off.rollout or engine_ranks),
         )
         if not applied
     ] + ["lower train.max_tokens_per_micro_batch"]
@@ -173,23 +180,13 @@ def phase_memory(
             "cap engine.server_args.max_running_requests",
             "lower rollout.prompts_per_step x rollout.samples_per_prompt or rollout.max_new_tokens",
         ]
-    if cfg.placement.engine_ranks:
-        return _engine_ranks_phases(cfg, trainer, forward, e.lm_head_gib, static, awake, trainer_fixes, rollout_fixes)
+    if engine_ranks:
+        return _engine_ranks_phases(cfg, trainer, logprobs, awake, trainer_fixes, rollout_fixes)
     if not off.train:
         rollout_fixes.append("set offload.train: true (the trainer sleeps)")
     return [
         PhaseMemory("rollout", {**awake, **sleeping}, rollout_fixes),
-        PhaseMemory(
-            "logprobs",
-            {
-                "trainer context": TRAINER_CONTEXT_GIB,
-                "trainer static": static,
-                "trainer forward": forward,
-                "trainer LM head": e.lm_head_gib,
-                **released,
-            },
-            trainer_fixes,
-        ),
+        PhaseMemory("logprobs", {**logprobs, **released}, trainer_fixes),
         PhaseMemory("train", {**trainer, **released}, trainer_fixes),
         PhaseMemory(
             "sync",
@@ -202,9 +199,7 @@ def phase_memory(
 def _engine_ranks_phases(
     cfg: RunConfig,
     trainer: dict[str, float],
-    forward: float,
-    lm_head: float,
-    static: float,
+    logprobs: dict[str, float],
     awake: dict[str, float],
     trainer_fixes: list[str],
     rollout_fixes: list[str],
@@ -213,20 +208,10 @@ def _engine_ranks_phases(
     0 also the bucket it broadcasts); an engine rank's holds its engine awake, its own process (CUDA, the broadcast's
     communicator) and the bucket it receives with each tensor's aligned copy handed to the worker (two buckets)."""
     bucket = cfg.engine.bucket_bytes / GIB
-    trainer_fixes = [f for f in trainer_fixes if not f.startswith("set offload.rollout")]  # offload is refused here
     engine_rank = {**awake, "rank process (CUDA, NCCL)": TRAINER_CONTEXT_GIB, "sync buckets received": 2 * bucket}
     return [
         PhaseMemory("rollout (engine rank)", engine_rank, rollout_fixes + ["lower engine.bucket_bytes"]),
-        PhaseMemory(
-            "logprobs",
-            {
-                "trainer context": TRAINER_CONTEXT_GIB,
-                "trainer static": static,
-                "trainer forward": forward,
-                "trainer LM head": lm_head,
-            },
-            trainer_fixes,
-        ),
-        PhaseMemory("train", dict(trainer), trainer_fixes),
+        PhaseMemory("logprobs", logprobs, trainer_fixes),
+        PhaseMemory("train", trainer, trainer_fixes),
         PhaseMemory("sync", {**trainer, "sync bucket": bucket}, ["lower engine.bucket_bytes"] + trainer_fixes),
     ]
