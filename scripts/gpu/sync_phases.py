@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -41,53 +40,39 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None)
     args = parser.parse_args()
 
-    from rlrun.engine.client import EngineClient
-    from rlrun.megatron import build_model, export_hf_weights
     from rlrun.runtime.dist import destroy_distributed, init_distributed
-    from rlrun.tools.bench.engines import bench_spec
-    from rlrun.tools.bench.shapes import get_shape, write_random_model
-    from rlrun.tools.bench.timing import hardware, timer
+    from rlrun.tools.bench.sync import sync_once, trainer_and_engine
+    from rlrun.tools.bench.timing import hardware
 
     args.run_dir.mkdir(parents=True, exist_ok=True)
     parallel = init_distributed(tp=1, pp=1, seed=0)
     device = parallel.device
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     rows = []
-    with tempfile.TemporaryDirectory(dir=args.run_dir) as tmp:
-        hf_dir = write_random_model(get_shape(args.shape), Path(tmp), getattr(torch, dtype), str(device))
-        model = build_model(str(hf_dir), parallel, dtype=dtype)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        spec = bench_spec("embedded", hf_dir, dtype, device.index or 0)
-        with EngineClient.spawn(spec, run_dir=args.run_dir, rank=0, startup_timeout_s=600) as engine:
-            for mib in (int(m) for m in args.bucket_mib.split(",")):
-                bucket_bytes = mib * 2**20
-                syncs, packs = [], []
-                for i in range(args.repeats + 1):  # the first of each is a warm-up
-                    with timer(device) as seconds:
-                        stats = engine.update_weights(
-                            export_hf_weights(model, fresh=False),
-                            weight_version=f"{mib}-{i}",
-                            bucket_bytes=bucket_bytes,
-                        )
-                    syncs.append(seconds[0])
-                    packs.append(_pack_only(model, bucket_bytes, device))
-                row = {
-                    "bucket_mib": mib,
-                    "num_buckets": stats["num_buckets"],
-                    "weight_bytes": stats["num_bytes"],
-                    "sync_s": syncs[1:],
-                    "trainer_side_s": packs[1:],
-                    "sync_median_s": statistics.median(syncs[1:]),
-                    "trainer_side_median_s": statistics.median(packs[1:]),
-                }
-                row["transport_and_load_s"] = row["sync_median_s"] - row["trainer_side_median_s"]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.profile is not None and len(rows) == 1:
-                    from rlrun.tools.bench.kernel_table import profiled, write_kernel_table
+    with trainer_and_engine(args.shape, parallel, args.run_dir, dtype) as (model, engine):
+        for mib in (int(m) for m in args.bucket_mib.split(",")):
+            bucket_bytes = mib * 2**20
+            syncs, packs = [], []
+            for i in range(args.repeats + 1):  # the first of each is a warm-up
+                stats, sync_s, _ = sync_once(engine, model, f"{mib}-{i}", bucket_bytes, device)
+                syncs.append(sync_s)
+                packs.append(_pack_only(model, bucket_bytes, device))
+            row = {
+                "bucket_mib": mib,
+                "num_buckets": stats["num_buckets"],
+                "weight_bytes": stats["num_bytes"],
+                "sync_s": syncs[1:],
+                "trainer_side_s": packs[1:],
+                "sync_median_s": statistics.median(syncs[1:]),
+                "trainer_side_median_s": statistics.median(packs[1:]),
+            }
+            row["transport_and_load_s"] = row["sync_median_s"] - row["trainer_side_median_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.profile is not None and len(rows) == 1:
+                from rlrun.tools.bench.kernel_table import profiled, write_kernel_table
 
-                    write_kernel_table(profiled(lambda: _pack_only(model, bucket_bytes, device)), args.profile)
+                write_kernel_table(profiled(lambda: _pack_only(model, bucket_bytes, device)), args.profile)
     destroy_distributed()
     record = {
         "benchmark": "sync_phases",

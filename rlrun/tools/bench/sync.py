@@ -11,6 +11,7 @@ that the engine serves with them. GB/s = bf16 weight bytes / median seconds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import statistics
@@ -49,7 +50,7 @@ class SyncResult:
     """The engine worker's backend (``--backends``); sglang ends a sync when its scheduler has loaded."""
 
 
-def _sync_once(engine, model, version: str, bucket_bytes: int, device: torch.device) -> tuple[dict, float, float]:
+def sync_once(engine, model, version: str, bucket_bytes: int, device: torch.device) -> tuple[dict, float, float]:
     """One timed sync then one timed probe; returns (update stats, sync seconds, probe seconds)."""
     from rlrun.megatron import export_hf_weights
 
@@ -62,16 +63,10 @@ def _sync_once(engine, model, version: str, bucket_bytes: int, device: torch.dev
     return stats, sync_s[0], probe_s[0]
 
 
-def bench_sync_shape(
-    shape: str,
-    parallel,
-    run_dir: Path,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    repeats: int = 3,
-    dtype: str = "bfloat16",
-    backend: str = "embedded",
-) -> SyncResult:
-    """Warm up once, then time ``repeats`` syncs of one shape; frees the model and worker before returning."""
+@contextlib.contextmanager
+def trainer_and_engine(shape: str, parallel, run_dir: Path, dtype: str, backend: str = "embedded") -> Iterator:
+    """``(model, engine)``: a TP=1 Megatron model of a random HF model of ``shape`` and an engine worker of the same
+    weights on the same device, the engine shut down on leaving."""
     from rlrun.engine.client import EngineClient
     from rlrun.megatron import build_model
     from rlrun.tools.bench.engines import bench_spec
@@ -83,8 +78,22 @@ def bench_sync_shape(
             torch.cuda.empty_cache()
         spec = bench_spec(backend, hf_dir, dtype, parallel.device.index or 0)
         with EngineClient.spawn(spec, run_dir=run_dir, rank=0, startup_timeout_s=600) as engine:
-            _sync_once(engine, model, "warmup", bucket_bytes, parallel.device)
-            runs = [_sync_once(engine, model, str(i), bucket_bytes, parallel.device) for i in range(repeats)]
+            yield model, engine
+
+
+def bench_sync_shape(
+    shape: str,
+    parallel,
+    run_dir: Path,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    repeats: int = 3,
+    dtype: str = "bfloat16",
+    backend: str = "embedded",
+) -> SyncResult:
+    """Warm up once, then time ``repeats`` syncs of one shape; frees the model and worker before returning."""
+    with trainer_and_engine(shape, parallel, run_dir, dtype, backend) as (model, engine):
+        sync_once(engine, model, "warmup", bucket_bytes, parallel.device)
+        runs = [sync_once(engine, model, str(i), bucket_bytes, parallel.device) for i in range(repeats)]
     del model
     gc.collect()
     if parallel.device.type == "cuda":
