@@ -11,7 +11,7 @@ from rlrun.data.sample import Prompt
 from rlrun.rollout.multiturn import Trajectory
 
 
-@pytest.fixture(params=["tiny-chatml", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny-chatml", "smollm2"])
 def tokenizer(request):
     """SmolLM2's comes through conftest's ``smollm2`` fixture, which prepares it on a fresh clone."""
     from transformers import AutoTokenizer
