@@ -110,7 +110,7 @@ def value_problem(key: str, field: FieldInfo, text: str) -> str | None:
     if PLACEHOLDER.search(text) or _annotation_is_mapping(field):
         return None
     raw = yaml.safe_load(text)
-    if key in ENTRY_NAMES:
+    if key in ENTRY_NAMES and raw is not None:  # policy_loss: null is the estimator's loss
         name, settings = (raw.get("name"), raw) if isinstance(raw, dict) else (raw, {})
         if name not in ENTRY_NAMES[key]:
             return f"{key}: {name!r} is not one of {sorted(ENTRY_NAMES[key])}"
@@ -211,6 +211,7 @@ def test_foreign_keys_are_named_and_are_not_ours():
         ("algorithm.policy_loss.eps_clipp", None, "is not a config key"),
         ("model.dtype", "float16", "is invalid"),
         ("rollout.max_staleness", "-1", "is invalid"),
+        ("algorithm.policy_loss", "null", None),
         ("algorithm.policy_loss", "gspoo", "is not one of"),
         ("algorithm.policy_loss", "{name: opsm, delta: 1.0e-4, eps_clipp: 0.2}", "settings"),
     ],
