@@ -46,14 +46,32 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def rank_of(pid: int) -> int:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1])
+def rank_of(pid: int) -> int | None:
+    """The ``RANK`` of process ``pid``; None for a child torchrun has forked but not yet started as a rank (its
+    environment is still torchrun's) or one that is gone."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    rank = next((v for v in environ if v.startswith(b"RANK=")), None)
+    return None if rank is None else int(rank.split(b"=", 1)[1])
 
 
 def engine_pids(torchrun_pid: int) -> dict[int, int]:
     """{rank: pid of its engine worker} of the job under ``torchrun_pid`` (ranks with one)."""
     return {rank: kids[0] for rank, pid in rank_pids(torchrun_pid).items() if (kids := children(pid))}
+
+
+def wait_for_engine(torchrun_pid: int, rank: int, proc: subprocess.Popen, killed: tuple[int, ...] = ()) -> int:
+    """Until ``rank``'s engine worker is spawned (one whose pid is not in ``killed``: a restarted worker); its pid.
+    Found ahead of the moment a fault is armed: a /proc scan takes a loaded machine long enough for a tiny
+    model's job to run past that moment. Raises if the job ends first."""
+    deadline = time.monotonic() + 300
+    while (worker := engine_pids(torchrun_pid).get(rank)) is None or worker in killed:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the job ended or stalled before rank {rank}'s engine started (exit {proc.poll()})")
+        time.sleep(0.05)
+    return worker
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -71,8 +89,8 @@ def wait_for_steps(run_dir: Path, num_steps: int, proc: subprocess.Popen, timeou
 
 
 def rank_pids(torchrun_pid: int) -> dict[int, int]:
-    """{rank: pid} of the job under ``torchrun_pid``."""
-    return {rank_of(pid): pid for pid in children(torchrun_pid)}
+    """{rank: pid} of the job under ``torchrun_pid`` (its ranks started so far)."""
+    return {rank: pid for pid in children(torchrun_pid) if (rank := rank_of(pid)) is not None}
 
 
 def cpu_seconds(pid: int) -> float:

@@ -9,7 +9,6 @@ import json
 import math
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +20,7 @@ from rlrun.runtime.fault_points import DIR_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-from faults import Job, arm, engine_pids, wait_fired, wait_for_steps  # noqa: E402
+from faults import Job, arm, wait_fired, wait_for_engine, wait_for_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -109,18 +108,18 @@ RESTART_LINE = re.compile(r"\[rlrun\] rank 0: restarting the engine of rank\(s\)
 def kill_engine(model: Path, run_dir: Path, point: str, settings: list[str], times: int = 1) -> tuple[int, str]:
     """Run with ``settings``; once step 1 is logged, SIGKILL rank 1's engine worker at its next ``point`` (a fault
     point: it lands in that request, on the rollout thread), ``times`` times (each restarted worker at its next
-    ``rpc.generate``); the job's exit code and output."""
+    ``rpc.generate``); the job's exit code and output. A push is armed as soon as the worker exists: it carries
+    trained weights, so none comes before step 0 has trained, and one that follows step 0 by milliseconds is
+    not missed by a test process that polls late."""
     fault_dir = run_dir.with_name(run_dir.name + "-faults")
     fault_dir.mkdir()
     job = Job(train_command(model, run_dir, *settings), {**train_env(), DIR_ENV: str(fault_dir)})
     try:
-        wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
         killed: list[int] = []
         for n in range(times):
-            worker = engine_pids(job.proc.pid).get(1)
-            while worker is None or worker in killed:  # the restarted worker, once it is spawned
-                time.sleep(0.05)
-                worker = engine_pids(job.proc.pid).get(1)
+            worker = wait_for_engine(job.proc.pid, 1, job.proc, tuple(killed))
+            if n == 0 and point != "rpc.update_weights_from_tensor":
+                wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
             arm(fault_dir, worker, point if n == 0 else "rpc.generate", "SIGKILL")
             wait_fired(fault_dir, worker, point if n == 0 else "rpc.generate", job.proc)
             killed.append(worker)

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-from faults import Job, arm, engine_pids, wait_fired, wait_for_steps  # noqa: E402
+from faults import Job, arm, engine_pids, wait_fired, wait_for_engine, wait_for_steps  # noqa: E402
 
 ENGINE_RANK = ("placement.engine_ranks=1",)
 ASYNC = ("rollout.max_staleness=1", "algorithm.max_logprob_gap=null")
@@ -209,15 +209,18 @@ def run_with_worker_killed(
     model: Path, run_dir: Path, fault_dir: Path, num_ranks: int, settings: list[str], point: str
 ) -> tuple[int, str]:
     """Run the job and SIGKILL rank 1's engine worker (the first engine rank's, its group's leader) when it next
-    reaches fault point ``point`` after step 0; the job's exit code and output."""
+    reaches fault point ``point`` after step 0; the job's exit code and output. A push is armed as soon as the
+    worker exists: it carries trained weights, so none comes before step 0 has trained, and one that follows
+    step 0 by milliseconds is not missed by a test process that polls late."""
     fault_dir.mkdir()
     job = Job(command(model, run_dir, num_ranks, *settings), {**train_env(), DIR_ENV: str(fault_dir)})
     try:
-        wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
-        worker = engine_pids(job.proc.pid)
-        assert list(worker) == [1], worker  # the engine (group leader) rank's worker; the others have none
-        arm(fault_dir, worker[1], point, "SIGKILL")
-        wait_fired(fault_dir, worker[1], point, job.proc)
+        worker = wait_for_engine(job.proc.pid, 1, job.proc)
+        assert list(engine_pids(job.proc.pid)) == [1]  # the engine (group leader) rank's worker; the others have none
+        if point != "rpc.update_weights_from_tensor":
+            wait_for_steps(run_dir, 1, job.proc, timeout_s=300)
+        arm(fault_dir, worker, point, "SIGKILL")
+        wait_fired(fault_dir, worker, point, job.proc)
         code = job.wait(timeout_s=300)
     finally:
         job.kill()
