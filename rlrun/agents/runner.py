@@ -29,7 +29,7 @@ from rlrun.agents.template import ChatTemplate
 from rlrun.agents.tool_parsers import TOOL_PARSERS
 from rlrun.config.schema import RolloutConfig
 from rlrun.data.sample import Prompt, Sample
-from rlrun.runtime.hooks import HookSpecError, resolve_hook
+from rlrun.runtime.hooks import HookSpecError, raised, resolve_hook
 
 logger = logging.getLogger(__name__)
 SIGNATURE = "async fn(client: openai.AsyncOpenAI, row: dict) -> float | dict | None"
@@ -106,7 +106,7 @@ async def _run(fn, engine, prompts, cfg, sampling, seed, tokenizer, max_context_
             except asyncio.TimeoutError:
                 error = f"agent timed out after rollout.agent_timeout_s ({cfg.agent_timeout_s} s)"
             except Exception as err:  # noqa: BLE001 - a user's agent may raise anything: it scores 0 and is counted
-                error = f"agent raised {type(err).__name__}: {err}"
+                error = f"agent raised {raised(err)}"
             finally:
                 session.closed = True
                 await client.close()

@@ -81,6 +81,8 @@ def read_config(
     ``logging.run_dir`` left unset is ``runs/<path's stem>``.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a config file; pass the path of a YAML run config in it")
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found (cwd {Path.cwd()}); pass the path of a YAML run config")
     data, sources = _read_with_bases(path, ())
@@ -108,7 +110,7 @@ def read_config_dict(
 
 def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[str, str]]:
     """The data of ``path`` merged over its ``base:`` files (in order), and each key's ``file:line``."""
-    text = path.read_text()
+    text = _read_text(path)
     lines = _key_lines(text, path)
     data = yaml.safe_load(text)
     if data is None:
@@ -186,15 +188,24 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
 
 
+def _read_text(path: Path) -> str:
+    """The file's text; a binary file (a checkpoint, a parquet file passed by mistake) is a ``ConfigError``."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x}); pass a YAML run config, saved as UTF-8"
+        ) from None
+
+
 def _key_lines(text: str, path: Path) -> dict[str, int]:
     """Map every dotted key of the YAML document to its 1-based line; reject duplicate keys."""
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        reason = " ".join(str(getattr(err, "problem", None) or err).split())
-        raise ConfigError(f"{where}: invalid YAML: {reason}") from None
+        raise _yaml_error(err, path) from None
     lines: dict[str, int] = {}
 
     def walk(node: yaml.Node, prefix: str) -> None:
@@ -213,6 +224,30 @@ def _key_lines(text: str, path: Path) -> dict[str, int]:
     if root is not None:
         walk(root, "")
     return lines
+
+
+def read_yaml(path: Path) -> Any:
+    """The data of a YAML file other than a run config (``critic.config``'s), with a run config's errors."""
+    try:
+        return yaml.safe_load(_read_text(path))
+    except yaml.YAMLError as err:
+        raise _yaml_error(err, path) from None
+
+
+def _yaml_error(err: yaml.YAMLError, path: Path) -> ConfigError:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f"{path}:{mark.line + 1}" if mark else str(path)
+    reason = " ".join(str(getattr(err, "problem", None) or err).split())
+    return ConfigError(f"{where}: invalid YAML: {reason}{_yaml_context(err)}")
+
+
+def _yaml_context(err: yaml.YAMLError) -> str:
+    """Where the construct the parser was inside began, when that is another line than the problem's: an
+    unclosed quote or bracket is reported where the file ends or the next key starts, not where it opened."""
+    context, start, mark = (getattr(err, name, None) for name in ("context", "context_mark", "problem_mark"))
+    if not context or start is None or mark is None or start.line == mark.line:
+        return ""
+    return f" ({context} that starts on line {start.line + 1})"
 
 
 def _parse_override(override: str) -> tuple[str, Any]:

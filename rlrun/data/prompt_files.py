@@ -110,17 +110,32 @@ def read_rows(
 
 
 def _jsonl_rows(source: DataSource) -> list[tuple[str, Any]]:
-    with source.path.open(encoding="utf-8") as lines:
-        numbered = [(line_no, text) for line_no, text in enumerate(lines, start=1) if text.strip()]
+    with source.path.open("rb") as lines:
+        numbered = [(line_no, raw) for line_no, raw in enumerate(lines, start=1) if raw.strip()]
     rows = []
     for row_no in source.select(len(numbered)):
-        line_no, text = numbered[row_no]
+        line_no, raw = numbered[row_no]
         where = f"{source.path}:{line_no}"
         try:
-            rows.append((where, json.loads(text.rstrip())))
+            text = raw.decode("utf-8-sig").rstrip()  # -sig: a leading byte-order mark (Windows editors) is no error
+        except UnicodeDecodeError as err:
+            raise PromptDataError(
+                f"{where}: not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1}); save the file as UTF-8"
+            ) from None
+        try:
+            rows.append((where, json.loads(text)))
         except json.JSONDecodeError as err:
-            raise PromptDataError(f"{where}: invalid JSON ({err.msg} at column {err.pos + 1})") from None
+            hint = _cut_hint(text, err)
+            raise PromptDataError(f"{where}: invalid JSON ({err.msg} at column {err.pos + 1}){hint}") from None
     return rows
+
+
+def _cut_hint(text: str, err: json.JSONDecodeError) -> str:
+    """A hint when the line ends inside its JSON value: a pretty-printed or one-array ``.json`` file, or a row
+    cut short, rather than a typo within the line."""
+    if err.pos < len(text.rstrip()):
+        return ""
+    return "; the line ends inside its JSON value: each row must be one complete JSON object on one line (JSON Lines)"
 
 
 def _parquet_rows(source: DataSource) -> list[tuple[str, Any]]:

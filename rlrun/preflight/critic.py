@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
+from rlrun.config.load import read_yaml
 from rlrun.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _critic_overrides(path: Path) -> dict[str, Any]:
             f"critic.config ('{path}') must be an existing YAML file because it lists the models "
             f"of the PPO run (cwd {Path.cwd()}); set critic.config: configs/critic/smollm2.yaml"
         )
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_yaml(path) or {}  # a syntax error is a ConfigError naming the file's line
     models = data.get("models") if isinstance(data, dict) else None
     if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
         raise ValueError(

@@ -18,6 +18,8 @@ from rlrun.rollout.rewards.labels import check_text_labels
 
 SMOLLM2_HINT = "run `rlrun prepare smollm2 --out {path}`"
 ADDITION_HINT = "run `python configs/data/make_addition.py` in the repository"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any one of them is a tokenizer ``AutoTokenizer.from_pretrained`` can load."""
 
 
 def input_problems(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -54,13 +56,31 @@ def _model_dir(key: str, value: str | None, checkpoints_ok: bool = False) -> str
     if value is None:
         return None
     path = Path(value)
-    if (path / "config.json").is_file() or (checkpoints_ok and path.is_dir()):
+    if not (path / "config.json").is_file() and checkpoints_ok and path.is_dir():
         return None
     what = "a Hugging Face model directory (config.json, weights, tokenizer)"
     fix = SMOLLM2_HINT.format(path=value) if "smollm2" in path.name.lower() else "download or convert the model"
-    if path.is_dir():
-        return f"{key} ({value}) must be {what} because the run loads it, but it has no config.json{_where(value)}"
-    return _missing(key, value, what, fix)
+    if not path.is_dir():
+        return _missing(key, value, what, fix)
+    lacking = _lacking_model_files(path)
+    if not lacking:
+        return None
+    refill = f"remove it and {fix}" if "smollm2" in path.name.lower() else "save the model there with save_pretrained"
+    return (
+        f"{key} ({value}) must be {what} because the run loads it, but it has no {', no '.join(lacking)}"
+        f"{_where(value)}; {refill}, or set {key} to a complete one"
+    )
+
+
+def _lacking_model_files(path: Path) -> list[str]:
+    """What of config.json, the weights the trainer reads and a tokenizer ``path`` lacks: without them a run
+    fails only after its engine workers have started, in a transformers traceback."""
+    parts = (
+        ("config.json", ("config.json",)),
+        ("*.safetensors weights", ("*.safetensors",)),
+        ("tokenizer files (tokenizer.json, tokenizer_config.json)", TOKENIZER_FILES),
+    )
+    return [name for name, patterns in parts if not any(any(path.glob(p)) for p in patterns)]
 
 
 def _file(key: str, value: str | None, fix: str) -> str | None:

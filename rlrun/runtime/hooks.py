@@ -14,8 +14,16 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
 from pathlib import Path
+
+_NOT_USER_CODE = tuple(
+    str(Path(root).resolve())
+    for root in (Path(__file__).parents[1], *(sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")))
+)
+"""rlrun itself, the standard library and installed packages: a frame in none of them is the user's hook."""
 
 
 class HookSpecError(ValueError):
@@ -56,15 +64,31 @@ def hook_error(key: str, spec: str, signature: str, reason: str) -> HookSpecErro
     )
 
 
+def raised(err: BaseException) -> str:
+    """``"Type: message"`` of an exception a user hook raised, with the innermost line of the user's own code
+    it passed through (``(at path/to/file.py:12 in fn)``): a reward or agent that fails on one sample is
+    logged once per step, and the message alone (``KeyError: 'answer'``) does not say which line to fix."""
+    text = f"{type(err).__name__}: {err}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_user_file(f.filename)]
+    return f"{text} (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else text
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+        return False
+    resolved = str(Path(filename).resolve())
+    return not any(resolved == root or resolved.startswith(root + "/") for root in _NOT_USER_CODE)
+
+
 def _import_module(module_name: str):
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
             raise HookSpecError(f"module '{module_name}' not found on sys.path") from None
-        raise HookSpecError(f"importing '{module_name}' raised {type(err).__name__}: {err}") from None
+        raise HookSpecError(f"importing '{module_name}' raised {raised(err)}") from None
     except Exception as err:  # noqa: BLE001 - re-raised with the spec named
-        raise HookSpecError(f"importing '{module_name}' raised {type(err).__name__}: {err}") from None
+        raise HookSpecError(f"importing '{module_name}' raised {raised(err)}") from None
 
 
 def _import_file(path: Path):
@@ -81,7 +105,7 @@ def _import_file(path: Path):
         file_spec.loader.exec_module(module)
     except Exception as err:  # noqa: BLE001 - re-raised with the spec named
         del sys.modules[module_name]
-        raise HookSpecError(f"importing '{path}' raised {type(err).__name__}: {err}") from None
+        raise HookSpecError(f"importing '{path}' raised {raised(err)}") from None
     return module
 
 

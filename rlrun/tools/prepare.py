@@ -58,8 +58,14 @@ def prepare_smollm2(out: str | Path = ".cache/models/SmolLM2-135M-Instruct") -> 
     if is_prepared(out):
         _say(f"{out} is already prepared")
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{out.name}.lock", "w")  # noqa: SIM115 - closed by the with below
+    except OSError as err:
+        raise PrepareError(
+            f"--out {out}: cannot write in {out.parent} ({err.strerror}: {err.filename}); choose a writable directory"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
         if is_prepared(out):
             _say(f"{out} was prepared by another process")

@@ -203,7 +203,8 @@ def test_agents_that_raise_or_time_out_score_zero_and_are_counted():
     assert [s.group_index for s in samples] == [0, 0, 0, 1, 1, 1]
     assert [s.reward for s in samples] == [1.0, 0.0, 0.0] * 2
     assert [s.reward_error is None for s in samples] == [True, False, False] * 2
-    assert samples[1].reward_error == "agent raised RuntimeError: harness crashed"
+    where = f"(at {__file__}:{_agent.__code__.co_firstlineno + 2} in _agent)"  # the agent's line that raised
+    assert samples[1].reward_error == f"agent raised RuntimeError: harness crashed {where}"
     assert samples[2].reward_error.startswith("agent timed out after rollout.agent_timeout_s (8.0 s)")
     assert all(len(s.rollout_logprobs) == len(s.response_ids) == len(s.loss_mask) for s in samples)
     assert samples[1].loss_mask == [0]  # no model turn: one masked token keeps the group whole

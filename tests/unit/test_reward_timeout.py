@@ -87,4 +87,4 @@ def test_reward_errors_in_a_process_keep_their_message(tmp_path):
         env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "ValueError: no answer line"
+    assert done.stdout.strip() == f"ValueError: no answer line (at {reward}:2 in verifier)"  # as in the rank

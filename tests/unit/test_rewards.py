@@ -74,7 +74,8 @@ def test_score_samples_counts_and_records_failures(tmp_path):
     samples[1].reward = 5.0  # a stale value must not survive a failure
     assert score_samples(samples, fn) == 2
     assert [s.reward for s in samples] == [2.0, 0.0, 0.0, 4.0]
-    assert samples[1].reward_error == "KeyError: 'no answer for boom!'"
+    # the user's line that raised: the message alone does not say which line to fix
+    assert samples[1].reward_error == f"KeyError: 'no answer for boom!' (at {hook}:4 in score)"
     assert samples[2].reward_error.startswith("TypeError: reward function returned '1.0'")
     assert samples[0].reward_error is None and samples[3].reward_error is None
 

@@ -21,6 +21,7 @@ from rlrun.rollout.rewards.load import RewardFn
 from rlrun.rollout.rewards.processes import RewardRaised, RewardTimeoutError, reward_processes
 from rlrun.rollout.rewards.remote import RemoteReward
 from rlrun.rollout.rewards.select import RewardByType
+from rlrun.runtime.hooks import raised
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ async def _score_units(
             values = _check_group(result, len(unit)) if per_group else [result]
             rewards = [_reward_value(value, reward_key) for value in values]
         except Exception as err:  # noqa: BLE001 - a user hook may raise anything; it is recorded, not hidden
-            message = str(err) if isinstance(err, RewardRaised) else f"{type(err).__name__}: {err}"
+            message = str(err) if isinstance(err, RewardRaised) else raised(err)
             for sample in unit:
                 sample.reward_error = message
             return

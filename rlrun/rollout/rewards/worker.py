@@ -14,6 +14,7 @@ import threading
 import time
 
 from rlrun.rollout.rewards.processes import READY, read_message, write_message
+from rlrun.runtime.hooks import raised
 
 
 def _die_with(parent_pid: int) -> None:
@@ -45,7 +46,7 @@ def main() -> None:
             fn, argument = pickle.loads(request)
             reply = (True, _call(fn, argument))
         except Exception as err:  # noqa: BLE001 - a user reward may raise anything; the parent records it
-            reply = (False, f"{type(err).__name__}: {err}")
+            reply = (False, raised(err))
         try:
             payload = pickle.dumps(reply)
         except Exception as err:  # noqa: BLE001 - an unpicklable result is the reward's error
