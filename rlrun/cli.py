@@ -10,11 +10,13 @@
 
 Only ``train``, ``prepare`` and ``doctor`` import torch, and only after the config has parsed, so
 ``--help`` and ``config validate`` are instant (``plot`` needs matplotlib, not torch). Config mistakes
-print one line per problem and exit 1; errors at run time propagate with their traceback.
+print one line per problem (under torchrun from each node's first rank only) and exit 1; errors at run time
+propagate with their traceback.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -70,7 +72,8 @@ def _load(config: Path, overrides: list[str], preflight: bool = False) -> RunCon
 
         return check(loaded)
     except ConfigError as err:
-        typer.echo(str(err), err=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # torchrun's ranks all find it: one copy per node, not N
+            typer.echo(str(err), err=True)
         raise typer.Exit(1) from None
 
 

@@ -4,6 +4,7 @@ the file and the line, never a bare traceback; a hook that raises is reported wi
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -181,3 +182,19 @@ def test_the_cli_prints_the_line_without_a_traceback(tmp_path):
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("configs/data/addition_verl.parquet:1: not UTF-8 text (byte ")
+
+
+@pytest.mark.parametrize("local_rank, printed", [("0", True), ("1", False)])
+def test_under_torchrun_a_config_mistake_is_printed_once_per_node(tmp_path, local_rank, printed):
+    """Every rank finds the same mistake; N interleaved copies above torchrun's own report hid it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rlrun", "train", "configs/quickstart.yaml", "--set", "train.num_stpes=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LOCAL_RANK": local_rank},
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    message = "--set train.num_stpes=1: unknown key 'train.num_stpes' (did you mean 'num_steps'?)\n"
+    assert done.stderr == (message if printed else "")
