@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_failure import alive, children, rank_of
+from test_failure import alive
 from test_resume import comparable, read_metrics, run_to_end, run_until_sigterm, train_command, train_env
 
 from rlrun.runtime.fault_points import DIR_ENV
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-from faults import Job, arm, engine_pids, wait_fired, wait_for_engine, wait_for_steps  # noqa: E402
+from faults import Job, arm, children, engine_pids, rank_pids, wait_fired, wait_for_engine, wait_for_steps  # noqa: E402
 
 ENGINE_RANK = ("placement.engine_ranks=1",)
 ASYNC = ("rollout.max_staleness=1", "algorithm.max_logprob_gap=null")
@@ -151,7 +151,7 @@ def test_killed_engine_rank_ends_the_job_naming_it(tiny_model_dirs, tmp_path):
         while not read_metrics(run_dir) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert proc.poll() is None and read_metrics(run_dir), f"run did not start:\n{proc.stdout.read()[-5000:]}"
-        ranks = {rank_of(pid): pid for pid in children(proc.pid)}
+        ranks = rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
         assert children(ranks[0]) == [] and len(children(ranks[1])) == 1  # the engine worker is rank 1's
         job = [proc.pid, *ranks.values(), *children(ranks[1])]

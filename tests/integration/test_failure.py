@@ -24,24 +24,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 30.0
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def rank_of(pid: int) -> int:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1])
+sys.path.insert(0, str(REPO / "scripts"))
+from faults import children, rank_pids  # noqa: E402
 
 
 def alive(pid: int) -> bool:
@@ -72,7 +56,7 @@ def test_killed_process_ends_every_process_within_30s(tiny_model_dirs, tmp_path,
         assert proc.poll() is None and read_metrics(run_dir), (
             f"run did not start training:\n{proc.stdout.read()[-5000:]}"
         )
-        ranks = {rank_of(pid): pid for pid in children(proc.pid)}
+        ranks = rank_pids(proc.pid)
         engines = {rank: children(pid) for rank, pid in ranks.items()}
         assert sorted(ranks) == [0, 1] and all(len(e) == 1 for e in engines.values()), (ranks, engines)
         job = [proc.pid, *ranks.values(), *(e[0] for e in engines.values())]
