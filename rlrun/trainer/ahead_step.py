@@ -94,15 +94,16 @@ class AheadLoop:
         the engine limit applies), then launch the lost rollout and the later ones again. The re-sync is the
         rollout thread's: before each rollout it loads the weights the schedule gave it."""
         self.ahead.wait_idle()  # the rollouts queued behind the lost one stop at once
-        parts, restarted = self.parts, [False]
+        parts, restarted = self.parts, False
 
         def resync(here: bool) -> None:
-            restarted[0] = here
+            nonlocal restarted
+            restarted = here
 
         recovered = parts.recovery.recover(lost.step, "rollout ahead", resync)
         assert recovered, f"{lost} but no rank reports a lost engine"
         parts.rollout.engine = self.runtime.engine = parts.engine.client  # the new worker's client
-        self.ahead.redo(lost.step, engine_restarted=restarted[0])
+        self.ahead.redo(lost.step, engine_restarted=restarted)
 
     def _settled(self) -> dict[int, RolloutBatch | None]:
         """Collective: wait until no rollout runs, restarting lost engines and redoing their rollouts; the
