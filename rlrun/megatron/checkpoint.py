@@ -148,12 +148,15 @@ def load(
 ) -> None:
     """Collective: fill the model (and the optimizer, scheduler and RNGs when given) from ``directory``."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     state = training_state(model, optimizer, None, with_rng=with_rng, for_loading=True)
     check_shapes(state["model"], directory)
+    if optimizer is not None:
+        check_optimizer_keys(state["optimizer"], directory)
     try:
         loaded = dist_checkpointing.load(state, str(directory))
-    except Exception as exc:  # noqa: BLE001 - re-raised with the path and what to do
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the path and what to do
         raise RuntimeError(
             f"checkpoint {directory} must be readable because the run starts from it, but Megatron's "
             f"reader failed ({type(exc).__name__}: {exc}); the files are damaged or incomplete: pick "
@@ -202,6 +205,30 @@ def check_shapes(model_state: dict[str, Any], directory: Path) -> None:
                 f"but this model's is {tuple(tensor.global_shape)}; the vocabulary padding depends on parallel.tp, so "
                 f"load with the tp (and pp) the checkpoint was written with, and the same model.path"
             )
+
+
+def check_optimizer_keys(optimizer_state: dict[str, Any], directory: Path) -> None:
+    """Raise, naming a missing key, unless ``directory`` holds every optimizer tensor this run's optimizer reads.
+    The optimizer's keys follow its layout (one optimizer, or a dense and an expert one chained), so a
+    checkpoint saved with another layout fails here, not deep inside the distributed reader."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    missing = sorted({v.key for v in nested_values(optimizer_state) if isinstance(v, ShardedTensor)} - set(saved))
+    if missing:
+        held = sorted(key for key in saved if key.startswith(("optimizer.", "chained_")))
+        raise ValueError(
+            f"checkpoint {directory} must hold the optimizer state this run's optimizer reads because a resume "
+            f"continues it, but {missing[0]} is not there ({len(missing)} keys missing; it holds "
+            f"{held[0] if held else 'no optimizer state'}, ...): the checkpoint was saved with another optimizer "
+            f"layout (a MoE model keeps its experts' optimizer apart where parallel.ep > 1 or parallel.etp differs "
+            f"from parallel.tp, so changing those changes it; rlrun before 0.2.0 kept the experts in the dense "
+            f"optimizer at parallel.ep 1). To go on from its weights with a fresh optimizer: "
+            f"`rlrun convert mcore-to-hf --ckpt {directory.parent} --out DIR`, then model.path=DIR and "
+            f"checkpoint.resume=none"
+        )
 
 
 def load_model_shard(model: MegatronModel, model_state: dict[str, Any] | Path) -> None:

@@ -70,3 +70,51 @@ def test_expert_tp2_gradients_equal_one_rank(tiny_moe_dir):
         for name, want in one["grads"].items():
             got = result["grads"][name]
             torch.testing.assert_close(got, want, rtol=0, atol=GRAD_ATOL * float(want.abs().max()), msg=name)
+
+
+def _save_worker(hf_dir: str, run_dir: str, batch) -> None:
+    """Train one step at expert-TP 1 and checkpoint it."""
+    from rlrun.config.schema import CheckpointConfig
+    from rlrun.megatron import build_model, make_optimizer, train_step
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.checkpoint import Checkpointer, RunState
+
+    parallel = init_distributed(tp=1, pp=1, seed=0, etp=1)
+    model = build_model(hf_dir, parallel)
+    optimizer = make_optimizer(model, **OPTIM)
+    local = batch.rows(parallel.dp_rank * 2, parallel.dp_rank * 2 + 2, parallel.device)
+    train_step(model, optimizer, [local], pg_loss, int(batch.loss_mask.sum()), TEMPERATURE)
+    Checkpointer(CheckpointConfig(), run_dir, parallel).save(RunState(step=1), model, optimizer, None, blocking=True)
+    destroy_distributed()
+
+
+def _restore_worker(hf_dir: str, run_dir: str, etp: int) -> str | None:
+    """Restore the checkpoint into a model and optimizer built at expert-TP ``etp``; the restore's error, or None."""
+    from rlrun.config.schema import CheckpointConfig
+    from rlrun.megatron import build_model, make_optimizer
+    from rlrun.runtime.dist import destroy_distributed, init_distributed
+    from rlrun.trainer.checkpoint import Checkpointer
+
+    parallel = init_distributed(tp=1, pp=1, seed=0, etp=etp)
+    model = build_model(hf_dir, parallel)
+    optimizer = make_optimizer(model, **OPTIM)
+    try:
+        Checkpointer(CheckpointConfig(), run_dir, parallel).restore(model, optimizer, None)
+    except ValueError as err:
+        return str(err)
+    finally:
+        destroy_distributed()
+    return None
+
+
+def test_a_checkpoint_of_another_expert_layout_is_refused_before_the_reader_runs(tiny_moe_dir, tmp_path):
+    """Expert-TP 2 at EP 1 keeps the experts' optimizer apart (chained to the dense one), so a checkpoint saved
+    at expert-TP 1 lacks the keys it reads: the restore names a missing key and how to keep the weights,
+    instead of failing inside torch's distributed reader (whose exception is a BaseException). At expert-TP 1
+    the same checkpoint restores."""
+    batch = make_batch(vocab_size=264, rows=4, seq=12)
+    run_distributed(_save_worker, 2, str(tiny_moe_dir), str(tmp_path), batch)
+    assert run_distributed(_restore_worker, 2, str(tiny_moe_dir), str(tmp_path), 1, all_ranks=True) == [None, None]
+    for error in run_distributed(_restore_worker, 2, str(tiny_moe_dir), str(tmp_path), 2, all_ranks=True):
+        assert "must hold the optimizer state this run's optimizer reads" in error, error
+        assert "chained_0.optimizer.state." in error and "rlrun convert mcore-to-hf --ckpt" in error, error
