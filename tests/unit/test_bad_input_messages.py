@@ -11,28 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_rewards import sample
 
 from minimal_config import write_config
 from rlrun.config import ConfigError, read_config
 from rlrun.data.prompt_files import PromptDataError, read_rows
-from rlrun.data.sample import Prompt, Sample
 from rlrun.preflight import preflight
 from rlrun.rollout.rewards import RewardSpecError, load_reward_fn, score_samples
 from rlrun.tools.prepare import PrepareError, prepare_smollm2
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def sample(reply: str) -> Sample:
-    prompt = Prompt(index=0, prompt_ids=[1], prompt_text="q", label=0)
-    return Sample(
-        group_index=0,
-        prompt=prompt,
-        response_ids=[2],
-        response_text=reply,
-        rollout_logprobs=[0.0],
-        finish_reason="stop",
-    )
 
 
 def problems(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
@@ -154,12 +142,12 @@ def test_a_reward_that_raises_names_the_users_innermost_line(tmp_path):
         "import json\n\ndef parse(text):\n    return json.loads(text)\n\n"
         "def score(s):\n    return parse(s.response_text)\n"
     )
-    [failed] = samples = [sample("not json")]
+    [failed] = samples = [sample("not json", 0)]
     assert score_samples(samples, load_reward_fn(f"{hook}:score")) == 1
     assert failed.reward_error == f"JSONDecodeError: Expecting value: line 1 column 1 (char 0) (at {hook}:4 in parse)"
     text = tmp_path / "text_reward.py"
     text.write_text("def score(s):\n    return 'yes'\n")
-    [returned_text] = samples = [sample("x")]  # rlrun's own check of the value: no user line to name
+    [returned_text] = samples = [sample("x", 0)]  # rlrun's own check of the value: no user line to name
     assert score_samples(samples, load_reward_fn(f"{text}:score")) == 1
     assert returned_text.reward_error == "TypeError: reward function returned 'yes'; expected a finite float"
 
