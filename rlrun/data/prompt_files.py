@@ -205,7 +205,7 @@ def _keys_seen(row: dict, key: str) -> str:
             break
         value, walked = value[part], [*walked, part]
     if not isinstance(value, dict):
-        return f"'{'.'.join(walked)}' is a {type(value).__name__}, not an object"
+        return f"'{'.'.join(walked)}' is of type {type(value).__name__}, not an object"
     return f"the {'.'.join(walked) or 'row'} has keys {sorted(value)}"
 
 

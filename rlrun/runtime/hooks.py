@@ -111,7 +111,7 @@ def _import_file(path: Path):
 
 def _check_signature(spec: str, fn: object, num_args: int | None, allow_async: bool) -> None:
     if not callable(fn):
-        raise HookSpecError(f"'{spec}' is a {type(fn).__name__}, not a function")
+        raise HookSpecError(f"'{spec}' is of type {type(fn).__name__}, not a function")
     if inspect.iscoroutinefunction(fn) and not allow_async:
         raise HookSpecError("it is async; hooks are called synchronously")
     if num_args is None:

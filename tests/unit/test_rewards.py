@@ -105,7 +105,7 @@ def test_builtins_and_module_specs(tmp_path, monkeypatch):
         ),
         ("no_such_module_xyz:f", "module 'no_such_module_xyz' not found on sys.path"),
         ("json:nope", "'json' has no attribute 'nope'"),
-        ("json:decoder", "'json:decoder' is a module, not a function"),
+        ("json:decoder", "'json:decoder' is of type module, not a function"),
         ("{tmp}/missing.py:f", "file '{tmp}/missing.py' not found"),
         ("{tmp}/two_args.py:score", "it takes (response, label)"),
         ("{tmp}/broken.py:score", "importing '{tmp}/broken.py' raised ZeroDivisionError: division by zero"),
