@@ -185,8 +185,9 @@ def test_payloads_are_judged_by_the_installed_versions_unpickler(monkeypatch):
         check_payload(helper.getvalue(), exact)
 
 
+@pytest.mark.e2e  # the embedded backend's bench is in the main suite: tests/unit/test_bench.py
 def test_bench_rollout_and_sync_run_both_backends_side_by_side(tmp_path):
-    """``rlrun bench rollout|sync --backends embedded,sglang`` (issue 12, must-show 2) on CPU, the sglang
+    """``rlrun bench rollout|sync --backends embedded,sglang`` on CPU, the sglang
     worker over the 0.5.17 fake: one result per backend, full-length outputs, the bound's formula, the
     sync's bytes equal to the tiny model's parameter bytes (a parameter-count formula, float32), and its
     median and GB/s the formulas of its own timings."""

@@ -59,6 +59,7 @@ SMALL = (
 )
 
 
+@pytest.mark.e2e  # the calculator's multi-turn loop is in the main suite: test_rollout_multiturn
 def test_calculator_example_with_eval_and_debug_data(tiny_model_dirs, tmp_path):
     model = tiny_model_dirs["qwen2"]
     run_a = tmp_path / "a"
