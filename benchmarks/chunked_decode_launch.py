@@ -1,7 +1,7 @@
 """The chunked decode's launch settings (warps, pipeline stages): its time, and whether its rows stay bitwise the
 trainer's forward under each.
 
-Why (issue 29): with one tile height on both sides (``chunked_attention.BLOCK_M = 64``, so that decode and forward
+Why: with one tile height on both sides (``chunked_attention.BLOCK_M = 64``, so that decode and forward
 use the same tensor-core instruction) the engine's greedy decode runs 95-97% of SGLang's tokens/s (BENCHMARKS.md
 "The exact default beside SGLang"). Warps and stages only schedule the same multiplies and loads, so they may speed the
 decode without moving it off the forward's rounding; this measures both claims instead of assuming them. The

@@ -1,6 +1,6 @@
 """Decode attention on one GPU: which kernel could the embedded engine decode with, exact with the trainer and fast.
 
-Why (issue 29): at Qwen3-0.6B, batch 64, the engine's decode attention (the memory-efficient kernel under an additive
+Why: at Qwen3-0.6B, batch 64, the engine's decode attention (the memory-efficient kernel under an additive
 mask bias, the kernel the trainer runs so that log-probs agree bitwise) is ~1.5 ms of a ~3.8 ms step
 (BENCHMARKS.md). A faster decode kernel only helps if the trainer can run the same kernel and every query row's
 result stays independent of how many queries share the call. This measures, for one decode step's attention of one

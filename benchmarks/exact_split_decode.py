@@ -1,6 +1,6 @@
 """Exact split-KV decode: a trainer forward and a decode kernel that sum each query row's keys in the same chunks.
 
-Why (issue 29; docs/engine.md, "Where SGLang's remaining lead is"): the embedded engine's decode attention is the
+Why (docs/engine.md, "Where SGLang's remaining lead is"): the embedded engine's decode attention is the
 trainer's memory-efficient kernel, one thread block per (row, cached head) walking the row's keys in order, at
 1.6-2.6 TB/s on the H200 (benchmarks/decode_attention.py). A split-KV decode (a row's keys over several blocks, the
 parts merged) keeps the GPU busier, but its sums round differently from a trainer that walks the keys in one pass.

@@ -1,6 +1,6 @@
 """Whether a decode step's projections round each output as the trainer's do at a model shape's widths.
 
-Why (issue 29, docs/on_policy.md): the embedded engine's log-probs are the trainer's only if every op gives a token's
+Why (docs/on_policy.md): the embedded engine's log-probs are the trainer's only if every op gives a token's
 row the same bits in both. A projection is ``x @ W.T`` at M = the decode batch in the engine and M = a micro-batch's
 tokens in the trainer; cuBLAS picks its kernel by shape, and a split-K kernel (the Qwen3-1.7B decode profile shows one
 a layer at M = 64, benchmarks/results/decode_profile_qwen3-1.7b_b64_75a0e49_h200.txt) sums each output's K in another
@@ -9,8 +9,9 @@ projection of a shape (the fused q/k/v and gate/up both sides run, the output an
 elements of ``X[:M] @ W.T`` that differ from the same rows of ``X @ W.T`` at the trainer's M, with cuBLAS's reduced-
 precision split-K reductions allowed (torch's default) and not, and each decode GEMM's time.
 
-Session 23 found the down projection (and 4B's output projection) rounding apart at decode M. A zero cuBLAS workspace
-(``CUBLAS_WORKSPACE_CONFIG=:0:0``, read when the process first uses cuBLAS) leaves cuBLAS no split-K kernel; whether it
+On the H200 (2026-12-04, benchmarks/results/gemm_row_exactness_h200.json) the down projection (and 4B's output
+projection) rounded apart at decode M. A zero cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG=:0:0``, read when the
+process first uses cuBLAS) leaves cuBLAS no split-K kernel; whether it
 makes the rows bitwise, and what it costs, takes two runs: the first saves the trainer's rows under the default
 workspace (``--save-rows``), the second, with the variable set, compares its decode rows with them
 (``--against-rows``: the engine alone without a workspace) as well as with its own trainer GEMM (both sides without):

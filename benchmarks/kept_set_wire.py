@@ -1,6 +1,6 @@
 """What a generate call's kept sets (top-p mask replay) cost on their way from the engine worker to the trainer rank.
 
-Why (issue 29): in ``rlrun bench rollout`` the embedded engine's sampled call (top-p 0.95) ran 92-98% of SGLang's
+Why: in ``rlrun bench rollout`` the embedded engine's sampled call (top-p 0.95) ran 92-98% of SGLang's
 tokens/s at batch 64 through its worker, while the same engine in process ran 19,092 tok/s against the worker's 15,630
 (Qwen3-0.6B shape, H200, 2026-12-03): the random model keeps 512 tokens a draw, so 64 responses of 256 tokens carry
 33.5 MB of kept ids that SGLang, which returns none, does not move. This times that payload alone through rlrun's RPC

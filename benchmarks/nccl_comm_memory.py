@@ -1,6 +1,6 @@
 """Device memory one NCCL communicator holds, and whether destroying its group gives it back.
 
-Why: after training, a sleeping trainer still holds ~1.8 GB outside torch's pools (issue 8); Megatron
+Why: after training, a sleeping trainer still holds ~1.8 GB outside torch's pools; Megatron
 creates one NCCL communicator per process group it uses (TP, DP, model-parallel, embedding, ...).
 
     python benchmarks/nccl_comm_memory.py --groups 4 --out FILE

@@ -93,7 +93,7 @@ def _col(rows: list[dict], key: str) -> list[float]:
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Goals of issue 8: trainer resident in rollout <= 5% of its peak, engine ~0 during training, peak at
+    """The offload goals: trainer resident in rollout <= 5% of its peak, engine ~0 during training, peak at
     step 5 within 1% of step 2; sleep/wake seconds and GB/s."""
     if len(rows) < 5:
         return {"error": f"only {len(rows)} steps logged"}

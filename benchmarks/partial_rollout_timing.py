@@ -1,4 +1,4 @@
-"""Rollout-phase seconds with partial rollout on vs off, where the slowest group is 4x longer (issue 26).
+"""Rollout-phase seconds with partial rollout on vs off, where the slowest group is 4x longer.
 
 Two real ranks (gloo) run ``RolloutRuntime.collect`` for ``--steps`` steps against a simulated engine whose
 cost is real time: each call writes one token per ``--token-s`` seconds to all its rows at once (a batching

@@ -48,9 +48,9 @@ from rlrun.tools.bench.step import ATTENTION_SUFFIX, HEAD_SUFFIX, WARMUP_STEPS, 
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {"sglang": 4.0, "embedded": 2.5}
-"""Issue 10: rlrun at least this many times faster than TRL per step."""
+"""The goal against TRL: rlrun at least this many times faster than TRL per step."""
 GOALS_VS_VERL = {"sglang": 1.5}
-"""Issue 28: rlrun with SGLang at least this many times faster than verl per step."""
+"""The goal against verl: rlrun with SGLang at least this many times faster than verl per step."""
 VERL_VARIANTS = {"verl": "on", "verl_resident": "off"}
 """``--verl`` names and the ``--offload`` each runs benchmarks/verl_grpo.py with."""
 TRL_VLLM_VARIANTS = {"trl_vllm": "on", "trl_vllm_resident": "off"}
@@ -142,8 +142,8 @@ def median_step_s(result: dict) -> float | None:
 
 
 def compare(results: dict[str, dict]) -> dict[str, dict]:
-    """Per rlrun run: TRL s/step over rlrun s/step and whether it meets issue 10's goal, and the same against
-    the verl run with the same offload (``verl_resident`` for a ``_resident`` run) for issue 28's, and
+    """Per rlrun run: TRL s/step over rlrun s/step and whether it meets ``GOALS``, and the same against
+    the verl run with the same offload (``verl_resident`` for a ``_resident`` run) for ``GOALS_VS_VERL``, and
     against the TRL-with-vLLM run with the same offload (no goal); a run gets the entries of the peers
     that ran."""
     trl = median_step_s(results["trl"]) if "trl" in results else None
@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument(
         "--no-trl",
         action="store_true",
-        help="Run no TRL (issue 28 compares rlrun with verl): the record has no TRL ratios.",
+        help="Run no TRL (to compare rlrun with verl or TRL+vLLM only): the record has no TRL ratios.",
     )
     parser.add_argument(
         "--reuse-verl",

@@ -1,7 +1,7 @@
 """Whether a decode tile may put the keys, not the query heads, in the tensor-core multiply's M dimension and still
 round like the trainer's forward tile.
 
-Why (issue 29): the exact decode uses the forward's 64-row tile (``chunked_attention.BLOCK_M``) because the tile height
+Why: the exact decode uses the forward's 64-row tile (``chunked_attention.BLOCK_M``) because the tile height
 picks the tensor-core instruction and a 16-row one rounds differently. But a Qwen3 decode tile holds G = 2 query heads:
 62 of its 64 rows are padding, so each 64-key step multiplies, exponentiates and rescales 32 times the work it keeps
 (1.7B profile: attention 0.92 of 3.59 ms a step; BENCHMARKS.md "Where a 1.7B decode step goes"). Transposed, a tile
@@ -14,8 +14,8 @@ hardware, measured here on random bf16 tiles (``elements_differing`` of each pro
 * ``row_sum_dot``: a row's sum of its P as a multiply by ones in both orientations (the forward sums with ``tl.sum``
   today, whose order follows the layout, so a transposed decode needs both sides to sum by a multiply);
 * ``row_sum_reduce``: ``tl.sum`` in both orientations (expected to differ: why the sum must change);
-* ``control_16_rows``: the forward orientation at a 16-row tile against 64, which rounded apart in session 18: a
-  probe that finds no difference here could not find one anywhere.
+* ``control_16_rows``: the forward orientation at a 16-row tile against 64, which rounded apart on the H200 on
+  2026-12-03 (f955018): a probe that finds no difference here could not find one anywhere.
 
     PYTHONPATH=$PWD python3 benchmarks/transposed_decode_probe.py \
         --out benchmarks/results/transposed_decode_probe_h200.json
