@@ -109,8 +109,8 @@ def test_embedded_engine_release_returns_weights_and_cache(tmp_path):
     engine.offload_weights()
     engine.free_cache()
     # Nothing of the engine's stays in torch's allocator: a KV cache kept alive past the release (a reference
-    # cycle, issue 23) would hold its segment here, and the driver-level check below could not see it, because
-    # it would be in the baseline too.
+    # cycle through the warm batch, as there once was) would hold its segment here, and the driver-level check
+    # below could not see it, because it would be in the baseline too.
     kept = torch.cuda.memory_reserved() - baseline
     assert kept < 8 * 2**20, f"{kept} bytes still reserved"
     # The first cycle loads kernels and library handles the process keeps (157 MB on the H200 with

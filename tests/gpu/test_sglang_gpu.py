@@ -38,7 +38,7 @@ if not ON_FAKE and not (torch.cuda.is_available() and importlib.util.find_spec("
 SHAPE = "tiny" if ON_FAKE else "qwen3-0.6b"
 DTYPE = "float32" if ON_FAKE else "bfloat16"
 GAP_GOAL = 0.01
-"""Mean |trainer - engine| log-prob of the sampled tokens (issue 12, bf16)."""
+"""Mean |trainer - engine| log-prob of the sampled tokens (bf16)."""
 SERVER_ARGS = {**SGLANG_SERVER_ARGS, **json.loads(os.environ.get("RLRUN_SGLANG_EXTRA_SERVER_ARGS", "{}"))}
 """The benchmarks' server args (KV budget from 30% of the device, which the trainer shares; no FlashInfer
 JIT; token ids only). ``RLRUN_SGLANG_EXTRA_SERVER_ARGS`` (JSON) adds to them, e.g.

@@ -1,4 +1,4 @@
-"""Issue 13 on CPU: scripts/gpu/multi_gpu.sh (the device script) in its gloo mode with the tiny shape.
+"""Multi-GPU layouts on CPU: scripts/gpu/multi_gpu.sh (the device script) in its gloo mode with the tiny shape.
 
 `rlrun train` under torchrun, 3 colocated GRPO steps with offload on: a TP=1 DP=1 baseline on one rank
 saves its samples; TP=2, DP=2 and PP=2 on two ranks train on them (same data, same seed), so their

@@ -130,7 +130,8 @@ def test_a_capture_warm_up_mid_call_leaves_no_trace(tiny_model_dirs, monkeypatch
 def test_dropping_a_warm_batch_frees_its_kv_cache_at_once(tiny_model_dirs):
     """A release (``free_cache`` / ``offload_weights``) and an eviction drop the warm batch, then return the memory
     with ``empty_cache``: the KV cache must be garbage by then, not kept by a reference cycle until a later
-    collection (issue 23: a 4B rollout's 78 GB KV cache stayed on the device while the trainer trained)."""
+    collection (such a cycle through the warm batch once kept a 4B rollout's 78 GB KV cache on the device while
+    the trainer trained)."""
     import gc
     import weakref
 

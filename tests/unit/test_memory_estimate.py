@@ -12,7 +12,7 @@ from rlrun.tools.doctor import config_checks
 from rlrun.tools.memory_estimate import estimate, rank_params
 
 MEASURED_H200 = [("qwen3-0.6b", 32768, 84.3), ("qwen3-1.7b", 16384, 83.7), ("qwen3-4b", 8192, 117.7)]
-"""Issue 23's table: ``rlrun bench train --layout packed --samples-per-micro-batch 1``, bf16, Megatron's output
+"""H200 peaks of ``rlrun bench train --layout packed --samples-per-micro-batch 1``, bf16, Megatron's output
 layer, no recompute (2026-12-01): torch.cuda.max_memory_allocated in GiB."""
 
 
@@ -122,7 +122,7 @@ prompts, embedded engine, offload on, one rank."""
 def test_phase_memory_of_the_4b_64x8k_bench_step_by_hand():
     """Each part against its formula written out with Qwen3-4B's numbers (36 layers, hidden 2560, 32 q / 8 kv heads
     of 128, MLP 9728, tied vocabulary 151936): the rollout holds the engine's 73 GiB KV cache; the train phase
-    fits only because the engine has released it (what the reference cycle of issue 23 prevented)."""
+    fits only because the engine has released it (what the warm batch's reference cycle once prevented)."""
     from rlrun.tools.phase_memory import phase_memory
 
     cfg = run_config({"model": {"dtype": "bfloat16"}, **BENCH_STEP_4B})
