@@ -1,6 +1,6 @@
 """Inject faults into a running ``torchrun ... rlrun train`` job from outside, as the OS or a user would.
 
-    python scripts/faults.py quickstart      # issue 27's demonstration, ~5-10 min on 2 CPU cores
+    python scripts/faults.py quickstart      # the fault demonstration, ~5-10 min on 2 CPU cores
     python scripts/faults.py check benchmarks/results/fault_quickstart_cpu_metrics.jsonl   # its checks again
 
 ``quickstart`` runs the CPU quickstart with ``engine.max_restarts=2``, SIGKILLs rank 1's engine worker as
@@ -198,7 +198,7 @@ class Job:
 
 
 def summarize(metrics: list[dict]) -> dict:
-    """Must show 1's figures and checks from the run's metrics. A step whose groups all tied trains nothing
+    """The quickstart fault run's figures and checks from its metrics. A step whose groups all tied trains nothing
     (``algorithm.skip_tied_groups``), so it compares no log-probs and logs no gap."""
     trained = [m for m in metrics if "train/logprob_gap" in m]
     rewards = [m["rollout/raw_reward_mean"] for m in metrics]
@@ -226,7 +226,8 @@ def summarize(metrics: list[dict]) -> dict:
 
 
 def quickstart(out_dir: Path, run_dir: Path) -> dict:
-    """Issue 27's Must show 1; returns the summary (also written to ``out_dir``)."""
+    """The fault demonstration: the CPU quickstart with rank 1's engine worker killed twice; returns the summary
+    (also written to ``out_dir``)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     command += ["-m", "rlrun", "train", "configs/quickstart.yaml", "--set", "engine.max_restarts=2"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side of issue 29 (the embedded engine at SGLang's speed), from the repo root inside a device `run`
+# Device side of the embedded engine's speed against SGLang's, from the repo root inside a device `run`
 # call (one H200), PYTHONPATH at the repo and the wheels installed. Each step logs to $OUT/<step>.log, writes
 # its exit code to $OUT/steps.txt, and a failed step does not stop the next.
 #

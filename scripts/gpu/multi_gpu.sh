@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side of issue 13 (multi-GPU on one host), run from the repo root inside a device `run` call on
+# Device side of multi-GPU training on one host, run from the repo root inside a device `run` call on
 # nvidia-h200-x2 (or x4/x8). Steps run in the order given; each has its own timeout, its log in
 # $OUT/<step>.log and its exit code in $OUT/steps.txt; a failed step does not stop the next.
 # Calls, carry lists and what changes for x4/x8: scripts/gpu/multi_gpu_session.md.

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device side of issue 12 (SGLang for real), run from the repo root inside a device `run` call.
+# Device side of the SGLang backend on a GPU (install, tests, train, bench), run from the repo root inside a
+# device `run` call.
 # Steps run in the order given; each has its own timeout, its log in $OUT/<step>.log, and its exit code
 # in $OUT/steps.txt; a failed step does not stop the next. Order and carry lists: scripts/gpu/sglang_session.md.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24: the trainer-vs-SGLang log-prob gap on the real SmolLM2 in bf16, per SGLang attention backend and
+# The trainer-vs-SGLang log-prob gap on the real SmolLM2 in bf16, per SGLang attention backend and
 # trainer attention kernel, and with SGLang's rl_on_policy_target (3 steps each, so step 0 and two more). Also the embedded engine against the
 # trainer's cudnn_per_sample kernel (not exact by construction: how far off). rl_on_policy_target with torch_native
 # attention is left out: SGLang 0.5.17 refuses it at start (deterministic inference takes fa3, fa4, flashinfer, triton).

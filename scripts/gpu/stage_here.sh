@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, on this CPU machine (PyPI reachable), every ignored staging folder the device sessions carry, from nothing:
-# a new checkout has none of them, and building them by hand cost session 23 its first minutes.
+# a new checkout has none of them, and building them by hand cost the 2026-12-04 device run its first minutes.
 #
 #   bash scripts/gpu/stage_here.sh                  # all: sglang whl pt smol verl vllm
 #   bash scripts/gpu/stage_here.sh sglang whl smol  # only these

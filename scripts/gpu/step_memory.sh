@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side of the 4B 64 x 8K bench step's out-of-memory (issue 23, "Must show" 2): from the repo root inside
+# Device side of the 4B 64 x 8K bench step's out-of-memory: from the repo root inside
 # a device `run` call (one H200), PYTHONPATH at the repo. Each step logs to $OUT/<step>.log, writes its exit code
 # to $OUT/steps.txt, and a failed step does not stop the next.
 #

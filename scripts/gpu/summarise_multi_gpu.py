@@ -1,4 +1,4 @@
-"""Issue 13's figures from the runs of scripts/gpu/multi_gpu.sh, as JSON beside the rows they come from.
+"""The multi-GPU figures from the runs of scripts/gpu/multi_gpu.sh, as JSON beside the rows they come from.
 
 ``layouts RUNS OUT_JSON``: each layout's (TP=2, DP=2, PP=2, ...) first-step loss, entropy and gradient norm
 against the TP=1 DP=1 baseline trained on the same saved samples, within the tolerance of the runs'

@@ -1,4 +1,4 @@
-"""Issue 12 must-show 1 from a run's metrics.jsonl: the trainer-vs-engine log-prob gap at step 0, memory
+"""A GPU training run's figures from its metrics.jsonl: the trainer-vs-engine log-prob gap at step 0, memory
 at each phase boundary and seconds per phase, every step; written as JSON beside the full rows.
 
     python scripts/gpu/summarise_train.py RUN_DIR OUT_JSON

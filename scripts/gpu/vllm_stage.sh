@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # vLLM 0.26.0 and TRL 1.16.0 for the GPU machine (no network there), for TRL's GRPOTrainer in vLLM colocate
-# mode (issue 28), as wheels in pieces under the 64 MiB one device call carries. Order of the calls:
+# mode (a peer benchmarks/peer_step.py compares rlrun with), as wheels in pieces under the 64 MiB one device
+# call carries. Order of the calls:
 # scripts/gpu/vllm_session.md. Downloading, splitting, staging and joining are verl_stage.sh's, on this list
 # and folder (STAGE_LIST, STAGE_PIECES); install and smoke are this environment's own.
 #
