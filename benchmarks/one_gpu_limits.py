@@ -38,7 +38,7 @@ GOALS = {
     "wake_s_0p6b": ("<=", 0.25),
     "exact_step_overhead": ("<=", 0.10),
 }
-"""The issue's bound for each row (on one H200)."""
+"""The bound each row is held to (on one H200)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """rlrun (each engine backend) vs TRL's GRPOTrainer and verl, seconds per GRPO step, in one invocation
-(issues 10 and 28).
+(the goals: ``GOALS``, ``GOALS_VS_VERL``).
 
 Runs, one after another on the same device and the same inputs (one model directory and prompt file in
 ``--work/inputs``, written by the first run): benchmarks/trl_grpo.py, then benchmarks/verl_grpo.py for every

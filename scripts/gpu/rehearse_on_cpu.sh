@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rehearse the issue-12 device steps here, on CPU, before spending device time: the GPU suite and the
+# Rehearse the SGLang device steps here, on CPU, before spending device time: the GPU suite and the
 # train step of scripts/gpu/sglang_device.sh run against the fake sglang (tests/fakes, 0.5.17 mode)
 # with a tiny model. Optional first argument: a folder with sglang 0.5.17's transformers/tokenizers set
 # (transformers 5.12.1, tokenizers 0.22.2, huggingface_hub 1.x, httpx) installed with pip --target, put

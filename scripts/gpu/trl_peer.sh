@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side of issues 10 and 28: rlrun (embedded and sglang engines) vs TRL GRPOTrainer and verl, one shape
+# Device side of the step against peers: rlrun (embedded and sglang engines) vs TRL GRPOTrainer and verl, one shape
 # per call, all runs in one invocation of benchmarks/peer_step.py. Needs a warm machine where
 # scripts/gpu/sglang_device.sh install and scripts/gpu/trl_stage.sh install have run (trl_session.md), and
 # for verl scripts/gpu/verl_stage.sh install (verl_session.md).

@@ -144,7 +144,7 @@ def _gae_over_actions(rewards: list[float], values: list[float], gamma: float, l
 
 @pytest.mark.parametrize("gamma, lambd", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0)])
 def test_gae_skips_tool_spans_inside_a_response(gamma, lambd):
-    """The issue's multi-turn example: 4 action tokens, 64 tool tokens, 4 action tokens, reward 1 at the end,
+    """A multi-turn response: 4 action tokens, 64 tool tokens, 4 action tokens, reward 1 at the end,
     V = 0.5. GAE over the action tokens only; before the fix the tool-calling token got delta = r - V
     (-0.466 at gamma 1, lambda 0.95) because every masked position still applied gamma * lambda."""
     mask = torch.tensor([[1.0] * 4 + [0.0] * 64 + [1.0] * 4 + [0.0] * 3])  # 3 pad positions after the end

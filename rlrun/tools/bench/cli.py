@@ -393,7 +393,7 @@ def _choice(flag: str, value: str, field: str) -> Any:
 
 
 def _on_off(flag: str, value: str) -> bool:
-    """``on``/``off`` as a bool: the flags read as the issue's variants do (offload on/off), not as typer's
+    """``on``/``off`` as a bool: the flags read as the benchmark's variants do (offload on/off), not as typer's
     ``--x/--no-x`` pairs, so peer_step.py passes one value per flag."""
     if value not in ("on", "off"):
         raise typer.BadParameter(f"{flag} ({value}) must be on or off because it switches one mechanism; set {flag} on")
