@@ -30,10 +30,6 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
-    # launch/test.sh hands files to its workers in this order (--no-loadscope-reorder): mypy's cold run (one core,
-    # a minute or more) first, then the multi-process integration files, then the many short unit files that
-    # fill the end; xdist's own order (most tests first) left single-test files of a minute or more to the end.
-    items.sort(key=lambda item: item.path.name != "test_types.py")
 
 
 @pytest.fixture(scope="session")
