@@ -49,25 +49,25 @@ def test_a_step_that_published_nothing_keeps_the_older_weights():
 
 
 def test_rollouts_overlap_training():
-    """With K = 1 the rollout of step n + 1 runs while step n trains: 4 steps of 0.1 s rollout and 0.1 s
-    training take about 0.5 s, not 0.8 s."""
-    running = threading.Event()
+    """With K = 1 the rollout of step n + 1 starts while step n trains: each step's training waits, before it
+    publishes, for the next rollout to have begun (without the overlap it begins only after the publish, and
+    the wait runs out). Events, not timings: the machine's load cannot decide it."""
+    started = {step: threading.Event() for step in range(4)}
 
     def collect(step):
-        running.set()
-        time.sleep(0.1)
+        started[step].set()
         return step
 
     ahead = RolloutAhead(collect, lambda p: None, 1, 0, end_step=4)
-    start = time.perf_counter()
+    overlapped = []
     for step in range(4):
         ahead.launch_until(step)
         assert ahead.take(step) == step
-        time.sleep(0.1)
+        if step + 1 < 4:  # training step n
+            overlapped.append(started[step + 1].wait(timeout=30))
         ahead.publish(step, Published(step + 1, None))
-    elapsed = time.perf_counter() - start
     ahead.close()
-    assert elapsed < 0.7, elapsed
+    assert overlapped == [True, True, True]
 
 
 def test_versions_behind():
