@@ -151,9 +151,7 @@ def load(
     from torch.distributed.checkpoint.api import CheckpointException
 
     state = training_state(model, optimizer, None, with_rng=with_rng, for_loading=True)
-    check_shapes(state["model"], directory)
-    if optimizer is not None:
-        check_optimizer_keys(state["optimizer"], directory)
+    check_shapes(state["model"], directory, state.get("optimizer"))
     try:
         loaded = dist_checkpointing.load(state, str(directory))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the path and what to do
@@ -178,8 +176,9 @@ def load(
         _set_rng_state(loaded["rng"])
 
 
-def check_shapes(model_state: dict[str, Any], directory: Path) -> None:
-    """Raise, naming the first difference, unless ``directory`` holds every model tensor at its global shape."""
+def check_shapes(model_state: dict[str, Any], directory: Path, optimizer_state: dict[str, Any] | None = None) -> None:
+    """Raise, naming the first difference, unless ``directory`` holds every model tensor at its global shape (and,
+    given ``optimizer_state``, every optimizer tensor it reads: :func:`_check_optimizer_keys`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -205,17 +204,17 @@ def check_shapes(model_state: dict[str, Any], directory: Path) -> None:
                 f"but this model's is {tuple(tensor.global_shape)}; the vocabulary padding depends on parallel.tp, so "
                 f"load with the tp (and pp) the checkpoint was written with, and the same model.path"
             )
+    if optimizer_state is not None:
+        _check_optimizer_keys(optimizer_state, saved, directory)
 
 
-def check_optimizer_keys(optimizer_state: dict[str, Any], directory: Path) -> None:
-    """Raise, naming a missing key, unless ``directory`` holds every optimizer tensor this run's optimizer reads.
-    The optimizer's keys follow its layout (one optimizer, or a dense and an expert one chained), so a
-    checkpoint saved with another layout fails here, not deep inside the distributed reader."""
-    from megatron.core import dist_checkpointing
+def _check_optimizer_keys(optimizer_state: dict[str, Any], saved: dict[str, Any], directory: Path) -> None:
+    """Raise, naming a missing key, unless the checkpoint's tensors ``saved`` hold every optimizer tensor this
+    run's optimizer reads. The optimizer's keys follow its layout (one optimizer, or a dense and an expert one
+    chained), so a checkpoint saved with another layout fails here, not deep inside the distributed reader."""
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    saved = dist_checkpointing.load_tensors_metadata(str(directory))
     missing = sorted({v.key for v in nested_values(optimizer_state) if isinstance(v, ShardedTensor)} - set(saved))
     if missing:
         held = sorted(key for key in saved if key.startswith(("optimizer.", "chained_")))

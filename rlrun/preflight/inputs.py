@@ -59,13 +59,14 @@ def _model_dir(key: str, value: str | None, checkpoints_ok: bool = False) -> str
     if not (path / "config.json").is_file() and checkpoints_ok and path.is_dir():
         return None
     what = "a Hugging Face model directory (config.json, weights, tokenizer)"
-    fix = SMOLLM2_HINT.format(path=value) if "smollm2" in path.name.lower() else "download or convert the model"
+    smollm2 = "smollm2" in path.name.lower()
+    fix = SMOLLM2_HINT.format(path=value) if smollm2 else "download or convert the model"
     if not path.is_dir():
         return _missing(key, value, what, fix)
     lacking = _lacking_model_files(path)
     if not lacking:
         return None
-    refill = f"remove it and {fix}" if "smollm2" in path.name.lower() else "save the model there with save_pretrained"
+    refill = f"remove it and {fix}" if smollm2 else "save the model there with save_pretrained"
     return (
         f"{key} ({value}) must be {what} because the run loads it, but it has no {', no '.join(lacking)}"
         f"{_where(value)}; {refill}, or set {key} to a complete one"
